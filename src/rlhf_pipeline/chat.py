@@ -1,0 +1,146 @@
+"""Prompts, chat templates and tokenization: the one place text becomes token ids for the policy.
+
+A prompt row has a ``prompt`` string or a ``messages`` list of ``{role, content}``; ``prompt`` wins when both are
+present (UltraFeedback-style data keeps the whole conversation, answer included, in ``messages``). The chat
+template is applied exactly once, straight to token ids (``apply_chat_template(..., tokenize=True)`` does not add
+special tokens a second time), so the engine never sees the double BOS that re-encoding a rendered string gives.
+No token id or template slice is hard-coded: stop tokens come from the tokenizer and the generation config.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+from rlhf_pipeline.errors import PipelineError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+PROMPT_COLUMNS = ("prompt", "messages")
+
+
+def prompt_column(ds: Dataset, source: str) -> str:
+    """The column that holds the prompt (``prompt`` first, then ``messages``), or a clear error."""
+    for name in PROMPT_COLUMNS:
+        if name in ds.column_names:
+            return name
+    raise PipelineError(
+        f"{source}: has neither a 'prompt' nor a 'messages' column (columns: {', '.join(ds.column_names)}); "
+        "rename the prompt column to 'prompt' (text) or 'messages' (a list of {role, content})"
+    )
+
+
+def check_prompt(value: Any, column: str, row: int, source: str) -> None:
+    """Raise a PipelineError naming the row if a prompt value is empty or malformed."""
+    where = f"{source}: row {row}"
+    if column == "prompt":
+        if not isinstance(value, str):
+            raise PipelineError(f"{where}: 'prompt' is {type(value).__name__}, not text; make it a string")
+        if not value.strip():
+            raise PipelineError(f"{where}: 'prompt' is empty; remove the row or give it a prompt")
+        return
+    if not isinstance(value, list) or not value:
+        raise PipelineError(f"{where}: 'messages' is empty; give it a list of {{role, content}} turns")
+    for turn in value:
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
+            raise PipelineError(f"{where}: every turn in 'messages' needs a 'role' and a text 'content'")
+    if value[-1]["role"] == "assistant":
+        raise PipelineError(
+            f"{where}: 'messages' ends with an assistant turn; end it with the user turn to answer "
+            "(drop the assistant reply, or use a 'prompt' column)"
+        )
+    if not any(turn["content"].strip() for turn in value):
+        raise PipelineError(f"{where}: every turn in 'messages' is empty; remove the row or fill it")
+
+
+def validate_prompts(ds: Dataset, source: str) -> str:
+    """Check every prompt row; return the prompt column's name."""
+    column = prompt_column(ds, source)
+    for row, value in enumerate(ds[column]):
+        check_prompt(value, column, row, source)
+    return column
+
+
+def as_messages(value: str | list[dict[str, str]]) -> list[dict[str, str]]:
+    """A prompt as a conversation: a ``prompt`` string becomes one user turn."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    return [{"role": t["role"], "content": t["content"]} for t in value]
+
+
+def as_text(value: str | list[dict[str, str]]) -> str:
+    """A prompt as plain text for reward functions: the string itself, or the last user turn."""
+    if isinstance(value, str):
+        return value
+    users = [t["content"] for t in value if t["role"] == "user"]
+    return users[-1] if users else value[-1]["content"]
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str | None = None) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if padding_side is not None:
+        tok.padding_side = padding_side
+    return tok
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: Iterable[str | list[dict[str, str]]], use_chat_template: bool = True
+) -> list[list[int]]:
+    """Token ids of each prompt, ready for generation (generation prompt appended when a template is used)."""
+    prompts = list(prompts)
+    if use_chat_template and tokenizer.chat_template:
+        encoded = tokenizer.apply_chat_template(
+            [as_messages(p) for p in prompts], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return [list(ids) for ids in encoded["input_ids"]]
+    if any(not isinstance(p, str) for p in prompts):
+        raise PipelineError(
+            "the tokenizer has no chat template, so 'messages' prompts cannot be rendered; "
+            "use a chat model's tokenizer or give plain 'prompt' text"
+        )
+    return [list(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+
+
+def encode_conversations(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[dict[str, str]]], responses: list[str]
+) -> list[list[int]]:
+    """Token ids of whole prompt + response conversations, as a reward model reads them."""
+    if tokenizer.chat_template:
+        convs = [as_messages(p) + [{"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
+        encoded = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True)
+        return [list(ids) for ids in encoded["input_ids"]]
+    texts = [as_text(p) + r for p, r in zip(prompts, responses)]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str, trust_remote_code: bool = False) -> list[int]:
+    """Every token that ends a response: the tokenizer's EOS plus the generation config's ``eos_token_id``.
+
+    Chat models often stop on a turn-end token that is not the tokenizer's EOS (Llama-3: ``<|eot_id|>``); the
+    generation config lists those, and both engines are given the same list.
+    """
+    from transformers import GenerationConfig
+
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    local = Path(model_path)
+    gen_eos = None
+    if not local.exists() or (local / "generation_config.json").exists():
+        try:
+            gen_eos = GenerationConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).eos_token_id
+        except OSError:  # a Hub model without generation_config.json
+            log.info("%s has no generation_config.json; stopping on the tokenizer's EOS only", model_path)
+    for i in [gen_eos] if isinstance(gen_eos, int) else (gen_eos or []):
+        if i not in ids:
+            ids.append(i)
+    if not ids:
+        raise PipelineError(f"{model_path}: neither the tokenizer nor the generation config names an EOS token")
+    return ids

@@ -1,0 +1,74 @@
+"""``rlhf <stage> [options]``: one entry point for every stage.
+
+Each stage is also a module of its own (``python -m rlhf_pipeline.stages.generate ...``), so a launcher such as
+``accelerate launch -m rlhf_pipeline.stages.train`` or ``conda run -n rlhf-vllm rlhf generate`` runs it unchanged.
+``rlhf <stage> --help`` documents every option.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from typing import Any, Callable, Sequence, TypeVar
+
+from rlhf_pipeline.config import parse_config
+from rlhf_pipeline.errors import PipelineError
+
+C = TypeVar("C")
+
+# stage name -> (module, one-line description). Modules are imported only when their stage runs.
+STAGES: dict[str, tuple[str, str]] = {
+    "tiny-model": ("rlhf_pipeline.stages.tiny_model", "build a tiny tokenizer + Llama (policy or reward) offline"),
+    "generate": ("rlhf_pipeline.stages.generate", "sample n responses per prompt (vLLM or HF generate)"),
+    "merge": ("rlhf_pipeline.stages.merge", "join the shards of a sharded generate run"),
+    "score": ("rlhf_pipeline.stages.score", "score every response with a reward model or a python function"),
+    "filter": ("rlhf_pipeline.stages.filter", "length filters, best/worst pairs or whole groups, train/test split"),
+}
+
+
+def run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv: Sequence[str] | None = None) -> int:
+    """Parse the stage's config, run it, and turn a PipelineError into a one-line message (exit status 1)."""
+    logging.basicConfig(
+        level=os.environ.get("RLHF_LOG_LEVEL", "WARNING").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = parse_config(config_cls, argv, prog)
+        main_fn(config)
+    except PipelineError as e:
+        if os.environ.get("RLHF_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _usage() -> str:
+    width = max(map(len, STAGES))
+    lines = ["usage: rlhf <stage> [options]   (rlhf <stage> --help for a stage's options)", "", "stages:"]
+    lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in STAGES.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from rlhf_pipeline import __version__
+
+        print(__version__)
+        return 0
+    stage, rest = argv[0], argv[1:]
+    if stage not in STAGES:
+        print(f"error: unknown stage '{stage}'\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(STAGES[stage][0])
+    return module.cli(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Stage configs: one dataclass per stage, parsed from kebab-case flags and an optional ``--config file.yaml``.
+
+Every field carries its help text in ``field(metadata={"help": ...})``; the same field is a command-line flag
+(``max_new_tokens`` -> ``--max-new-tokens``) and a YAML key (``max_new_tokens`` or ``max-new-tokens``). Values on
+the command line win over the YAML file, which wins over the defaults.
+
+Fields shared by several stages live in small dataclasses (``OutputOptions``) that stage configs inherit from, so
+a flag is declared once. ``metadata={"semantic": False}`` marks fields that do not change a stage's output
+(``--overwrite``, ``--num-proc``); they are left out when deciding whether a finished output can be reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence, TypeVar, Union
+
+from rlhf_pipeline.errors import PipelineError
+
+C = TypeVar("C")
+
+
+def option(default: Any = MISSING, help: str = "", semantic: bool = True, **kwargs: Any) -> Any:
+    """A config field with its help text. ``semantic=False`` means the value does not change the output."""
+    return field(default=default, metadata={"help": help, "semantic": semantic}, **kwargs)
+
+
+@dataclass(kw_only=True)
+class OutputOptions:
+    """Where a dataset-producing stage writes, and what it does when the output already exists."""
+
+    output: str = option(
+        help="Output directory (a `datasets.save_to_disk` layout plus manifest.json).", semantic=False
+    )
+    overwrite: bool = option(
+        False,
+        help="Replace an existing output made with a different config or inputs (it is otherwise refused).",
+        semantic=False,
+    )
+    push_to_hub: Optional[str] = option(
+        None,
+        help="Also upload the output to this Hub dataset repo (ORG/NAME). The token comes from HF_TOKEN.",
+        semantic=False,
+    )
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser(cls: type, prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one kebab-case flag per dataclass field; the shared output options come last."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description or (cls.__doc__ or "").strip(), allow_abbrev=False
+    )
+    stage_group = parser.add_argument_group("stage options")
+    output_group = parser.add_argument_group("output options")
+    stage_group.add_argument(
+        "--config", metavar="FILE.yaml", default=None, help="Read options from a YAML file; flags override it."
+    )
+    shared = {f.name for f in dataclasses.fields(OutputOptions)}
+    hints = typing.get_type_hints(cls)
+    fields = sorted(dataclasses.fields(cls), key=lambda f: f.name in shared)  # stable: stage options first
+    for f in fields:
+        tp, _ = _strip_optional(hints[f.name])
+        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "")}
+        required = f.default is MISSING and f.default_factory is MISSING
+        if required:
+            kwargs["default"] = None
+            kwargs["help"] += " (required)"
+        else:
+            kwargs["default"] = f.default if f.default is not MISSING else f.default_factory()
+            if kwargs["default"] is not None and kwargs["default"] is not False:
+                kwargs["help"] += f" (default: {kwargs['default']})"
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(tp) is Literal:
+            choices = typing.get_args(tp)
+            kwargs["choices"] = choices
+            kwargs["type"] = type(choices[0])
+        elif typing.get_origin(tp) in (list, Sequence):
+            (item,) = typing.get_args(tp)
+            kwargs["nargs"] = "+"
+            kwargs["type"] = item
+            kwargs["metavar"] = f.name.upper().rstrip("S")
+        elif tp in (int, float, str):
+            kwargs["type"] = tp
+            kwargs["metavar"] = {int: "INT", float: "FLOAT"}.get(tp, f.name.upper())
+        else:  # pragma: no cover - a config author's mistake, caught by the config tests
+            raise TypeError(f"{cls.__name__}.{f.name}: unsupported option type {tp!r}")
+        group = output_group if f.name in shared else stage_group
+        group.add_argument(_flag(f.name), **kwargs)
+    return parser
+
+
+def _load_yaml(path: str, cls: type) -> dict[str, Any]:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise PipelineError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise PipelineError(f"--config {path}: not valid YAML ({e}); fix the syntax") from None
+    if not isinstance(data, dict):
+        raise PipelineError(f"--config {path}: expected a mapping of option names to values, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in names:
+            raise PipelineError(
+                f"--config {path}: unknown option '{key}'; valid options are: {', '.join(sorted(names))}"
+            )
+        out[name] = value
+    return out
+
+
+def parse_config(cls: type[C], argv: Sequence[str] | None, prog: str) -> C:
+    """Parse ``argv`` (and ``--config``) into an instance of the dataclass ``cls``."""
+    parser = build_parser(cls, prog)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        parser.set_defaults(**_load_yaml(pre.config, cls))
+    ns = vars(parser.parse_args(argv))
+    ns.pop("config")
+    missing = [
+        _flag(f.name)
+        for f in dataclasses.fields(cls)
+        if f.default is MISSING and f.default_factory is MISSING and ns.get(f.name) is None
+    ]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
+    try:
+        return cls(**ns)
+    except (TypeError, ValueError) as e:
+        raise PipelineError(f"{prog}: {e}") from None
+
+
+def semantic_dict(config: Any) -> dict[str, Any]:
+    """The fields of ``config`` that change a stage's output (used to decide whether a finished run is reusable)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.metadata.get("semantic", True)}
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)

@@ -1,0 +1,91 @@
+"""Generation engines. Both take prompt token ids and return, per prompt, n samples as text, token ids and a
+finish reason, so the generate stage writes the same columns whichever engine ran.
+
+``hf``: Hugging Face ``generate`` (CPU, tests, small GPUs). ``vllm``: a thin adapter over ``vllm.LLM``.
+``auto`` picks vLLM when it imports and a GPU is present.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What the sampling distribution depends on. It travels in the manifest so trainers read it back."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int  # 0 = off (both engines)
+    max_new_tokens: int
+    seed: int
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass
+class Completion:
+    """The n samples of one prompt. ``token_ids`` are as sampled, the stop token included when one ended it."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    finish_reasons: list[str]  # "stop" or "length"
+
+
+class Engine(Protocol):
+    name: str
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings) -> list[Completion]:
+        """Sample ``sampling.n`` responses for each prompt (token ids); ``seeds`` has one seed per prompt."""
+        ...
+
+
+def vllm_available() -> bool:
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_engine_name(name: str) -> str:
+    if name == "auto":
+        return "vllm" if vllm_available() else "hf"
+    return name
+
+
+def load_engine(
+    name: str,
+    model: str,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    batch_size: int = 16,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    max_model_len: int | None = None,
+) -> Engine:
+    name = resolve_engine_name(name)
+    if name == "hf":
+        from rlhf_pipeline.engines.hf import HFEngine
+
+        return HFEngine(model, tokenizer, dtype=dtype, trust_remote_code=trust_remote_code, batch_size=batch_size)
+    if name == "vllm":
+        from rlhf_pipeline.engines.vllm import VLLMEngine
+
+        return VLLMEngine(
+            model,
+            tokenizer,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+        )
+    raise ValueError(f"unknown engine {name!r}")

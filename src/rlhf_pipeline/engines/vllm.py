@@ -1,0 +1,128 @@
+"""vLLM engine: a thin adapter over ``vllm.LLM`` whose output matches the HF engine's exactly.
+
+vLLM behaviours this relies on (vllm-project/vllm, V1 engine on main; V0 noted where it differs):
+
+- Prompts go in as token ids, ``{"prompt_token_ids": ids}``: the ``TokensPrompt`` TypedDict, a plain dict at runtime
+  (``vllm/inputs/data.py``, on newer main ``vllm/inputs/llm.py``). ``InputPreprocessor._process_tokens``
+  (``vllm/inputs/preprocess.py``) passes the ids through untouched.
+- ``LLM.generate`` takes a list of ``SamplingParams``, one per prompt, and returns the outputs sorted by request id,
+  that is in input order (``vllm/entrypoints/llm.py``: ``_validate_and_add_requests``, ``_run_engine``).
+- Stopping (``vllm/v1/core/sched/utils.py`` ``check_stop``): on the EOS unless ``ignore_eos``, and on any of
+  ``stop_token_ids``, with ``stop_reason`` set to that id (``None`` for EOS). The scheduler keeps the token that
+  stopped the request (``del new_token_ids[num_new:]`` trims only what follows it), and the detokenizer leaves it out
+  of the text only (``vllm/v1/engine/detokenizer.py`` appends ``skipped_stop_token_id`` back to ``token_ids``;
+  V0's ``stop_checker.py`` likewise trims ``output_text`` only). So ``CompletionOutput.token_ids`` ends with the stop
+  token; it is appended here only should a version not do so.
+- Without ``ignore_eos``, ``SamplingParams.update_from_generation_config`` adds the tokenizer's EOS and the generation
+  config's ``eos_token_id`` to the stop set; with it, ``stop_token_ids`` is the whole stop set, as in the HF engine.
+- ``finish_reason`` is ``str(FinishReason)``: "stop", "length", "abort", "error", "repetition"
+  (``vllm/v1/engine/__init__.py``); a request vLLM ignored (``FINISHED_IGNORED``, prompt over ``max_model_len``)
+  also reads "length", with no tokens.
+- ``top_k``: current ``sampling_params.py`` takes 0 or -1 as off; older releases reject 0, so it is passed only when
+  on. With ``n > 1``, sample ``j`` is seeded ``seed + j`` and comes back as ``CompletionOutput.index == j``
+  (``vllm/v1/engine/parallel_sampling.py``).
+- Text: vLLM's detokenizer drops the stop token's text even when it is not a special token, and decodes in the
+  context of the prompt; the HF engine decodes the response ids alone. So vLLM does not detokenize
+  (``detokenize=False``) and the text comes from the same ``batch_decode(..., skip_special_tokens=True)`` call.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from rlhf_pipeline.engines import Completion, SamplingSettings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def completion_from_outputs(
+    outputs: Sequence[Any],
+    stop_token_ids: Sequence[int],
+    decode: Callable[[list[list[int]]], list[str]] | None = None,
+) -> Completion:
+    """One ``RequestOutput.outputs`` list (``CompletionOutput``-like objects) as a :class:`Completion`.
+
+    Samples are ordered by ``.index``; the stop token stays in (is put back into) ``token_ids``. ``decode`` turns the
+    ids into texts; without it ``.text`` is used. Aborted, failed or refused requests raise ``RuntimeError``.
+    """
+    stops = set(stop_token_ids)
+    token_ids: list[list[int]] = []
+    reasons: list[str] = []
+    ordered = sorted(outputs, key=lambda o: o.index)
+    for out in ordered:
+        ids = list(out.token_ids)
+        reason = out.finish_reason
+        if reason == "stop":
+            stop = out.stop_reason  # the token id for a stop_token_ids stop, None for EOS, a str for a stop string
+            if isinstance(stop, int) and not isinstance(stop, bool) and (not ids or ids[-1] != stop):
+                ids.append(stop)
+            elif stop is None and ids and ids[-1] not in stops:
+                raise RuntimeError(f"vLLM stopped sample {out.index} on a token outside stop_token_ids: {ids[-1]}")
+        elif reason == "length":
+            if not ids:
+                raise RuntimeError("vLLM returned no tokens for a prompt (longer than max_model_len?)")
+        else:
+            raise RuntimeError(f"vLLM request did not finish: finish_reason={reason!r} for sample {out.index}")
+        token_ids.append(ids)
+        reasons.append(reason)
+    texts = decode(token_ids) if decode is not None else [o.text for o in ordered]
+    return Completion(texts=list(texts), token_ids=token_ids, finish_reasons=reasons)
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        max_model_len: int | None = None,
+    ):
+        from vllm import LLM
+
+        self.tokenizer = tokenizer
+        self.llm = LLM(
+            model=model,
+            tokenizer=model,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,  # an EngineArgs field, forwarded through LLM(**kwargs)
+        )
+
+    def _params(self, seed: int, sampling: SamplingSettings):
+        from vllm import SamplingParams
+
+        extra = {"top_k": sampling.top_k} if sampling.top_k > 0 else {}
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens,
+            seed=seed,
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=True,  # stop on stop_token_ids only, as the HF engine does (they include the EOS)
+            detokenize=False,  # texts are decoded below exactly as the HF engine decodes them
+            **extra,
+        )
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings) -> list[Completion]:
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        # Token prompts, never text: vLLM tokenizes a text prompt with add_special_tokens=True, which puts a second
+        # BOS in front of a chat template that already starts with one (the double-BOS pitfall).
+        requests = [{"prompt_token_ids": list(ids)} for ids in prompts]
+        params = [self._params(seed, sampling) for seed in seeds]
+        results = self.llm.generate(requests, params, use_tqdm=True)
+        if len(results) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(results)} results for {len(prompts)} prompts")
+        decode = partial(self.tokenizer.batch_decode, skip_special_tokens=True)  # the HF engine's decode
+        return [completion_from_outputs(r.outputs, sampling.stop_token_ids, decode) for r in results]

@@ -1,0 +1,1 @@
+"""One module per stage. Each has a config dataclass, ``main(config)``, and ``cli(argv)``."""

@@ -1,0 +1,55 @@
+"""Build a tiny model offline: a BPE tokenizer trained on bundled text and a random-initialised Llama.
+
+    rlhf tiny-model --output models/tiny-policy
+    rlhf tiny-model --output models/tiny-rm --kind reward --seed 1
+
+The directory loads with ``from_pretrained`` like any Hub model, so every stage runs on it unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.config import option
+from rlhf_pipeline.datasets_io import atomic_directory, clean_stale
+from rlhf_pipeline.errors import PipelineError
+
+
+@dataclass(kw_only=True)
+class TinyModelConfig:
+    """Build a tiny tokenizer + Llama offline and save it with save_pretrained (safetensors)."""
+
+    output: str = option(help="Directory to write the model and tokenizer to.")
+    kind: Literal["policy", "reward"] = option(
+        "policy", help="policy: LlamaForCausalLM; reward: LlamaForSequenceClassification with num_labels=1."
+    )
+    seed: int = option(0, help="Seed of the random initialisation.")
+    hidden_size: int = option(64, help="Hidden size of the Llama.")
+    num_layers: int = option(2, help="Number of decoder layers.")
+    overwrite: bool = option(False, help="Replace an existing directory.")
+
+
+def main(config: TinyModelConfig) -> Path:
+    from rlhf_pipeline.tiny import save_tiny_model
+
+    path = Path(config.output).expanduser()
+    clean_stale(path)
+    if path.exists() and not config.overwrite:
+        raise PipelineError(f"--output {path}: already exists; pass --overwrite to replace it")
+    with atomic_directory(path) as tmp:
+        save_tiny_model(tmp, kind=config.kind, seed=config.seed, hidden_size=config.hidden_size,
+                        num_layers=config.num_layers)
+    print(f"[tiny-model] wrote a tiny {config.kind} model to {path}")
+    return path
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    return run_stage(TinyModelConfig, main, "rlhf tiny-model", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,156 @@
+"""Dataset references, atomic outputs, manifests and the reuse rules."""
+
+import json
+from dataclasses import dataclass
+
+import pytest
+from datasets import Dataset, DatasetDict, load_from_disk
+
+from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.datasets_io import (
+    MANIFEST,
+    StageOutput,
+    atomic_directory,
+    fingerprint,
+    load_dataset_dict,
+    load_dataset_ref,
+    parse_ref,
+)
+from rlhf_pipeline.errors import PipelineError
+
+from conftest import write_jsonl
+
+
+@dataclass(kw_only=True)
+class Cfg(OutputOptions):
+    value: int = option(1, help="a value")
+
+
+def test_parse_ref_kinds(tmp_path):
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    assert parse_ref(f).kind == "file"
+    assert parse_ref(str(tmp_path)).kind == "dir"
+    split = parse_ref(f"{tmp_path}:train")
+    assert (split.kind, split.location, split.split) == ("dir", str(tmp_path), "train")
+    hub = parse_ref("HuggingFaceH4/ultrafeedback_binarized:train_prefs@abc123")
+    assert (hub.kind, hub.location, hub.split, hub.revision) == (
+        "hub", "HuggingFaceH4/ultrafeedback_binarized", "train_prefs", "abc123"
+    )
+
+
+def test_parse_ref_errors(tmp_path):
+    with pytest.raises(PipelineError, match="no such file"):
+        parse_ref(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(PipelineError, match="no such file"):
+        parse_ref("./relative/missing")
+    bad = tmp_path / "p.csv"
+    bad.write_text("a\n1\n")
+    with pytest.raises(PipelineError, match="unsupported file type '.csv'"):
+        parse_ref(str(bad))
+
+
+def test_load_file_and_directory_splits(tmp_path):
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    assert load_dataset_ref(parse_ref(f))["prompt"] == ["a", "b"]
+    d = tmp_path / "dd"
+    DatasetDict({"train": Dataset.from_dict({"x": [1, 2]}), "test": Dataset.from_dict({"x": [3]})}).save_to_disk(d)
+    with pytest.raises(PipelineError, match="has splits train, test; choose one"):
+        load_dataset_ref(parse_ref(str(d)))
+    assert load_dataset_ref(parse_ref(f"{d}:test"))["x"] == [3]
+    with pytest.raises(PipelineError, match="no split 'valid'"):
+        load_dataset_ref(parse_ref(f"{d}:valid"))
+    assert set(load_dataset_dict(parse_ref(str(d)), required=("train", "test"))) == {"train", "test"}
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(PipelineError, match="not a dataset directory"):
+        load_dataset_ref(parse_ref(str(plain)))
+
+
+def test_fingerprint_follows_file_content(tmp_path):
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    before = fingerprint(parse_ref(f))
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "b"}])
+    assert fingerprint(parse_ref(f)) != before
+
+
+def _run(tmp_path, value=1, overwrite=False, inputs=()):
+    out = StageOutput("unit", Cfg(output=str(tmp_path / "out"), value=value, overwrite=overwrite), list(inputs))
+    if out.done():
+        return None
+    out.save(Dataset.from_dict({"x": [value]}), rows_in=1, dropped={"too_long": 2})
+    return json.loads((tmp_path / "out" / MANIFEST).read_text())
+
+
+def test_manifest_is_written_last_and_complete(tmp_path):
+    manifest = _run(tmp_path)
+    assert manifest["stage"] == "unit" and manifest["rows_in"] == 1 and manifest["rows_out"] == 1
+    assert manifest["dropped"] == {"too_long": 2} and manifest["config"]["value"] == 1
+    assert manifest["wall_time_s"] >= 0 and manifest["version"]
+    assert load_from_disk(str(tmp_path / "out"))["x"] == [1]
+
+
+def test_identical_rerun_is_skipped(tmp_path, capsys):
+    first = _run(tmp_path)
+    assert _run(tmp_path) is None  # nothing recomputed
+    assert "nothing to do" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["output_id"] == first["output_id"]
+
+
+def test_changed_input_or_config_refuses_without_overwrite(tmp_path):
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    _run(tmp_path, inputs=[parse_ref(f)])
+    with pytest.raises(PipelineError, match=r"value 1 -> 2.*--overwrite"):
+        _run(tmp_path, value=2, inputs=[parse_ref(f)])
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "changed"}])
+    with pytest.raises(PipelineError, match="the input data changed"):
+        _run(tmp_path, inputs=[parse_ref(f)])
+    manifest = _run(tmp_path, value=2, overwrite=True, inputs=[parse_ref(f)])
+    assert manifest["config"]["value"] == 2
+    assert load_from_disk(str(tmp_path / "out"))["x"] == [2]
+
+
+def test_directory_without_manifest_is_refused(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "something").write_text("x")
+    with pytest.raises(PipelineError, match="no manifest.json"):
+        _run(tmp_path)
+
+
+def test_failed_write_leaves_nothing_and_keeps_the_old_output(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with atomic_directory(target) as tmp:
+            (tmp / "half").write_text("partial")
+            raise RuntimeError("crash mid-write")
+    assert not target.exists()
+    assert list(tmp_path.iterdir()) == []
+    _run(tmp_path)
+    with pytest.raises(RuntimeError):
+        with atomic_directory(target) as tmp:
+            raise RuntimeError("crash while replacing")
+    assert load_from_disk(str(target))["x"] == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_stale_temporary_directory_of_a_killed_run_is_removed(tmp_path):
+    stale = tmp_path / ".out.tmp-deadbeef"
+    stale.mkdir()
+    _run(tmp_path)
+    assert not stale.exists()
+
+
+def test_push_to_hub_uploads_data_and_manifest(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(Dataset, "push_to_hub", lambda self, repo, **kw: calls.append(("data", repo)))
+
+    class FakeApi:
+        def upload_file(self, **kw):
+            calls.append(("file", kw["repo_id"], kw["path_in_repo"], json.loads(open(kw["path_or_fileobj"]).read())))
+
+    monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token_value")
+    out = StageOutput("unit", Cfg(output=str(tmp_path / "out"), push_to_hub="org/name"), [])
+    out.save(Dataset.from_dict({"x": [1]}), rows_in=1)
+    assert calls[0] == ("data", "org/name")
+    assert calls[1][:3] == ("file", "org/name", MANIFEST)
+    assert "hf_secret_token_value" not in json.dumps(calls[1][3])

@@ -1,0 +1,98 @@
+"""The Hugging Face engine: output format, stop handling, seeding, and sampling settings that cannot leak in."""
+
+import json
+import shutil
+
+import pytest
+
+from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids
+from rlhf_pipeline.engines import SamplingSettings
+from rlhf_pipeline.engines.hf import HFEngine, cut_at_stop
+
+
+def test_cut_at_stop():
+    assert cut_at_stop([5, 6, 2, 0, 0], {2}) == ([5, 6, 2], "stop")
+    assert cut_at_stop([5, 6, 7], {2}) == ([5, 6, 7], "length")
+    assert cut_at_stop([9, 3], {2, 3}) == ([9, 3], "stop")
+
+
+def _setup(model, n=4, max_new_tokens=12, seed=0, top_k=0, temperature=1.0):
+    tok = load_tokenizer(model)
+    prompts = encode_prompts(tok, ["Write a short review of the movie Night Train.", "Hi", "Tell me about Oak Hollow park"])
+    sampling = SamplingSettings(n=n, temperature=temperature, top_p=1.0, top_k=top_k, max_new_tokens=max_new_tokens,
+                                seed=seed, stop_token_ids=tuple(stop_token_ids(tok, model)))
+    return tok, prompts, sampling
+
+
+def test_output_format_and_stop_tokens(tiny_policy):
+    tok, prompts, sampling = _setup(tiny_policy, max_new_tokens=40)
+    engine = HFEngine(tiny_policy, tok, batch_size=2)
+    out = engine.generate(prompts, [0, 1, 2], sampling)
+    assert len(out) == 3
+    reasons = []
+    for c in out:
+        assert len(c.texts) == len(c.token_ids) == len(c.finish_reasons) == 4
+        for ids, reason, text in zip(c.token_ids, c.finish_reasons, c.texts):
+            reasons.append(reason)
+            assert tok.pad_token_id not in ids
+            if reason == "stop":
+                assert ids[-1] == tok.eos_token_id and tok.eos_token_id not in ids[:-1]
+            else:
+                assert len(ids) == 40 and tok.eos_token_id not in ids
+            assert text == tok.decode(ids, skip_special_tokens=True)
+    assert "length" in reasons
+
+
+def test_a_model_that_always_stops_gives_eos_only_samples(tiny_policy, tmp_path):
+    """Rewire the tiny model so EOS wins every step: a constant residual dimension, read by the EOS row only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(tiny_policy)
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0  # dominates dimension 0 of the residual stream
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0  # the final hidden state is (h0 > 0, 0, ..., 0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[tok.eos_token_id, 0] = 100.0
+    path = tmp_path / "stopper"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    _, prompts, sampling = _setup(str(path), n=3, max_new_tokens=5)
+    out = HFEngine(str(path), tok, batch_size=2).generate(prompts, [0, 1, 2], sampling)
+    for c in out:
+        assert c.token_ids == [[tok.eos_token_id]] * 3
+        assert c.finish_reasons == ["stop"] * 3 and c.texts == [""] * 3
+
+
+def test_same_seed_same_output_and_other_seed_differs(tiny_policy):
+    tok, prompts, sampling = _setup(tiny_policy)
+    engine = HFEngine(tiny_policy, tok, batch_size=2)
+    a = engine.generate(prompts, [0, 1, 2], sampling)
+    b = engine.generate(prompts, [0, 1, 2], sampling)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    other = SamplingSettings(**{**sampling.__dict__, "seed": 1})
+    assert [c.token_ids for c in engine.generate(prompts, [0, 1, 2], other)] != [c.token_ids for c in a]
+
+
+def test_model_generation_config_does_not_leak_into_sampling(tiny_policy, tmp_path):
+    """transformers fills unset options from generation_config.json (and top_k=50 by default). A model that ships
+    top_k=1 must not make our samples greedy: with top-k off, n samples of one prompt differ."""
+    path = tmp_path / "topk1"
+    shutil.copytree(tiny_policy, path)
+    cfg = json.loads((path / "generation_config.json").read_text())
+    cfg.update(top_k=1, do_sample=False, repetition_penalty=2.0)
+    (path / "generation_config.json").write_text(json.dumps(cfg))
+    tok, prompts, sampling = _setup(str(path), n=4)
+    out = HFEngine(str(path), tok).generate(prompts[:1], [0], sampling)
+    assert len({tuple(ids) for ids in out[0].token_ids}) == 4
+
+
+def test_greedy_is_deterministic(tiny_policy):
+    tok, prompts, sampling = _setup(tiny_policy, n=1, temperature=0.0)
+    engine = HFEngine(tiny_policy, tok, batch_size=3)
+    a = engine.generate(prompts, [0, 1, 2], sampling)
+    b = HFEngine(tiny_policy, tok, batch_size=1).generate(prompts, [5, 6, 7], sampling)
+    # Greedy output does not depend on seeds or batching (left padding is masked out).
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]

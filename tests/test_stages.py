@@ -1,0 +1,211 @@
+"""Integration: the real stage programs on the tiny offline kit, checked as a user would check them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from datasets import load_from_disk
+
+from rlhf_pipeline.cli import main as rlhf
+
+from conftest import write_jsonl
+
+GENERATIONS = ["prompt_id", "prompt_token_ids", "responses", "response_token_ids", "finish_reasons"]
+PAIRS = ["prompt_id", "prompt_token_ids", "chosen_token_ids", "rejected_token_ids", "chosen_reward",
+         "rejected_reward", "chosen", "rejected"]
+GROUPS = ["prompt_id", "prompt_token_ids", "response_token_ids", "rewards", "responses"]
+
+REWARD_FN = '''
+def reward(prompts, responses, **columns):
+    assert len(columns["label"]) == len(responses) == len(columns["finish_reasons"])
+    return [len(r) / 10 + (1.0 if f == "stop" else 0.0) for r, f in zip(responses, columns["finish_reasons"])]
+
+def nan_at_seven(prompts, responses, **columns):
+    return [float("nan") if i == 7 else 0.0 for i in range(len(responses))]
+'''
+
+
+def run(*args) -> int:
+    return rlhf([str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, tiny_policy, tiny_rm, bundled_prompts):
+    """generate -> score (both reward kinds) -> filter (both modes), once for the module."""
+    d = tmp_path_factory.mktemp("pipeline")
+    (d / "rewards.py").write_text(REWARD_FN)
+    assert run("generate", "--model", tiny_policy, "--prompts", bundled_prompts, "--output", d / "gen",
+               "--n", 4, "--max-new-tokens", 24, "--limit", 40, "--engine", "hf") == 0
+    assert run("score", "--input", d / "gen", "--output", d / "scored_fn", "--reward-fn", f"{d}/rewards.py:reward") == 0
+    assert run("score", "--input", d / "gen", "--output", d / "scored_rm", "--reward-model", tiny_rm,
+               "--batch-size", 8) == 0
+    assert run("filter", "--input", d / "scored_rm", "--output", d / "pairs", "--tokenizer", tiny_policy,
+               "--test-size", 5) == 0
+    lengths = sorted(len(ids) for ids in load_from_disk(str(d / "gen"))["prompt_token_ids"])
+    assert run("filter", "--input", d / "scored_fn", "--output", d / "groups", "--tokenizer", tiny_policy,
+               "--mode", "groups", "--test-size", 0.25, "--max-prompt-tokens", lengths[20]) == 0
+    return d
+
+
+def manifest(path: Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def test_generations_follow_the_contract(pipeline, tiny_policy):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_policy)
+    ds = load_from_disk(str(pipeline / "gen"))
+    assert ds.num_rows == 40
+    assert set(GENERATIONS + ["id", "prompt", "label"]) <= set(ds.column_names)  # extra columns carried
+    for row in ds:
+        assert row["prompt_id"] == row["id"]
+        assert row["prompt_token_ids"].count(tok.bos_token_id) == 1
+        assert len(row["responses"]) == len(row["response_token_ids"]) == len(row["finish_reasons"]) == 4
+        for ids, reason in zip(row["response_token_ids"], row["finish_reasons"]):
+            assert reason in ("stop", "length")
+            assert (ids[-1] == tok.eos_token_id) == (reason == "stop")
+            assert len(ids) <= 24
+    m = manifest(pipeline / "gen")
+    assert m["sampling"]["temperature"] == 0.8 and m["sampling"]["n"] == 4
+    assert m["sampling"]["stop_token_ids"] == [tok.eos_token_id]
+    assert m["rows_in"] == m["rows_out"] == 40
+
+
+def test_scored_rewards_for_both_reward_kinds(pipeline):
+    for name in ("scored_fn", "scored_rm"):
+        ds = load_from_disk(str(pipeline / name))
+        assert ds.num_rows == 40
+        assert all(len(r) == 4 for r in ds["rewards"])
+        assert manifest(pipeline / name)["sampling"]["temperature"] == 0.8  # carried down the lineage
+    fn = load_from_disk(str(pipeline / "scored_fn"))
+    row = fn[0]
+    expected = [len(r) / 10 + (1.0 if f == "stop" else 0.0) for r, f in zip(row["responses"], row["finish_reasons"])]
+    assert row["rewards"] == pytest.approx(expected)
+
+
+def test_pairs_follow_the_contract(pipeline):
+    dd = load_from_disk(str(pipeline / "pairs"))
+    assert set(dd) == {"train", "test"} and dd["test"].num_rows == 5
+    scored = {r["prompt_id"]: r for r in load_from_disk(str(pipeline / "scored_rm"))}
+    m = manifest(pipeline / "pairs")
+    assert m["rows_in"] == 40 and dd["train"].num_rows + 5 + sum(m["dropped"].values()) == 40
+    for split in dd.values():
+        assert set(PAIRS + ["label"]) <= set(split.column_names)
+        for row in split:
+            source = scored[row["prompt_id"]]
+            assert row["chosen_reward"] == max(source["rewards"]) > row["rejected_reward"] == min(source["rewards"])
+            assert row["chosen_token_ids"] == source["response_token_ids"][source["rewards"].index(max(source["rewards"]))]
+            assert row["prompt_token_ids"] == source["prompt_token_ids"]
+
+
+def test_groups_follow_the_contract_and_record_drops(pipeline):
+    dd = load_from_disk(str(pipeline / "groups"))
+    m = manifest(pipeline / "groups")
+    limit = m["config"]["max_prompt_tokens"]
+    too_long = sum(len(ids) > limit for ids in load_from_disk(str(pipeline / "gen"))["prompt_token_ids"])
+    assert too_long > 0 and m["dropped"] == {"prompt_too_long": too_long}
+    assert dd["train"].num_rows + dd["test"].num_rows == 40 - too_long
+    assert dd["test"].num_rows == round(0.25 * (40 - too_long))
+    for row in dd["train"]:
+        assert set(GROUPS) <= set(row)
+        assert len(row["response_token_ids"]) == len(row["rewards"]) == 4
+        assert len(row["prompt_token_ids"]) <= limit
+
+
+def test_same_seed_same_output(pipeline, tiny_policy, bundled_prompts, tmp_path):
+    args = ["--model", tiny_policy, "--prompts", bundled_prompts, "--n", 4, "--max-new-tokens", 24, "--limit", 40,
+            "--engine", "hf"]
+    assert run("generate", *args, "--output", tmp_path / "again") == 0
+    a, b = load_from_disk(str(pipeline / "gen")), load_from_disk(str(tmp_path / "again"))
+    assert a["response_token_ids"] == b["response_token_ids"] and a["responses"] == b["responses"]
+    assert run("generate", *args, "--output", tmp_path / "seed1", "--seed", 1) == 0
+    assert load_from_disk(str(tmp_path / "seed1"))["response_token_ids"] != a["response_token_ids"]
+
+
+def test_second_identical_run_is_skipped(pipeline, tiny_policy, capsys):
+    before = {name: manifest(pipeline / name)["output_id"] for name in ("scored_rm", "pairs")}
+    capsys.readouterr()
+    assert run("filter", "--input", pipeline / "scored_rm", "--output", pipeline / "pairs", "--tokenizer", tiny_policy,
+               "--test-size", 5) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert manifest(pipeline / "pairs")["output_id"] == before["pairs"]
+    # A different config is refused, and nothing is touched.
+    assert run("filter", "--input", pipeline / "scored_rm", "--output", pipeline / "pairs", "--tokenizer", tiny_policy,
+               "--test-size", 6) == 1
+    assert "test_size 5.0 -> 6.0" in capsys.readouterr().err
+    assert manifest(pipeline / "pairs")["output_id"] == before["pairs"]
+
+
+def test_shards_merge_into_the_whole(tiny_policy, bundled_prompts, tmp_path):
+    common = ["--model", tiny_policy, "--prompts", bundled_prompts, "--n", 2, "--max-new-tokens", 4, "--limit", 7]
+    for i in range(3):
+        assert run("generate", *common, "--shard", f"{i}/3", "--output", tmp_path / f"s{i}") == 0
+    assert run("merge", "--inputs", tmp_path / "s2", tmp_path / "s0", tmp_path / "s1", "--output", tmp_path / "m") == 0
+    merged = load_from_disk(str(tmp_path / "m"))
+    assert merged["id"] == [json.loads(l)["id"] for l in open(bundled_prompts).read().splitlines()[:7]]
+    assert manifest(tmp_path / "m")["sampling"]["n"] == 2
+    assert run("merge", "--inputs", tmp_path / "s0", tmp_path / "s1", "--output", tmp_path / "m2") == 1
+    assert not (tmp_path / "m2").exists()
+
+
+def _fails(capsys, *args, output: Path, expect: list[str]):
+    capsys.readouterr()
+    assert run(*args, "--output", output) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    for part in expect:
+        assert part in err, err
+    assert not output.exists() and not list(output.parent.glob(f".{output.name}*"))
+
+
+def test_prompts_without_prompt_or_messages(capsys, tmp_path, tiny_policy):
+    bad = write_jsonl(tmp_path / "questions.jsonl", [{"question": "a"}, {"question": "b"}])
+    _fails(capsys, "generate", "--model", tiny_policy, "--prompts", bad, output=tmp_path / "out",
+           expect=["questions.jsonl", "'prompt'", "'messages'", "rename"])
+
+
+def test_empty_prompt(capsys, tmp_path, tiny_policy):
+    bad = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "fine"}, {"prompt": "ok"}, {"prompt": ""}])
+    _fails(capsys, "generate", "--model", tiny_policy, "--prompts", bad, output=tmp_path / "out",
+           expect=["prompts.jsonl", "row 2", "empty"])
+
+
+def test_reward_function_returning_nan(capsys, pipeline, tmp_path):
+    _fails(capsys, "score", "--input", pipeline / "gen", "--reward-fn", f"{pipeline}/rewards.py:nan_at_seven",
+           output=tmp_path / "out", expect=["gen", "row 1", "response 3", "nan", "finite"])
+
+
+def test_pairs_on_single_response_generations(capsys, tmp_path, tiny_policy, small_prompts, pipeline):
+    assert run("generate", "--model", tiny_policy, "--prompts", small_prompts, "--n", 1, "--max-new-tokens", 4,
+               "--output", tmp_path / "gen1") == 0
+    assert run("score", "--input", tmp_path / "gen1", "--reward-fn", f"{pipeline}/rewards.py:reward",
+               "--output", tmp_path / "scored1") == 0
+    _fails(capsys, "filter", "--input", tmp_path / "scored1", "--tokenizer", tiny_policy, "--test-size", 2,
+           output=tmp_path / "pairs1", expect=["scored1", "--mode pairs needs at least 2", "--n 1", "--mode groups"])
+
+
+def test_wrong_tokenizer_is_caught(capsys, pipeline, tmp_path):
+    from rlhf_pipeline.tiny import build_model, build_tokenizer
+
+    small = tmp_path / "small_vocab"
+    tok = build_tokenizer(vocab_size=300)
+    build_model(tok).save_pretrained(small)
+    tok.save_pretrained(small)
+    _fails(capsys, "filter", "--input", pipeline / "scored_rm", "--tokenizer", small, "--test-size", 5,
+           output=tmp_path / "out", expect=["row", "outside the tokenizer's", "--tokenizer"])
+
+
+def test_console_script_and_module_entry_points(tmp_path):
+    exe = Path(sys.executable).parent / "rlhf"
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True).stdout
+    assert all(stage in out for stage in ("generate", "score", "filter", "merge", "tiny-model"))
+    res = subprocess.run([sys.executable, "-m", "rlhf_pipeline.stages.tiny_model", "--output", tmp_path / "m",
+                          "--kind", "reward"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    from transformers import AutoModelForSequenceClassification
+
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "m")
+    assert rm.config.num_labels == 1 and (tmp_path / "m" / "model.safetensors").exists()

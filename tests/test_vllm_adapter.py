@@ -1,0 +1,134 @@
+"""The vLLM adapter's output conversion, with fake ``CompletionOutput`` objects (vLLM itself is not needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import rlhf_pipeline
+from rlhf_pipeline.engines import Completion
+from rlhf_pipeline.engines.vllm import completion_from_outputs
+
+EOS, EOT = 2, 7
+STOPS = (EOS, EOT)
+
+
+def out(index, token_ids, finish_reason, stop_reason=None, text=""):
+    return SimpleNamespace(
+        index=index, text=text, token_ids=token_ids, finish_reason=finish_reason, stop_reason=stop_reason
+    )
+
+
+def test_stop_on_eos_keeps_the_token():
+    c = completion_from_outputs([out(0, [5, 6, EOS], "stop", None, text="hi")], STOPS)
+    assert c == Completion(texts=["hi"], token_ids=[[5, 6, EOS]], finish_reasons=["stop"])
+
+
+def test_stop_on_stop_token_id_kept_as_vllm_returns_it():
+    c = completion_from_outputs([out(0, [5, EOT], "stop", EOT)], STOPS)
+    assert c.token_ids == [[5, EOT]]
+    assert c.finish_reasons == ["stop"]
+
+
+def test_stop_token_appended_when_missing_from_token_ids():
+    c = completion_from_outputs([out(0, (5, 6), "stop", EOT)], STOPS)
+    assert c.token_ids == [[5, 6, EOT]]
+
+
+def test_length():
+    c = completion_from_outputs([out(0, [5, 6, 8], "length")], STOPS)
+    assert c.token_ids == [[5, 6, 8]]
+    assert c.finish_reasons == ["length"]
+
+
+def test_samples_sorted_by_index():
+    outputs = [
+        out(2, [9, EOS], "stop", text="c"),
+        out(0, [5, 6], "length", text="a"),
+        out(1, [7], "stop", EOT, text="b"),
+    ]
+    c = completion_from_outputs(outputs, STOPS)
+    assert c.texts == ["a", "b", "c"]
+    assert c.token_ids == [[5, 6], [7], [9, EOS]]
+    assert c.finish_reasons == ["length", "stop", "stop"]
+
+
+def test_decode_replaces_vllm_text():
+    outputs = [out(1, [9, EOS], "stop", text="vllm-1"), out(0, [5], "length", text="vllm-0")]
+    c = completion_from_outputs(outputs, STOPS, decode=lambda ids: [repr(x) for x in ids])
+    assert c.texts == ["[5]", f"[9, {EOS}]"]
+
+
+@pytest.mark.parametrize("reason", ["abort", "error", "repetition", None])
+def test_unfinished_request_raises(reason):
+    with pytest.raises(RuntimeError, match="did not finish"):
+        completion_from_outputs([out(0, [5], reason)], STOPS)
+
+
+def test_empty_length_output_raises():
+    with pytest.raises(RuntimeError, match="no tokens"):
+        completion_from_outputs([out(0, [], "length")], STOPS)
+
+
+def test_eos_stop_on_a_token_outside_the_stop_set_raises():
+    with pytest.raises(RuntimeError, match="outside stop_token_ids"):
+        completion_from_outputs([out(0, [5, 99], "stop", None)], STOPS)
+
+
+def test_module_import_does_not_import_vllm():
+    code = (
+        "import sys, rlhf_pipeline.engines.vllm as m\n"
+        "assert 'vllm' not in sys.modules, 'vllm imported'\n"
+        "assert m.VLLMEngine.name == 'vllm'\n"
+    )
+    src = str(Path(rlhf_pipeline.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_engine_wiring_with_a_fake_vllm(monkeypatch):
+    """What VLLMEngine hands to vLLM: token prompts, one SamplingParams per prompt, top_k only when on."""
+    import types
+
+    from rlhf_pipeline.engines import SamplingSettings
+    from rlhf_pipeline.engines.vllm import VLLMEngine
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            seen["llm"] = kwargs
+
+        def generate(self, prompts, params, use_tqdm):
+            seen["prompts"], seen["params"] = prompts, params
+            return [SimpleNamespace(outputs=[out(1, [4, EOT], "stop", EOT), out(0, [3], "length")]) for _ in prompts]
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = FakeLLM
+    fake.SamplingParams = lambda **kwargs: kwargs
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    tokenizer = SimpleNamespace(
+        batch_decode=lambda ids, skip_special_tokens: [f"{x}:{skip_special_tokens}" for x in ids]
+    )
+
+    engine = VLLMEngine("some/model", tokenizer)
+    assert seen["llm"]["tokenizer"] == "some/model" and seen["llm"]["dtype"] == "auto"
+    sampling = SamplingSettings(
+        n=2, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=8, seed=0, stop_token_ids=STOPS
+    )
+    completions = engine.generate([[1, 5], [1, 6]], [11, 12], sampling)
+
+    assert seen["prompts"] == [{"prompt_token_ids": [1, 5]}, {"prompt_token_ids": [1, 6]}]
+    assert [p["seed"] for p in seen["params"]] == [11, 12]
+    assert all("top_k" not in p for p in seen["params"])
+    assert seen["params"][0]["stop_token_ids"] == list(STOPS) and seen["params"][0]["ignore_eos"] is True
+    assert completions[0] == Completion(
+        texts=["[3]:True", f"[4, {EOT}]:True"], token_ids=[[3], [4, EOT]], finish_reasons=["length", "stop"]
+    )
+    engine.generate([[1]], [3], SamplingSettings(1, 1.0, 1.0, 20, 8, 0, STOPS))
+    assert seen["params"][0]["top_k"] == 20
