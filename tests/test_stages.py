@@ -209,3 +209,38 @@ def test_console_script_and_module_entry_points(tmp_path):
 
     rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "m")
     assert rm.config.num_labels == 1 and (tmp_path / "m" / "model.safetensors").exists()
+
+
+def test_messages_prompts_and_parallel_filter(tmp_path, tiny_policy, pipeline):
+    """`messages` prompts go through the same template path; num_proc=2 gives exactly num_proc=1's output."""
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Review park {i}."}]}
+            for i in range(6)]
+    prompts = write_jsonl(tmp_path / "chat.jsonl", rows)
+    assert run("generate", "--model", tiny_policy, "--prompts", prompts, "--n", 3, "--max-new-tokens", 6,
+               "--output", tmp_path / "gen") == 0
+    gen = load_from_disk(str(tmp_path / "gen"))
+    assert gen["messages"] == [r["messages"] for r in rows] and len(set(gen["prompt_id"])) == 6
+    one = load_from_disk(str(pipeline / "pairs"))
+    assert run("filter", "--input", pipeline / "scored_rm", "--output", tmp_path / "pairs2", "--tokenizer",
+               tiny_policy, "--test-size", 5, "--num-proc", 2) == 0
+    two = load_from_disk(str(tmp_path / "pairs2"))
+    for split in ("train", "test"):
+        assert one[split].to_list() == two[split].to_list()
+
+
+def test_scored_data_without_token_ids_is_tokenized_once(tmp_path, tiny_policy):
+    """External scored data (texts only) is tokenized in the filter: template for the prompt, EOS after responses."""
+    from rlhf_pipeline.chat import encode_prompts, load_tokenizer
+
+    rows = [{"prompt_id": str(i), "prompt": f"Review the cafe number {i}.",
+             "responses": ["Great coffee.", "Bad coffee and rude staff.", "ok"], "rewards": [1.0, -1.0, 0.0]}
+            for i in range(4)]
+    data = write_jsonl(tmp_path / "external.jsonl", rows)
+    assert run("filter", "--input", data, "--output", tmp_path / "pairs", "--tokenizer", tiny_policy,
+               "--test-size", 1) == 0
+    tok = load_tokenizer(tiny_policy)
+    pairs = load_from_disk(str(tmp_path / "pairs"))["train"]
+    for row in pairs:
+        assert row["prompt_token_ids"] == encode_prompts(tok, [row["prompt"]])[0]
+        assert row["chosen"] == "Great coffee." and row["rejected"] == "Bad coffee and rude staff."
+        assert row["chosen_token_ids"] == tok("Great coffee.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
