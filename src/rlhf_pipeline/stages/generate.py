@@ -16,6 +16,7 @@ sample stopped), ``finish_reasons`` (``stop`` / ``length``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -188,15 +189,10 @@ def main(config: GenerateConfig) -> Path:
         rows_in=len(rows),
         extra={
             "sampling": {
+                **dataclasses.asdict(sampling),
+                "stop_token_ids": list(sampling.stop_token_ids),
                 "model": config.model,
                 "engine": resolve_engine_name(config.engine),
-                "n": sampling.n,
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                "top_k": sampling.top_k,
-                "max_new_tokens": sampling.max_new_tokens,
-                "seed": sampling.seed,
-                "stop_token_ids": list(sampling.stop_token_ids),
                 "use_chat_template": config.use_chat_template,
             },
             "shard": {"spec": config.shard, "rows": [rows.start, rows.stop], "rows_total": rows_total},
