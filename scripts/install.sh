@@ -15,4 +15,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # torch first and pinned: the package asks for any torch>=2.1, which the pinned build then satisfies.
 "$VENV/bin/pip" install -q "$TORCH_SPEC"
+# DeepSpeed ships as a source package whose build imports torch: build it against the torch just installed
+# (with build isolation pip would fetch another torch into the build environment).
+case ",$EXTRAS," in
+  *,train,*|*,dev,*) "$VENV/bin/pip" install -q --no-build-isolation "deepspeed>=0.14" ;;
+esac
 "$VENV/bin/pip" install -q -e ".${EXTRAS:+[$EXTRAS]}"

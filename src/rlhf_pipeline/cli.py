@@ -25,6 +25,8 @@ STAGES: dict[str, tuple[str, str]] = {
     "merge": ("rlhf_pipeline.stages.merge", "join the shards of a sharded generate run"),
     "score": ("rlhf_pipeline.stages.score", "score every response with a reward model or a python function"),
     "filter": ("rlhf_pipeline.stages.filter", "length filters, best/worst pairs or whole groups, train/test split"),
+    "ref-logps": ("rlhf_pipeline.stages.ref_logps", "reference log-probs of chosen/rejected, once per dataset"),
+    "train": ("rlhf_pipeline.stages.train", "train a policy on pairs: REBEL, DPO, cDPO, IPO, SimPO"),
 }
 
 

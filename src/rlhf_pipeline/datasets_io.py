@@ -265,8 +265,12 @@ class StageOutput:
             diffs.append("the input data changed")
         return diffs
 
-    def done(self) -> bool:
-        """True when the output already holds this exact run; raises when it holds another one."""
+    def done(self, resume: bool | None = None) -> bool:
+        """True when the output already holds this exact run; raises when it holds another one.
+
+        ``resume`` is for stages that fill their output in place (training): True continues an unfinished output
+        (no manifest yet), False refuses it with a hint to pass ``--resume``; None means the stage cannot resume.
+        """
         clean_stale(self.path)
         if not self.path.exists():
             return False
@@ -274,11 +278,13 @@ class StageOutput:
             raise PipelineError(f"--output {self.path}: exists and is a file; choose a directory path")
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
-            if self.config.overwrite:
+            if self.config.overwrite or resume:
                 return False
-            raise PipelineError(
-                f"--output {self.path}: exists but holds no completed stage output (no {MANIFEST}); "
+            hint = "pass --resume to continue it, or --overwrite to start over" if resume is False else (
                 "remove it, choose another --output, or pass --overwrite"
+            )
+            raise PipelineError(
+                f"--output {self.path}: exists but holds no completed stage output (no {MANIFEST}); {hint}"
             )
         diffs = self._same_run(json.loads(manifest_path.read_text()))
         if not diffs:
@@ -292,6 +298,35 @@ class StageOutput:
             f"--output {self.path}: holds a {self.stage} run with a different config or inputs "
             f"({'; '.join(diffs)}); pass --overwrite to replace it or choose another --output"
         )
+
+    def manifest(
+        self,
+        *,
+        rows_in: int,
+        rows_out: int | dict[str, int],
+        dropped: dict[str, int] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The manifest of this run (``wall_time_s`` is added when it is written)."""
+        return {
+            "stage": self.stage,
+            "version": __version__,
+            "output_id": uuid.uuid4().hex,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "config": to_dict(self.config),
+            "inputs": self.input_records,
+            "rows_in": rows_in,
+            "rows_out": rows_out,
+            "dropped": dict(sorted((dropped or {}).items())),
+            **(extra or {}),
+        }
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        """Mark an output that was filled in place (a training run) as complete."""
+        manifest["wall_time_s"] = round(time.time() - self.started, 3)
+        tmp = self.path / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+        os.replace(tmp, self.path / MANIFEST)
 
     def save(
         self,
@@ -309,18 +344,7 @@ class StageOutput:
             if isinstance(data, datasets.DatasetDict)
             else data.num_rows
         )
-        manifest = {
-            "stage": self.stage,
-            "version": __version__,
-            "output_id": uuid.uuid4().hex,
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "config": to_dict(self.config),
-            "inputs": self.input_records,
-            "rows_in": rows_in,
-            "rows_out": rows_out,
-            "dropped": dict(sorted((dropped or {}).items())),
-            **(extra or {}),
-        }
+        manifest = self.manifest(rows_in=rows_in, rows_out=rows_out, dropped=dropped, extra=extra)
         with atomic_directory(self.path) as tmp:
             data.save_to_disk(str(tmp))
             manifest["wall_time_s"] = round(time.time() - self.started, 3)

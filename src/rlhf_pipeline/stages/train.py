@@ -1,0 +1,222 @@
+"""Train a policy on preference pairs with REBEL or the DPO family (DPO, cDPO, IPO, SimPO).
+
+    rlhf train --algo rebel --model runs/iter_0/policy --data runs/iter_0/filter --output runs/iter_0/train
+    accelerate launch --config_file accelerate_cfgs/zero3.yaml -m rlhf_pipeline.stages.train \\
+        --algo rebel --model meta-llama/Meta-Llama-3-8B-Instruct --data runs/iter_0/filter --output runs/iter_0/train \\
+        --batch-size 1 --gradient-accumulation-steps 16 --learning-rate 3e-7 --bf16
+
+Reference log-probs (``chosen_ref_logp`` / ``rejected_ref_logp``) come from the data when ``rlhf ref-logps`` made
+them, or are computed here once, with ``--model`` before its first update, and kept in ``OUTPUT/ref_logps`` so a
+resumed run does not redo them. Policy and reference log-probs are taken at one temperature: the sampling
+temperature for REBEL (as REBEL's code does; read from the generate manifest), 1.0 for the DPO family unless
+``--temperature`` says otherwise. Stored columns made at another temperature are an error, never silently redone.
+
+The output directory is a ``save_pretrained`` model that the next iteration's vLLM loads; see
+``rlhf_pipeline.trainer`` for checkpoints, metrics and resume.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.config import option
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.stages.ref_logps import REF_COLUMNS, check_pairs, pair_lengths, pair_logps, resolve_temperature
+from rlhf_pipeline.trainer import TrainOptions
+
+METRIC_GROUPS = {"margin": "reward", "accuracy": "reward", "chosen_logratio": "logp", "rejected_logratio": "logp"}
+
+
+@dataclass(kw_only=True)
+class TrainConfig(TrainOptions):
+    """Train a policy on pairs with REBEL or the DPO family."""
+
+    algo: Literal["rebel", "dpo", "cdpo", "ipo", "simpo"] = option("rebel", help="The loss.")
+    eta: float = option(
+        1.0, help="REBEL: scale of the log-ratio regression, ((logratio_c - logratio_r)/eta - (r_c - r_r))^2. "
+        "REBEL's UltraFeedback runs use 1e6."
+    )
+    beta: Optional[float] = option(None, help="DPO/cDPO/IPO/SimPO strength (default 0.1; 2.0 for SimPO).")
+    label_smoothing: Optional[float] = option(None, help="cDPO: probability that a label is flipped (default 0.1).")
+    gamma: float = option(0.5, help="SimPO: target reward margin.")
+    temperature: Optional[float] = option(
+        None, help="Temperature of policy and reference log-probs (default: sampling temperature for REBEL, 1.0 else)."
+    )
+
+    def loss_params(self):
+        from rlhf_pipeline.losses import LossType, PairLossParams
+
+        loss_type = LossType(self.algo)
+        beta = self.beta if self.beta is not None else (2.0 if loss_type is LossType.SIMPO else 0.1)
+        smoothing = self.label_smoothing if self.label_smoothing is not None else (
+            0.1 if loss_type is LossType.CDPO else 0.0
+        )
+        return loss_type, PairLossParams(eta=self.eta, beta=beta, label_smoothing=smoothing, gamma=self.gamma)
+
+
+class PairTask:
+    """Chosen and rejected of a micro-batch in one forward; the loss from ``losses.compute_pair_loss``."""
+
+    def __init__(self, loss_type, params, temperature: float, pad_id: int):
+        self.loss_type, self.params, self.temperature, self.pad_id = loss_type, params, temperature, pad_id
+
+    def lengths(self, ds) -> list[int]:
+        return pair_lengths(ds)
+
+    def collate(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return rows  # tensors are built in loss(), by logprobs.build_batch, padded to this micro-batch only
+
+    def loss(self, model, rows):
+        import torch
+
+        from rlhf_pipeline.logprobs import response_lengths
+        from rlhf_pipeline.losses import compute_pair_loss
+
+        chosen, rejected, batch = pair_logps(model, rows, self.pad_id, self.temperature)
+        device, dtype = chosen.device, chosen.dtype
+
+        def column(name):
+            return torch.tensor([r[name] for r in rows], dtype=dtype, device=device)
+
+        lengths = response_lengths(batch).to(dtype)
+        needs_ref = self.loss_type.needs_reference
+        losses, metrics = compute_pair_loss(
+            self.loss_type,
+            self.params,
+            chosen,
+            rejected,
+            ref_chosen_logps=column("chosen_ref_logp") if needs_ref else None,
+            ref_rejected_logps=column("rejected_ref_logp") if needs_ref else None,
+            chosen_rewards=column("chosen_reward") if self.loss_type.uses_rewards else None,
+            rejected_rewards=column("rejected_reward") if self.loss_type.uses_rewards else None,
+            chosen_lengths=lengths[: len(rows)],
+            rejected_lengths=lengths[len(rows) :],
+        )
+        return losses.mean(), metrics, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
+
+
+def train_names(values: dict[str, float]) -> dict[str, float]:
+    return {("loss/train" if k == "loss" else f"{METRIC_GROUPS.get(k, 'train')}/train_{k}"): v for k, v in values.items()}
+
+
+def eval_names(values: dict[str, float]) -> dict[str, float]:
+    return {("loss/eval" if k == "loss" else f"{METRIC_GROUPS.get(k, 'eval')}/{k}"): v for k, v in values.items()}
+
+
+def _reference_columns(accelerator, setup_model, dd, config, temperature, pad_id, record, output: Path):
+    """The splits with reference log-prob columns: from the data, from OUTPUT/ref_logps, or computed now."""
+    from datasets import load_from_disk
+
+    from rlhf_pipeline.stages.ref_logps import add_ref_columns, compute_ref_logps
+
+    if all(c in ds.column_names for ds in dd.values() for c in REF_COLUMNS):
+        if record is not None and record.get("temperature") != temperature:
+            raise PipelineError(
+                f"{config.data}: its reference log-probs were computed at temperature {record.get('temperature')}, "
+                f"but this run takes log-probs at {temperature}; pass --temperature {record.get('temperature')} or "
+                "recompute them with rlhf ref-logps --temperature"
+            )
+        return dd
+    cache = output / "ref_logps"
+    if (cache / "dataset_dict.json").exists():
+        return load_from_disk(str(cache))
+    values = {
+        split: compute_ref_logps(accelerator, setup_model, ds, pad_id, temperature, config.eval_batch_size)
+        for split, ds in dd.items()
+    }
+    dd = add_ref_columns(dd, values)
+    if accelerator.is_main_process:
+        dd.save_to_disk(str(cache.with_name("ref_logps.tmp")))
+        shutil.rmtree(cache, ignore_errors=True)
+        cache.with_name("ref_logps.tmp").rename(cache)
+    accelerator.wait_for_everyone()
+    return dd
+
+
+def main(config: TrainConfig) -> Path:
+    from rlhf_pipeline.trainer import finish_distributed
+
+    try:
+        return _main(config)
+    finally:
+        finish_distributed()
+
+
+def _main(config: TrainConfig) -> Path:
+    from rlhf_pipeline.chat import load_tokenizer
+    from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
+    from rlhf_pipeline.trainer import load_trainable, make_accelerator, prepare, train
+
+    try:
+        loss_type, params = config.loss_params()
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
+    ref = parse_ref(config.data)
+    out = StageOutput("train", config, inputs=[ref])
+    accelerator = make_accelerator(config)
+    if out.done(resume=config.resume):
+        return out.path
+    if out.path.exists() and not config.resume:  # --overwrite of an older run
+        if accelerator.is_main_process:
+            shutil.rmtree(out.path)
+        accelerator.wait_for_everyone()
+    dd = load_dataset_dict(ref, required=("train",))
+    for split, ds in dd.items():
+        check_pairs(ds, f"{ref}:{split}")
+    sampling = find_in_lineage([ref], "sampling")
+    temperature = resolve_temperature(
+        config.temperature, sampling, str(ref), None if loss_type.default_logp_temperature_is_sampling else 1.0
+    )
+
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
+    setup = prepare(config, accelerator, model, dd["train"].num_rows)
+    if loss_type.needs_reference:
+        dd = _reference_columns(
+            accelerator, setup.model, dd, config, temperature, pad_id, find_in_lineage([ref], "ref_logps"), out.path
+        )
+    task = PairTask(loss_type, params, temperature, pad_id)
+    result = train(
+        config, accelerator, setup, tokenizer, task, dd["train"], dd.get("test"),
+        train_names=train_names, eval_names=eval_names,
+    )
+    if accelerator.is_main_process:
+        manifest = out.manifest(
+            rows_in=sum(ds.num_rows for ds in dd.values()),
+            rows_out=result.steps,
+            extra={
+                "sampling": sampling,
+                "training": {
+                    "algo": loss_type.value,
+                    "loss_params": vars(params),
+                    "logp_temperature": temperature,
+                    "steps": result.steps,
+                    "loss_first_step": result.first_loss,
+                    "loss_last_step": result.last_loss,
+                    "eval": result.final_eval,
+                    "real_token_fraction": result.real_tokens / max(result.padded_tokens, 1),
+                    "seconds": round(result.seconds, 2),
+                },
+            },
+        )
+        out.write_manifest(manifest)
+        print(f"[train] {loss_type.value}: {result.steps} steps, loss {result.first_loss:.4f} -> "
+              f"{result.last_loss:.4f}; model in {out.path}")
+    accelerator.wait_for_everyone()
+    return out.path
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    return run_stage(TrainConfig, main, "rlhf train", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
