@@ -281,14 +281,13 @@ def evaluate(accelerator, model, task: TrainTask, ds, batch_size: int) -> dict[s
         for batch in sharded_batches(lengths, batch_size, accelerator.num_processes, accelerator.process_index):
             idx = batch if batch is not None else [0]  # a stand-in forward keeps ZeRO-3 in step
             loss, metrics, _ = task.loss(model, task.collate(ds.select(idx).to_list()))
-            if batch is None:
-                continue
-            sums["loss"] = sums.get("loss", 0.0) + float(loss) * len(idx)
+            weight = 0.0 if batch is None else 1.0  # the stand-in adds zeros, but the same keys on every process
+            sums["loss"] = sums.get("loss", 0.0) + weight * float(loss) * len(idx)
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v.float().sum())
-            sums["_n"] = sums.get("_n", 0.0) + len(idx)
+                sums[k] = sums.get(k, 0.0) + weight * float(v.float().sum())
+            sums["_n"] = sums.get("_n", 0.0) + weight * len(idx)
     model.train()
-    totals = reduce_sums(accelerator, {k: sums.get(k, 0.0) for k in sorted(set(sums) | {"loss", "_n"})})
+    totals = reduce_sums(accelerator, sums)
     n = totals.pop("_n")
     return {k: v / n for k, v in totals.items()} if n else {}
 

@@ -1,0 +1,191 @@
+"""Integration: ref-logps and train on pairs the tiny kit's stages made, checked as a user would check them."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import load_from_disk
+from safetensors.torch import load_file
+
+from rlhf_pipeline import trainer
+from rlhf_pipeline.cli import main as rlhf
+
+REPO = Path(__file__).resolve().parents[1]
+
+LENGTH_REWARD = '''
+def reward(prompts, responses, **columns):
+    # Longer answers and answers that stopped are better: differences of several units between responses.
+    return [len(r) / 20 + (2.0 if f == "stop" else 0.0) for r, f in zip(responses, columns["finish_reasons"])]
+'''
+
+
+def run(*args) -> int:
+    return rlhf([str(a) for a in args])
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each in-process run builds its own Accelerator; accelerate keeps singletons between them."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, tiny_policy, bundled_prompts) -> Path:
+    """Pairs (with reference log-probs at the sampling temperature) from generate -> score -> filter -> ref-logps."""
+    d = tmp_path_factory.mktemp("train_data")
+    (d / "reward.py").write_text(LENGTH_REWARD)
+    assert run("generate", "--model", tiny_policy, "--prompts", bundled_prompts, "--output", d / "gen", "--n", 4,
+               "--max-new-tokens", 16, "--limit", 56) == 0
+    assert run("score", "--input", d / "gen", "--output", d / "scored", "--reward-fn", f"{d}/reward.py:reward") == 0
+    assert run("filter", "--input", d / "scored", "--output", d / "pairs", "--tokenizer", tiny_policy,
+               "--test-size", 8) == 0
+    assert run("ref-logps", "--model", tiny_policy, "--input", d / "pairs", "--output", d / "ref") == 0
+    return d
+
+
+def losses(path: Path, key: str = "loss/train") -> list[float]:
+    return [r[key] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines()) if key in r]
+
+
+def max_weight_diff(a: Path, b: Path) -> float:
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+
+
+def train_args(pairs: Path, policy: str, out: Path, *extra, data: str = "ref") -> list:
+    return ["train", "--model", policy, "--data", pairs / data, "--output", out, "--report-to", "none", *extra]
+
+
+def test_ref_logps_use_the_sampling_temperature(pairs, tiny_policy):
+    from rlhf_pipeline.chat import load_tokenizer
+    from rlhf_pipeline.logprobs import build_batch, sequence_logps
+    from rlhf_pipeline.modeling import load_causal_lm
+
+    manifest = json.loads((pairs / "ref" / "manifest.json").read_text())
+    assert manifest["ref_logps"]["temperature"] == 0.8  # read from the generate manifest, not retyped
+    dd = load_from_disk(str(pairs / "ref"))
+    row = dd["test"][0]
+    model, tok = load_causal_lm(tiny_policy), load_tokenizer(tiny_policy)
+    batch = build_batch([row["prompt_token_ids"]], [row["chosen_token_ids"]], tok.pad_token_id)
+    with torch.no_grad():
+        expected = sequence_logps(model, batch, temperature=0.8).item()
+    assert row["chosen_ref_logp"] == pytest.approx(expected, abs=1e-4)
+    assert all(v < 0 for v in dd["train"]["rejected_ref_logp"])
+
+
+# REBEL on pairs with precomputed reference log-probs; DPO on pairs without, so train computes them itself.
+@pytest.mark.parametrize("algo, lr, data", [("rebel", 1e-4, "ref"), ("dpo", 2e-3, "pairs")])
+def test_training_lowers_the_loss_changes_every_parameter_and_saves_a_loadable_model(
+    algo, lr, data, pairs, tiny_policy, tmp_path
+):
+    out = tmp_path / algo
+    assert run(*train_args(pairs, tiny_policy, out, "--algo", algo, "--max-steps", 30, "--batch-size", 4,
+                           "--learning-rate", lr, "--warmup-ratio", 0.0, data=data)) == 0
+    curve = losses(out)
+    assert len(curve) == 30
+    assert sum(curve[-5:]) / 5 < 0.7 * sum(curve[:5]) / 5, curve
+
+    before, after = load_file(Path(tiny_policy) / "model.safetensors"), load_file(out / "model.safetensors")
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert not unchanged, f"parameters that did not change: {unchanged}"
+
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = set().union(*records)
+    assert {"loss/train", "loss/eval", "reward/accuracy", "throughput/tokens_per_s", "lr", "grad_norm"} <= keys
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["training"]["steps"] == 30 and manifest["training"]["algo"] == algo
+    assert manifest["training"]["logp_temperature"] == (0.8 if algo == "rebel" else 1.0)
+    assert (out / "ref_logps").exists() == (data == "pairs")  # computed once, kept for a resumed run
+
+    from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids
+    from rlhf_pipeline.engines import SamplingSettings
+    from rlhf_pipeline.engines.hf import HFEngine
+
+    tok = load_tokenizer(str(out))
+    sampling = SamplingSettings(2, 0.8, 0.9, 0, 8, 0, tuple(stop_token_ids(tok, str(out))))
+    (completion,) = HFEngine(str(out), tok).generate(encode_prompts(tok, ["Review the park."]), [0], sampling)
+    assert len(completion.token_ids) == 2 and all(1 <= len(ids) <= 8 for ids in completion.token_ids)
+
+
+def test_dpo_refuses_reference_logps_made_at_another_temperature(pairs, tiny_policy, tmp_path, capsys):
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "t", "--algo", "dpo", "--max-steps", 1)) == 1
+    err = capsys.readouterr().err
+    assert "temperature 0.8" in err and "1.0" in err and "--temperature" in err
+    assert not (tmp_path / "t" / "manifest.json").exists()
+
+
+def test_batch_times_accumulation_is_invariant(pairs, tiny_policy, tmp_path):
+    common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 3, "--learning-rate", 1e-3]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "b4", *common, "--batch-size", 4)) == 0
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "b1", *common, "--batch-size", 1,
+                           "--gradient-accumulation-steps", 4)) == 0
+    assert losses(tmp_path / "b4") == pytest.approx(losses(tmp_path / "b1"), abs=1e-5)
+    assert max_weight_diff(tmp_path / "b4", tmp_path / "b1") < 1e-4
+
+
+def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_path, monkeypatch):
+    common = ["--algo", "rebel", "--max-steps", 6, "--batch-size", 2, "--save-every", 2, "--learning-rate", 1e-3]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "full", *common)) == 0
+
+    real_save = trainer.save_checkpoint
+
+    def save_then_crash(accelerator, model, tokenizer, output, state):
+        path = real_save(accelerator, model, tokenizer, output, state)
+        if state["step"] == 4:
+            raise KeyboardInterrupt  # as if Ctrl-C came right after the step-4 checkpoint
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common))
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    assert not (tmp_path / "cut" / "manifest.json").exists()
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common)) == 1  # unfinished: needs --resume
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common, "--resume")) == 0
+
+    assert losses(tmp_path / "cut") == pytest.approx(losses(tmp_path / "full"), abs=1e-6)
+    assert max_weight_diff(tmp_path / "cut", tmp_path / "full") < 1e-6
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+
+def test_finished_run_is_not_redone(pairs, tiny_policy, tmp_path, capsys):
+    args = train_args(pairs, tiny_policy, tmp_path / "once", "--algo", "rebel", "--max-steps", 2)
+    assert run(*args) == 0
+    stamp = (tmp_path / "once" / "manifest.json").read_text()
+    capsys.readouterr()
+    assert run(*args) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert (tmp_path / "once" / "manifest.json").read_text() == stamp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_zero3_equals_one_process(pairs, tiny_policy, tmp_path):
+    """2 processes x batch 2 under DeepSpeed ZeRO-3 (CPU, gloo) against 1 process x batch 2 x accumulation 2."""
+    common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 4, "--learning-rate", 1e-3]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "single", *common, "--batch-size", 2,
+                           "--gradient-accumulation-steps", 2)) == 0
+    accelerate = Path(sys.executable).parent / "accelerate"
+    cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
+           "--main_process_port", str(_free_port()), "-m", "rlhf_pipeline.stages.train",
+           *map(str, train_args(pairs, tiny_policy, tmp_path / "zero3", *common, "--batch-size", 2)[1:])]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-8000:]
+    assert losses(tmp_path / "zero3") == pytest.approx(losses(tmp_path / "single"), abs=1e-5)
+    assert losses(tmp_path / "zero3", "loss/eval") == pytest.approx(losses(tmp_path / "single", "loss/eval"), abs=1e-5)
+    assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
