@@ -172,6 +172,12 @@ def make_accelerator(config: TrainOptions):
         log_with=None if config.report_to == "none" else config.report_to,
         project_dir=str(Path(config.output).expanduser()),
     )
+    if accelerator.num_processes > 1 and accelerator.state.deepspeed_plugin is None:
+        # logprobs.token_logps calls the decoder and LM head directly, which DDP's gradient sync would miss.
+        raise PipelineError(
+            f"{accelerator.num_processes} processes without DeepSpeed: the trainer runs multi-process only under "
+            "DeepSpeed; launch with --config_file accelerate_cfgs/zero2.yaml (or zero3.yaml)"
+        )
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
         # We build batches ourselves (no DataLoader for accelerate to read sizes from), so tell DeepSpeed.
@@ -385,6 +391,9 @@ def train(
     if config.report_to != "none":
         accelerator.init_trackers("runs", config={k: v for k, v in vars(config).items() if v is not None})
     metrics = Metrics(accelerator, output, step)
+    baseline = evaluate(accelerator, model, task, eval_ds, config.eval_batch_size) if step == 0 else {}
+    if baseline:  # the test split before any update
+        metrics.log(0, eval_names(baseline))
 
     first_loss = last_loss = None
     real_total = padded_total = 0
