@@ -158,9 +158,22 @@ def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_pa
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
 
-def test_finished_run_is_not_redone(pairs, tiny_policy, tmp_path, capsys):
-    args = train_args(pairs, tiny_policy, tmp_path / "once", "--algo", "rebel", "--max-steps", 2)
+def test_finished_run_is_not_redone_and_pushes_only_the_model(pairs, tiny_policy, tmp_path, capsys, monkeypatch):
+    uploads = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kw):
+            uploads.append(("create", repo_id))
+
+        def upload_folder(self, **kw):
+            uploads.append(("upload", kw["repo_id"], kw["folder_path"], kw["ignore_patterns"]))
+
+    monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
+    args = train_args(pairs, tiny_policy, tmp_path / "once", "--algo", "rebel", "--max-steps", 2,
+                      "--push-to-hub", "org/tiny-rebel")
     assert run(*args) == 0
+    assert uploads == [("create", "org/tiny-rebel"),
+                       ("upload", "org/tiny-rebel", str(tmp_path / "once"), ["checkpoints/*", "runs/*", "ref_logps/*"])]
     stamp = (tmp_path / "once" / "manifest.json").read_text()
     capsys.readouterr()
     assert run(*args) == 0

@@ -91,7 +91,7 @@ class TrainTask(Protocol):
         ...
 
     def loss(self, model: Any, batch: Any) -> tuple[Any, dict[str, Any], tuple[int, int]]:
-        """(scalar mean loss, detached per-example metrics (B,), (real tokens, padded tokens))."""
+        """(scalar mean loss, detached per-example metrics (B,), (real tokens, all token positions processed))."""
         ...
 
 
@@ -309,7 +309,7 @@ class TrainResult:
     last_loss: float | None
     final_eval: dict[str, float]
     real_tokens: int
-    padded_tokens: int
+    all_tokens: int  # token positions processed, padding included
     seconds: float
 
 
@@ -396,7 +396,7 @@ def train(
         metrics.log(0, eval_names(baseline))
 
     first_loss = last_loss = None
-    real_total = padded_total = 0
+    real_tokens = all_tokens = 0
     started = time.time()
     total_steps = setup.total_steps
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
@@ -408,7 +408,7 @@ def train(
         for ids in micro_batches(batch_ids, lengths, config.batch_size, world, config.gradient_accumulation_steps, rank):
             batch = task.collate(train_ds.select(ids).to_list())
             with accelerator.accumulate(model):
-                loss, per_example, (real, padded) = task.loss(model, batch)
+                loss, per_example, (real, total) = task.loss(model, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and config.max_grad_norm > 0:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
@@ -421,14 +421,14 @@ def train(
                 sums[k] = sums.get(k, 0.0) + float(v.float().sum())
             sums["_n"] = sums.get("_n", 0.0) + len(ids)
             sums["_real"] = sums.get("_real", 0.0) + real
-            sums["_padded"] = sums.get("_padded", 0.0) + padded
+            sums["_total"] = sums.get("_total", 0.0) + total
         scheduler.step()
         step += 1
         bar.update(1)
         totals = reduce_sums(accelerator, sums)
-        n, real, padded = totals.pop("_n"), totals.pop("_real"), totals.pop("_padded")
-        real_total += int(real)
-        padded_total += int(padded)
+        n, real, total = totals.pop("_n"), totals.pop("_real"), totals.pop("_total")
+        real_tokens += int(real)
+        all_tokens += int(total)
         step_loss = totals["loss"] / n
         first_loss = step_loss if first_loss is None else first_loss
         last_loss = step_loss
@@ -439,7 +439,7 @@ def train(
             values["lr"] = scheduler.get_last_lr()[0]
             values["epoch"] = step / setup.steps_per_epoch
             values["throughput/tokens_per_s"] = real / max(time.time() - t0, 1e-9)
-            values["throughput/real_token_fraction"] = real / max(padded, 1)
+            values["throughput/real_token_fraction"] = real / max(total, 1)
             metrics.log(step, values)
             bar.set_postfix(loss=f"{step_loss:.4f}")
         if config.eval_every and step % config.eval_every == 0 and step < total_steps:
@@ -456,7 +456,23 @@ def train(
     accelerator.wait_for_everyone()
     if config.report_to != "none":
         accelerator.end_training()
-    return TrainResult(step, first_loss, last_loss, final_eval, real_total, padded_total, time.time() - started)
+    return TrainResult(step, first_loss, last_loss, final_eval, real_tokens, all_tokens, time.time() - started)
+
+
+def push_model_to_hub(output: Path, repo_id: str) -> None:
+    """Upload the final model (not the checkpoints, logs or cached reference log-probs). The token comes from the
+    environment (HF_TOKEN), read by huggingface_hub."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, repo_type="model", exist_ok=True)
+    api.upload_folder(
+        folder_path=str(output),
+        repo_id=repo_id,
+        repo_type="model",
+        ignore_patterns=[f"{CHECKPOINTS}/*", "runs/*", "ref_logps/*"],
+    )
+    print(f"pushed to https://huggingface.co/{repo_id}")
 
 
 def finish_distributed() -> None:

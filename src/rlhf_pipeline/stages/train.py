@@ -150,7 +150,7 @@ def main(config: TrainConfig) -> Path:
 def _main(config: TrainConfig) -> Path:
     from rlhf_pipeline.chat import load_tokenizer
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
-    from rlhf_pipeline.trainer import load_trainable, make_accelerator, prepare, train
+    from rlhf_pipeline.trainer import load_trainable, make_accelerator, prepare, push_model_to_hub, train
 
     try:
         loss_type, params = config.loss_params()
@@ -202,7 +202,7 @@ def _main(config: TrainConfig) -> Path:
                     "loss_first_step": result.first_loss,
                     "loss_last_step": result.last_loss,
                     "eval": result.final_eval,
-                    "real_token_fraction": result.real_tokens / max(result.padded_tokens, 1),
+                    "real_token_fraction": result.real_tokens / max(result.all_tokens, 1),
                     "seconds": round(result.seconds, 2),
                 },
             },
@@ -210,6 +210,8 @@ def _main(config: TrainConfig) -> Path:
         out.write_manifest(manifest)
         print(f"[train] {loss_type.value}: {result.steps} steps, loss {result.first_loss:.4f} -> "
               f"{result.last_loss:.4f}; model in {out.path}")
+        if config.push_to_hub:
+            push_model_to_hub(out.path, config.push_to_hub)
     accelerator.wait_for_everyone()
     return out.path
 
