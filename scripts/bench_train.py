@@ -77,8 +77,10 @@ def time_steps(policy: str, data: Path, rounds: int, steps: int) -> dict:
     from rlhf_pipeline.trainer import global_batches
 
     torch.manual_seed(0)
+    from rlhf_pipeline.chat import load_tokenizer
+
     ds = load_from_disk(str(data))["train"]
-    pad_id = 0
+    pad_id = load_tokenizer(policy).pad_token_id
     model = AutoModelForCausalLM.from_pretrained(policy)
     reference = AutoModelForCausalLM.from_pretrained(policy).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
