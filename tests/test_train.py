@@ -133,7 +133,7 @@ def test_batch_times_accumulation_is_invariant(pairs, tiny_policy, tmp_path):
     assert max_weight_diff(tmp_path / "b4", tmp_path / "b1") < 1e-4
 
 
-def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_path, monkeypatch):
+def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_path, monkeypatch, capsys):
     common = ["--algo", "rebel", "--max-steps", 6, "--batch-size", 2, "--save-every", 2, "--learning-rate", 1e-3]
     assert run(*train_args(pairs, tiny_policy, tmp_path / "full", *common)) == 0
 
@@ -151,6 +151,10 @@ def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_pa
     monkeypatch.setattr(trainer, "save_checkpoint", real_save)
     assert not (tmp_path / "cut" / "manifest.json").exists()
     assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common)) == 1  # unfinished: needs --resume
+    other = [a if a != 1e-3 else 5e-4 for a in common]  # another learning rate cannot continue this run
+    capsys.readouterr()
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *other, "--resume")) == 1
+    assert "started with another config or inputs (learning_rate 0.001 -> 0.0005)" in capsys.readouterr().err
     assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common, "--resume")) == 0
 
     assert losses(tmp_path / "cut") == pytest.approx(losses(tmp_path / "full"), abs=1e-6)
@@ -202,3 +206,17 @@ def test_two_process_zero3_equals_one_process(pairs, tiny_policy, tmp_path):
     assert losses(tmp_path / "zero3") == pytest.approx(losses(tmp_path / "single"), abs=1e-5)
     assert losses(tmp_path / "zero3", "loss/eval") == pytest.approx(losses(tmp_path / "single", "loss/eval"), abs=1e-5)
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
+
+
+def test_dropout_is_disabled_for_training(tiny_policy):
+    """Reference log-probs are taken without dropout, so the policy's must be too."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.trainer import disable_dropout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, attention_dropout=0.3)
+    assert any(getattr(m, "attention_dropout", 0) == 0.3 for m in model.modules())
+    model.lm_head = torch.nn.Sequential(torch.nn.Dropout(0.2), model.lm_head)
+    disable_dropout(model)
+    assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in model.modules())
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))

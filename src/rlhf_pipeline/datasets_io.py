@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+RUN_RECORD = "run_started.json"  # an in-place output's config and inputs, written when it starts
 FILE_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _HUB_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?::(?P<split>[\w.-]+))?(?:@(?P<revision>[\w./-]+))?$")
 
@@ -269,8 +270,11 @@ class StageOutput:
         """True when the output already holds this exact run; raises when it holds another one.
 
         ``resume`` is for stages that fill their output in place (training): True continues an unfinished output
-        (no manifest yet), False refuses it with a hint to pass ``--resume``; None means the stage cannot resume.
+        (no manifest yet) when it was started with the same config and inputs, False refuses it with a hint to pass
+        ``--resume``; None means the stage cannot resume. Afterwards ``self.replace`` says whether an existing
+        output must be removed before the run starts (``--overwrite``).
         """
+        self.replace = False
         clean_stale(self.path)
         if not self.path.exists():
             return False
@@ -278,7 +282,20 @@ class StageOutput:
             raise PipelineError(f"--output {self.path}: exists and is a file; choose a directory path")
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
-            if self.config.overwrite or resume:
+            started = self.path / RUN_RECORD
+            if resume and started.exists():
+                diffs = self._same_run(json.loads(started.read_text()))
+                if not diffs:
+                    return False
+                if not self.config.overwrite:
+                    raise PipelineError(
+                        f"--output {self.path}: its unfinished run was started with another config or inputs "
+                        f"({'; '.join(diffs)}); pass --overwrite to start over, or resume with the same options"
+                    )
+            elif resume:
+                return False
+            if self.config.overwrite:
+                self.replace = True
                 return False
             hint = "pass --resume to continue it, or --overwrite to start over" if resume is False else (
                 "remove it, choose another --output, or pass --overwrite"
@@ -293,11 +310,18 @@ class StageOutput:
             return True
         if self.config.overwrite:
             log.info("%s: replacing %s (%s)", self.stage, self.path, "; ".join(diffs))
+            self.replace = True
             return False
         raise PipelineError(
             f"--output {self.path}: holds a {self.stage} run with a different config or inputs "
             f"({'; '.join(diffs)}); pass --overwrite to replace it or choose another --output"
         )
+
+    def record_start(self) -> None:
+        """For outputs filled in place: note the config and inputs, so that ``--resume`` can check them."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        record = {"stage": self.stage, "config": to_dict(self.config), "inputs": self.input_records}
+        (self.path / RUN_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
     def manifest(
         self,

@@ -193,9 +193,40 @@ def load_trainable(config: TrainOptions, loader: Callable[..., Any]):
     """A model in float32 master weights (mixed precision and DeepSpeed cast as configured)."""
     model = loader(config.model, trust_remote_code=config.trust_remote_code)
     model.config.use_cache = False
+    disable_dropout(model)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def disable_dropout(model: Any) -> None:
+    """Dropout off: the reference log-probs are computed without it, so the policy's must be too (as TRL does)."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # applied functionally (Llama, Qwen)
+            module.attention_dropout = 0.0
+
+
+def on_main_process(accelerator, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on the main process only; if it fails, every process raises instead of waiting forever."""
+    from accelerate.utils import broadcast_object_list
+
+    error = None
+    if accelerator.is_main_process:
+        try:
+            fn()
+        except Exception as e:  # reported to every process below, then re-raised here
+            error = e
+    if accelerator.num_processes > 1:
+        flag = [None if error is None else f"{type(error).__name__}: {error}"]
+        broadcast_object_list(flag)
+        if flag[0] is not None and error is None:
+            raise RuntimeError(f"the main process failed: {flag[0]}")
+    if error is not None:
+        raise error
 
 
 def unwrap(model: Any) -> Any:
@@ -209,9 +240,12 @@ def unwrap(model: Any) -> Any:
 def save_model(accelerator, model, tokenizer, path: Path) -> None:
     """A full save_pretrained directory (safetensors); under ZeRO-3 the shards are gathered first."""
     state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3: every process calls it
-    if accelerator.is_main_process:
+
+    def write() -> None:
         unwrap(model).save_pretrained(path, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(path)
+
+    on_main_process(accelerator, write)
 
 
 def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str, Any]) -> Path:
@@ -251,7 +285,10 @@ class Metrics:
         self.path = output / "metrics.jsonl"
         if accelerator.is_main_process and self.path.exists():
             # A resumed run rewrites the steps after its checkpoint.
-            kept = [l for l in self.path.read_text().splitlines() if l and json.loads(l)["step"] <= resume_step]
+            kept = [
+                l for l in self.path.read_text().splitlines()
+                if l and resume_step > 0 and json.loads(l)["step"] <= resume_step
+            ]
             self.path.write_text("".join(l + "\n" for l in kept))
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -286,7 +323,8 @@ def evaluate(accelerator, model, task: TrainTask, ds, batch_size: int) -> dict[s
     with torch.no_grad():
         for batch in sharded_batches(lengths, batch_size, accelerator.num_processes, accelerator.process_index):
             idx = batch if batch is not None else [0]  # a stand-in forward keeps ZeRO-3 in step
-            loss, metrics, _ = task.loss(model, task.collate(ds.select(idx).to_list()))
+            with accelerator.autocast():
+                loss, metrics, _ = task.loss(model, task.collate(ds.select(idx).to_list()))
             weight = 0.0 if batch is None else 1.0  # the stand-in adds zeros, but the same keys on every process
             sums["loss"] = sums.get("loss", 0.0) + weight * float(loss) * len(idx)
             for k, v in metrics.items():
@@ -344,7 +382,8 @@ def prepare(config: TrainOptions, accelerator, model, num_train_rows: int) -> Se
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+            shape = getattr(p, "ds_shape", p.shape)  # under zero.Init a parameter is an empty 1-D shard
+            (no_decay if len(shape) < 2 or "norm" in name.lower() else decay).append(p)
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=config.learning_rate,
@@ -395,9 +434,11 @@ def train(
     if baseline:  # the test split before any update
         metrics.log(0, eval_names(baseline))
 
-    first_loss = last_loss = None
-    real_tokens = all_tokens = 0
-    started = time.time()
+    totals_so_far = json.loads((checkpoint / TRAINER_STATE).read_text()) if checkpoint is not None else {}
+    first_loss = last_loss = totals_so_far.get("first_loss")
+    real_tokens = totals_so_far.get("real_tokens", 0)
+    all_tokens = totals_so_far.get("all_tokens", 0)
+    started = time.time() - totals_so_far.get("seconds", 0.0)
     total_steps = setup.total_steps
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     while step < total_steps:
@@ -407,7 +448,8 @@ def train(
         sums: dict[str, float] = {}
         for ids in micro_batches(batch_ids, lengths, config.batch_size, world, config.gradient_accumulation_steps, rank):
             batch = task.collate(train_ds.select(ids).to_list())
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model), accelerator.autocast():
+                # autocast by hand: logprobs calls the decoder and LM head directly, not model.forward
                 loss, per_example, (real, total) = task.loss(model, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and config.max_grad_norm > 0:
@@ -445,7 +487,9 @@ def train(
         if config.eval_every and step % config.eval_every == 0 and step < total_steps:
             metrics.log(step, eval_names(evaluate(accelerator, model, task, eval_ds, config.eval_batch_size)))
         if config.save_every and step % config.save_every == 0 and step < total_steps:
-            save_checkpoint(accelerator, model, tokenizer, output, {"step": step, "epoch": epoch})
+            state = {"step": step, "epoch": epoch, "first_loss": first_loss, "real_tokens": real_tokens,
+                     "all_tokens": all_tokens, "seconds": time.time() - started}
+            save_checkpoint(accelerator, model, tokenizer, output, state)
     bar.close()
 
     final_eval = evaluate(accelerator, model, task, eval_ds, config.eval_batch_size)

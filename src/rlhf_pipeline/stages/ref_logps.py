@@ -86,7 +86,8 @@ def compute_ref_logps(accelerator, model, ds, pad_id: int, temperature: float, b
     with torch.no_grad():
         for idx in tqdm(batches, desc="reference log-probs", unit="batch", disable=not accelerator.is_main_process):
             rows = ds.select(idx if idx is not None else [0]).to_list()  # a stand-in keeps ZeRO-3 processes in step
-            chosen, rejected, _ = pair_logps(model, rows, pad_id, temperature)
+            with accelerator.autocast():
+                chosen, rejected, _ = pair_logps(model, rows, pad_id, temperature)
             if idx is not None:
                 results += zip(idx, chosen.tolist(), rejected.tolist())
     model.train(was_training)

@@ -83,7 +83,7 @@ class PairTask:
         def column(name):
             return torch.tensor([r[name] for r in rows], dtype=dtype, device=device)
 
-        lengths = response_lengths(batch).to(dtype)
+        lengths = response_lengths(batch).to(dtype).clamp(min=1)  # an empty response must not divide by zero
         needs_ref = self.loss_type.needs_reference
         losses, metrics = compute_pair_loss(
             self.loss_type,
@@ -150,7 +150,14 @@ def main(config: TrainConfig) -> Path:
 def _main(config: TrainConfig) -> Path:
     from rlhf_pipeline.chat import load_tokenizer
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
-    from rlhf_pipeline.trainer import load_trainable, make_accelerator, prepare, push_model_to_hub, train
+    from rlhf_pipeline.trainer import (
+        load_trainable,
+        make_accelerator,
+        on_main_process,
+        prepare,
+        push_model_to_hub,
+        train,
+    )
 
     try:
         loss_type, params = config.loss_params()
@@ -159,12 +166,15 @@ def _main(config: TrainConfig) -> Path:
     ref = parse_ref(config.data)
     out = StageOutput("train", config, inputs=[ref])
     accelerator = make_accelerator(config)
-    if out.done(resume=config.resume):
+    finished = out.done(resume=config.resume)
+    accelerator.wait_for_everyone()  # every process has looked before the main process changes anything
+    if finished:
         return out.path
-    if out.path.exists() and not config.resume:  # --overwrite of an older run
-        if accelerator.is_main_process:
+    if accelerator.is_main_process:
+        if out.replace:  # --overwrite of another run
             shutil.rmtree(out.path)
-        accelerator.wait_for_everyone()
+        out.record_start()
+    accelerator.wait_for_everyone()
     dd = load_dataset_dict(ref, required=("train",))
     for split, ds in dd.items():
         check_pairs(ds, f"{ref}:{split}")
@@ -188,7 +198,8 @@ def _main(config: TrainConfig) -> Path:
         config, accelerator, setup, tokenizer, task, dd["train"], dd.get("test"),
         train_names=train_names, eval_names=eval_names,
     )
-    if accelerator.is_main_process:
+
+    def finish() -> None:
         manifest = out.manifest(
             rows_in=sum(ds.num_rows for ds in dd.values()),
             rows_out=result.steps,
@@ -207,12 +218,13 @@ def _main(config: TrainConfig) -> Path:
                 },
             },
         )
+        if config.push_to_hub:  # before the manifest: a failed upload leaves the run unfinished, to be rerun
+            push_model_to_hub(out.path, config.push_to_hub)
         out.write_manifest(manifest)
         print(f"[train] {loss_type.value}: {result.steps} steps, loss {result.first_loss:.4f} -> "
               f"{result.last_loss:.4f}; model in {out.path}")
-        if config.push_to_hub:
-            push_model_to_hub(out.path, config.push_to_hub)
-    accelerator.wait_for_everyone()
+
+    on_main_process(accelerator, finish)
     return out.path
 
 
