@@ -90,6 +90,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str
     return tok
 
 
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that pads batches: the tokenizer's pad token, else its EOS (many chat models ship no pad token).
+    Padded positions are masked out, so which id fills them does not change any result."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Iterable[str | list[dict[str, str]]], use_chat_template: bool = True
 ) -> list[list[int]]:

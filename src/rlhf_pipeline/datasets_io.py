@@ -345,12 +345,14 @@ class StageOutput:
             **(extra or {}),
         }
 
-    def write_manifest(self, manifest: dict[str, Any]) -> None:
-        """Mark an output that was filled in place (a training run) as complete."""
+    def write_manifest(self, manifest: dict[str, Any], directory: Path | None = None) -> None:
+        """Stamp the wall time and write ``manifest.json`` into ``directory`` (default: the output, for outputs
+        filled in place such as a training run, where it marks the run complete)."""
         manifest["wall_time_s"] = round(time.time() - self.started, 3)
-        tmp = self.path / f".{MANIFEST}.tmp"
+        directory = self.path if directory is None else directory
+        tmp = directory / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-        os.replace(tmp, self.path / MANIFEST)
+        os.replace(tmp, directory / MANIFEST)
 
     def save(
         self,
@@ -371,8 +373,7 @@ class StageOutput:
         manifest = self.manifest(rows_in=rows_in, rows_out=rows_out, dropped=dropped, extra=extra)
         with atomic_directory(self.path) as tmp:
             data.save_to_disk(str(tmp))
-            manifest["wall_time_s"] = round(time.time() - self.started, 3)
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+            self.write_manifest(manifest, tmp)
         print(f"[{self.stage}] wrote {self.path} ({_rows_text(rows_out)}) in {manifest['wall_time_s']:.1f}s")
         if self.config.push_to_hub:
             push_to_hub(data, self.path / MANIFEST, self.config.push_to_hub)

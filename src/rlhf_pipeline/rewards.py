@@ -97,16 +97,14 @@ class RewardModelScorer:
         batch_size: int = 16,
         max_length: int = 4096,
     ):
-        from rlhf_pipeline.chat import load_tokenizer
+        from rlhf_pipeline.chat import load_tokenizer, pad_id
         from rlhf_pipeline.modeling import load_reward_model
 
         self.tokenizer = load_tokenizer(path, trust_remote_code)
         self.model = load_reward_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
         self.batch_size = batch_size
         self.max_length = max_length
-        pad = self.tokenizer.pad_token_id
-        if pad is None:
-            pad = self.tokenizer.eos_token_id
+        pad = pad_id(self.tokenizer)
         if self.model.config.pad_token_id is None:
             # transformers finds each sequence's last real token through pad_token_id; without one it refuses
             # batches larger than 1.

@@ -311,6 +311,14 @@ def reduce_sums(accelerator, sums: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def add_to_sums(sums: dict[str, float], loss, metrics: dict[str, Any], n: int, weight: float = 1.0) -> None:
+    """Accumulate a micro-batch's mean loss and per-example metrics as sums over examples (``_n`` counts them)."""
+    sums["loss"] = sums.get("loss", 0.0) + weight * float(loss.detach()) * n
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + weight * float(v.float().sum())
+    sums["_n"] = sums.get("_n", 0.0) + weight * n
+
+
 def evaluate(accelerator, model, task: TrainTask, ds, batch_size: int) -> dict[str, float]:
     """Mean loss and metrics over a split, every example counted once across processes."""
     import torch
@@ -325,11 +333,8 @@ def evaluate(accelerator, model, task: TrainTask, ds, batch_size: int) -> dict[s
             idx = batch if batch is not None else [0]  # a stand-in forward keeps ZeRO-3 in step
             with accelerator.autocast():
                 loss, metrics, _ = task.loss(model, task.collate(ds.select(idx).to_list()))
-            weight = 0.0 if batch is None else 1.0  # the stand-in adds zeros, but the same keys on every process
-            sums["loss"] = sums.get("loss", 0.0) + weight * float(loss) * len(idx)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + weight * float(v.float().sum())
-            sums["_n"] = sums.get("_n", 0.0) + weight * len(idx)
+            # The stand-in adds zeros, but the same keys on every process.
+            add_to_sums(sums, loss, metrics, len(idx), weight=0.0 if batch is None else 1.0)
     model.train()
     totals = reduce_sums(accelerator, sums)
     n = totals.pop("_n")
@@ -458,10 +463,7 @@ def train(
                         sums["grad_norm"] = float(grad_norm) / world  # the same value on every process
                 optimizer.step()
                 optimizer.zero_grad()
-            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * len(ids)
-            for k, v in per_example.items():
-                sums[k] = sums.get(k, 0.0) + float(v.float().sum())
-            sums["_n"] = sums.get("_n", 0.0) + len(ids)
+            add_to_sums(sums, loss, per_example, len(ids))
             sums["_real"] = sums.get("_real", 0.0) + real
             sums["_total"] = sums.get("_total", 0.0) + total
         scheduler.step()

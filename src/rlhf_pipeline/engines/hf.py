@@ -43,13 +43,13 @@ class HFEngine:
         trust_remote_code: bool = False,
         batch_size: int = 16,
     ):
+        from rlhf_pipeline.chat import pad_id
         from rlhf_pipeline.modeling import load_causal_lm
 
         self.model = load_causal_lm(model, dtype=dtype, trust_remote_code=trust_remote_code)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.pad_id = pad
+        self.pad_id = pad_id(tokenizer)
 
     def _generation_config(self, sampling: SamplingSettings):
         from transformers import GenerationConfig

@@ -131,7 +131,7 @@ def resolve_temperature(requested: float | None, sampling: dict | None, source: 
 def main(config: RefLogpsConfig) -> Path:
     from accelerate import Accelerator
 
-    from rlhf_pipeline.chat import load_tokenizer
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.modeling import load_causal_lm
 
@@ -150,9 +150,8 @@ def main(config: RefLogpsConfig) -> Path:
     model = load_causal_lm(
         config.model, dtype=config.dtype, trust_remote_code=config.trust_remote_code, device=accelerator.device
     )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     values = {
-        split: compute_ref_logps(accelerator, model, ds, pad_id, temperature, config.batch_size)
+        split: compute_ref_logps(accelerator, model, ds, pad_id(tokenizer), temperature, config.batch_size)
         for split, ds in dd.items()
     }
     if accelerator.is_main_process:

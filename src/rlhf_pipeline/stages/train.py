@@ -112,6 +112,7 @@ def _reference_columns(accelerator, setup_model, dd, config, temperature, pad_id
     """The splits with reference log-prob columns: from the data, from OUTPUT/ref_logps, or computed now."""
     from datasets import load_from_disk
 
+    from rlhf_pipeline.datasets_io import atomic_directory
     from rlhf_pipeline.stages.ref_logps import add_ref_columns, compute_ref_logps
 
     if all(c in ds.column_names for ds in dd.values() for c in REF_COLUMNS):
@@ -131,9 +132,8 @@ def _reference_columns(accelerator, setup_model, dd, config, temperature, pad_id
     }
     dd = add_ref_columns(dd, values)
     if accelerator.is_main_process:
-        dd.save_to_disk(str(cache.with_name("ref_logps.tmp")))
-        shutil.rmtree(cache, ignore_errors=True)
-        cache.with_name("ref_logps.tmp").rename(cache)
+        with atomic_directory(cache) as tmp:
+            dd.save_to_disk(str(tmp))
     accelerator.wait_for_everyone()
     return dd
 
@@ -148,7 +148,7 @@ def main(config: TrainConfig) -> Path:
 
 
 def _main(config: TrainConfig) -> Path:
-    from rlhf_pipeline.chat import load_tokenizer
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.trainer import (
         load_trainable,
@@ -186,14 +186,14 @@ def _main(config: TrainConfig) -> Path:
     from transformers import AutoModelForCausalLM
 
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
     setup = prepare(config, accelerator, model, dd["train"].num_rows)
     if loss_type.needs_reference:
         dd = _reference_columns(
-            accelerator, setup.model, dd, config, temperature, pad_id, find_in_lineage([ref], "ref_logps"), out.path
+            accelerator, setup.model, dd, config, temperature, pad, find_in_lineage([ref], "ref_logps"), out.path
         )
-    task = PairTask(loss_type, params, temperature, pad_id)
+    task = PairTask(loss_type, params, temperature, pad)
     result = train(
         config, accelerator, setup, tokenizer, task, dd["train"], dd.get("test"),
         train_names=train_names, eval_names=eval_names,
