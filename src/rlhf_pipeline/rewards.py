@@ -85,6 +85,28 @@ def reward_from_output(output: Any):
     return values.float()
 
 
+def pad_right(sequences: list[list[int]], pad_id: int):
+    """(input_ids, attention_mask) long tensors, right-padded to the longest sequence: how reward models read
+    batches here, in scoring and in training (the model finds each sequence's last real token through
+    ``config.pad_token_id``)."""
+    import torch
+
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[row, : len(seq)] = 1
+    return input_ids, attention_mask
+
+
+def prepare_reward_model(model, pad: int) -> None:
+    """transformers finds each sequence's last real token through ``config.pad_token_id``; without one it refuses
+    batches larger than 1. Set it from the tokenizer's pad (or EOS) when the model has none."""
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = pad
+
+
 class RewardModelScorer:
     """Batched, length-sorted scoring with a sequence-classification reward model."""
 
@@ -104,12 +126,8 @@ class RewardModelScorer:
         self.model = load_reward_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
         self.batch_size = batch_size
         self.max_length = max_length
-        pad = pad_id(self.tokenizer)
-        if self.model.config.pad_token_id is None:
-            # transformers finds each sequence's last real token through pad_token_id; without one it refuses
-            # batches larger than 1.
-            self.model.config.pad_token_id = pad
-        self.pad_id = pad
+        self.pad_id = pad_id(self.tokenizer)
+        prepare_reward_model(self.model, self.pad_id)
         self.truncated = 0
 
     def encode(self, prompts: list, responses: list[str]) -> list[list[int]]:
@@ -131,12 +149,7 @@ class RewardModelScorer:
         with tqdm(total=len(sequences), desc="score", unit="seq") as bar:
             for start in range(0, len(order), self.batch_size):
                 batch = order[start : start + self.batch_size]
-                width = len(sequences[batch[0]])
-                input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-                for row, i in enumerate(batch):  # right padding
-                    input_ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
-                    attention_mask[row, : len(sequences[i])] = 1
+                input_ids, attention_mask = pad_right([sequences[i] for i in batch], self.pad_id)
                 with torch.no_grad():
                     out = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
                 for i, value in zip(batch, reward_from_output(out).tolist()):

@@ -505,6 +505,86 @@ def train(
     return TrainResult(step, first_loss, last_loss, final_eval, real_tokens, all_tokens, time.time() - started)
 
 
+def train_test_splits(ref, test_size: float, seed: int):
+    """The ``train`` and ``test`` splits of a training dataset. A source without a ``test`` split (a JSONL file, say)
+    has one split off with a seeded ``test_size`` (a row count, or a fraction below 1); 0 means no evaluation."""
+    import datasets
+
+    from rlhf_pipeline.datasets_io import load_dataset_dict
+    from rlhf_pipeline.selection import split_indices
+
+    dd = load_dataset_dict(ref)
+    if "test" in dd and "train" in dd:
+        return datasets.DatasetDict({"train": dd["train"], "test": dd["test"]})
+    if len(dd) != 1 and "train" not in dd:
+        raise PipelineError(f"{ref}: has splits {', '.join(dd)} but no 'train'; choose one as {ref}:SPLIT")
+    ds = dd["train"] if "train" in dd else next(iter(dd.values()))
+    if not test_size:
+        return datasets.DatasetDict({"train": ds})
+    try:
+        train_rows, test_rows = split_indices(ds.num_rows, test_size, seed)
+    except ValueError as e:
+        raise PipelineError(f"{ref}: {e}; pass another --test-size") from None
+    return datasets.DatasetDict({"train": ds.select(train_rows), "test": ds.select(test_rows)})
+
+
+@dataclass
+class StageRun:
+    """What a training stage's body hands back to :func:`run_training_stage` for the manifest."""
+
+    result: TrainResult
+    rows_in: int
+    extra: dict[str, Any]
+    summary: str  # one line for the console
+    dropped: Optional[dict[str, int]] = None
+
+
+def run_training_stage(stage: str, config: TrainOptions, inputs: list, body: Callable[[Any, Any], StageRun]) -> Path:
+    """The frame every training stage shares: skip a finished run, refuse or resume an unfinished one, build the
+    accelerator, run ``body(accelerator, stage_output)``, then (main process) push and write the manifest that
+    marks the run complete. The process group is destroyed on the way out, whatever happens."""
+    from rlhf_pipeline.datasets_io import StageOutput
+
+    try:
+        out = StageOutput(stage, config, inputs=inputs)
+        accelerator = make_accelerator(config)
+        finished = out.done(resume=config.resume)
+        accelerator.wait_for_everyone()  # every process has looked before the main process changes anything
+        if finished:
+            return out.path
+        if accelerator.is_main_process:
+            if out.replace:  # --overwrite of another run
+                shutil.rmtree(out.path)
+            out.record_start()
+        accelerator.wait_for_everyone()
+        run = body(accelerator, out)
+
+        def finish() -> None:
+            manifest = out.manifest(rows_in=run.rows_in, rows_out=run.result.steps, dropped=run.dropped,
+                                    extra=run.extra)
+            if config.push_to_hub:  # before the manifest: a failed upload leaves the run unfinished, to be rerun
+                push_model_to_hub(out.path, config.push_to_hub)
+            out.write_manifest(manifest)
+            print(f"[{stage}] {run.summary}; model in {out.path}")
+
+        on_main_process(accelerator, finish)
+        return out.path
+    finally:
+        finish_distributed()
+
+
+def training_summary(result: TrainResult) -> dict[str, Any]:
+    """The manifest's record of a training run."""
+    return {
+        "steps": result.steps,
+        "loss_first_step": result.first_loss,
+        "loss_last_step": result.last_loss,
+        "eval": result.final_eval,
+        "real_token_fraction": result.real_tokens / max(result.all_tokens, 1),
+        "seconds": round(result.seconds, 2),
+    }
+
+
 def push_model_to_hub(output: Path, repo_id: str) -> None:
     """Upload the final model (not the checkpoints, logs or cached reference log-probs). The token comes from the
     environment (HF_TOKEN), read by huggingface_hub."""

@@ -17,7 +17,6 @@ The output directory is a ``save_pretrained`` model that the next iteration's vL
 
 from __future__ import annotations
 
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,42 +138,25 @@ def _reference_columns(accelerator, setup_model, dd, config, temperature, pad_id
 
 
 def main(config: TrainConfig) -> Path:
-    from rlhf_pipeline.trainer import finish_distributed
+    from rlhf_pipeline.datasets_io import parse_ref
+    from rlhf_pipeline.trainer import run_training_stage
 
     try:
-        return _main(config)
-    finally:
-        finish_distributed()
-
-
-def _main(config: TrainConfig) -> Path:
-    from rlhf_pipeline.chat import load_tokenizer, pad_id
-    from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
-    from rlhf_pipeline.trainer import (
-        load_trainable,
-        make_accelerator,
-        on_main_process,
-        prepare,
-        push_model_to_hub,
-        train,
-    )
-
-    try:
-        loss_type, params = config.loss_params()
+        config.loss_params()
     except ValueError as e:
         raise PipelineError(str(e)) from None
     ref = parse_ref(config.data)
-    out = StageOutput("train", config, inputs=[ref])
-    accelerator = make_accelerator(config)
-    finished = out.done(resume=config.resume)
-    accelerator.wait_for_everyone()  # every process has looked before the main process changes anything
-    if finished:
-        return out.path
-    if accelerator.is_main_process:
-        if out.replace:  # --overwrite of another run
-            shutil.rmtree(out.path)
-        out.record_start()
-    accelerator.wait_for_everyone()
+    return run_training_stage("train", config, [ref], lambda accelerator, out: _train(config, ref, accelerator, out))
+
+
+def _train(config: TrainConfig, ref, accelerator, out):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict
+    from rlhf_pipeline.trainer import StageRun, load_trainable, prepare, train, training_summary
+
+    loss_type, params = config.loss_params()
     dd = load_dataset_dict(ref, required=("train",))
     for split, ds in dd.items():
         check_pairs(ds, f"{ref}:{split}")
@@ -182,9 +164,6 @@ def _main(config: TrainConfig) -> Path:
     temperature = resolve_temperature(
         config.temperature, sampling, str(ref), None if loss_type.default_logp_temperature_is_sampling else 1.0
     )
-
-    from transformers import AutoModelForCausalLM
-
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     pad = pad_id(tokenizer)
     model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
@@ -198,34 +177,14 @@ def _main(config: TrainConfig) -> Path:
         config, accelerator, setup, tokenizer, task, dd["train"], dd.get("test"),
         train_names=train_names, eval_names=eval_names,
     )
-
-    def finish() -> None:
-        manifest = out.manifest(
-            rows_in=sum(ds.num_rows for ds in dd.values()),
-            rows_out=result.steps,
-            extra={
-                "sampling": sampling,
-                "training": {
-                    "algo": loss_type.value,
-                    "loss_params": vars(params),
-                    "logp_temperature": temperature,
-                    "steps": result.steps,
-                    "loss_first_step": result.first_loss,
-                    "loss_last_step": result.last_loss,
-                    "eval": result.final_eval,
-                    "real_token_fraction": result.real_tokens / max(result.all_tokens, 1),
-                    "seconds": round(result.seconds, 2),
-                },
-            },
-        )
-        if config.push_to_hub:  # before the manifest: a failed upload leaves the run unfinished, to be rerun
-            push_model_to_hub(out.path, config.push_to_hub)
-        out.write_manifest(manifest)
-        print(f"[train] {loss_type.value}: {result.steps} steps, loss {result.first_loss:.4f} -> "
-              f"{result.last_loss:.4f}; model in {out.path}")
-
-    on_main_process(accelerator, finish)
-    return out.path
+    training = {"algo": loss_type.value, "loss_params": vars(params), "logp_temperature": temperature,
+                **training_summary(result)}
+    return StageRun(
+        result=result,
+        rows_in=sum(ds.num_rows for ds in dd.values()),
+        extra={"sampling": sampling, "training": training},
+        summary=f"{loss_type.value}: {result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}",
+    )
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
