@@ -1,0 +1,181 @@
+"""Supervised fine-tuning: the warm start of a policy, on demonstrations, with the loss on answer tokens only.
+
+    rlhf sft --model M --data demos.jsonl --output runs/sft
+    accelerate launch --config_file accelerate_cfgs/zero3.yaml -m rlhf_pipeline.stages.sft \\
+        --model meta-llama/Meta-Llama-3-8B --data ORG/demos --output runs/sft --bf16 --learning-rate 1e-5
+
+Rows are ``prompt``/``answer`` (ReaL's and OpenRLHF's format) or ``messages`` (a conversation that ends with an
+assistant turn; the loss is on that last turn, the earlier turns are the prompt). Each row is rendered with the
+model's chat template exactly as ``rlhf generate`` renders a prompt, so the policy learns the ids it will later be
+fed: the prompt is the template with the generation prompt, the answer is what the template puts after it (the
+answer text and the turn's end token, which is what generation stops on). When a template does not render the
+prompt as a prefix of the whole conversation, the answer is tokenized on its own and followed by EOS; the manifest
+counts those rows.
+
+The loss of an example is the mean negative log-likelihood of its answer tokens, averaged over the examples of
+the batch (so batch size, accumulation and process count give the same update, as in every training stage).
+Rows longer than ``--max-length`` tokens are dropped and counted. Data without a ``test`` split has
+``--test-size`` rows held out for the evaluation loss.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.config import option
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.trainer import TrainOptions
+
+
+@dataclass(kw_only=True)
+class SFTConfig(TrainOptions):
+    """Supervised fine-tuning on prompt/answer or messages rows, with the loss on answer tokens."""
+
+    learning_rate: float = option(1e-5, help="Peak learning rate of AdamW.")
+    max_length: int = option(2048, help="Rows with more prompt + answer tokens are dropped (and counted).")
+    test_size: float = option(
+        0.05, help="When the data has no test split: held-out rows (a count, or a fraction below 1; 0 = none)."
+    )
+
+
+def split_conversation(row: dict[str, Any], row_index: int, source: str) -> tuple[Any, str]:
+    """(prompt as text or messages, answer text) of a ``prompt``/``answer`` or ``messages`` row."""
+    if row.get("prompt") is not None and row.get("answer") is not None:
+        prompt, answer = row["prompt"], row["answer"]
+        if not isinstance(answer, str) or not answer:
+            raise PipelineError(f"{source}: row {row_index}: 'answer' must be non-empty text; fix or drop the row")
+        return prompt, answer
+    messages = row.get("messages")
+    if isinstance(messages, list) and len(messages) >= 2:
+        last = messages[-1]
+        if not isinstance(last, dict) or last.get("role") != "assistant" or not last.get("content"):
+            raise PipelineError(
+                f"{source}: row {row_index}: 'messages' must end with a non-empty assistant turn (the answer "
+                "the loss is on); fix or drop the row"
+            )
+        return list(messages[:-1]), last["content"]
+    raise PipelineError(
+        f"{source}: row {row_index} has neither 'prompt' and 'answer' nor 'messages' (at least a user and an "
+        "assistant turn); give demonstrations in one of those formats"
+    )
+
+
+def encode_answers(tokenizer, prompts: list, answers: list[str]) -> tuple[list[list[int]], list[list[int]], int]:
+    """(prompt ids, answer ids, rows whose template does not render the prompt as a prefix of the whole)."""
+    from rlhf_pipeline.chat import encode_conversations, encode_prompts
+
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    full_ids = encode_conversations(tokenizer, prompts, answers)
+    answer_ids, fallbacks = [], 0
+    for p, full, answer in zip(prompt_ids, full_ids, answers):
+        if full[: len(p)] == p and len(full) > len(p):
+            answer_ids.append(full[len(p) :])
+        else:
+            fallbacks += 1
+            answer_ids.append(list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id])
+    return prompt_ids, answer_ids, fallbacks
+
+
+class SFTTask:
+    """Per-example mean NLL of the answer tokens, through ``logprobs.token_logps``."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def lengths(self, ds) -> list[int]:
+        return ds["num_tokens"]
+
+    def collate(self, rows: list[dict[str, Any]]):
+        from rlhf_pipeline.logprobs import build_batch
+
+        return build_batch([r["prompt_token_ids"] for r in rows], [r["answer_token_ids"] for r in rows], self.pad_id)
+
+    def loss(self, model, batch):
+        import torch
+
+        from rlhf_pipeline.logprobs import response_lengths, token_logps
+
+        param = next(model.parameters())
+        batch = batch.to(param.device)
+        logps, seq_index = token_logps(model, batch)
+        nll = torch.zeros(batch.input_ids.shape[0], dtype=logps.dtype, device=logps.device).index_add(
+            0, seq_index, -logps
+        )
+        per_example = nll / response_lengths(batch).to(nll.dtype).clamp(min=1)
+        return per_example.mean(), {}, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
+
+
+def tokenize(dd, tokenizer, max_length: int, source: str):
+    """Add ``prompt_token_ids``, ``answer_token_ids`` and ``num_tokens``; drop rows over ``max_length``."""
+    counts = {"fallback": 0}
+
+    def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        prompts, answers = zip(*(split_conversation(r, i, source) for r, i in zip(rows, indices)))
+        prompt_ids, answer_ids, fallbacks = encode_answers(tokenizer, list(prompts), list(answers))
+        counts["fallback"] += fallbacks
+        return {
+            "prompt_token_ids": prompt_ids,
+            "answer_token_ids": answer_ids,
+            "num_tokens": [len(p) + len(a) for p, a in zip(prompt_ids, answer_ids)],
+        }
+
+    dropped = {}
+    out = {}
+    for split, ds in dd.items():
+        encoded = ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
+                         desc=f"tokenize {split}")
+        kept = encoded.filter(lambda n: n <= max_length, input_columns="num_tokens")
+        if encoded.num_rows - kept.num_rows:
+            dropped[f"{split}:too_long"] = encoded.num_rows - kept.num_rows
+        out[split] = kept
+    return out, dropped, counts["fallback"]
+
+
+def main(config: SFTConfig) -> Path:
+    from rlhf_pipeline.datasets_io import parse_ref
+    from rlhf_pipeline.trainer import run_training_stage
+
+    ref = parse_ref(config.data)
+    return run_training_stage("sft", config, [ref], lambda accelerator, out: _train(config, ref, accelerator))
+
+
+def _train(config: SFTConfig, ref, accelerator):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.trainer import StageRun, load_trainable, prepare, train, train_test_splits, training_summary
+
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    dd = train_test_splits(ref, config.test_size, config.seed)
+    rows_in = sum(ds.num_rows for ds in dd.values())
+    data, dropped, fallbacks = tokenize(dd, tokenizer, config.max_length, str(ref))
+    if data["train"].num_rows == 0:
+        raise PipelineError(f"{ref}: no training row fits in --max-length {config.max_length}; raise it")
+    model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
+    setup = prepare(config, accelerator, model, data["train"].num_rows)
+    result = train(
+        config, accelerator, setup, tokenizer, SFTTask(pad_id(tokenizer)), data["train"], data.get("test"),
+        train_names=lambda m: {"loss/train": m["loss"]}, eval_names=lambda m: {"loss/eval": m["loss"]},
+    )
+    eval_loss = result.final_eval.get("loss")
+    return StageRun(
+        result=result,
+        rows_in=rows_in,
+        dropped=dropped,
+        extra={"training": {"answer_tokenized_alone": fallbacks, **training_summary(result)}},
+        summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
+        + (f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""),
+    )
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    return run_stage(SFTConfig, main, "rlhf sft", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,206 @@
+"""Train a Bradley-Terry reward model on preference pairs: loss ``-log sigmoid(r(x, y_c) - r(x, y_r))``.
+
+    rlhf train-rm --model runs/sft --data prefs.jsonl --output runs/rm
+    accelerate launch --config_file accelerate_cfgs/zero3.yaml -m rlhf_pipeline.stages.train_rm \\
+        --model meta-llama/Meta-Llama-3-8B-Instruct --data ORG/prefs --output runs/rm --bf16 --learning-rate 9e-6
+
+Rows are ``prompt``/``chosen``/``rejected`` (texts, or ``chosen``/``rejected`` as whole conversations ending in the
+assistant turn), as the pairs that ``rlhf filter`` writes, or ReaL's ``prompt``/``pos_answers``/``neg_answers``
+(lists paired by position: ``pos_answers[i]`` is preferred to ``neg_answers[i]``). ``prompt`` may be text or a list
+of messages.
+
+The model is ``AutoModelForSequenceClassification`` with one label, loaded from ``--model``: a causal LM (the SFT
+policy, as is usual) gets a new, randomly initialised score head on its decoder; a reward model continues training.
+Conversations are rendered with its chat template and read exactly as ``rlhf score`` reads them (right-padded, the
+reward taken at the last real token), and the result is saved with ``save_pretrained`` so that
+``AutoModelForSequenceClassification.from_pretrained`` and ``rlhf score --reward-model`` load it. The evaluation
+reports the loss and the accuracy (the share of held-out pairs where the chosen response scores higher), before
+the first update and at the end. Pairs longer than ``--max-length`` tokens are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.config import option
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.trainer import TrainOptions
+
+
+@dataclass(kw_only=True)
+class TrainRMConfig(TrainOptions):
+    """Train a Bradley-Terry reward model on chosen/rejected pairs."""
+
+    learning_rate: float = option(1e-5, help="Peak learning rate of AdamW.")
+    max_length: int = option(2048, help="Pairs whose chosen or rejected conversation has more tokens are dropped.")
+    test_size: float = option(
+        0.05, help="When the data has no test split: held-out pairs (a count, or a fraction below 1; 0 = none)."
+    )
+
+
+def expand_pairs(row: dict[str, Any], row_index: int, source: str) -> list[tuple[Any, Any, Any]]:
+    """The (prompt, chosen, rejected) pairs of one row, in either supported format."""
+    if "pos_answers" in row or "neg_answers" in row:
+        pos, neg = row.get("pos_answers"), row.get("neg_answers")
+        if not isinstance(pos, list) or not isinstance(neg, list) or len(pos) != len(neg) or not pos:
+            raise PipelineError(
+                f"{source}: row {row_index}: 'pos_answers' and 'neg_answers' must be non-empty lists of the same "
+                "length (pos_answers[i] is preferred to neg_answers[i])"
+            )
+        return [(row.get("prompt"), c, r) for c, r in zip(pos, neg)]
+    if row.get("chosen") is None or row.get("rejected") is None:
+        raise PipelineError(
+            f"{source}: row {row_index} has no 'chosen'/'rejected' (or 'pos_answers'/'neg_answers'); give preference "
+            "pairs in one of those formats"
+        )
+    return [(row.get("prompt"), row["chosen"], row["rejected"])]
+
+
+def conversation(prompt: Any, response: Any, row_index: int, source: str) -> tuple[Any, str]:
+    """(prompt as text or messages, response text) from a text response or a whole conversation."""
+    if isinstance(response, str):
+        if prompt is None:
+            raise PipelineError(f"{source}: row {row_index}: text responses need a 'prompt' column")
+        return prompt, response
+    if isinstance(response, list) and response and isinstance(response[-1], dict) \
+            and response[-1].get("role") == "assistant":
+        context = list(response[:-1])
+        if context:  # a whole conversation (Anthropic HH style): it carries its own prompt
+            return context, response[-1].get("content", "")
+        if prompt is None:
+            raise PipelineError(f"{source}: row {row_index}: a lone assistant turn needs a 'prompt' column")
+        return prompt, response[-1].get("content", "")
+    raise PipelineError(
+        f"{source}: row {row_index}: a response must be text or a list of messages ending with an assistant turn"
+    )
+
+
+def tokenize(dd, tokenizer, max_length: int, source: str):
+    """Each split as ``chosen_input_ids`` / ``rejected_input_ids`` conversations; over-long pairs dropped."""
+    from rlhf_pipeline.chat import encode_conversations
+
+    def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        prompts, chosen, rejected = [], [], []
+        for row, i in zip(rows, indices):
+            for prompt, c, r in expand_pairs(row, i, source):
+                p_c, t_c = conversation(prompt, c, i, source)
+                p_r, t_r = conversation(prompt, r, i, source)
+                prompts += [p_c, p_r]
+                chosen.append(t_c)
+                rejected.append(t_r)
+        texts = [t for pair in zip(chosen, rejected) for t in pair]
+        ids = encode_conversations(tokenizer, prompts, texts)
+        return {"chosen_input_ids": ids[0::2], "rejected_input_ids": ids[1::2]}
+
+    out, dropped = {}, {}
+    for split, ds in dd.items():
+        encoded = ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
+                         desc=f"tokenize {split}")
+        kept = encoded.filter(
+            lambda c, r: max(len(c), len(r)) <= max_length, input_columns=["chosen_input_ids", "rejected_input_ids"]
+        )
+        if encoded.num_rows - kept.num_rows:
+            dropped[f"{split}:too_long"] = encoded.num_rows - kept.num_rows
+        out[split] = kept
+    return out, dropped
+
+
+class RewardTask:
+    """Chosen and rejected of a micro-batch in one forward of the sequence classifier."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def lengths(self, ds) -> list[int]:
+        return [len(c) + len(r) for c, r in zip(ds["chosen_input_ids"], ds["rejected_input_ids"])]
+
+    def collate(self, rows: list[dict[str, Any]]):
+        from rlhf_pipeline.rewards import pad_right
+
+        return pad_right([r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows], self.pad_id)
+
+    def loss(self, model, batch):
+        import torch.nn.functional as F
+
+        from rlhf_pipeline.rewards import reward_from_output
+
+        input_ids, attention_mask = batch
+        device = next(model.parameters()).device
+        out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
+        rewards = reward_from_output(out).float()
+        half = input_ids.shape[0] // 2
+        chosen, rejected = rewards[:half], rewards[half:]
+        losses = -F.logsigmoid(chosen - rejected)
+        metrics = {
+            "accuracy": (chosen > rejected).float().detach(),
+            "margin": (chosen - rejected).detach(),
+            "chosen_reward": chosen.detach(),
+            "rejected_reward": rejected.detach(),
+        }
+        real = int(attention_mask.sum())
+        return losses.mean(), metrics, (real, attention_mask.numel())
+
+
+def _names(prefix: str):
+    def rename(values: dict[str, float]) -> dict[str, float]:
+        return {(f"loss/{prefix}" if k == "loss" else
+                 f"reward/{'' if prefix == 'eval' else 'train_'}{k}"): v for k, v in values.items()}
+
+    return rename
+
+
+def load_reward_model_for_training(path: str, trust_remote_code: bool = False):
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
+
+
+def main(config: TrainRMConfig) -> Path:
+    from rlhf_pipeline.datasets_io import parse_ref
+    from rlhf_pipeline.trainer import run_training_stage
+
+    ref = parse_ref(config.data)
+    return run_training_stage("train-rm", config, [ref], lambda accelerator, out: _train(config, ref, accelerator))
+
+
+def _train(config: TrainRMConfig, ref, accelerator):
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.rewards import prepare_reward_model
+    from rlhf_pipeline.trainer import StageRun, load_trainable, prepare, train, train_test_splits, training_summary
+
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    dd = train_test_splits(ref, config.test_size, config.seed)
+    rows_in = sum(ds.num_rows for ds in dd.values())
+    data, dropped = tokenize(dd, tokenizer, config.max_length, str(ref))
+    if data["train"].num_rows == 0:
+        raise PipelineError(f"{ref}: no training pair fits in --max-length {config.max_length}; raise it")
+    pad = pad_id(tokenizer)
+    model = load_trainable(config, load_reward_model_for_training)
+    prepare_reward_model(model, pad)
+    setup = prepare(config, accelerator, model, data["train"].num_rows)
+    result = train(
+        config, accelerator, setup, tokenizer, RewardTask(pad), data["train"], data.get("test"),
+        train_names=_names("train"), eval_names=_names("eval"),
+    )
+    accuracy = result.final_eval.get("accuracy")
+    return StageRun(
+        result=result,
+        rows_in=rows_in,
+        dropped=dropped,
+        extra={"training": {"pairs": {split: ds.num_rows for split, ds in data.items()}, **training_summary(result)}},
+        summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
+        + (f", eval accuracy {accuracy:.3f}" if accuracy is not None else ""),
+    )
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    return run_stage(TrainRMConfig, main, "rlhf train-rm", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
