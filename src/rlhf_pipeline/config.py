@@ -97,6 +97,9 @@ def build_parser(cls: type, prog: str, description: str | None = None) -> argpar
             kwargs["nargs"] = "+"
             kwargs["type"] = item
             kwargs["metavar"] = f.name.upper().rstrip("S")
+        elif tp is dict or typing.get_origin(tp) is dict:
+            kwargs["type"] = _mapping
+            kwargs["metavar"] = "YAML"
         elif tp in (int, float, str):
             kwargs["type"] = tp
             kwargs["metavar"] = {int: "INT", float: "FLOAT"}.get(tp, f.name.upper())
@@ -105,6 +108,19 @@ def build_parser(cls: type, prog: str, description: str | None = None) -> argpar
         group = output_group if f.name in shared else stage_group
         group.add_argument(_flag(f.name), **kwargs)
     return parser
+
+
+def _mapping(text: str) -> dict[str, Any]:
+    """A mapping option on the command line, written in YAML flow style: ``--train '{learning_rate: 1e-6}'``."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise argparse.ArgumentTypeError(f"not valid YAML: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a mapping such as '{{key: value}}', got {text!r}")
+    return value
 
 
 def _load_yaml(path: str, cls: type) -> dict[str, Any]:

@@ -50,7 +50,8 @@ class GenerateConfig(OutputOptions):
         "auto", help="auto: vLLM when it imports and a GPU is present, else Hugging Face generate."
     )
     shard: Optional[str] = option(None, help="Generate only shard i of N contiguous slices, written as i/N.")
-    limit: Optional[int] = option(None, help="Use only the first LIMIT prompts (quick trials).")
+    offset: int = option(0, help="Skip the first OFFSET prompts (rlhf iterate gives each iteration its own rows).")
+    limit: Optional[int] = option(None, help="Use only LIMIT prompts (after --offset).")
     batch_size: int = option(16, help="hf engine: prompts per generate call (each expands to n sequences).")
     use_chat_template: bool = option(True, help="Apply the tokenizer's chat template (when it has one).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
@@ -66,6 +67,8 @@ class GenerateConfig(OutputOptions):
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError("--n must be at least 1")
+        if self.offset < 0 or (self.limit is not None and self.limit < 1):
+            raise ValueError("--offset must be >= 0 and --limit >= 1")
         if self.temperature < 0:
             raise ValueError("--temperature must be >= 0")
         if self.temperature == 0 and self.n > 1:
@@ -122,7 +125,10 @@ def main(config: GenerateConfig) -> Path:
     if clash:
         raise PipelineError(f"{ref.name}: already has column(s) {', '.join(clash)}; pass a prompt dataset")
     column = validate_prompts(ds, ref.name)
-    rows = range(rows_total) if config.limit is None else range(min(config.limit, rows_total))
+    if config.offset >= rows_total:
+        raise PipelineError(f"{ref.name}: --offset {config.offset} skips all of its {rows_total} prompts")
+    end = rows_total if config.limit is None else min(config.offset + config.limit, rows_total)
+    rows = range(config.offset, end)
     if config.shard is not None:
         i, n = parse_shard(config.shard)
         part = shard_indices(len(rows), i, n)

@@ -1,0 +1,258 @@
+"""Evaluate a policy on held-out prompts: generate, score, and report the mean reward and the win rate.
+
+    rlhf eval --model runs/iter_3/train --prompts eval_prompts.jsonl --reward-model runs/rm \\
+        --baseline runs/sft --output runs/eval_iter_3
+
+The policy samples ``--n`` responses per prompt (``rlhf generate``, same engines and options), and every response
+is scored by the reward model and/or the reward function (``rlhf score``; give one or both: each becomes a scorer
+in the results). Per scorer:
+
+- ``mean``: the mean over prompts of each prompt's mean reward, and ``stderr``, its standard error
+  (standard deviation over prompts / sqrt(number of prompts));
+- with ``--baseline``, ``win_rate``: response j of the policy against response j of the baseline on the same
+  prompt, for every prompt and j < n, a win counting 1 and a tie 1/2.
+
+``--baseline`` is a model (sampled here with the same settings and seed) or the output directory of an earlier
+``rlhf eval`` on the same prompts, whose scored samples are reused instead of generated again (``rlhf iterate``
+compares every iteration with ``RUN/iter_0/eval`` this way).
+
+Output, filled in place and resumable (each part is a stage output that a rerun reuses)::
+
+    OUTPUT/generate/               the policy's samples (rlhf generate)
+    OUTPUT/score_reward_model/     ... scored by the reward model (rlhf score); score_reward_fn/ for the function
+    OUTPUT/baseline/...            the same for a baseline model
+    OUTPUT/samples/                one dataset: prompt, responses, the rewards of every scorer (and the baseline's)
+    OUTPUT/results.json            the numbers above (``rlhf report`` plots them)
+    OUTPUT/manifest.json           written last
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.errors import PipelineError
+
+SCORERS = ("reward_model", "reward_fn")
+RESULTS = "results.json"
+
+
+@dataclass(kw_only=True)
+class EvalConfig(OutputOptions):
+    """Generate on held-out prompts, score, and report the mean reward and the win rate against a baseline."""
+
+    model: str = option(help="Policy to evaluate: a local directory or a Hub model id.")
+    prompts: str = option(help="Held-out prompt dataset (directory, .json/.jsonl/.parquet file, or Hub id).",
+                          semantic=False)
+    reward_model: Optional[str] = option(None, help="Score with this sequence-classification reward model.")
+    reward_fn: Optional[str] = option(None, help="Score with this python function (module:function or file.py:function).")
+    baseline: Optional[str] = option(
+        None, help="Compare with this model, or with the output directory of an earlier rlhf eval on the same prompts."
+    )
+    n: int = option(1, help="Responses per prompt.")
+    temperature: float = option(0.8, help="Sampling temperature (0 = greedy, needs --n 1).")
+    top_p: float = option(0.9, help="Nucleus sampling mass.")
+    top_k: int = option(0, help="Top-k sampling; 0 = off.")
+    max_new_tokens: int = option(2048, help="Maximum tokens per response.")
+    seed: int = option(0, help="Sampling seed (the baseline model is sampled with the same one).")
+    engine: Literal["auto", "hf", "vllm"] = option("auto", help="Generation engine (see rlhf generate).")
+    limit: Optional[int] = option(None, help="Use only the first LIMIT prompts.")
+    batch_size: int = option(16, help="hf engine: prompts per generate call.", semantic=False)
+    score_batch_size: int = option(16, help="Sequences per reward-model forward.", semantic=False)
+    max_length: int = option(4096, help="Reward model: conversations longer than this keep their first tokens.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("auto", help="Model dtype (policy and RM).")
+    tensor_parallel_size: int = option(1, help="vllm engine: GPUs per model.")
+    trust_remote_code: bool = option(False, help="Allow custom model code (policy and reward model); off by default.")
+
+    def __post_init__(self) -> None:
+        if self.reward_model is None and self.reward_fn is None:
+            raise ValueError("give --reward-model, --reward-fn, or both")
+        if self.n < 1:
+            raise ValueError("--n must be at least 1")
+
+
+def mean_and_stderr(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and its standard error (sample standard deviation / sqrt(count)); no error bar for one value."""
+    count = len(values)
+    mean = sum(values) / count
+    if count < 2:
+        return mean, None
+    var = sum((v - mean) ** 2 for v in values) / (count - 1)
+    return mean, math.sqrt(var / count)
+
+
+def win_counts(ours: Sequence[Sequence[float]], theirs: Sequence[Sequence[float]]) -> tuple[int, int, int]:
+    """(wins, ties, losses) of response j against response j of the same prompt, over prompts and j."""
+    wins = ties = losses = 0
+    for a, b in zip(ours, theirs):
+        for x, y in zip(a, b):
+            wins += x > y
+            ties += x == y
+            losses += x < y
+    return wins, ties, losses
+
+
+def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[float]] | None) -> dict[str, Any]:
+    """One scorer's numbers: ``rewards[i]`` are prompt i's rewards (``baseline`` aligned with them, or None)."""
+    mean, stderr = mean_and_stderr([sum(r) / len(r) for r in rewards])
+    result: dict[str, Any] = {"mean": mean, "stderr": stderr, "baseline_mean": None, "baseline_stderr": None,
+                              "win_rate": None, "wins": None, "ties": None, "losses": None}
+    if baseline is not None:
+        result["baseline_mean"], result["baseline_stderr"] = mean_and_stderr([sum(r) / len(r) for r in baseline])
+        wins, ties, losses = win_counts(rewards, baseline)
+        total = wins + ties + losses
+        result.update(wins=wins, ties=ties, losses=losses, win_rate=(wins + 0.5 * ties) / total if total else None)
+    return result
+
+
+def _scorers(config: EvalConfig) -> dict[str, str]:
+    return {name: getattr(config, name) for name in SCORERS if getattr(config, name) is not None}
+
+
+def _sample_and_score(config: EvalConfig, model: str, directory: Path, overwrite: bool = False) -> dict[str, Path]:
+    """Generate with ``model`` into ``directory/generate`` and score it with every scorer."""
+    from rlhf_pipeline.stages import generate, score
+
+    gen = generate.GenerateConfig(
+        output=str(directory / "generate"), model=model, prompts=config.prompts, n=config.n,
+        temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, max_new_tokens=config.max_new_tokens,
+        seed=config.seed, engine=config.engine, limit=config.limit, batch_size=config.batch_size, dtype=config.dtype,
+        tensor_parallel_size=config.tensor_parallel_size, trust_remote_code=config.trust_remote_code,
+        overwrite=overwrite,
+    )
+    paths = {"generate": generate.main(gen)}
+    for name, spec in _scorers(config).items():
+        paths[name] = score.main(score.ScoreConfig(
+            output=str(directory / f"score_{name}"), input=str(paths["generate"]), batch_size=config.score_batch_size,
+            max_length=config.max_length, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
+            overwrite=overwrite, **{name: spec},
+        ))
+    return paths
+
+
+def _earlier_eval(path: str) -> Path | None:
+    """The directory of a finished ``rlhf eval`` output, or None when ``path`` is not one (then it is a model)."""
+    p = Path(path).expanduser()
+    manifest = p / "manifest.json"
+    if not manifest.is_file():
+        return None
+    if json.loads(manifest.read_text()).get("stage") != "eval":
+        raise PipelineError(f"--baseline {path}: holds a {json.loads(manifest.read_text()).get('stage')} output, "
+                            "not a model or an rlhf eval output")
+    return p
+
+
+def _baseline_scores(config: EvalConfig, out_dir: Path, own: dict[str, Path]) -> tuple[dict[str, Path] | None, str | None]:
+    if config.baseline is None:
+        return None, None
+    if config.baseline == config.model:
+        return own, "the evaluated model itself"
+    earlier = _earlier_eval(config.baseline)
+    if earlier is None:
+        return _sample_and_score(config, config.baseline, out_dir / "baseline"), config.baseline
+    paths = {}
+    for name, spec in _scorers(config).items():
+        scored = earlier / f"score_{name}"
+        previous = json.loads((scored / "manifest.json").read_text()) if (scored / "manifest.json").exists() else None
+        if previous is None or previous["config"].get(name) != spec:
+            raise PipelineError(
+                f"--baseline {config.baseline}: that evaluation was not scored with --{name.replace('_', '-')} "
+                f"{spec}; evaluate the baseline with the same scorers, or pass the baseline model instead"
+            )
+        paths[name] = scored
+    model = json.loads((earlier / "manifest.json").read_text())["config"]["model"]
+    return paths, f"{model} (samples of {earlier})"
+
+
+def _rewards_by_prompt(path: Path) -> tuple[list[str], dict[str, list[float]]]:
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(path))
+    ids = [str(x) for x in ds["prompt_id"]]
+    return ids, dict(zip(ids, ds["rewards"]))
+
+
+def main(config: EvalConfig) -> Path:
+    from rlhf_pipeline.datasets_io import StageOutput, parse_ref
+
+    ref = parse_ref(config.prompts)
+    out = StageOutput("eval", config, inputs=[ref])
+    if out.done(resume=True):  # the parts are stage outputs of their own: an unfinished eval continues
+        return out.path
+    if out.replace:
+        shutil.rmtree(out.path)
+    out.record_start()
+    own = _sample_and_score(config, config.model, out.path)
+    baseline, baseline_desc = _baseline_scores(config, out.path, own)
+
+    from datasets import load_from_disk
+
+    generated = load_from_disk(str(own["generate"]))
+    scores, columns = {}, {}
+    for name, spec in _scorers(config).items():
+        ids, ours = _rewards_by_prompt(own[name])
+        theirs = None
+        if baseline is not None:
+            base_ids, base = _rewards_by_prompt(baseline[name])
+            missing = [i for i in ids if i not in base]
+            if missing:
+                raise PipelineError(
+                    f"--baseline {config.baseline}: has no samples for {len(missing)} of the {len(ids)} prompts "
+                    f"(e.g. prompt_id {missing[0]}); evaluate both on the same --prompts and --limit"
+                )
+            theirs = [base[i] for i in ids]
+            columns[f"baseline_rewards_{name}"] = theirs
+        scores[name] = {"scorer": spec, **summarize([ours[i] for i in ids], theirs)}
+        columns[f"rewards_{name}"] = [ours[i] for i in ids]
+
+    lengths = [len(t) for row in generated["response_token_ids"] for t in row]
+    reasons = [r for row in generated["finish_reasons"] for r in row]
+    results = {
+        "model": config.model,
+        "baseline": baseline_desc,
+        "num_prompts": generated.num_rows,
+        "n": config.n,
+        "response_tokens_mean": sum(lengths) / max(len(lengths), 1),
+        "stop_fraction": reasons.count("stop") / max(len(reasons), 1),
+        "scores": scores,
+    }
+    samples = generated.select_columns(
+        [c for c in generated.column_names if c not in ("prompt_token_ids", "response_token_ids")]
+    )
+    for name, values in columns.items():
+        samples = samples.add_column(name, values)
+    from rlhf_pipeline.datasets_io import atomic_directory, push_to_hub
+
+    with atomic_directory(out.path / "samples") as tmp:
+        samples.save_to_disk(str(tmp))
+    tmp_results = out.path / f".{RESULTS}.tmp"
+    tmp_results.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp_results, out.path / RESULTS)
+    manifest = out.manifest(rows_in=generated.num_rows, rows_out=generated.num_rows, extra={"eval": results})
+    if config.push_to_hub:  # before the manifest: a failed upload leaves the evaluation unfinished, to be rerun
+        out.write_manifest(dict(manifest), directory=out.path / "samples")
+        push_to_hub(samples, out.path / "samples" / "manifest.json", config.push_to_hub)
+    out.write_manifest(manifest)
+    for name, s in scores.items():
+        line = f"[eval] {name}: mean reward {s['mean']:.4f}"
+        line += f" ± {s['stderr']:.4f}" if s["stderr"] is not None else ""
+        if s["win_rate"] is not None:
+            line += f", win rate {s['win_rate']:.3f} against the baseline (mean {s['baseline_mean']:.4f})"
+        print(line)
+    return out.path
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    return run_stage(EvalConfig, main, "rlhf eval", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
