@@ -27,6 +27,12 @@ STAGES: dict[str, tuple[str, str]] = {
     "filter": ("rlhf_pipeline.stages.filter", "length filters, best/worst pairs or whole groups, train/test split"),
     "ref-logps": ("rlhf_pipeline.stages.ref_logps", "reference log-probs of chosen/rejected, once per dataset"),
     "train": ("rlhf_pipeline.stages.train", "train a policy on pairs: REBEL, DPO, cDPO, IPO, SimPO"),
+    "sft": ("rlhf_pipeline.stages.sft", "supervised fine-tuning on prompt/answer or messages rows (loss on answers)"),
+    "train-rm": ("rlhf_pipeline.stages.train_rm", "train a Bradley-Terry reward model on chosen/rejected pairs"),
+    "eval": ("rlhf_pipeline.stages.eval", "generate on held-out prompts, score, mean reward and win rate"),
+    "iterate": ("rlhf_pipeline.stages.iterate", "T iterations of generate -> score -> filter -> train, resumable"),
+    "report": ("rlhf_pipeline.stages.report", "plots and report.md of a run directory"),
+    "demo": ("rlhf_pipeline.stages.demo", "the whole loop on a bundled task, offline on a CPU, showing learning"),
 }
 
 

@@ -1,0 +1,180 @@
+"""The whole loop on a CPU, offline, in minutes: a tiny policy learns to write positive reviews.
+
+    rlhf demo                          # REBEL, into runs/demo
+    rlhf demo --algo dpo --output runs/demo_dpo
+
+The task (``rlhf_pipeline.demo.task``): prompts ask for a short review of a named product; the gold reward is the
+sentiment polarity of the response, in [-1, 1]. The demo runs the real stages, each as its own process, exactly
+as ``rlhf iterate`` runs them:
+
+1. a tiny tokenizer and a random-initialised Llama, built offline (``DIR/base_policy``);
+2. ``rlhf sft`` on bundled demonstrations of every shade of sentiment (``DIR/sft``: iteration 0's policy);
+3. ``rlhf train-rm`` on pairs labelled by the gold reward, starting from the SFT policy (``DIR/reward_model``);
+4. ``rlhf iterate``'s stages for T iterations, with the trained reward model as the reward (not the gold one);
+5. ``rlhf eval`` of iterations 0..T on 160 held-out prompts, scored with the gold reward and the reward model,
+   against the SFT policy;
+6. ``rlhf report``: ``DIR/report.md`` and ``DIR/plots/``, and ``DIR/summary.json``::
+
+    {"iterations": [{"iteration": t, "gold_reward_mean", "gold_reward_stderr", "rm_reward_mean",
+                     "rm_win_rate_vs_base"}, ...]}          # iteration 0 is the SFT policy (win rate 0.5: itself)
+
+Interrupted (Ctrl-C, a crash), the same command resumes at the first unfinished stage and redoes nothing that
+finished. Everything is seeded; the sizes below are the defaults, and the options change them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.config import option
+from rlhf_pipeline.errors import PipelineError
+
+GOLD = "rlhf_pipeline.demo.task:gold_reward"
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    """Run SFT, reward-model training, T RLHF iterations, evaluation and the report on a bundled task, on a CPU."""
+
+    output: str = option("runs/demo", help="The run directory.")
+    algo: Literal["rebel", "dpo", "cdpo", "ipo", "simpo"] = option("rebel", help="The RLHF loss.")
+    iterations: int = option(3, help="RLHF iterations.")
+    prompts_per_iteration: int = option(320, help="Training prompts sampled per iteration (of 640).")
+    n: int = option(4, help="Responses sampled per prompt.")
+    max_new_tokens: int = option(48, help="Maximum tokens per response.")
+    eval_prompts: int = option(160, help="Held-out prompts to evaluate on (of 160).")
+    eval_n: int = option(2, help="Responses per held-out prompt in the evaluation.")
+    hidden_size: int = option(128, help="Hidden size of the tiny Llama.")
+    num_layers: int = option(2, help="Decoder layers of the tiny Llama.")
+    sft_epochs: int = option(2, help="Epochs of supervised fine-tuning.")
+    rm_epochs: int = option(2, help="Epochs of reward-model training.")
+    train: dict = option(
+        default_factory=dict, help="Extra options of rlhf train for every iteration, e.g. '{learning_rate: 1e-4}'."
+    )
+    seed: int = option(0, help="Seed of the data, the models and the sampling.")
+    overwrite: bool = option(False, help="Redo stages whose options changed (otherwise such a change is refused).")
+
+
+# Settings that make the tiny model learn within the time budget (see the README's demo section for the numbers).
+ALGO_TRAIN_DEFAULTS = {
+    "rebel": {"learning_rate": 3e-4, "eta": 1.0},
+    "dpo": {"learning_rate": 3e-4, "beta": 0.1},
+    "cdpo": {"learning_rate": 3e-4, "beta": 0.1},
+    "ipo": {"learning_rate": 3e-4, "beta": 0.1},
+    "simpo": {"learning_rate": 3e-4},
+}
+
+
+def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
+    """The demo's steps: SFT, reward model, then the iterate loop with evaluation."""
+    from rlhf_pipeline.stages.iterate import IterateConfig, Step, option_args
+    from rlhf_pipeline.stages.iterate import plan as iterate_plan
+
+    common = {"batch_size": 16, "report_to": "none", "seed": config.seed}
+    sft = Step("sft", "sft", [
+        "--model", str(run / "base_policy"), "--data", str(data["sft"]), "--output", str(run / "sft"), "--resume",
+        *option_args({**common, "epochs": config.sft_epochs, "learning_rate": 3e-3, "test_size": 64}),
+        *(["--overwrite"] if config.overwrite else []),
+    ], run / "sft")
+    rm = Step("reward_model", "train-rm", [
+        "--model", str(run / "sft"), "--data", str(data["preferences"]), "--output", str(run / "reward_model"),
+        "--resume", *option_args({**common, "epochs": config.rm_epochs, "learning_rate": 1e-3, "test_size": 128}),
+        *(["--overwrite"] if config.overwrite else []),
+    ], run / "reward_model")
+    loop = IterateConfig(
+        output=str(run),
+        overwrite=config.overwrite,
+        model=str(run / "sft"),
+        prompts=str(data["prompts"]),
+        iterations=config.iterations,
+        prompts_per_iteration=config.prompts_per_iteration,
+        algo=config.algo,
+        reward_model=str(run / "reward_model"),
+        eval_prompts=str(data["eval_prompts"]),
+        generate={"n": config.n, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,
+                  "engine": "hf", "seed": config.seed, "batch_size": 64},
+        score={"batch_size": 64},
+        filter={"mode": "pairs", "test_size": 0.1, "seed": config.seed},
+        train={**common, "epochs": 1, **ALGO_TRAIN_DEFAULTS[config.algo], **config.train},
+        eval={"reward_fn": GOLD, "reward_model": str(run / "reward_model"), "n": config.eval_n,
+              "limit": config.eval_prompts, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,
+              "engine": "hf", "seed": config.seed + 1000, "batch_size": 64, "score_batch_size": 64},
+    )
+    return [sft, rm, *iterate_plan(loop, num_prompts=640)]
+
+
+def summary(run: Path, iterations: int) -> dict:
+    rows = []
+    for t in range(iterations + 1):
+        results = json.loads((run / f"iter_{t}" / "eval" / "results.json").read_text())
+        gold, rm = results["scores"]["reward_fn"], results["scores"]["reward_model"]
+        rows.append({
+            "iteration": t,
+            "gold_reward_mean": gold["mean"],
+            "gold_reward_stderr": gold["stderr"],
+            "rm_reward_mean": rm["mean"],
+            "rm_reward_stderr": rm["stderr"],
+            "rm_win_rate_vs_base": rm["win_rate"],
+            "gold_win_rate_vs_base": gold["win_rate"],
+            "response_tokens_mean": results["response_tokens_mean"],
+        })
+    first, last = rows[0], rows[-1]
+    combined = ((first["gold_reward_stderr"] or 0.0) ** 2 + (last["gold_reward_stderr"] or 0.0) ** 2) ** 0.5
+    return {
+        "iterations": rows,
+        "gold_gain": last["gold_reward_mean"] - first["gold_reward_mean"],
+        "gold_gain_in_combined_stderr": (last["gold_reward_mean"] - first["gold_reward_mean"]) / combined
+        if combined else None,
+    }
+
+
+def main(config: DemoConfig) -> Path:
+    import time
+
+    from rlhf_pipeline.datasets_io import atomic_directory, clean_stale
+    from rlhf_pipeline.demo.task import write_task_data
+    from rlhf_pipeline.stages.iterate import check, run_steps
+    from rlhf_pipeline.stages.report import write_report
+    from rlhf_pipeline.tiny import save_tiny_model
+
+    started = time.time()
+    run = Path(config.output).expanduser()
+    run.mkdir(parents=True, exist_ok=True)
+    data = write_task_data(run / "data", seed=config.seed)  # the same bytes every time: safe to redo
+    base = run / "base_policy"
+    clean_stale(base)
+    if not base.exists():
+        with atomic_directory(base) as tmp:
+            save_tiny_model(tmp, kind="policy", seed=config.seed, hidden_size=config.hidden_size,
+                            num_layers=config.num_layers)
+    steps = plan(config, run, data)
+    check(steps)
+    run_steps(steps, run, label="demo")
+    result = summary(run, config.iterations)
+    tmp = run / ".summary.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, run / "summary.json")
+    report = write_report(run, run)
+    print(f"[demo] finished in {time.time() - started:.0f}s; report: {report}")
+    print(f"[demo] {'iteration':>9} {'gold reward':>18} {'RM reward':>10} {'RM win rate':>12}")
+    for row in result["iterations"]:
+        print(f"[demo] {row['iteration']:>9} {row['gold_reward_mean']:>+9.3f} ± {row['gold_reward_stderr']:.3f} "
+              f"{row['rm_reward_mean']:>+10.3f} {row['rm_win_rate_vs_base']:>12.3f}")
+    if result["gold_gain_in_combined_stderr"] is not None:
+        print(f"[demo] gold reward gain {result['gold_gain']:+.3f} = "
+              f"{result['gold_gain_in_combined_stderr']:.1f} combined standard errors")
+    return run
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    return run_stage(DemoConfig, main, "rlhf demo", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

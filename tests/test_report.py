@@ -1,0 +1,238 @@
+"""rlhf report: fake run directories in, plots and report.md out."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_pipeline.stages.report import collect, fmt
+from rlhf_pipeline.stages.report import cli as report_cli
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PLOTS = ["reward_per_iteration.png", "loss.png", "logp_drift.png", "response_length.png"]
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj))
+
+
+def write_metrics(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def manifest(stage: str, wall: float) -> dict:
+    return {"stage": stage, "wall_time_s": wall, "rows_in": 4, "rows_out": 4, "config": {}, "sampling": {}}
+
+
+def results(mean: float, stderr: float, win_rate=None, wins=None, ties=None, losses=None,
+            tokens=10.0, stop=0.5) -> dict:
+    score = {"scorer": "reward_fn", "mean": mean, "stderr": stderr, "baseline_mean": None, "baseline_stderr": None,
+             "win_rate": win_rate, "wins": wins, "ties": ties, "losses": losses}
+    if win_rate is not None:
+        score.update(baseline_mean=0.1, baseline_stderr=0.01)
+    return {"model": "m", "baseline": "base" if win_rate is not None else None, "num_prompts": 8, "n": 2,
+            "response_tokens_mean": tokens, "stop_fraction": stop, "scores": {"reward_fn": score}}
+
+
+def train_metrics(steps: int, loss0: float) -> list[dict]:
+    """Step-0 pre-training eval, then train lines 1..steps and a final eval at the last step."""
+    records = [{"step": 0, "loss/eval": loss0, "reward/accuracy": 0.5,
+                "logp/chosen_logratio": 0.0, "logp/rejected_logratio": 0.0}]
+    for s in range(1, steps + 1):
+        records.append({"step": s, "loss/train": loss0 - 0.01 * s, "reward/train_accuracy": 0.6,
+                        "logp/train_chosen_logratio": 0.1 * s, "logp/train_rejected_logratio": -0.2 * s,
+                        "grad_norm": 1.0, "lr": 1e-6})
+    records.append({"step": steps, "loss/eval": loss0 - 0.05, "reward/accuracy": 0.75,
+                    "logp/chosen_logratio": 0.05 * steps, "logp/rejected_logratio": -0.1 * steps})
+    return records
+
+
+def save_generations(path: Path, lengths: list[list[int]], reasons: list[list[str]]) -> None:
+    from datasets import Dataset
+
+    Dataset.from_dict({
+        "prompt_id": list(range(len(lengths))),
+        "response_token_ids": [[list(range(n)) for n in row] for row in lengths],
+        "finish_reasons": reasons,
+    }).save_to_disk(str(path))
+
+
+@pytest.fixture
+def full_run(tmp_path) -> Path:
+    """iter_0 eval + two full iterations + sft/ and reward_model/ + summary.json."""
+    run = tmp_path / "run"
+    write_json(run / "iter_0" / "eval" / "results.json", results(0.123456, 0.0123456, tokens=12.0, stop=0.25))
+    specs = {1: (10, 0.7, 0.3456, 0.02345, 0.625, 5, 0, 3), 2: (6, 0.69, 0.5678, 0.03456, 0.75, 6, 0, 2)}
+    for t, (steps, loss0, mean, stderr, wr, w, ti, lo) in specs.items():
+        it = run / f"iter_{t}"
+        for k, stage in enumerate(["generate", "score", "filter", "train", "eval"]):
+            write_json(it / stage / "manifest.json", manifest(stage, 10.0 * t + k + 0.5))
+        write_metrics(it / "train" / "metrics.jsonl", train_metrics(steps, loss0))
+        write_json(it / "eval" / "results.json", results(mean, stderr, wr, w, ti, lo, tokens=14.0 + t, stop=0.5))
+    # iteration 1 samples 2 prompts x 2 responses: lengths 3, 5, 4, 8 -> mean 5; 3 of 4 stopped
+    save_generations(run / "iter_1" / "generate", [[3, 5], [4, 8]], [["stop", "stop"], ["stop", "length"]])
+    save_generations(run / "iter_2" / "generate", [[6, 6], [6, 6]], [["stop", "length"], ["length", "length"]])
+    write_json(run / "sft" / "manifest.json", manifest("sft", 42.0))
+    write_metrics(run / "sft" / "metrics.jsonl", [{"step": 0, "loss/eval": 3.0}, {"step": 1, "loss/train": 2.9},
+                                                  {"step": 2, "loss/train": 2.5}, {"step": 2, "loss/eval": 2.4321}])
+    write_json(run / "reward_model" / "manifest.json", manifest("train-rm", 17.0))
+    write_metrics(run / "reward_model" / "metrics.jsonl", [
+        {"step": 0, "loss/eval": 0.69, "reward/accuracy": 0.5},
+        {"step": 4, "loss/train": 0.6, "reward/train_accuracy": 0.7},
+        {"step": 4, "loss/eval": 0.5555, "reward/accuracy": 0.8125},
+    ])
+    write_json(run / "summary.json", {"demo": "ok"})
+    return run
+
+
+def assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    assert path.is_file(), path
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert image.std() > 0.01  # not a blank canvas
+
+
+def test_full_run(full_run, capsys):
+    assert report_cli([str(full_run)]) == 0
+    for name in PLOTS:
+        assert_png(full_run / "plots" / name)
+    md = (full_run / "report.md").read_text()
+    assert f"`{full_run}`" in md.splitlines()[0]
+    rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
+    assert "0.1235 ± 0.01235" in rows["0"]
+    assert "0.3456 ± 0.02345" in rows["1"] and "0.625 (5/0/3)" in rows["1"]
+    assert "0.5678 ± 0.03456" in rows["2"] and "0.75 (6/0/2)" in rows["2"]
+    # train loss first -> last, final eval loss and accuracy of iteration 1
+    assert "0.69 → 0.6" in rows["1"] and "| 0.65 |" in rows["1"] and "| 0.75 |" in rows["1"]
+    # generate: mean tokens 5, 3/4 stopped; eval: 15 tokens, 0.5 stopped
+    assert "| 5 | 0.75 | 15 | 0.5 |" in rows["1"]
+    assert "| 6 | 0.25 | 16 | 0.5 |" in rows["2"]
+    assert "10.5 / 11.5 / 12.5 / 13.5 / 14.5" in rows["1"]
+    cells = [c.strip() for c in rows["0"].split("|")[1:-1]]
+    assert cells[2:8] == ["–"] * 6  # iteration 0: no win rate, training or generate data
+    assert cells[8:10] == ["12", "0.25"]
+    assert "8 prompts × 2 samples; baseline `base` (iterations 1, 2)" in md
+    assert "final eval loss 2.432" in md and "wall time 42 s" in md
+    assert "final eval accuracy 0.8125" in md and "last train accuracy 0.7" in md
+    for name in PLOTS:
+        assert f"(plots/{name})" in md and "Not drawn" not in md
+    assert '"demo": "ok"' in md
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_collect_offsets_and_stats(full_run):
+    data = collect(full_run)
+    its = {it["iteration"]: it for it in data["iterations"]}
+    assert sorted(its) == [0, 1, 2]
+    assert [its[t]["max_step"] for t in (0, 1, 2)] == [0, 10, 6]
+    assert [its[t]["step_offset"] for t in (0, 1, 2)] == [0, 0, 10]
+    assert its[1]["generate"] == {"num_prompts": 2, "num_responses": 4, "response_tokens_mean": 5.0,
+                                  "stop_fraction": 0.75}
+    assert its[2]["generate"]["stop_fraction"] == 0.25
+    assert its[0]["generate"] is None and its[0]["metrics"] == []
+    assert its[2]["manifests"]["train"]["wall_time_s"] == 23.5
+    assert data["sft"]["metrics"][-1]["loss/eval"] == 2.4321
+    assert data["reward_model"]["manifest"]["stage"] == "train-rm"
+
+
+def test_collect_offsets_skip_untrained_iterations(tmp_path):
+    run = tmp_path / "run"
+    write_metrics(run / "iter_1" / "train" / "metrics.jsonl",
+                  [{"step": 0, "loss/eval": 1.0}, {"step": 7, "loss/train": 1.0}])
+    (run / "iter_2" / "generate").mkdir(parents=True)  # an iteration in progress: no data yet
+    write_metrics(run / "iter_3" / "train" / "metrics.jsonl", [{"step": 3, "loss/train": 1.0}])
+    write_metrics(run / "iter_10" / "train" / "metrics.jsonl", [{"step": 2, "loss/train": 1.0}])
+    data = collect(run)
+    assert [(it["iteration"], it["step_offset"], it["max_step"]) for it in data["iterations"]] == [
+        (1, 0, 7), (2, 7, 0), (3, 7, 3), (10, 10, 2)]
+
+
+def test_partial_run(tmp_path):
+    run = tmp_path / "run"
+    write_json(run / "iter_0" / "eval" / "results.json", results(0.2, 0.01))
+    write_metrics(run / "iter_1" / "train" / "metrics.jsonl",
+                  [{"step": 0, "loss/eval": 1.5}, {"step": 1, "loss/train": 1.4}, {"step": 2, "loss/train": 1.2}])
+    assert report_cli([str(run)]) == 0
+    for name in ["reward_per_iteration.png", "loss.png", "response_length.png"]:
+        assert_png(run / "plots" / name)
+    assert not (run / "plots" / "logp_drift.png").exists()
+    md = (run / "report.md").read_text()
+    assert "0.2 ± 0.01" in md and "1.4 → 1.2" in md
+    assert "*Not drawn (plots/logp_drift.png): no logp/*_logratio" in md
+    assert "(plots/logp_drift.png)" not in md.replace("Not drawn (plots/logp_drift.png)", "")
+    assert "## SFT and reward model" not in md
+
+
+def test_no_eval_mentions_missing_reward_plot_and_removes_stale_one(tmp_path):
+    run = tmp_path / "run"
+    write_metrics(run / "iter_1" / "train" / "metrics.jsonl", [{"step": 1, "loss/train": 1.4}])
+    (run / "plots").mkdir(parents=True)
+    (run / "plots" / "reward_per_iteration.png").write_bytes(PNG_SIGNATURE)  # from an older report
+    out = tmp_path / "elsewhere"
+    assert report_cli(["--run-dir", str(run), "--output", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "Not drawn (plots/reward_per_iteration.png): no iter_<t>/eval/results.json" in md
+    assert "Not drawn (plots/response_length.png)" in md
+    assert_png(out / "plots" / "loss.png")
+    assert not (out / "report.md.tmp").exists() and not list(out.glob(".*tmp*"))
+    assert (run / "plots" / "reward_per_iteration.png").exists()  # --output elsewhere: the run dir is untouched
+    assert report_cli([str(run)]) == 0
+    assert not (run / "plots" / "reward_per_iteration.png").exists()
+
+
+def test_positional_run_dir_with_options(full_run, tmp_path):
+    out = tmp_path / "out"
+    assert report_cli([str(full_run), "--output", str(out)]) == 0
+    assert (out / "report.md").is_file() and (out / "plots" / "loss.png").is_file()
+    assert not (full_run / "report.md").exists()
+
+
+def test_empty_directory_is_an_error(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    (empty / "iter_1").mkdir(parents=True)
+    assert report_cli([str(empty)]) == 1
+    err = capsys.readouterr().err
+    assert str(empty) in err and "no run data" in err
+    assert not (empty / "report.md").exists()
+
+
+def test_missing_directory_is_an_error(tmp_path, capsys):
+    assert report_cli([str(tmp_path / "nope")]) == 1
+    assert str(tmp_path / "nope") in capsys.readouterr().err
+
+
+def test_bad_json_names_the_file(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "iter_0" / "eval").mkdir(parents=True)
+    (run / "iter_0" / "eval" / "results.json").write_text("{not json")
+    assert report_cli([str(run)]) == 1
+    assert str(run / "iter_0" / "eval" / "results.json") in capsys.readouterr().err
+
+
+def test_cut_off_last_metrics_line_is_skipped(tmp_path):
+    run = tmp_path / "run"
+    path = run / "iter_1" / "train" / "metrics.jsonl"
+    write_metrics(path, [{"step": 1, "loss/train": 1.0}, {"step": 2, "loss/train": 0.9}])
+    path.write_text(path.read_text() + '{"step": 3, "loss/tr')
+    assert collect(run)["iterations"][0]["max_step"] == 2
+
+
+def test_missing_matplotlib_is_an_error(full_run, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert report_cli([str(full_run)]) == 1
+    assert "rlhf-pipeline[report]" in capsys.readouterr().err
+
+
+def test_fmt():
+    assert fmt(None) == "–"
+    assert fmt(3) == "3"
+    assert fmt(0.123456) == "0.1235"
+    assert fmt(1234.5678) == "1235"
+    assert fmt(123456.7) == "123457"
+    assert fmt(1.5e-6) == "1.5e-06"
