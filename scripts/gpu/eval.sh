@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Evaluation of a policy: one response per held-out prompt, scored with the reward model; mean reward, and win rate
+# against a baseline policy when BASELINE is set. REBEL's own trainer evaluates only the regression loss on the
+# test pairs (rebel-repo.md line 77); its published numbers are AlpacaEval/MT-Bench (lines 208-217), not this.
+#
+#   conda env: rlhf-vllm (envs/vllm.yml): --engine vllm needs vLLM, which rlhf-train does not have; the reward
+#              model runs on transformers, which rlhf-vllm has too. (With ENGINE=hf it runs in rlhf-train.)
+#   hardware:  one 80 GB GPU for the 8B policy and the 8B reward model
+#   reads:     $EVAL_PROMPTS (held out: UltraFeedback's test prompts; REBEL trains on the train split),
+#              $POLICY (ITER=0: $MODEL, the starting policy; ITER=t: $RUN/iter_t/train), $REWARD_MODEL, $BASELINE
+#   writes:    $RUN/iter_$ITER/eval (generations, rewards, summary + manifest.json), the layout `rlhf iterate` uses
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: relative paths below resolve from here
+
+MODEL=${MODEL:-meta-llama/Meta-Llama-3-8B-Instruct}   # the policy of iteration 0 (REBEL, rebel-repo.md line 24)
+RUN=${RUN:-runs/rebel_llama3}
+ITER=${ITER:-1}                                       # 0 = the starting policy
+if [ "$ITER" -eq 0 ]; then POLICY=${POLICY:-$MODEL}; else POLICY=${POLICY:-$RUN/iter_$ITER/train}; fi
+if [ "$ITER" -eq 0 ]; then BASELINE=${BASELINE:-}; else BASELINE=${BASELINE:-$MODEL}; fi   # empty = no win rate
+EVAL_PROMPTS=${EVAL_PROMPTS:-allenai/ultrafeedback_binarized_cleaned:test_prefs}
+REWARD_MODEL=${REWARD_MODEL:-RLHFlow/ArmoRM-Llama3-8B-v0.1}   # REBEL's reward model (line 27), custom code
+OUT=${OUT:-$RUN/iter_$ITER/eval}
+N=${N:-1}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-2048}   # REBEL's generation budget (line 110)
+TEMPERATURE=${TEMPERATURE:-0.8}          # REBEL's sampling settings (line 110); TEMPERATURE=0 for greedy (needs N=1)
+TOP_P=${TOP_P:-0.9}
+SEED=${SEED:-0}
+BATCH_SIZE=${BATCH_SIZE:-8}             # hf engine: prompts per generate call (unused by vLLM)
+SCORE_BATCH_SIZE=${SCORE_BATCH_SIZE:-8}  # reward-model batch, as score.sh
+MAX_LENGTH=${MAX_LENGTH:-4096}           # reward-model truncation, as REBEL's rank.py (line 115)
+DTYPE=${DTYPE:-bfloat16}                 # REBEL loads ArmoRM in bfloat16 (line 114)
+ENGINE=${ENGINE:-vllm}
+PUSH_TO_HUB=${PUSH_TO_HUB:-}             # e.g. ORG/NAME-iter1-eval; the token comes from HF_TOKEN
+
+command -v rlhf >/dev/null || { echo "rlhf not found: conda activate rlhf-vllm" >&2; exit 1; }
+if [ "$ENGINE" = vllm ]; then
+  python -c 'import vllm' 2>/dev/null || { echo "vllm does not import: conda activate rlhf-vllm" >&2; exit 1; }
+fi
+extra=()
+[ -n "$BASELINE" ] && extra+=(--baseline "$BASELINE")
+[ -n "$PUSH_TO_HUB" ] && extra+=(--push-to-hub "$PUSH_TO_HUB")
+
+rlhf eval --model "$POLICY" --prompts "$EVAL_PROMPTS" --reward-model "$REWARD_MODEL" --trust-remote-code \
+  --output "$OUT" --n "$N" --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --top-p "$TOP_P" \
+  --seed "$SEED" --batch-size "$BATCH_SIZE" --engine "$ENGINE" \
+  --score-batch-size "$SCORE_BATCH_SIZE" --max-length "$MAX_LENGTH" --dtype "$DTYPE" \
+  ${extra[@]+"${extra[@]}"}

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Stage 1 of an iteration: sample n=5 responses per prompt from the current policy with vLLM.
+#
+#   conda env: rlhf-vllm (envs/vllm.yml; vLLM pins its own torch, so generation lives apart from rlhf-train)
+#   hardware:  one node, 8 x 80 GB GPUs (REBEL's setting)
+#   reads:     $PROMPTS (default runs/prompts/ultrafeedback, made by scripts/gpu/prepare_prompts.sh) and $POLICY
+#              (iteration 1: $MODEL; iteration t > 1: $RUN/iter_<t-1>/train)
+#   writes:    $RUN/iter_$ITER/generate  (generations: responses, token ids, finish reasons + manifest.json)
+#              with SHARDS > 1 also $RUN/iter_$ITER/generate_shards/<i> (one per shard, joined by `rlhf merge`)
+#
+# Two ways to use the 8 GPUs:
+#   TP=8 SHARDS=1 (default): one vLLM engine with tensor parallelism over 8 GPUs, as REBEL's tutorial
+#       (tensor_parallel_size=8, /work/shared/seeds/002_*.txt; generate.py passes --world_size as the TP size,
+#       rebel-repo.md line 24). Same setting as scripts/gpu/rebel_ultrafeedback.yaml.
+#   TP=1 SHARDS=8: eight independent engines (`--shard i/8`, one GPU each), then `rlhf merge`. Usually faster for
+#       an 8B model (no all-reduce per layer); a prompt's samples do not depend on the sharding (per-prompt seeds).
+# Rerunning with the same settings skips finished outputs (shards included), so a crash resumes where it stopped.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: relative paths below resolve from here
+
+MODEL=${MODEL:-meta-llama/Meta-Llama-3-8B-Instruct}   # the policy of iteration 0 (REBEL, rebel-repo.md line 24)
+RUN=${RUN:-runs/rebel_llama3}
+ITER=${ITER:-1}
+if [ "$ITER" -le 1 ]; then POLICY=${POLICY:-$MODEL}; else POLICY=${POLICY:-$RUN/iter_$((ITER - 1))/train}; fi
+PROMPTS=${PROMPTS:-runs/prompts/ultrafeedback}         # allenai/ultrafeedback_binarized_cleaned_train:train, prompt columns only
+OUT=${OUT:-$RUN/iter_$ITER/generate}
+
+# REBEL's sampling (rebel-repo.md lines 24 and 110): 5 responses per prompt, temperature 0.8, top-p 0.9, 2048 new
+# tokens. REBEL makes 5 separate passes with seeds p*50; here one request with n=5 and a per-prompt seed.
+N=${N:-5}
+TEMPERATURE=${TEMPERATURE:-0.8}
+TOP_P=${TOP_P:-0.9}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-2048}
+SEED=${SEED:-0}
+TP=${TP:-8}                    # GPUs per vLLM engine (--tensor-parallel-size)
+SHARDS=${SHARDS:-1}            # independent engines, each on TP GPUs (SHARDS x TP <= number of GPUs)
+GPU_MEMORY_UTILIZATION=${GPU_MEMORY_UTILIZATION:-0.9}
+LIMIT=${LIMIT:-}               # e.g. LIMIT=100 for a quick trial on the first 100 prompts
+PUSH_TO_HUB=${PUSH_TO_HUB:-}   # e.g. ORG/NAME-iter1-generate; the token comes from HF_TOKEN
+
+command -v rlhf >/dev/null || { echo "rlhf not found: conda activate rlhf-vllm" >&2; exit 1; }
+python -c 'import vllm' 2>/dev/null || { echo "vllm does not import: conda activate rlhf-vllm" >&2; exit 1; }
+if [ "$PROMPTS" = runs/prompts/ultrafeedback ] && [ ! -e "$PROMPTS" ]; then
+  echo "$PROMPTS is missing: run scripts/gpu/prepare_prompts.sh first" >&2; exit 1
+fi
+
+common=(--model "$POLICY" --prompts "$PROMPTS"
+        --n "$N" --temperature "$TEMPERATURE" --top-p "$TOP_P" --max-new-tokens "$MAX_NEW_TOKENS" --seed "$SEED"
+        --engine vllm --dtype bfloat16 --tensor-parallel-size "$TP"
+        --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION")
+[ -n "$LIMIT" ] && common+=(--limit "$LIMIT")
+push=(); [ -n "$PUSH_TO_HUB" ] && push=(--push-to-hub "$PUSH_TO_HUB")
+
+if [ "$SHARDS" -le 1 ]; then
+  rlhf generate "${common[@]}" --output "$OUT" ${push[@]+"${push[@]}"}
+  exit 0
+fi
+
+# Sharded: shard i runs on GPUs [i*TP, (i+1)*TP), in the background; then the shards are joined.
+mkdir -p "$RUN/iter_$ITER"
+pids=(); shard_dirs=()
+for ((i = 0; i < SHARDS; i++)); do
+  gpus=$(seq -s, $((i * TP)) $((i * TP + TP - 1)))
+  dir=$RUN/iter_$ITER/generate_shards/$i
+  shard_dirs+=("$dir")
+  CUDA_VISIBLE_DEVICES=$gpus rlhf generate "${common[@]}" --shard "$i/$SHARDS" --output "$dir" \
+    > "$RUN/iter_$ITER/generate_shard_$i.log" 2>&1 &
+  pids+=($!)
+done
+failed=0
+for ((i = 0; i < SHARDS; i++)); do
+  wait "${pids[$i]}" || { echo "shard $i/$SHARDS failed: see $RUN/iter_$ITER/generate_shard_$i.log" >&2; failed=1; }
+done
+[ "$failed" -eq 0 ] || exit 1
+rlhf merge --inputs "${shard_dirs[@]}" --output "$OUT" ${push[@]+"${push[@]}"}

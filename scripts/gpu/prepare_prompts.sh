@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Prompt set of REBEL's UltraFeedback recipe, reduced to its prompt columns. Run once, before generate.sh/iterate.sh.
+#
+#   conda env: rlhf-train (envs/train.yml; rlhf-vllm works too, it only needs `datasets`). Needs Hub access.
+#   reads:     allenai/ultrafeedback_binarized_cleaned_train, split train (REBEL's generate.py default prompts,
+#              /work/shared/reference/rebel-repo.md line 24)
+#   writes:    runs/prompts/ultrafeedback (datasets.save_to_disk; columns prompt_id, prompt; same rows and order)
+#
+# Why not pass the Hub id straight to `rlhf generate`: the UltraFeedback binarized sets also have `chosen`/`rejected`
+# (and `messages`) columns; generate and score carry extra columns through, and `rlhf filter --mode pairs` then
+# fails with "ArrowInvalid: cannot mix list and non-list" because those names collide with the pair columns it
+# writes. Keeping only prompt_id/prompt avoids that (and pins one snapshot of the prompts for all iterations).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: relative paths below resolve from here
+
+SOURCE=${SOURCE:-allenai/ultrafeedback_binarized_cleaned_train}   # REBEL: generate.py --prompts default
+SPLIT=${SPLIT:-train}
+REVISION=${REVISION:-}                                              # optional Hub revision (commit/tag) to pin
+PROMPTS=${PROMPTS:-runs/prompts/ultrafeedback}                     # output directory
+
+if [ -e "$PROMPTS" ]; then
+  echo "[prepare_prompts] $PROMPTS exists; nothing to do (remove it to rebuild)"
+  exit 0
+fi
+
+python - "$SOURCE" "$SPLIT" "$REVISION" "$PROMPTS" <<'PY'
+import os, sys
+from datasets import load_dataset
+
+source, split, revision, out = sys.argv[1:]
+ds = load_dataset(source, split=split, revision=revision or None, token=os.environ.get("HF_TOKEN"))
+keep = [c for c in ("prompt_id", "prompt") if c in ds.column_names]
+if "prompt" not in keep:
+    sys.exit(f"{source}:{split} has no 'prompt' column (columns: {ds.column_names})")
+ds = ds.select_columns(keep)
+tmp = out + ".tmp"
+ds.save_to_disk(tmp)
+os.replace(tmp, out)
+print(f"[prepare_prompts] {ds.num_rows} prompts ({', '.join(keep)}) from {source}:{split} -> {out}")
+PY

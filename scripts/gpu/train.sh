@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Stage 4 of an iteration: REBEL on the iteration's pairs; the result is the next policy pi_{t+1}.
+#
+#   conda env: rlhf-train (envs/train.yml)
+#   hardware:  one node, 8 x 80 GB GPUs, DeepSpeed ZeRO-3 (accelerate_cfgs/zero3.yaml), bf16, gradient
+#              checkpointing. REBEL's large-batch run uses 8 processes (rebel-repo.md line 73) and ZeRO-3
+#              (its tutorial: accelerate_cfgs/deepspeed_config_stage_3.yaml, /work/shared/seeds/002_*.txt).
+#   reads:     $DATA (default $RUN/iter_$ITER/ref_logps when ref_logps.sh has run, else $RUN/iter_$ITER/filter) and
+#              $POLICY (iteration 1 $MODEL, iteration t > 1 $RUN/iter_<t-1>/train)
+#   writes:    $RUN/iter_$ITER/train: a save_pretrained model (safetensors + tokenizer; what generate.sh loads for
+#              the next iteration), metrics.jsonl, TensorBoard logs in runs/, checkpoints/step_N every $SAVE_EVERY
+#              steps; with no ref-logp columns in $DATA also ref_logps/ (pi_t log-probs, computed once).
+# Interrupted? Run the same command again: --resume continues from the newest checkpoint, a finished run is skipped.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: accelerate_cfgs/ and relative paths resolve from here
+
+MODEL=${MODEL:-meta-llama/Meta-Llama-3-8B-Instruct}   # the policy of iteration 0
+RUN=${RUN:-runs/rebel_llama3}
+ITER=${ITER:-1}
+if [ "$ITER" -le 1 ]; then POLICY=${POLICY:-$MODEL}; else POLICY=${POLICY:-$RUN/iter_$((ITER - 1))/train}; fi
+if [ -z "${DATA:-}" ]; then
+  if [ -e "$RUN/iter_$ITER/ref_logps/manifest.json" ]; then DATA=$RUN/iter_$ITER/ref_logps; else DATA=$RUN/iter_$ITER/filter; fi
+fi
+OUT=${OUT:-$RUN/iter_$ITER/train}
+ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_cfgs/zero3.yaml}
+NUM_GPUS=${NUM_GPUS:-8}
+
+# REBEL's large-batch UltraFeedback settings (src/ultrafeedback_largebatch/rebel.py, rebel-repo.md lines 56-77):
+# eta = 1e6 (line 56). Same eta as REBEL; note that this package's loss is the paper's ((dlogratio)/eta - dr)^2
+# while REBEL's code minimises (dlogratio - eta*dr)^2, eta^2 times larger (same minimiser, smaller gradients here).
+# Caveat: that makes the gradients eta^2 = 1e12 times smaller than REBEL's; AdamW's eps (1e-8, torch default, not an
+# option of rlhf train) is then no longer negligible next to sqrt(v), so lr 3e-7 may move the weights less than in
+# REBEL. REBEL's AdamW also uses betas (0.9, 0.95) (line 71); rlhf train uses torch's (0.9, 0.999).
+ETA=${ETA:-1e6}
+LEARNING_RATE=${LEARNING_RATE:-3e-7}     # AdamW lr=3e-7 (line 71)
+WEIGHT_DECAY=${WEIGHT_DECAY:-1e-6}       # AdamW weight_decay=1e-6 (line 71)
+WARMUP_RATIO=${WARMUP_RATIO:-0.1}        # cosine schedule with warmup ratio 0.1 (line 72)
+MAX_GRAD_NORM=${MAX_GRAD_NORM:-0}        # "There is no explicit gradient clipping" (line 75); 0 = off
+BATCH_SIZE=${BATCH_SIZE:-1}              # per_device_train_batch_size=1 pair per forward (line 73)
+GLOBAL_BATCH=${GLOBAL_BATCH:-128}        # 1 x 16 accumulation x 8 GPUs = 128 pairs per update (line 73)
+GRAD_ACC=${GRAD_ACC:-$((GLOBAL_BATCH / (BATCH_SIZE * NUM_GPUS)))}   # 16 on 8 GPUs, as REBEL
+EPOCHS=${EPOCHS:-1}                      # total_episodes=60000 -> 468 updates, about one pass (line 74)
+EVAL_EVERY=${EVAL_EVERY:-200}            # REBEL evaluates the test-split loss at updates 1, 201, 401, end (line 77)
+SAVE_EVERY=${SAVE_EVERY:-100}            # resumable checkpoint every 100 steps (REBEL saves but never resumes, line 79)
+SEED=${SEED:-0}
+REPORT_TO=${REPORT_TO:-tensorboard}      # or wandb (REBEL's default, line 79) or none
+PUSH_TO_HUB=${PUSH_TO_HUB:-}             # e.g. ORG/NAME-iter1-train (a model repo); the token comes from HF_TOKEN
+
+command -v accelerate >/dev/null || { echo "accelerate not found: conda activate rlhf-train" >&2; exit 1; }
+if [ $((BATCH_SIZE * GRAD_ACC * NUM_GPUS)) -ne "$GLOBAL_BATCH" ]; then
+  echo "batch $BATCH_SIZE x accumulation $GRAD_ACC x $NUM_GPUS GPUs != GLOBAL_BATCH $GLOBAL_BATCH" >&2; exit 1
+fi
+push=(); [ -n "$PUSH_TO_HUB" ] && push=(--push-to-hub "$PUSH_TO_HUB")
+
+# --temperature is not passed: REBEL's log-probs use the sampling temperature 0.8 (line 61), which rlhf train reads
+# from the generate manifest.
+accelerate launch --config_file "$ACCELERATE_CONFIG" --num_processes "$NUM_GPUS" -m rlhf_pipeline.stages.train \
+  --algo rebel --model "$POLICY" --data "$DATA" --output "$OUT" \
+  --eta "$ETA" --learning-rate "$LEARNING_RATE" --weight-decay "$WEIGHT_DECAY" --warmup-ratio "$WARMUP_RATIO" \
+  --max-grad-norm "$MAX_GRAD_NORM" --batch-size "$BATCH_SIZE" --gradient-accumulation-steps "$GRAD_ACC" \
+  --epochs "$EPOCHS" --bf16 --gradient-checkpointing --eval-every "$EVAL_EVERY" --save-every "$SAVE_EVERY" \
+  --resume --seed "$SEED" --report-to "$REPORT_TO" \
+  ${push[@]+"${push[@]}"}
