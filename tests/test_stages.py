@@ -244,3 +244,27 @@ def test_scored_data_without_token_ids_is_tokenized_once(tmp_path, tiny_policy):
         assert row["prompt_token_ids"] == encode_prompts(tok, [row["prompt"]])[0]
         assert row["chosen"] == "Great coffee." and row["rejected"] == "Bad coffee and rude staff."
         assert row["chosen_token_ids"] == tok("Great coffee.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
+def test_input_columns_named_like_pair_columns_are_kept_renamed(tmp_path, tiny_policy):
+    """Prompt sets such as UltraFeedback carry their own chosen/rejected columns through generate and score; the
+    filter keeps them as source_chosen/source_rejected instead of failing on the clash."""
+    rows = [{"prompt": f"Review number {i}.", "chosen": [{"role": "assistant", "content": "x"}], "rejected": "no"}
+            for i in range(8)]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    assert run("generate", "--model", tiny_policy, "--prompts", tmp_path / "p.jsonl", "--output", tmp_path / "gen",
+               "--n", 3, "--max-new-tokens", 8, "--engine", "hf") == 0
+    (tmp_path / "r.py").write_text("def by_index(prompts, responses, **c):\n    return [float(i % 3) for i in "
+                                   "range(len(responses))]\n")
+    assert run("score", "--input", tmp_path / "gen", "--output", tmp_path / "scored",
+               "--reward-fn", f"{tmp_path}/r.py:by_index") == 0
+    assert run("filter", "--input", tmp_path / "scored", "--output", tmp_path / "pairs", "--tokenizer", tiny_policy,
+               "--test-size", 1) == 0
+    dd = load_from_disk(str(tmp_path / "pairs"))
+    assert sum(ds.num_rows for ds in dd.values()) == 8
+    for ds in dd.values():
+        assert {"source_chosen", "source_rejected", "chosen", "rejected"} <= set(ds.column_names)
+        assert all(r == "no" for r in ds["source_rejected"])
+        assert all(isinstance(c, str) for c in ds["chosen"])
+    assert manifest(tmp_path / "pairs")["renamed_columns"] == {"chosen": "source_chosen",
+                                                               "rejected": "source_rejected"}

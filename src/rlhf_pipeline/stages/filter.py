@@ -66,6 +66,17 @@ def _check_vocab(batch: dict[str, list], indices: list[int], vocab_size: int, so
             )
 
 
+PAIR_COLUMNS = ("chosen", "rejected", "chosen_token_ids", "rejected_token_ids", "chosen_reward", "rejected_reward")
+
+
+def rename_clashes(ds, mode: str):
+    """Input columns that carry an output column's name (UltraFeedback's own ``chosen``/``rejected``, say) are kept
+    as ``source_<name>``. Returns the dataset and the renames."""
+    taken = set(PAIR_COLUMNS if mode == "pairs" else ()) | {"_drop", "_response_too_long", "_response_truncated"}
+    renames = {c: f"source_{c}" for c in ds.column_names if c in taken}
+    return (ds.rename_columns(renames) if renames else ds), renames
+
+
 def build_rows(
     batch: dict[str, list],
     indices: list[int],
@@ -85,7 +96,7 @@ def build_rows(
     out: dict[str, list] = {c: [] for c in carried}
     out.update({"prompt_token_ids": [], "_drop": [], "_response_too_long": [], "_response_truncated": []})
     if mode == "pairs":
-        for key in ("chosen", "rejected", "chosen_token_ids", "rejected_token_ids", "chosen_reward", "rejected_reward"):
+        for key in PAIR_COLUMNS:
             out[key] = []
     else:
         for key in PER_RESPONSE:
@@ -150,6 +161,7 @@ def main(config: FilterConfig) -> Path:
     ds = load_dataset_ref(ref)
     sampling = find_in_lineage([ref], "sampling")
     column = _check_input(ds, config, ref.name, sampling)
+    ds, renamed = rename_clashes(ds, config.mode)
     tokenizer = load_tokenizer(config.tokenizer, config.trust_remote_code)
     limits = LengthLimits(config.max_prompt_tokens, config.max_response_tokens, config.drop_truncated)
     num_proc = config.num_proc or (min(os.cpu_count() or 1, 8) if ds.num_rows >= 20_000 else None)
@@ -198,7 +210,7 @@ def main(config: FilterConfig) -> Path:
             f"cannot be split from them ({e}); pass a smaller --test-size, e.g. 0.1 for 10%"
         ) from None
     result = DatasetDict({"train": kept.select(train_rows), "test": kept.select(test_rows)})
-    extra: dict[str, Any] = {"mode": config.mode, "sampling": sampling}
+    extra: dict[str, Any] = {"mode": config.mode, "sampling": sampling, "renamed_columns": renamed}
     if config.mode == "pairs":
         extra["responses_left_out"] = responses_left_out
     out.save(result, rows_in=ds.num_rows, dropped=dict(dropped), extra=extra)

@@ -94,7 +94,11 @@ class IterateConfig(OutputOptions):
     score: dict = option(default_factory=dict, help="Options of rlhf score, e.g. {batch_size: 8, trust_remote_code: true}.")
     filter: dict = option(default_factory=dict, help="Options of rlhf filter, e.g. {max_response_tokens: 2048, test_size: 1000}.")
     train: dict = option(default_factory=dict, help="Options of rlhf train, e.g. {eta: 1e6, learning_rate: 3e-7, save_every: 100}.")
-    eval: dict = option(default_factory=dict, help="Options of rlhf eval; its scorers default to the training reward.")
+    eval: dict = option(
+        default_factory=dict,
+        help="Options of rlhf eval. Its scorers default to the training reward, read with the score section's "
+        "trust_remote_code and max_length.",
+    )
 
     def __post_init__(self) -> None:
         if (self.reward_model is None) == (self.reward_fn is None):
@@ -180,6 +184,10 @@ def eval_step(config: IterateConfig, run: Path, t: int, model: str) -> Step:
     options = _section(config.eval, "eval", allowed_extra={"reward_model", "reward_fn"})
     if "reward_model" not in options and "reward_fn" not in options:
         options.update(reward_model=config.reward_model, reward_fn=config.reward_fn)
+        # the training reward model, read as the score stage reads it (ArmoRM needs trust_remote_code)
+        for key in ("trust_remote_code", "max_length"):
+            if key in config.score and key not in options:
+                options[key] = config.score[key]
     baseline = model if t == 0 else str(run / "iter_0" / "eval")
     name = f"iter_{t}/eval"
     output = run / f"iter_{t}" / "eval"

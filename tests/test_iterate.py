@@ -1,0 +1,135 @@
+"""rlhf iterate and rlhf demo: the plan of stage runs, option checks before launch, and resume after Ctrl-C."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.stages.iterate import IterateConfig, check, option_args, plan
+
+
+def config(tmp_path, **overrides) -> IterateConfig:
+    values = dict(output=str(tmp_path / "run"), model="base", prompts=str(tmp_path / "p.jsonl"), iterations=3,
+                  reward_model="rm")
+    values.update(overrides)
+    return IterateConfig(**values)
+
+
+def test_option_args_spell_flags_as_the_stages_parse_them():
+    assert option_args({"max_new_tokens": 64, "bf16": True, "drop_truncated": False, "top_k": None,
+                        "inputs": ["a", "b"], "eta": 1e6}) == [
+        "--max-new-tokens", "64", "--bf16", "--no-drop-truncated", "--inputs", "a", "b", "--eta", "1000000.0"]
+
+
+def test_plan_chains_policies_prompts_and_seeds(tmp_path):
+    steps = plan(config(tmp_path, prompts_per_iteration=300, eval_prompts="e.jsonl", generate={"seed": 5, "n": 2},
+                        launchers={"train": "accelerate launch --config_file z.yaml"}), num_prompts=640)
+    names = [s.name for s in steps]
+    assert names == ["iter_0/eval"] + [f"iter_{t}/{s}" for t in (1, 2, 3)
+                                       for s in ("generate", "score", "filter", "train", "eval")]
+    run = tmp_path / "run"
+    by_name = {s.name: s for s in steps}
+
+    def arg(step, flag):
+        args = by_name[step].args
+        return args[args.index(flag) + 1]
+
+    # iteration t samples with policy t-1, and trains policy t from it
+    assert arg("iter_1/generate", "--model") == "base"
+    assert arg("iter_2/generate", "--model") == str(run / "iter_1" / "train")
+    assert arg("iter_3/train", "--model") == str(run / "iter_2" / "train")
+    assert arg("iter_3/filter", "--tokenizer") == str(run / "iter_2" / "train")
+    # consecutive chunks of 300 prompts, wrapping around 640; seeds differ per iteration
+    assert [arg(f"iter_{t}/generate", "--offset") for t in (1, 2, 3)] == ["0", "300", "600"]
+    assert [arg(f"iter_{t}/generate", "--seed") for t in (1, 2, 3)] == ["5", "6", "7"]
+    # evaluation against the starting policy's samples; iteration 0 against itself
+    assert arg("iter_0/eval", "--baseline") == "base"
+    assert arg("iter_2/eval", "--baseline") == str(run / "iter_0" / "eval")
+    assert arg("iter_2/eval", "--reward-model") == "rm"
+    # training always resumes; launchers are command prefixes
+    assert "--resume" in by_name["iter_1/train"].args
+    assert by_name["iter_1/train"].command[:5] == ["accelerate", "launch", "--config_file", "z.yaml", "-m"]
+    assert by_name["iter_1/generate"].command[:3] == [sys.executable, "-m", "rlhf_pipeline.stages.generate"]
+
+
+def test_push_to_hub_prefix_names_every_output(tmp_path):
+    steps = plan(config(tmp_path, iterations=1, push_to_hub="me/run"))
+    pushed = [s.args[s.args.index("--push-to-hub") + 1] for s in steps]
+    assert pushed == ["me/run-iter1-generate", "me/run-iter1-score", "me/run-iter1-filter", "me/run-iter1-train"]
+
+
+def test_sections_may_not_set_what_iterate_sets(tmp_path):
+    with pytest.raises(PipelineError, match="train section sets model"):
+        plan(config(tmp_path, train={"model": "other"}))
+
+
+def test_a_misspelt_option_fails_before_anything_runs(tmp_path):
+    steps = plan(config(tmp_path, train={"learning_rat": 1e-6}))
+    with pytest.raises(PipelineError, match=r"iter_1/train: .*unrecognized arguments: --learning-rat"):
+        check(steps)
+    assert not (tmp_path / "run").exists()
+
+
+DEMO_SMALL = ["--iterations", "1", "--prompts-per-iteration", "48", "--n", "2", "--max-new-tokens", "12",
+              "--eval-prompts", "16", "--eval-n", "1", "--sft-epochs", "1", "--rm-epochs", "1", "--hidden-size", "32"]
+
+
+def _demo(out: Path) -> subprocess.Popen:
+    env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    return subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.stages.demo", "--output", str(out), *DEMO_SMALL],
+                            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _output_ids(run: Path) -> dict[str, str]:
+    return {str(p.parent.relative_to(run)): json.loads(p.read_text())["output_id"]
+            for p in run.rglob("manifest.json")}
+
+
+@pytest.mark.slow
+def test_demo_interrupted_resumes_without_redoing_finished_stages(tmp_path):
+    run = tmp_path / "demo"
+    proc = _demo(run)
+    deadline = time.time() + 300
+    # Ctrl-C (SIGINT to the whole process group, as a terminal sends it) once the first iteration has its samples
+    while not (run / "iter_1" / "generate" / "manifest.json").exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, "the demo did not reach iter_1/generate"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, output
+    finished_before = _output_ids(run)
+    assert {"sft", "reward_model", "iter_0/eval", "iter_1/generate"} <= set(finished_before)
+    launched_before = [json.loads(l)["step"] for l in (run / "steps.jsonl").read_text().splitlines()]
+
+    proc = _demo(run)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output
+    after = _output_ids(run)
+    for name, output_id in finished_before.items():  # nothing that had finished was redone
+        assert after[name] == output_id, name
+    launched_after = [json.loads(l)["step"] for l in (run / "steps.jsonl").read_text().splitlines()]
+    relaunched = launched_after[len(launched_before):]
+    assert not set(relaunched) & set(finished_before), relaunched
+    assert "iter_1/train" in relaunched and "iter_1/eval" in relaunched
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert [row["iteration"] for row in summary["iterations"]] == [0, 1]
+    assert summary["iterations"][0]["rm_win_rate_vs_base"] == 0.5
+    for key in ("gold_reward_mean", "gold_reward_stderr", "rm_reward_mean", "rm_win_rate_vs_base"):
+        assert isinstance(summary["iterations"][1][key], float)
+    assert (run / "report.md").exists() and (run / "plots" / "reward_per_iteration.png").exists()
+
+    # a third run finds everything finished and launches nothing
+    proc = _demo(run)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    assert len((run / "steps.jsonl").read_text().splitlines()) == len(launched_after)
+    assert _output_ids(run) == after
