@@ -45,3 +45,35 @@ def test_warmup_then_cosine():
     assert warmup_cosine(12, warmup=4, total=20) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
     assert warmup_cosine(20, warmup=4, total=20) == pytest.approx(0.0)
     assert warmup_cosine(0, warmup=0, total=10) == pytest.approx(1.0)
+
+
+def test_rebel_backpropagates_repos_form_and_reports_the_papers(tiny_policy):
+    """PairTask's REBEL loss has the paper's value, (Δ/η − Δr)², and REBEL's code's gradient, η² times larger."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.losses import LossType, PairLossParams, rebel_loss
+    from rlhf_pipeline.stages.ref_logps import pair_logps
+    from rlhf_pipeline.stages.train import PairTask
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy)
+    rows = [{"prompt_token_ids": [1, 10, 11], "chosen_token_ids": [20, 21, 2], "rejected_token_ids": [30, 2],
+             "chosen_ref_logp": -9.0, "rejected_ref_logp": -4.5, "chosen_reward": 1.0, "rejected_reward": 0.2},
+            {"prompt_token_ids": [1, 12], "chosen_token_ids": [40, 2], "rejected_token_ids": [41, 42, 43, 2],
+             "chosen_ref_logp": -5.0, "rejected_ref_logp": -12.0, "chosen_reward": 0.4, "rejected_reward": -0.3}]
+    eta = 10.0
+    task = PairTask(LossType.REBEL, PairLossParams(eta=eta, beta=0.1, label_smoothing=0.0, gamma=0.5), 1.0, 0)
+    loss, _, _ = task.loss(model, rows)
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    chosen, rejected, _ = pair_logps(model, rows, 0, 1.0)
+    t = lambda k: torch.tensor([r[k] for r in rows])  # noqa: E731
+    paper = rebel_loss(chosen, rejected, t("chosen_ref_logp"), t("rejected_ref_logp"), t("chosen_reward"),
+                       t("rejected_reward"), eta=eta).mean()
+    assert float(loss) == pytest.approx(float(paper), rel=1e-6)
+    paper.backward()
+    scale = max(float(g.abs().max()) for g in ours.values())
+    for name, p in model.named_parameters():  # float32 sums in another order: tolerance relative to the largest
+        torch.testing.assert_close(ours[name], eta**2 * p.grad, rtol=1e-3, atol=1e-5 * scale)

@@ -6,10 +6,10 @@
 #              /work/shared/reference/rebel-repo.md line 24)
 #   writes:    runs/prompts/ultrafeedback (datasets.save_to_disk; columns prompt_id, prompt; same rows and order)
 #
-# Why not pass the Hub id straight to `rlhf generate`: the UltraFeedback binarized sets also have `chosen`/`rejected`
-# (and `messages`) columns; generate and score carry extra columns through, and `rlhf filter --mode pairs` then
-# fails with "ArrowInvalid: cannot mix list and non-list" because those names collide with the pair columns it
-# writes. Keeping only prompt_id/prompt avoids that (and pins one snapshot of the prompts for all iterations).
+# Why not pass the Hub id straight to `rlhf generate`: the UltraFeedback binarized sets also carry `chosen`,
+# `rejected` and `messages` conversations; every stage carries extra columns through (filter keeps them as
+# source_chosen/source_rejected), which only makes each iteration's data bigger. Keeping prompt_id/prompt also pins
+# one snapshot of the prompts for all iterations.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: relative paths below resolve from here
 

@@ -26,14 +26,12 @@ ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_cfgs/zero3.yaml}
 NUM_GPUS=${NUM_GPUS:-8}
 
 # REBEL's large-batch UltraFeedback settings (src/ultrafeedback_largebatch/rebel.py, rebel-repo.md lines 56-77):
-# eta = 1e6 (line 56). Same eta as REBEL; note that this package's loss is the paper's ((dlogratio)/eta - dr)^2
-# while REBEL's code minimises (dlogratio - eta*dr)^2, eta^2 times larger (same minimiser, smaller gradients here).
-# Caveat: that makes the gradients eta^2 = 1e12 times smaller than REBEL's; AdamW's eps (1e-8, torch default, not an
-# option of rlhf train) is then no longer negligible next to sqrt(v), so lr 3e-7 may move the weights less than in
-# REBEL. REBEL's AdamW also uses betas (0.9, 0.95) (line 71); rlhf train uses torch's (0.9, 0.999).
+# eta = 1e6 (line 56). rlhf train logs the paper's loss ((dlogratio)/eta - dr)^2 and backpropagates REBEL's code form
+# (dlogratio - eta*dr)^2 (eta^2 larger, same minimiser), so AdamW sees the gradients REBEL's run saw.
 ETA=${ETA:-1e6}
 LEARNING_RATE=${LEARNING_RATE:-3e-7}     # AdamW lr=3e-7 (line 71)
 WEIGHT_DECAY=${WEIGHT_DECAY:-1e-6}       # AdamW weight_decay=1e-6 (line 71)
+ADAM_BETA2=${ADAM_BETA2:-0.95}           # AdamW betas=(0.9, 0.95) (line 71)
 WARMUP_RATIO=${WARMUP_RATIO:-0.1}        # cosine schedule with warmup ratio 0.1 (line 72)
 MAX_GRAD_NORM=${MAX_GRAD_NORM:-0}        # "There is no explicit gradient clipping" (line 75); 0 = off
 BATCH_SIZE=${BATCH_SIZE:-1}              # per_device_train_batch_size=1 pair per forward (line 73)
@@ -56,7 +54,7 @@ push=(); [ -n "$PUSH_TO_HUB" ] && push=(--push-to-hub "$PUSH_TO_HUB")
 # from the generate manifest.
 accelerate launch --config_file "$ACCELERATE_CONFIG" --num_processes "$NUM_GPUS" -m rlhf_pipeline.stages.train \
   --algo rebel --model "$POLICY" --data "$DATA" --output "$OUT" \
-  --eta "$ETA" --learning-rate "$LEARNING_RATE" --weight-decay "$WEIGHT_DECAY" --warmup-ratio "$WARMUP_RATIO" \
+  --eta "$ETA" --learning-rate "$LEARNING_RATE" --weight-decay "$WEIGHT_DECAY" --adam-beta2 "$ADAM_BETA2" --warmup-ratio "$WARMUP_RATIO" \
   --max-grad-norm "$MAX_GRAD_NORM" --batch-size "$BATCH_SIZE" --gradient-accumulation-steps "$GRAD_ACC" \
   --epochs "$EPOCHS" --bf16 --gradient-checkpointing --eval-every "$EVAL_EVERY" --save-every "$SAVE_EVERY" \
   --resume --seed "$SEED" --report-to "$REPORT_TO" \

@@ -37,8 +37,10 @@ def rebel_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref
     ``loss = (Δ/eta − (rc − rr))²``. Here "ref" is π_t, the policy that generated the pairs.
     REBEL's repo (``ultrafeedback_largebatch/rebel.py``) multiplies through by eta and minimises
     ``(Δ − eta·(rc − rr))²`` with eta=1e6; that equals eta² times this loss, i.e. the same minimiser with a
-    gradient eta² larger. We follow the paper's 1/eta form so eta has the paper's meaning (with Adam the constant
-    factor is mostly absorbed; with SGD it is not).
+    gradient eta² larger. This function returns the paper's 1/eta form, so logged values have the paper's meaning;
+    the trainer (``stages.train.PairTask``) backpropagates REBEL's form, because Adam is invariant to the constant
+    only while gradients stay well above its eps: with eta=1e6 the paper form's gradients are ~1e-8 per parameter,
+    the size of eps, and the updates would shrink.
     """
     _positive("eta", eta)
     chosen, rejected = _logratios(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)

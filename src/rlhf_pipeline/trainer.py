@@ -56,6 +56,9 @@ class TrainOptions(OutputOptions):
     gradient_accumulation_steps: int = option(1, help="Micro-batches per optimizer step.")
     learning_rate: float = option(1e-6, help="Peak learning rate of AdamW.")
     weight_decay: float = option(0.0, help="AdamW weight decay.")
+    adam_beta1: float = option(0.9, help="AdamW beta1.")
+    adam_beta2: float = option(0.999, help="AdamW beta2 (REBEL's and OpenRLHF's runs use 0.95).")
+    adam_epsilon: float = option(1e-8, help="AdamW epsilon.")
     warmup_ratio: float = option(0.1, help="Fraction of the steps spent warming the learning rate up (then cosine).")
     max_grad_norm: float = option(1.0, help="Clip the global gradient norm to this value (0 = no clipping).")
     bf16: bool = option(False, help="bfloat16 mixed precision.")
@@ -392,6 +395,8 @@ def prepare(config: TrainOptions, accelerator, model, num_train_rows: int) -> Se
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
     )
     model, optimizer = accelerator.prepare(model, optimizer)
     # Built on the prepared optimizer (DeepSpeed regroups the parameters) and stepped by hand once per optimizer

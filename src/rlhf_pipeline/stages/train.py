@@ -74,7 +74,7 @@ class PairTask:
         import torch
 
         from rlhf_pipeline.logprobs import response_lengths
-        from rlhf_pipeline.losses import compute_pair_loss
+        from rlhf_pipeline.losses import LossType, compute_pair_loss
 
         chosen, rejected, batch = pair_logps(model, rows, self.pad_id, self.temperature)
         device, dtype = chosen.device, chosen.dtype
@@ -96,7 +96,11 @@ class PairTask:
             chosen_lengths=lengths[: len(rows)],
             rejected_lengths=lengths[len(rows) :],
         )
-        return losses.mean(), metrics, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
+        loss = losses.mean()
+        if self.loss_type is LossType.REBEL and self.params.eta != 1.0:
+            # The value of the paper's loss, the gradient of REBEL's code (eta² larger; see losses.rebel_loss).
+            loss = loss.detach() + (loss - loss.detach()) * self.params.eta**2
+        return loss, metrics, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
 
 
 def train_names(values: dict[str, float]) -> dict[str, float]:
