@@ -245,8 +245,6 @@ def test_sft_bad_rows_fail_with_the_row_named(tiny_policy, tmp_path, capsys):
     assert not (tmp_path / "b" / "manifest.json").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: with a held-out split, the error names the row's index within its "
-                   "split (tokenize maps each split with_indices=True), not the row of the file")
 @pytest.mark.parametrize("stage", ["sft", "train-rm"])
 def test_a_bad_row_is_named_by_its_row_in_the_file_when_rows_are_held_out(stage, tiny_policy, tmp_path, capsys):
     if stage == "sft":
@@ -509,9 +507,6 @@ def test_eval_reuses_an_earlier_evals_samples_as_the_baseline(eval_sft, eval_sel
     assert ours["responses"] != theirs["responses"]  # the SFT model's own samples, not the baseline's
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: eval._earlier_eval refuses any directory whose manifest is not an eval "
-                   "one, so a trained model (sft/train/train-rm output, which is a from_pretrained directory) cannot "
-                   "be the --baseline, although the docstring's own example is --baseline runs/sft")
 def test_eval_samples_a_trained_model_given_as_the_baseline(eval_sft, sft_model, tiny_policy, task, tmp_path):
     out = tmp_path / "vs_sft"
     assert run(*eval_args(tiny_policy, task["eval_prompts"], out, "--reward-fn", GOLD, "--baseline", sft_model)) == 0
@@ -543,3 +538,17 @@ def test_eval_refuses_a_baseline_directory_that_is_neither_a_model_nor_an_eval(g
                           "--baseline", generations)) == 1
     assert "holds a generate output, not a model or an rlhf eval output" in capsys.readouterr().err
     assert not (tmp_path / "e" / "manifest.json").exists()
+
+
+def test_eval_refuses_a_baseline_eval_sampled_with_other_settings_before_sampling(eval_self, tiny_policy, task,
+                                                                                  tmp_path, capsys):
+    """With another --n, response j would be compared with only some of the baseline's responses; refused, and
+    before this evaluation samples anything."""
+    capsys.readouterr()
+    out = tmp_path / "n3"
+    args = eval_args(tiny_policy, task["eval_prompts"], out, "--reward-fn", GOLD, "--baseline", eval_self)
+    args[args.index("--n") + 1] = 3
+    assert run(*args) == 1
+    err = capsys.readouterr().err
+    assert "sampled with other settings (--n 2 vs 3)" in err
+    assert not (out / "generate").exists()

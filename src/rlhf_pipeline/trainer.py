@@ -193,7 +193,11 @@ def make_accelerator(config: TrainOptions):
 
 
 def load_trainable(config: TrainOptions, loader: Callable[..., Any]):
-    """A model in float32 master weights (mixed precision and DeepSpeed cast as configured)."""
+    """A model in float32 master weights (mixed precision and DeepSpeed cast as configured). Seeded first: weights
+    the checkpoint does not have (a reward model's new score head) are initialised from the seed."""
+    import torch
+
+    torch.manual_seed(config.seed)
     model = loader(config.model, trust_remote_code=config.trust_remote_code)
     model.config.use_cache = False
     disable_dropout(model)
@@ -510,6 +514,9 @@ def train(
     return TrainResult(step, first_loss, last_loss, final_eval, real_tokens, all_tokens, time.time() - started)
 
 
+SOURCE_ROW = "_source_row"  # a row's index in the data as given, kept through the train/test split for error messages
+
+
 def train_test_splits(ref, test_size: float, seed: int):
     """The ``train`` and ``test`` splits of a training dataset. A source without a ``test`` split (a JSONL file, say)
     has one split off with a seeded ``test_size`` (a row count, or a fraction below 1); 0 means no evaluation."""
@@ -530,7 +537,25 @@ def train_test_splits(ref, test_size: float, seed: int):
         train_rows, test_rows = split_indices(ds.num_rows, test_size, seed)
     except ValueError as e:
         raise PipelineError(f"{ref}: {e}; pass another --test-size") from None
+    ds = ds.add_column(SOURCE_ROW, list(range(ds.num_rows)))
     return datasets.DatasetDict({"train": ds.select(train_rows), "test": ds.select(test_rows)})
+
+
+def encode_splits(dd, encode: Callable[[dict, list], dict], max_length: int):
+    """Tokenize every split with the batched ``encode(batch, row_indices)``, which must add a ``num_tokens`` column,
+    and drop the rows over ``max_length``. Returns the splits and the dropped counts (``{"train:too_long": n}``)."""
+    def encode_rows(batch: dict, indices: list) -> dict:  # errors name the row of the file, not of the split
+        return encode(batch, batch[SOURCE_ROW] if SOURCE_ROW in batch else indices)
+
+    out, dropped = {}, {}
+    for split, ds in dd.items():
+        encoded = ds.map(encode_rows, batched=True, with_indices=True, remove_columns=ds.column_names,
+                         desc=f"tokenize {split}")
+        kept = encoded.filter(lambda n: n <= max_length, input_columns="num_tokens")
+        if encoded.num_rows - kept.num_rows:
+            dropped[f"{split}:too_long"] = encoded.num_rows - kept.num_rows
+        out[split] = kept
+    return out, dropped
 
 
 @dataclass

@@ -42,6 +42,8 @@ from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.errors import PipelineError
 
 SCORERS = ("reward_model", "reward_fn")
+# What must match for an earlier evaluation's samples to serve as the baseline.
+SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "limit")
 RESULTS = "results.json"
 
 
@@ -144,20 +146,31 @@ def _earlier_eval(path: str) -> Path | None:
     manifest = p / "manifest.json"
     if not manifest.is_file():
         return None
-    if json.loads(manifest.read_text()).get("stage") != "eval":
-        raise PipelineError(f"--baseline {path}: holds a {json.loads(manifest.read_text()).get('stage')} output, "
-                            "not a model or an rlhf eval output")
-    return p
+    stage = json.loads(manifest.read_text()).get("stage")
+    if stage == "eval":
+        return p
+    if (p / "config.json").is_file():  # a model written by a training stage (sft, train, train-rm)
+        return None
+    raise PipelineError(f"--baseline {path}: holds a {stage} output, not a model or an rlhf eval output")
 
 
-def _baseline_scores(config: EvalConfig, out_dir: Path, own: dict[str, Path]) -> tuple[dict[str, Path] | None, str | None]:
+def _baseline_scores(config: EvalConfig, out_dir: Path) -> tuple[dict[str, Path] | None, str | None]:
+    """The baseline's scored samples (None when the baseline is the evaluated model itself) and a description."""
     if config.baseline is None:
         return None, None
     if config.baseline == config.model:
-        return own, "the evaluated model itself"
+        return None, "the evaluated model itself"
     earlier = _earlier_eval(config.baseline)
     if earlier is None:
         return _sample_and_score(config, config.baseline, out_dir / "baseline"), config.baseline
+    previous_config = json.loads((earlier / "manifest.json").read_text())["config"]
+    differ = [k for k in SAMPLING_KEYS if previous_config.get(k) != getattr(config, k)]
+    if differ:
+        raise PipelineError(
+            f"--baseline {config.baseline}: that evaluation sampled with other settings ("
+            + ", ".join(f"--{k.replace('_', '-')} {previous_config.get(k)} vs {getattr(config, k)}" for k in differ)
+            + "); a win rate compares like with like, so use the same settings or pass the baseline model"
+        )
     paths = {}
     for name, spec in _scorers(config).items():
         scored = earlier / f"score_{name}"
@@ -190,8 +203,11 @@ def main(config: EvalConfig) -> Path:
     if out.replace:
         shutil.rmtree(out.path)
     out.record_start()
+    # An earlier evaluation given as the baseline is checked before anything is sampled.
+    baseline, baseline_desc = _baseline_scores(config, out.path)
     own = _sample_and_score(config, config.model, out.path)
-    baseline, baseline_desc = _baseline_scores(config, out.path, own)
+    if config.baseline == config.model:
+        baseline = own
 
     from datasets import load_from_disk
 

@@ -124,15 +124,9 @@ def tokenize(dd, tokenizer, max_length: int, source: str):
             "num_tokens": [len(p) + len(a) for p, a in zip(prompt_ids, answer_ids)],
         }
 
-    dropped = {}
-    out = {}
-    for split, ds in dd.items():
-        encoded = ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
-                         desc=f"tokenize {split}")
-        kept = encoded.filter(lambda n: n <= max_length, input_columns="num_tokens")
-        if encoded.num_rows - kept.num_rows:
-            dropped[f"{split}:too_long"] = encoded.num_rows - kept.num_rows
-        out[split] = kept
+    from rlhf_pipeline.trainer import encode_splits
+
+    out, dropped = encode_splits(dd, encode, max_length)
     return out, dropped, counts["fallback"]
 
 

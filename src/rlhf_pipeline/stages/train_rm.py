@@ -95,19 +95,12 @@ def tokenize(dd, tokenizer, max_length: int, source: str):
                 rejected.append(t_r)
         texts = [t for pair in zip(chosen, rejected) for t in pair]
         ids = encode_conversations(tokenizer, prompts, texts)
-        return {"chosen_input_ids": ids[0::2], "rejected_input_ids": ids[1::2]}
+        return {"chosen_input_ids": ids[0::2], "rejected_input_ids": ids[1::2],
+                "num_tokens": [max(len(c), len(r)) for c, r in zip(ids[0::2], ids[1::2])]}
 
-    out, dropped = {}, {}
-    for split, ds in dd.items():
-        encoded = ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
-                         desc=f"tokenize {split}")
-        kept = encoded.filter(
-            lambda c, r: max(len(c), len(r)) <= max_length, input_columns=["chosen_input_ids", "rejected_input_ids"]
-        )
-        if encoded.num_rows - kept.num_rows:
-            dropped[f"{split}:too_long"] = encoded.num_rows - kept.num_rows
-        out[split] = kept
-    return out, dropped
+    from rlhf_pipeline.trainer import encode_splits
+
+    return encode_splits(dd, encode, max_length)
 
 
 class RewardTask:
