@@ -72,7 +72,7 @@ def test_rebel_backpropagates_repos_form_and_reports_the_papers(tiny_policy):
     t = lambda k: torch.tensor([r[k] for r in rows])  # noqa: E731
     paper = rebel_loss(chosen, rejected, t("chosen_ref_logp"), t("rejected_ref_logp"), t("chosen_reward"),
                        t("rejected_reward"), eta=eta).mean()
-    assert float(loss) == pytest.approx(float(paper), rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(float(paper.detach()), rel=1e-6)
     paper.backward()
     scale = max(float(g.abs().max()) for g in ours.values())
     for name, p in model.named_parameters():  # float32 sums in another order: tolerance relative to the largest
