@@ -33,7 +33,6 @@ from typing import Literal, Sequence
 
 from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import option
-from rlhf_pipeline.errors import PipelineError
 
 GOLD = "rlhf_pipeline.demo.task:gold_reward"
 

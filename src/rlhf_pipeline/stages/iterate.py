@@ -47,7 +47,6 @@ from rlhf_pipeline.cli import STAGES, run_stage
 from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.errors import PipelineError
 
-PAIR_ALGOS = ("rebel", "dpo", "cdpo", "ipo", "simpo")
 STAGE_SECTIONS = ("generate", "score", "filter", "train", "eval")
 TRAINING_STAGES = ("train", "sft", "train-rm")
 # The config field that names each stage's input dataset (its fingerprint is part of the reuse check).
