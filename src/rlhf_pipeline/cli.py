@@ -50,6 +50,9 @@ def run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # outputs are written atomically or resumably: a rerun continues where this stopped
+        print("interrupted; run the same command again to continue", file=sys.stderr)
+        return 130
     return 0
 
 
