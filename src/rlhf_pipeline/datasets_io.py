@@ -225,6 +225,13 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a file under a temporary name and rename it into place: readers see the old file or the new one."""
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def clean_stale(path: Path) -> None:
     """Remove temporary siblings that a killed run (SIGKILL, power loss) left next to ``path``."""
     if path.parent.exists():
@@ -350,9 +357,7 @@ class StageOutput:
         filled in place such as a training run, where it marks the run complete)."""
         manifest["wall_time_s"] = round(time.time() - self.started, 3)
         directory = self.path if directory is None else directory
-        tmp = directory / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-        os.replace(tmp, directory / MANIFEST)
+        write_text_atomic(directory / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
 
     def save(
         self,

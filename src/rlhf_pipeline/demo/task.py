@@ -176,11 +176,9 @@ def preference_rows(rng: random.Random, prompts: list[dict[str, str]], per_promp
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(path)
+    from rlhf_pipeline.datasets_io import write_text_atomic
+
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def write_task_data(directory: Path, seed: int = 0, sft_per_prompt: int = 2, pairs_per_prompt: int = 2) -> dict[str, Path]:

@@ -25,7 +25,6 @@ finished. Everything is seeded; the sizes below are the defaults, and the option
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +71,7 @@ ALGO_TRAIN_DEFAULTS = {
 
 def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
     """The demo's steps: SFT, reward model, then the iterate loop with evaluation."""
-    from rlhf_pipeline.stages.iterate import IterateConfig, Step, option_args
+    from rlhf_pipeline.stages.iterate import IterateConfig, Step, count_prompts, option_args
     from rlhf_pipeline.stages.iterate import plan as iterate_plan
 
     common = {"batch_size": 16, "report_to": "none", "seed": config.seed}
@@ -105,7 +104,7 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
               "limit": config.eval_prompts, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,
               "engine": "hf", "seed": config.seed + 1000, "batch_size": 64, "score_batch_size": 64},
     )
-    return [sft, rm, *iterate_plan(loop, num_prompts=640)]
+    return [sft, rm, *iterate_plan(loop, count_prompts(loop))]
 
 
 def summary(run: Path, iterations: int) -> dict:
@@ -136,7 +135,7 @@ def summary(run: Path, iterations: int) -> dict:
 def main(config: DemoConfig) -> Path:
     import time
 
-    from rlhf_pipeline.datasets_io import atomic_directory, clean_stale
+    from rlhf_pipeline.datasets_io import atomic_directory, clean_stale, write_text_atomic
     from rlhf_pipeline.demo.task import write_task_data
     from rlhf_pipeline.stages.iterate import check, run_steps
     from rlhf_pipeline.stages.report import write_report
@@ -156,9 +155,7 @@ def main(config: DemoConfig) -> Path:
     check(steps)
     run_steps(steps, run, label="demo")
     result = summary(run, config.iterations)
-    tmp = run / ".summary.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, run / "summary.json")
+    write_text_atomic(run / "summary.json", json.dumps(result, indent=2) + "\n")
     report = write_report(run, run)
     print(f"[demo] finished in {time.time() - started:.0f}s; report: {report}")
     print(f"[demo] {'iteration':>9} {'gold reward':>18} {'RM reward':>10} {'RM win rate':>12}")

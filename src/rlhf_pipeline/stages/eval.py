@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -119,7 +118,7 @@ def _scorers(config: EvalConfig) -> dict[str, str]:
     return {name: getattr(config, name) for name in SCORERS if getattr(config, name) is not None}
 
 
-def _sample_and_score(config: EvalConfig, model: str, directory: Path, overwrite: bool = False) -> dict[str, Path]:
+def _sample_and_score(config: EvalConfig, model: str, directory: Path) -> dict[str, Path]:
     """Generate with ``model`` into ``directory/generate`` and score it with every scorer."""
     from rlhf_pipeline.stages import generate, score
 
@@ -128,14 +127,13 @@ def _sample_and_score(config: EvalConfig, model: str, directory: Path, overwrite
         temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, max_new_tokens=config.max_new_tokens,
         seed=config.seed, engine=config.engine, limit=config.limit, batch_size=config.batch_size, dtype=config.dtype,
         tensor_parallel_size=config.tensor_parallel_size, trust_remote_code=config.trust_remote_code,
-        overwrite=overwrite,
     )
     paths = {"generate": generate.main(gen)}
     for name, spec in _scorers(config).items():
         paths[name] = score.main(score.ScoreConfig(
             output=str(directory / f"score_{name}"), input=str(paths["generate"]), batch_size=config.score_batch_size,
             max_length=config.max_length, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
-            overwrite=overwrite, **{name: spec},
+            **{name: spec},
         ))
     return paths
 
@@ -163,7 +161,7 @@ def _baseline_scores(config: EvalConfig, out_dir: Path) -> tuple[dict[str, Path]
     earlier = _earlier_eval(config.baseline)
     if earlier is None:
         return _sample_and_score(config, config.baseline, out_dir / "baseline"), config.baseline
-    previous_config = json.loads((earlier / "manifest.json").read_text())["config"]
+    previous_config = json.loads((earlier / "manifest.json").read_text())["config"]  # _earlier_eval checked it
     differ = [k for k in SAMPLING_KEYS if previous_config.get(k) != getattr(config, k)]
     if differ:
         raise PipelineError(
@@ -181,8 +179,7 @@ def _baseline_scores(config: EvalConfig, out_dir: Path) -> tuple[dict[str, Path]
                 f"{spec}; evaluate the baseline with the same scorers, or pass the baseline model instead"
             )
         paths[name] = scored
-    model = json.loads((earlier / "manifest.json").read_text())["config"]["model"]
-    return paths, f"{model} (samples of {earlier})"
+    return paths, f"{previous_config['model']} (samples of {earlier})"
 
 
 def _rewards_by_prompt(path: Path) -> tuple[list[str], dict[str, list[float]]]:
@@ -217,7 +214,7 @@ def main(config: EvalConfig) -> Path:
         ids, ours = _rewards_by_prompt(own[name])
         theirs = None
         if baseline is not None:
-            base_ids, base = _rewards_by_prompt(baseline[name])
+            _, base = _rewards_by_prompt(baseline[name])
             missing = [i for i in ids if i not in base]
             if missing:
                 raise PipelineError(
@@ -245,13 +242,11 @@ def main(config: EvalConfig) -> Path:
     )
     for name, values in columns.items():
         samples = samples.add_column(name, values)
-    from rlhf_pipeline.datasets_io import atomic_directory, push_to_hub
+    from rlhf_pipeline.datasets_io import atomic_directory, push_to_hub, write_text_atomic
 
     with atomic_directory(out.path / "samples") as tmp:
         samples.save_to_disk(str(tmp))
-    tmp_results = out.path / f".{RESULTS}.tmp"
-    tmp_results.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(tmp_results, out.path / RESULTS)
+    write_text_atomic(out.path / RESULTS, json.dumps(results, indent=2) + "\n")
     manifest = out.manifest(rows_in=generated.num_rows, rows_out=generated.num_rows, extra={"eval": results})
     if config.push_to_hub:  # before the manifest: a failed upload leaves the evaluation unfinished, to be rerun
         out.write_manifest(dict(manifest), directory=out.path / "samples")

@@ -159,7 +159,7 @@ def _section(options: dict[str, Any], stage: str, allowed_extra: set[str] = froz
 
 
 def _launcher(config: IterateConfig, stage: str) -> list[str]:
-    spec = config.launchers.get(stage) or config.launchers.get(stage.replace("-", "_"))
+    spec = config.launchers.get(stage)
     return shlex.split(spec) if spec else [sys.executable]
 
 
@@ -170,7 +170,8 @@ def _common(config: IterateConfig, name: str) -> list[str]:
     return args
 
 
-def _prompt_rows(config: IterateConfig) -> int | None:
+def count_prompts(config: IterateConfig) -> int | None:
+    """Rows of the training prompts, when iterations take chunks of them (the chunk offsets wrap around it)."""
     if config.prompts_per_iteration is None:
         return None
     from rlhf_pipeline.datasets_io import load_dataset_ref, parse_ref
@@ -200,7 +201,7 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
     run = Path(config.output).expanduser()
     sections = {s: _section(getattr(config, s), s) for s in ("generate", "score", "filter", "train")}
     _section(config.eval, "eval", allowed_extra={"reward_model", "reward_fn"})
-    unknown = sorted(set(config.launchers) - {*STAGE_SECTIONS, "sft", "train_rm", "train-rm"})
+    unknown = sorted(set(config.launchers) - set(STAGE_SECTIONS))
     if unknown:
         raise PipelineError(f"run config: launchers for unknown stage(s) {', '.join(unknown)}; "
                             f"stages are {', '.join(STAGE_SECTIONS)}")
@@ -314,12 +315,13 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate") -> list[
 
 def main(config: IterateConfig) -> Path:
     from rlhf_pipeline.config import to_dict
+    from rlhf_pipeline.datasets_io import write_text_atomic
 
     run = Path(config.output).expanduser()
-    steps = plan(config, _prompt_rows(config))
+    steps = plan(config, count_prompts(config))
     check(steps)
     run.mkdir(parents=True, exist_ok=True)
-    (run / "iterate.json").write_text(json.dumps(to_dict(config), indent=2, default=str) + "\n")
+    write_text_atomic(run / "iterate.json", json.dumps(to_dict(config), indent=2, default=str) + "\n")
     run_steps(steps, run)
     print(f"[iterate] {config.iterations} iteration(s) complete; the last policy is {last_policy(config)}")
     return run

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import option
+from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
@@ -239,12 +240,6 @@ def _scorers(iterations: list[dict[str, Any]]) -> list[str]:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _require_matplotlib() -> None:
@@ -641,7 +636,7 @@ def write_report(run_dir: Path, output: Optional[Path] = None) -> Path:
             path.unlink()  # an older report's plot of data that is no longer there
         results.append((filename, title, reason))
     report = output / "report.md"
-    _atomic_write_text(report, _markdown(data, results))
+    write_text_atomic(report, _markdown(data, results))
     return report
 
 

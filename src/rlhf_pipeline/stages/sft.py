@@ -81,7 +81,7 @@ def encode_answers(tokenizer, prompts: list, answers: list[str]) -> tuple[list[l
 
 
 class SFTTask:
-    """Per-example mean NLL of the answer tokens, through ``logprobs.token_logps``."""
+    """Per-example mean NLL of the answer tokens, through ``logprobs.sequence_logps``."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
@@ -95,16 +95,10 @@ class SFTTask:
         return build_batch([r["prompt_token_ids"] for r in rows], [r["answer_token_ids"] for r in rows], self.pad_id)
 
     def loss(self, model, batch):
-        import torch
+        from rlhf_pipeline.logprobs import response_lengths, sequence_logps
 
-        from rlhf_pipeline.logprobs import response_lengths, token_logps
-
-        param = next(model.parameters())
-        batch = batch.to(param.device)
-        logps, seq_index = token_logps(model, batch)
-        nll = torch.zeros(batch.input_ids.shape[0], dtype=logps.dtype, device=logps.device).index_add(
-            0, seq_index, -logps
-        )
+        batch = batch.to(next(model.parameters()).device)
+        nll = -sequence_logps(model, batch)  # (B,) summed over each answer's tokens
         per_example = nll / response_lengths(batch).to(nll.dtype).clamp(min=1)
         return per_example.mean(), {}, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
 
