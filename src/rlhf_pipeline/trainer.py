@@ -63,6 +63,13 @@ class TrainOptions(OutputOptions):
     max_grad_norm: float = option(1.0, help="Clip the global gradient norm to this value (0 = no clipping).")
     bf16: bool = option(False, help="bfloat16 mixed precision.")
     gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass to save memory.")
+    pack_ratio: float = option(
+        2.0,
+        help="Pack each micro-batch's sequences into rows of up to this many times its longest sequence, kept apart "
+        "by position ids (block-diagonal attention), instead of padding each to the longest; 0 = pad. With "
+        "flash-attention a larger value (e.g. 8) only helps; see rlhf_pipeline.logprobs.",
+        semantic=False,
+    )
     eval_every: int = option(0, help="Evaluate on the test split every N steps (0 = at the end only).")
     eval_batch_size: int = option(8, help="Examples per process per evaluation forward.", semantic=False)
     save_every: int = option(0, help="Save a resumable checkpoint every N steps (0 = final model only).")
@@ -80,6 +87,8 @@ class TrainOptions(OutputOptions):
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("--max-steps must be at least 1")
+        if self.pack_ratio and self.pack_ratio < 1:
+            raise ValueError("--pack-ratio must be 0 (pad) or at least 1")
 
 
 class TrainTask(Protocol):

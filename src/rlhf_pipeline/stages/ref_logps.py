@@ -36,6 +36,10 @@ class RefLogpsConfig(OutputOptions):
         None, help="Temperature of the log-probs (default: the sampling temperature recorded upstream)."
     )
     batch_size: int = option(8, help="Pairs per forward pass (each pass holds 2 x batch_size sequences).")
+    pack_ratio: float = option(
+        2.0, help="Pack sequences into rows of up to this many times the longest one (0 = pad each to the longest).",
+        semantic=False,
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto", help="Model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."
     )
@@ -58,20 +62,24 @@ def pair_lengths(ds) -> list[int]:
     ]
 
 
-def pair_logps(model, rows: list[dict[str, Any]], pad_id: int, temperature: float):
-    """Sequence log-probs of the chosen and rejected responses of ``rows``: one forward over 2B sequences."""
+def pair_logps(model, rows: list[dict[str, Any]], pad_id: int, temperature: float, pack_ratio: float = 0.0):
+    """Sequence log-probs of the chosen and rejected responses of ``rows``: one forward over 2B sequences, padded or
+    packed (``pack_ratio``; see ``logprobs.build_batch``)."""
     from rlhf_pipeline.logprobs import build_batch, sequence_logps
 
     prompts = [r["prompt_token_ids"] for r in rows]
     batch = build_batch(
-        prompts + prompts, [r["chosen_token_ids"] for r in rows] + [r["rejected_token_ids"] for r in rows], pad_id
+        prompts + prompts, [r["chosen_token_ids"] for r in rows] + [r["rejected_token_ids"] for r in rows], pad_id,
+        pack_ratio=pack_ratio,
     )
     batch = batch.to(next(model.parameters()).device)
     logps = sequence_logps(model, batch, temperature=temperature)  # (2B,)
     return logps[: len(rows)], logps[len(rows) :], batch
 
 
-def compute_ref_logps(accelerator, model, ds, pad_id: int, temperature: float, batch_size: int) -> tuple[list, list]:
+def compute_ref_logps(
+    accelerator, model, ds, pad_id: int, temperature: float, batch_size: int, pack_ratio: float = 0.0
+) -> tuple[list, list]:
     """Reference log-probs of every pair in ``ds``, computed in length-sorted batches shared over processes."""
     import torch
     from accelerate.utils import gather_object
@@ -87,7 +95,7 @@ def compute_ref_logps(accelerator, model, ds, pad_id: int, temperature: float, b
         for idx in tqdm(batches, desc="reference log-probs", unit="batch", disable=not accelerator.is_main_process):
             rows = ds.select(idx if idx is not None else [0]).to_list()  # a stand-in keeps ZeRO-3 processes in step
             with accelerator.autocast():
-                chosen, rejected, _ = pair_logps(model, rows, pad_id, temperature)
+                chosen, rejected, _ = pair_logps(model, rows, pad_id, temperature, pack_ratio)
             if idx is not None:
                 results += zip(idx, chosen.tolist(), rejected.tolist())
     model.train(was_training)
@@ -151,7 +159,9 @@ def main(config: RefLogpsConfig) -> Path:
         config.model, dtype=config.dtype, trust_remote_code=config.trust_remote_code, device=accelerator.device
     )
     values = {
-        split: compute_ref_logps(accelerator, model, ds, pad_id(tokenizer), temperature, config.batch_size)
+        split: compute_ref_logps(
+            accelerator, model, ds, pad_id(tokenizer), temperature, config.batch_size, config.pack_ratio
+        )
         for split, ds in dd.items()
     }
     if accelerator.is_main_process:

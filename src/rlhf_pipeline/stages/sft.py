@@ -83,8 +83,8 @@ def encode_answers(tokenizer, prompts: list, answers: list[str]) -> tuple[list[l
 class SFTTask:
     """Per-example mean NLL of the answer tokens, through ``logprobs.sequence_logps``."""
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, pack_ratio: float = 0.0):
+        self.pad_id, self.pack_ratio = pad_id, pack_ratio
 
     def lengths(self, ds) -> list[int]:
         return ds["num_tokens"]
@@ -92,7 +92,9 @@ class SFTTask:
     def collate(self, rows: list[dict[str, Any]]):
         from rlhf_pipeline.logprobs import build_batch
 
-        return build_batch([r["prompt_token_ids"] for r in rows], [r["answer_token_ids"] for r in rows], self.pad_id)
+        return build_batch(
+            [r["prompt_token_ids"] for r in rows], [r["answer_token_ids"] for r in rows], self.pad_id, self.pack_ratio
+        )
 
     def loss(self, model, batch):
         from rlhf_pipeline.logprobs import response_lengths, sequence_logps
@@ -147,7 +149,7 @@ def _train(config: SFTConfig, ref, accelerator):
     model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
     setup = prepare(config, accelerator, model, data["train"].num_rows)
     result = train(
-        config, accelerator, setup, tokenizer, SFTTask(pad_id(tokenizer)), data["train"], data.get("test"),
+        config, accelerator, setup, tokenizer, SFTTask(pad_id(tokenizer), config.pack_ratio), data["train"], data.get("test"),
         train_names=lambda m: {"loss/train": m["loss"]}, eval_names=lambda m: {"loss/eval": m["loss"]},
     )
     eval_loss = result.final_eval.get("loss")

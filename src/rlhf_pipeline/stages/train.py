@@ -61,14 +61,15 @@ class TrainConfig(TrainOptions):
 class PairTask:
     """Chosen and rejected of a micro-batch in one forward; the loss from ``losses.compute_pair_loss``."""
 
-    def __init__(self, loss_type, params, temperature: float, pad_id: int):
+    def __init__(self, loss_type, params, temperature: float, pad_id: int, pack_ratio: float = 0.0):
         self.loss_type, self.params, self.temperature, self.pad_id = loss_type, params, temperature, pad_id
+        self.pack_ratio = pack_ratio
 
     def lengths(self, ds) -> list[int]:
         return pair_lengths(ds)
 
     def collate(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return rows  # tensors are built in loss(), by logprobs.build_batch, padded to this micro-batch only
+        return rows  # tensors are built in loss(), by logprobs.build_batch, packed or padded per micro-batch
 
     def loss(self, model, rows):
         import torch
@@ -76,7 +77,7 @@ class PairTask:
         from rlhf_pipeline.logprobs import response_lengths
         from rlhf_pipeline.losses import LossType, compute_pair_loss
 
-        chosen, rejected, batch = pair_logps(model, rows, self.pad_id, self.temperature)
+        chosen, rejected, batch = pair_logps(model, rows, self.pad_id, self.temperature, self.pack_ratio)
         device, dtype = chosen.device, chosen.dtype
 
         def column(name):
@@ -130,7 +131,9 @@ def _reference_columns(accelerator, setup_model, dd, config, temperature, pad_id
     if (cache / "dataset_dict.json").exists():
         return load_from_disk(str(cache))
     values = {
-        split: compute_ref_logps(accelerator, setup_model, ds, pad_id, temperature, config.eval_batch_size)
+        split: compute_ref_logps(
+            accelerator, setup_model, ds, pad_id, temperature, config.eval_batch_size, config.pack_ratio
+        )
         for split, ds in dd.items()
     }
     dd = add_ref_columns(dd, values)
@@ -176,7 +179,7 @@ def _train(config: TrainConfig, ref, accelerator, out):
         dd = _reference_columns(
             accelerator, setup.model, dd, config, temperature, pad, find_in_lineage([ref], "ref_logps"), out.path
         )
-    task = PairTask(loss_type, params, temperature, pad)
+    task = PairTask(loss_type, params, temperature, pad, config.pack_ratio)
     result = train(
         config, accelerator, setup, tokenizer, task, dd["train"], dd.get("test"),
         train_names=train_names, eval_names=eval_names,
