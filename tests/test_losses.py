@@ -275,3 +275,409 @@ def test_import_pulls_in_torch_only():
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+# ==================================================================================================== PPO family
+# Per-token losses and KL estimators. Peer formulas are written out here (TRL is a bench-only dependency and
+# OpenRLHF is not installed; neither is imported).
+
+from rlhf_pipeline.losses import (  # noqa: E402
+    KL_ESTIMATORS,
+    kl_estimate,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    ppo_policy_loss,
+    value_loss,
+)
+
+NAN = float("nan")
+
+
+def _ppo_hand_inputs():
+    """ε = 0.2, old_logp = 0, logp = log ρ. Row 0 = tokens a, b, c; row 1 = d, e, pad (pad holds NaN).
+    a: A=+1, ρ=1.5: −Aρ = −1.5, −A·clip = −1.2 → max −1.2   clipped (ρ above range, A > 0): gradient 0
+    b: A=+1, ρ=0.5: −0.5 vs −0.8                  → −0.5   unclipped (below range but A > 0: the min keeps ρ)
+    c: A=−1, ρ=0.5:  0.5 vs  0.8                  →  0.8   clipped (ρ below range, A < 0): gradient 0
+    d: A=−1, ρ=1.5:  1.5 vs  1.2                  →  1.5   unclipped (above range but A < 0)
+    e: A=+2, ρ=1.1: −2.2 vs −2.2                  → −2.2   inside the range
+    """
+    rho = t(1.5, 0.5, 0.5, 1.5, 1.1, 1.0).view(2, 3)
+    logp = torch.log(rho)
+    logp[1, 2] = NAN
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    old[1, 2] = NAN
+    adv = t(1.0, 1.0, -1.0, -1.0, 2.0, NAN).view(2, 3)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    return logp.requires_grad_(True), old, adv, mask
+
+
+def test_ppo_policy_loss_hand_values_token_mean():
+    """Token mean over the 5 real tokens: (−1.2 − 0.5 + 0.8 + 1.5 − 2.2)/5 = −1.6/5 = −0.32.
+    Gradient per token = −Aρ/5 where unclipped, 0 where clipped: a 0; b −0.5/5 = −0.1; c 0; d 1.5/5 = 0.3;
+    e −2.2/5 = −0.44; pad 0.
+    clip_frac = 2/5 = 0.4 (a, c).  ratio_mean = (1.5 + 0.5 + 0.5 + 1.5 + 1.1)/5 = 5.1/5 = 1.02.
+    approx_kl = mean of ρ − 1 − log ρ: 1.5 → 0.5 − 0.4054651 = 0.0945349; 0.5 → −0.5 + 0.6931472 = 0.1931472;
+    1.1 → 0.1 − 0.0953102 = 0.0046898; (2·0.0945349 + 2·0.1931472 + 0.0046898)/5 = 0.5800539/5 = 0.1160108."""
+    logp, old, adv, mask = _ppo_hand_inputs()
+    loss, metrics = ppo_policy_loss(logp, old, adv, mask, clip=0.2)
+    close(loss, -0.32)
+    loss.backward()
+    close(logp.grad, [[0.0, -0.1, 0.0], [0.3, -0.44, 0.0]])
+    close(metrics["clip_frac"], 0.4)
+    close(metrics["ratio_mean"], 1.02)
+    close(metrics["approx_kl"], 0.1160108)
+    for name, value in metrics.items():
+        assert value.shape == () and not value.requires_grad and value.dtype == torch.float64, name
+
+
+def test_ppo_policy_loss_hand_values_sequence_mean():
+    """Row 0: (−1.2 − 0.5 + 0.8)/3 = −0.3; row 1: (1.5 − 2.2)/2 = −0.35; mean (−0.3 − 0.35)/2 = −0.325.
+    Gradient weight per token 1/(2·len): b −0.5/6 = −0.0833333; d 1.5/4 = 0.375; e −2.2/4 = −0.55.
+    Metrics stay token means (same as above)."""
+    logp, old, adv, mask = _ppo_hand_inputs()
+    loss, metrics = ppo_policy_loss(logp, old, adv, mask, clip=0.2, reduction="sequence")
+    close(loss, -0.325)
+    loss.backward()
+    close(logp.grad, [[0.0, -0.5 / 6, 0.0], [0.375, -0.55, 0.0]])
+    close(metrics["clip_frac"], 0.4)
+
+
+def test_ppo_policy_loss_flat_tokens_equal_padded():
+    logp, old, adv, mask = _ppo_hand_inputs()
+    flat, _ = ppo_policy_loss(logp.detach().reshape(-1), old.reshape(-1), adv.reshape(-1), mask.reshape(-1).long(),
+                              clip=0.2)
+    close(flat, -0.32)
+    with pytest.raises(ValueError, match="reduction='sequence' needs"):
+        ppo_policy_loss(logp.detach().reshape(-1), old.reshape(-1), adv.reshape(-1), mask.reshape(-1), clip=0.2,
+                        reduction="sequence")
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+@pytest.mark.parametrize("rho", [0.5, 0.79, 0.81, 1.0, 1.19, 1.21, 2.0])
+def test_ppo_clip_zeroes_gradient_exactly_where_clipped(rho, advantage):
+    """ε = 0.2. Clipped (gradient 0, clip_frac 1) iff A > 0 and ρ > 1.2, or A < 0 and ρ < 0.8; otherwise the
+    gradient is −A·ρ (one token, so the mean divides by 1)."""
+    logp = torch.tensor([math.log(rho)], dtype=torch.float64, requires_grad=True)
+    loss, metrics = ppo_policy_loss(logp, t(0.0), t(advantage), torch.tensor([True]), clip=0.2)
+    loss.backward()
+    clipped = (advantage > 0 and rho > 1.2) or (advantage < 0 and rho < 0.8)
+    close(logp.grad, [0.0 if clipped else -advantage * rho])
+    close(metrics["clip_frac"], 1.0 if clipped else 0.0)
+    close(loss, max(-advantage * rho, -advantage * min(max(rho, 0.8), 1.2)))
+
+
+def test_ppo_on_policy_gradient_is_minus_advantage_over_token_count():
+    """First PPO epoch: logp == old_logp → ρ = 1, nothing clipped, ∂loss/∂logp = −A/N on real tokens."""
+    gen = torch.Generator().manual_seed(10)
+    logp = torch.randn(4, 6, generator=gen, dtype=torch.float64) - 2
+    adv = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    mask = torch.rand(4, 6, generator=gen) < 0.7
+    logp.requires_grad_(True)
+    loss, metrics = ppo_policy_loss(logp, logp.detach().clone(), adv, mask, clip=0.2)
+    loss.backward()
+    close(logp.grad, torch.where(mask, -adv / mask.sum(), 0))
+    close(metrics["clip_frac"], 0.0)
+    close(metrics["approx_kl"], 0.0)
+    close(metrics["ratio_mean"], 1.0)
+
+
+def test_ppo_policy_loss_matches_peers_on_random_tensors():
+    """TRL GRPO (trl/trainer/grpo_trainer.py 1.16, ``_compute_loss``): coef_1 = exp(logp − old), coef_2 =
+    clamp(coef_1, 1 − ε, 1 + ε), per_token_loss = −min(coef_1·A, coef_2·A); ``bnpo``: Σ(loss·mask)/Σmask
+    (clamp 1); ``grpo``: mean over rows of Σ_t(loss·mask)/Σ_t mask (clamp 1). Clip region: (coef_1 < 1 − ε & A < 0)
+    | (coef_1 > 1 + ε & A > 0). OpenRLHF ``PolicyLoss``: clip_ratio = masked_mean(surr2 < surr1)."""
+    gen = torch.Generator().manual_seed(11)
+    b, n, eps = 6, 9, 0.2
+    old = torch.randn(b, n, generator=gen, dtype=torch.float64) - 3
+    logp = old + 0.4 * torch.randn(b, n, generator=gen, dtype=torch.float64)
+    adv = torch.randn(b, n, generator=gen, dtype=torch.float64)
+    lengths = torch.randint(1, n + 1, (b,), generator=gen)  # no empty rows: TRL would count them as 0-loss rows
+    mask = torch.arange(n)[None, :] < lengths[:, None]
+    fm = mask.double()
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    bnpo = (per_token * fm).sum() / fm.sum().clamp(min=1.0)
+    grpo = ((per_token * fm).sum(-1) / fm.sum(-1).clamp(min=1.0)).mean()
+    region = ((coef_1 < 1 - eps) & (adv < 0)) | ((coef_1 > 1 + eps) & (adv > 0))
+    surr1, surr2 = coef_1 * adv, coef_2 * adv
+    loss_token, metrics = ppo_policy_loss(logp, old, adv, mask, clip=eps)
+    loss_seq, _ = ppo_policy_loss(logp, old, adv, mask, clip=eps, reduction="sequence")
+    close(loss_token, bnpo)
+    close(loss_seq, grpo)
+    close(metrics["clip_frac"], (region.double() * fm).sum() / fm.sum())
+    close(metrics["clip_frac"], ((surr2 < surr1).double() * fm).sum() / fm.sum())
+    assert 0 < metrics["clip_frac"] < 1  # the data exercise both branches
+    assert not torch.allclose(loss_token, loss_seq, atol=1e-3)  # ragged lengths: the two reductions differ
+
+
+def test_ppo_per_sequence_advantages_broadcast_over_tokens():
+    gen = torch.Generator().manual_seed(12)
+    old = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    logp = old + 0.3 * torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    adv = t(1.0, -0.5, 2.0)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    a, _ = ppo_policy_loss(logp, old, adv, mask, clip=0.2)
+    b, _ = ppo_policy_loss(logp, old, adv[:, None].expand(3, 5), mask, clip=0.2)
+    close(a, b, 0.0)
+    with pytest.raises(ValueError, match="advantages has shape"):
+        ppo_policy_loss(logp, old, t(1.0, 2.0), mask, clip=0.2)
+
+
+def test_ppo_padding_garbage_never_leaks():
+    """Padding holding NaN/inf (logp, old_logp, advantages) changes nothing: same loss and finite gradients as
+    with zeros there."""
+    logp, old, adv, mask = _ppo_hand_inputs()
+    logp2 = logp.detach().clone()
+    logp2[1, 2] = float("inf")
+    old2 = old.clone()
+    old2[1, 2] = -float("inf")
+    logp2.requires_grad_(True)
+    loss, metrics = ppo_policy_loss(logp2, old2, adv, mask, clip=0.2)
+    loss.backward()
+    close(loss, -0.32)
+    assert torch.isfinite(logp2.grad).all() and logp2.grad[1, 2] == 0
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+def test_ppo_sequence_mean_skips_empty_rows_and_empty_batch_is_zero():
+    """Row 1 has no real token: the sequence mean is over rows 0 and 2 only. Row 0 one token A=1, ρ=1 → −1;
+    row 2 one token A=−2, ρ=1 → 2; mean (−1 + 2)/2 = 0.5 (TRL's ``grpo`` would give (−1 + 0 + 2)/3)."""
+    logp = torch.zeros(3, 2, dtype=torch.float64)
+    adv = t([1.0, 0.0], [5.0, 5.0], [-2.0, 0.0])
+    mask = torch.tensor([[True, False], [False, False], [True, False]])
+    close(ppo_policy_loss(logp, logp, adv, mask, clip=0.2, reduction="sequence")[0], 0.5)
+    empty = torch.zeros(3, 2, dtype=torch.bool)
+    for reduction in ("token", "sequence"):
+        loss, metrics = ppo_policy_loss(logp, logp, adv, empty, clip=0.2, reduction=reduction)
+        close(loss, 0.0)
+        close(metrics["clip_frac"], 0.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(clip=0.0), "clip must be > 0"), (dict(clip=0.2, reduction="batch"), "reduction must be one of"),
+])
+def test_ppo_policy_loss_rejects_bad_arguments(kwargs, match):
+    x = torch.zeros(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=match):
+        ppo_policy_loss(x, x, x, torch.ones(2, 3, dtype=torch.bool), **kwargs)
+
+
+def test_ppo_policy_loss_rejects_mismatched_shapes():
+    x = torch.zeros(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="old_logp has shape"):
+        ppo_policy_loss(x, torch.zeros(2, 4), x, torch.ones(2, 3, dtype=torch.bool), clip=0.2)
+    with pytest.raises(ValueError, match="mask has shape"):
+        ppo_policy_loss(x, x, x, torch.ones(3, 2, dtype=torch.bool), clip=0.2)
+
+
+# ---------------------------------------------------------------------------------------------------- value loss
+
+
+def _value_hand_inputs():
+    """ε = 0.2; token 3 is padding (NaN).
+    tok 0: V=1.0, V_old=0.5, R=0.8: (V−R)² = 0.2² = 0.04; clip(V) = 0.5 + 0.2 = 0.7, (0.7−0.8)² = 0.01 → 0.04
+    tok 1: V=1.0, V_old=0.5, R=1.5: (V−R)² = 0.25;        clip(V) = 0.7, (0.7−1.5)² = 0.64          → 0.64 clipped
+    tok 2: V=0.0, V_old=0.1, R=0.0: 0;                     clip(V) = 0.1 − 0.1 = 0.0 (inside), 0      → 0
+    """
+    values = t(1.0, 1.0, 0.0, NAN).requires_grad_(True)
+    return values, t(0.5, 0.5, 0.1, NAN), t(0.8, 1.5, 0.0, NAN), torch.tensor([1, 1, 1, 0])
+
+
+def test_value_loss_clipped_hand_values():
+    """0.5·(0.04 + 0.64 + 0)/3 = 0.5·0.2266667 = 0.1133333. clip_frac 1/3.
+    Gradient 0.5·2·(V−R)/3 where unclipped: tok 0 0.2/3 = 0.0666667; tok 1 clipped → 0; tok 2 0; pad 0."""
+    values, old, ret, mask = _value_hand_inputs()
+    loss, metrics = value_loss(values, old, ret, mask, clip=0.2)
+    close(loss, 0.68 / 6)
+    loss.backward()
+    close(values.grad, [0.2 / 3, 0.0, 0.0, 0.0])
+    close(metrics["clip_frac"], 1 / 3)
+
+
+def test_value_loss_unclipped_hand_values():
+    """clip=None: 0.5·(0.04 + 0.25 + 0)/3 = 0.5·0.0966667 = 0.0483333; gradient (V−R)/3: [0.0666667, −0.1666667, 0]."""
+    values, old, ret, mask = _value_hand_inputs()
+    loss, metrics = value_loss(values, old, ret, mask)
+    close(loss, 0.29 / 6)
+    loss.backward()
+    close(values.grad, [0.2 / 3, -0.5 / 3, 0.0, 0.0])
+    close(metrics["clip_frac"], 0.0)
+
+
+def test_value_loss_matches_peers_on_random_tensors():
+    """OpenRLHF ``ValueLoss``: clipped = old + (V − old).clamp(−ε, ε); 0.5·masked_mean(max((clipped−R)², (V−R)²)).
+    TRL PPO (trl/experimental/ppo/ppo_trainer.py): vpredclipped = clamp(V, old − ε, old + ε);
+    0.5·masked_mean(max((V−R)², (vpredclipped−R)²)); vf_clipfrac = masked_mean((vpredclipped−R)² > (V−R)²)."""
+    gen = torch.Generator().manual_seed(13)
+    old = torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    values = old + 0.5 * torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    ret = torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    mask = torch.rand(5, 7, generator=gen) < 0.8
+    fm, eps = mask.double(), 0.2
+    openrlhf = 0.5 * (torch.max((old + (values - old).clamp(-eps, eps) - ret) ** 2, (values - ret) ** 2) * fm).sum() \
+        / fm.sum()
+    vclip = torch.clamp(values, old - eps, old + eps)
+    l1, l2 = (values - ret) ** 2, (vclip - ret) ** 2
+    trl = 0.5 * (torch.max(l1, l2) * fm).sum() / fm.sum()
+    loss, metrics = value_loss(values, old, ret, mask, clip=eps)
+    close(loss, openrlhf)
+    close(loss, trl)
+    close(metrics["clip_frac"], ((l2 > l1).double() * fm).sum() / fm.sum())
+    assert 0 < metrics["clip_frac"] < 1
+    unclipped, _ = value_loss(values, old, ret, mask)
+    close(unclipped, 0.5 * (l1 * fm).sum() / fm.sum())
+    seq, _ = value_loss(values, old, ret, mask, clip=eps, reduction="sequence")
+    rows = mask.any(-1)
+    per_row = (torch.max(l1, l2) * fm).sum(-1) / fm.sum(-1).clamp(min=1)
+    close(seq, 0.5 * per_row[rows].mean())
+
+
+def test_value_loss_gradient_reaches_values_only():
+    values, old, ret, mask = _value_hand_inputs()
+    old.requires_grad_(True)
+    ret.requires_grad_(True)
+    loss, _ = value_loss(values, old, ret, mask, clip=0.2)
+    loss.backward()
+    assert old.grad is None and ret.grad is None and torch.isfinite(values.grad).all()
+
+
+def test_value_loss_rejects_bad_clip_and_shapes():
+    x = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="clip must be > 0"):
+        value_loss(x, x, x, torch.ones(4, dtype=torch.bool), clip=-0.1)
+    with pytest.raises(ValueError, match="returns has shape"):
+        value_loss(x, x, torch.zeros(5), torch.ones(4, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------------------- KL
+
+
+def test_kl_estimators_hand_values():
+    """log_ratio = logp − ref = [0.5, −0.5, 0]:
+    k1 = [0.5, −0.5, 0];  k2 = lr²/2 = [0.125, 0.125, 0];
+    k3 = e^{−lr} − 1 + lr = [e^{−0.5} − 0.5, e^{0.5} − 1.5, 0] = [0.6065307 − 0.5, 1.6487213 − 1.5, 0]
+       = [0.1065307, 0.1487213, 0]."""
+    logp, ref = t(-1.0, -2.0, -3.0), t(-1.5, -1.5, -3.0)
+    close(kl_k1(logp, ref), [0.5, -0.5, 0.0])
+    close(kl_k2(logp, ref), [0.125, 0.125, 0.0])
+    close(kl_k3(logp, ref), [0.1065307, 0.1487213, 0.0])
+    for kind, fn in KL_ESTIMATORS.items():
+        close(kl_estimate(logp, ref, kind=kind), fn(logp, ref), 0.0)
+    close(kl_estimate(logp, ref), kl_k1(logp, ref), 0.0)  # default k1
+
+
+def test_kl_k2_k3_nonnegative_even_for_tiny_ratios():
+    """k3 is computed as expm1(−lr) + lr: the naive exp(−lr) − 1 + lr cancels catastrophically and goes negative
+    for |lr| ≲ 1e−9 (float64) or 1e−4 (float32). For small lr, k3 = lr²/2 − lr³/6 + ... ≈ k2."""
+    gen = torch.Generator().manual_seed(14)
+    for dtype, tiny in ((torch.float64, [1e-9, -1e-9, 1e-10, 3e-10, -3e-10, 1e-12, 0.0]),
+                        (torch.float32, [1e-4, 3e-5, -3e-5, 1e-6, -1e-7, 0.0])):
+        lr = torch.cat([torch.tensor(tiny, dtype=dtype), 10 * torch.randn(1000, generator=gen).to(dtype)])
+        assert (kl_k3(lr, torch.zeros_like(lr)) >= 0).all(), dtype
+        assert (kl_k2(lr, torch.zeros_like(lr)) >= 0).all(), dtype
+        naive = torch.exp(-lr) - 1 + lr
+        assert (naive < 0).any(), "the naive form no longer cancels; the expm1 rationale is stale"
+    lr = torch.tensor([1e-4, -1e-4, 1e-6, 1e-9], dtype=torch.float64)
+    assert torch.allclose(kl_k3(lr, torch.zeros_like(lr)), lr**2 / 2, rtol=1e-4, atol=0.0)
+
+
+def _categorical(seed: int, size: int = 6):
+    gen = torch.Generator().manual_seed(seed)
+    theta = torch.randn(size, generator=gen, dtype=torch.float64)
+    ref = torch.log_softmax(torch.randn(size, generator=gen, dtype=torch.float64), -1)
+    return theta, ref
+
+
+def test_kl_expectations_exact_on_a_categorical():
+    """Over the whole support, E_π[k] = Σ_x π(x)·k(x): k1 and k3 equal KL(π‖ref) exactly (unbiased); k2 does not."""
+    theta, ref = _categorical(15)
+    logp = torch.log_softmax(theta, -1)
+    pi = logp.exp()
+    kl = (pi * (logp - ref)).sum()
+    close((pi * kl_k1(logp, ref)).sum(), kl)
+    close((pi * kl_k3(logp, ref)).sum(), kl)
+    assert abs((pi * kl_k2(logp, ref)).sum() - kl) > 1e-3
+
+
+def test_kl_sample_means_are_unbiased():
+    """200,000 tokens drawn from π: the sample means of k1 and k3 lie within 4 standard errors of KL(π‖ref)."""
+    theta, ref = _categorical(16)
+    logp = torch.log_softmax(theta, -1)
+    kl = (logp.exp() * (logp - ref)).sum()
+    idx = torch.multinomial(logp.exp(), 200_000, replacement=True, generator=torch.Generator().manual_seed(17))
+    for fn in (kl_k1, kl_k3):
+        k = fn(logp[idx], ref[idx])
+        stderr = k.std() / math.sqrt(k.numel())
+        assert abs(k.mean() - kl) < 4 * stderr, (fn.__name__, k.mean().item(), kl.item(), stderr.item())
+    # These two distributions are far apart (KL ≈ 0.9): some sampled tokens are far likelier under ref, where
+    # k3 = r − 1 − log r with r = ref/π is large, so k3's variance here EXCEEDS k1's.
+    assert kl_k3(logp[idx], ref[idx]).var() > kl_k1(logp[idx], ref[idx]).var()
+
+
+def test_kl_k3_has_lower_variance_than_k1_for_nearby_policies():
+    """Schulman's regime: π and ref close (logits differ by 0.1·noise) → same mean, k3's variance far below k1's
+    (k3 ≈ lr²/2 is second order in the log-ratio, k1 first order)."""
+    gen = torch.Generator().manual_seed(20)
+    theta = torch.randn(6, generator=gen, dtype=torch.float64)
+    logp = torch.log_softmax(theta, -1)
+    ref = torch.log_softmax(theta + 0.1 * torch.randn(6, generator=gen, dtype=torch.float64), -1)
+    idx = torch.multinomial(logp.exp(), 100_000, replacement=True, generator=gen)
+    assert kl_k3(logp[idx], ref[idx]).var() < 0.1 * kl_k1(logp[idx], ref[idx]).var()
+
+
+def test_kl_estimator_gradients_as_losses():
+    """Differentiated through logp with the sampling weights π held fixed (what a per-token loss does):
+    E_π[∇k1] = 0, E_π[∇k2] = ∇KL(π‖ref), E_π[∇k3] = ∇KL(ref‖π) — exact over the support."""
+    theta, ref = _categorical(18)
+
+    def expected_grad(fn):
+        th = theta.clone().requires_grad_(True)
+        logp = torch.log_softmax(th, -1)
+        (logp.exp().detach() * fn(logp, ref)).sum().backward()
+        return th.grad
+
+    def grad_of(f):
+        th = theta.clone().requires_grad_(True)
+        f(torch.log_softmax(th, -1)).backward()
+        return th.grad
+
+    reverse = grad_of(lambda lp: (lp.exp() * (lp - ref)).sum())
+    forward = grad_of(lambda lp: (ref.exp() * (ref - lp)).sum())
+    close(expected_grad(kl_k1), torch.zeros(6))
+    close(expected_grad(kl_k2), reverse)
+    close(expected_grad(kl_k3), forward)
+    assert not torch.allclose(reverse, forward, atol=1e-3)
+
+
+def test_kl_matches_peer_formulas():
+    """TRL GRPO: exp(ref − logp) − (ref − logp) − 1 (k3). TRL PPO: logr = ref − logp; k1 = −logr,
+    k3 = (exp(logr) − 1) − logr. OpenRLHF ``compute_approx_kl``: k1 = lr, k2 = lr²/2, k3 = exp(−lr) − 1 + lr."""
+    gen = torch.Generator().manual_seed(19)
+    logp = torch.randn(4, 5, generator=gen, dtype=torch.float64) - 2
+    ref = logp + 0.5 * torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    logr = ref - logp
+    close(kl_k3(logp, ref), torch.exp(ref - logp) - (ref - logp) - 1)
+    close(kl_k1(logp, ref), -logr)
+    close(kl_k3(logp, ref), (logr.exp() - 1) - logr)
+    lr = logp - ref
+    close(kl_k2(logp, ref), lr**2 / 2.0)
+    close(kl_k3(logp, ref), (-lr).exp() - 1 - (-lr))
+
+
+def test_kl_reference_is_detached_and_dtype_kept():
+    logp = t(-1.0, -2.0).requires_grad_(True)
+    ref = t(-1.5, -1.0).requires_grad_(True)
+    for kind in KL_ESTIMATORS:
+        out = kl_estimate(logp, ref, kind=kind)
+        assert out.dtype == torch.float64 and out.shape == (2,)
+        out.sum().backward()
+    assert ref.grad is None and logp.grad is not None
+
+
+def test_kl_estimate_rejects_unknown_kind_and_shapes():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        kl_estimate(t(0.0), t(0.0), kind="k4")
+    with pytest.raises(ValueError, match="ref_logp has shape"):
+        kl_k3(torch.zeros(2, 3), torch.zeros(3))

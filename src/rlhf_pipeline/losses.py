@@ -10,6 +10,9 @@ Conventions shared by every function here:
 - The dtype follows torch's promotion rules: float64 in gives float64 out; nothing is cast down.
 
 Δ below always means ``(πc − refc) − (πr − refr)``: the chosen log-ratio minus the rejected log-ratio.
+
+The PPO-family section at the end (``ppo_policy_loss``, ``value_loss``, the KL estimators) works on PER-TOKEN
+tensors instead, with a token mask; its conventions are stated at the top of that section.
 """
 
 from __future__ import annotations
@@ -201,3 +204,185 @@ def compute_pair_loss(loss_type: LossType | str, params: PairLossParams, policy_
     metrics = {"margin": margin, "accuracy": (margin > 0).to(margin.dtype),
                "chosen_logratio": chosen.detach(), "rejected_logratio": rejected.detach()}
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------------- PPO family
+#
+# Conventions for this section (they differ from the pairwise losses above):
+#
+# - Inputs are PER-TOKEN tensors over response tokens: (B, T) right-padded, or flat (N,) (e.g. packed). ``mask`` has
+#   the same shape, bool or 0/1 (any non-zero entry counts as a real token). Masked positions never reach a result:
+#   they are selected out with ``torch.where`` before any arithmetic, so padding may hold anything (TRL fills it
+#   with ``INVALID_LOGPROB = 1.0``; NaN is fine too) and gets exactly zero gradient.
+# - Each loss returns ``(scalar loss, dict of detached scalar metrics)``. Metrics are always means over the real
+#   tokens of the batch, whatever the reduction of the loss.
+# - ``reduction="token"`` (default): mean over all real tokens of the batch (OpenRLHF ``token_level_loss=True``,
+#   TRL GRPO ``loss_type="bnpo"``). ``reduction="sequence"``: mean over each sequence's real tokens, then over the
+#   sequences (the GRPO paper's 1/G Σ_i 1/|o_i| Σ_t; TRL ``loss_type="grpo"``, OpenRLHF ``token_level_loss=False``);
+#   (B, T) only. Sequences with no real token are left out of that mean (TRL counts them as 0-loss rows). An
+#   all-masked batch gives loss 0, not NaN.
+# - Old log-probs, advantages, old values, returns and reference log-probs are constants: detached here.
+
+
+_REDUCTIONS = ("token", "sequence")
+
+
+def _ppo_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if mask.shape != like.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)} but the per-token inputs have {tuple(like.shape)}; "
+                         "pass one mask entry per token")
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _same_shape(like: torch.Tensor, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.shape != like.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; every per-token input must have shape "
+                             f"{tuple(like.shape)}")
+
+
+def _masked_mean(x: torch.Tensor, m: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    return torch.where(m, x, 0).sum(dim=dim) / m.sum(dim=dim).clamp(min=1)
+
+
+def _reduce(per_token: torch.Tensor, m: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "token":
+        return _masked_mean(per_token, m)
+    if reduction == "sequence":
+        if per_token.dim() != 2:
+            raise ValueError(f"reduction='sequence' needs (B, T) inputs, got shape {tuple(per_token.shape)}; "
+                             "use reduction='token' for flat (N,) tokens")
+        per_sequence = _masked_mean(per_token, m, dim=-1)  # (B,)
+        has_tokens = m.any(dim=-1)  # (B,)
+        return _masked_mean(per_sequence, has_tokens)
+    raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                    clip: float, reduction: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise; used by PPO, GRPO, RLOO, REINFORCE++.
+
+    Per token, with ``ρ = exp(logp − old_logp)``: ``max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε))``, then reduced over the real
+    tokens (see the section conventions: ``"token"`` mean by default, ``"sequence"`` for the GRPO paper's per-sequence
+    mean). ``logp`` (B, T) or (N,) are the current policy's token log-probs (the gradient flows into them);
+    ``old_logp`` are the sampling policy's, same shape; ``advantages`` are per token, same shape, or per sequence
+    (B,) for (B, T) inputs (GRPO/RLOO), broadcast over the tokens. ``clip`` is ε.
+
+    Where the clipped branch is strictly larger (A > 0 and ρ > 1+ε, or A < 0 and ρ < 1−ε) the token's gradient is 0.
+    On-policy (ρ = 1) the gradient is ``−A·∇logp`` per token (over the token count for ``"token"``). Same formula
+    as OpenRLHF's ``PolicyLoss`` and TRL's PPO/GRPO (``epsilon_low = epsilon_high = ε``).
+
+    Metrics (detached scalars, means over real tokens): ``clip_frac``, the fraction of tokens where the clipped
+    branch is strictly larger (TRL's ``clip_ratio/region_mean``; OpenRLHF's ``surr2 < surr1``); ``approx_kl``, the
+    k3 estimate of KL(old ‖ new) from the sampled tokens, ``ρ − 1 − log ρ`` (≥ 0; see ``kl_k3``); ``ratio_mean``.
+    """
+    _positive("clip", clip)
+    m = _ppo_mask(mask, logp)
+    _same_shape(logp, old_logp=old_logp)
+    advantages = advantages.detach()
+    if advantages.shape != logp.shape:
+        if logp.dim() == 2 and advantages.shape == logp.shape[:1]:
+            advantages = advantages.unsqueeze(-1).expand_as(logp)  # one advantage per sequence → every token
+        else:
+            raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected per-token "
+                             f"{tuple(logp.shape)} or, for (B, T) inputs, per-sequence ({logp.shape[0]},)")
+    log_ratio = torch.where(m, logp - old_logp.detach(), 0)  # padding → ρ = 1, finite whatever it held
+    adv = torch.where(m, advantages, 0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip, 1.0 + clip)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = _reduce(per_token, m, reduction)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": _masked_mean((clipped > unclipped).to(per_token.dtype), m),
+            "approx_kl": _masked_mean(torch.expm1(log_ratio) - log_ratio, m),  # k3 of KL(old‖new): ρ − 1 − log ρ
+            "ratio_mean": _masked_mean(ratio, m),
+        }
+    return loss, metrics
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None = None, reduction: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO critic loss: ``0.5·max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²)`` reduced over real tokens.
+
+    ``values`` (B, T) or (N,) are the critic's current predictions (the gradient flows into them); ``old_values``
+    are its predictions at rollout time and ``returns`` the targets (``advantages.gae``'s second output), same
+    shape. ``clip=None`` gives the plain ``0.5·(V − R)²``. Same as OpenRLHF's ``ValueLoss`` (which writes the clip
+    as ``V_old + clamp(V − V_old, −ε, ε)``, the same number) and TRL's PPO value loss.
+
+    Where the clipped term is strictly larger the token's gradient is 0: the critic is not pushed further than ε
+    from its rollout-time value in one update. Metric: ``clip_frac``, the fraction of real tokens where that
+    happens (TRL's ``vf_clipfrac``; 0 when unclipped).
+    """
+    m = _ppo_mask(mask, values)
+    _same_shape(values, old_values=old_values, returns=returns)
+    v = torch.where(m, values, 0)
+    old = torch.where(m, old_values.detach(), 0)
+    target = torch.where(m, returns.detach(), 0)
+    unclipped = (v - target) ** 2
+    if clip is None:
+        per_token = unclipped
+        clip_active = torch.zeros_like(m)
+    else:
+        _positive("clip", clip)
+        v_clipped = old + (v - old).clamp(-clip, clip)
+        clipped = (v_clipped - target) ** 2
+        per_token = torch.maximum(unclipped, clipped)
+        clip_active = clipped > unclipped
+    loss = 0.5 * _reduce(per_token, m, reduction)
+    with torch.no_grad():
+        metrics = {"clip_frac": _masked_mean(clip_active.to(per_token.dtype), m)}
+    return loss, metrics
+
+
+# KL estimators (Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html), per token.
+#
+# With tokens sampled from π (the policy whose log-probs are ``logp``) and log_ratio = logp − ref_logp, each is an
+# estimator of KL(π ‖ ref) = E_π[log π − log ref]:
+#   k1 = log_ratio                            unbiased; any sign (one token can be negative)
+#   k2 = log_ratio² / 2                       biased (exact to second order for nearby policies); always ≥ 0
+#   k3 = exp(−log_ratio) − 1 + log_ratio      unbiased; always ≥ 0. (= (r − 1) − log r with r = ref/π; computed
+#                                             with expm1 so tiny ratios stay ≥ 0 instead of cancelling to −1e−17)
+# For nearby π and ref, k2 and k3 have far lower variance than k1 (second order in the log-ratio, k1 first order).
+# Far apart, k3 can have the HIGHER variance: r is large on tokens ref likes much more than π does.
+# Unbiasedness needs tokens sampled from π itself: with tokens from another policy (e.g. the rollout policy after
+# some updates) each needs the importance weight π/π_old.
+# Used as a LOSS and differentiated through logp (GRPO adds β·k3 to the per-token loss), their on-policy expected
+# gradients differ from their values: E_π[∇k1] = 0, E_π[∇k2] = ∇KL(π ‖ ref), E_π[∇k3] = ∇KL(ref ‖ π) (the
+# forward KL). As a reward penalty (PPO, RLOO, REINFORCE++) no gradient goes through them.
+# Peers: OpenRLHF ``compute_approx_kl`` (k1/k2/k3 as here); TRL GRPO uses k3 in the loss; TRL RLOO and PPO use k1
+# in the reward (PPO optionally k3).
+
+
+def _kl_log_ratio(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    if ref_logp.shape != logp.shape:
+        raise ValueError(f"ref_logp has shape {tuple(ref_logp.shape)} but logp has {tuple(logp.shape)}; both are "
+                         "per-token log-probs of the same tokens")
+    return logp - ref_logp.detach()
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = logp − ref_logp per token: unbiased estimate of KL(π ‖ ref) under π's samples; can be negative."""
+    return _kl_log_ratio(logp, ref_logp)
+
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = (logp − ref_logp)²/2 per token: biased estimate of KL(π ‖ ref), always ≥ 0."""
+    return _kl_log_ratio(logp, ref_logp) ** 2 / 2
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(ref_logp − logp) − 1 + (logp − ref_logp) per token: unbiased estimate of KL(π ‖ ref), always ≥ 0."""
+    log_ratio = _kl_log_ratio(logp, ref_logp)
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token KL(π ‖ ref) estimate of the given ``kind`` ("k1", "k2" or "k3"); see ``kl_k1``/``kl_k2``/``kl_k3``."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"kind must be one of {sorted(KL_ESTIMATORS)}, got {kind!r}")
+    return KL_ESTIMATORS[kind](logp, ref_logp)
