@@ -271,6 +271,33 @@ def _chunk_logps(head, hidden: Tensor, targets: Tensor, softcap: float | None, t
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def _response_rows(inner, body, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+    """Run ``body`` over the batch and gather the hidden states of the positions that predict a response token.
+
+    Returns ``(rows (N, H), targets (N,), seq_index (N,))``, ordered by sequence, then position.
+    """
+    if batch.packed and not _packing_works(inner, body, batch):
+        batch = batch.unpacked()
+    # use_cache=False: a training/scoring pass has no use for a KV cache, and building one wastes memory.
+    out = body(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state  # (R, T, H)
+
+    # Position t predicts token t + 1, so the rows we need are those whose *next* position holds a response token.
+    # (In a packed row the token after a sequence's last one starts the next sequence's prompt: never a response.)
+    predicts_response = batch.response_mask[:, 1:]  # (R, T-1)
+    row, pos = predicts_response.nonzero(as_tuple=True)  # (N,), (N,) row-major
+    seq_index = batch.seq_ids[row, pos + 1]
+    if batch.packed:  # order by sequence, then position (a stable sort keeps each sequence's positions in order)
+        order = torch.argsort(seq_index, stable=True)
+        row, pos, seq_index = row[order], pos[order], seq_index[order]
+    return hidden[row, pos], batch.input_ids[row, pos + 1], seq_index
+
+
 def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int = 4096) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of every response token in ``batch``.
 
@@ -297,28 +324,7 @@ def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int =
     head = inner.get_output_embeddings()
     softcap = getattr(getattr(inner, "config", None), "final_logit_softcapping", None)
 
-    if batch.packed and not _packing_works(model, body, batch):
-        batch = batch.unpacked()
-    # use_cache=False: a training/scoring pass has no use for a KV cache, and building one wastes memory.
-    out = body(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    )
-    hidden = out.last_hidden_state  # (R, T, H)
-
-    # Position t predicts token t + 1, so the rows we need are those whose *next* position holds a response token.
-    # (In a packed row the token after a sequence's last one starts the next sequence's prompt: never a response.)
-    predicts_response = batch.response_mask[:, 1:]  # (R, T-1)
-    row, pos = predicts_response.nonzero(as_tuple=True)  # (N,), (N,) row-major
-    seq_index = batch.seq_ids[row, pos + 1]
-    if batch.packed:  # order by sequence, then position (a stable sort keeps each sequence's positions in order)
-        order = torch.argsort(seq_index, stable=True)
-        row, pos, seq_index = row[order], pos[order], seq_index[order]
-    targets = batch.input_ids[row, pos + 1]  # (N,)
-    rows = hidden[row, pos]  # (N, H)
-
+    rows, targets, seq_index = _response_rows(inner, body, batch)
     checkpoint = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in head.parameters()))
     pieces = []
     for start in range(0, rows.shape[0], chunk_size):
@@ -343,6 +349,33 @@ def sequence_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: in
     logps, seq_index = token_logps(model, batch, temperature=temperature, chunk_size=chunk_size)
     totals = torch.zeros(batch.num_sequences, dtype=logps.dtype, device=logps.device)
     return totals.index_add(0, seq_index, logps)
+
+
+def token_values(critic, batch: Batch) -> tuple[Tensor, Tensor]:
+    """Per-token values of a critic: for each response token t, ``V(prompt + response[:t])``, read at the same
+    position whose hidden state predicts token t (so values line up one to one with :func:`token_logps`).
+
+    ``critic`` is a sequence-classification model with one label (a reward model: the PPO critic starts as one),
+    whose linear ``score`` head is applied here at every response position instead of only at the last token.
+    Returns ``(values (N,) float32 or wider, seq_index (N,))``.
+    """
+    inner = _unwrap(critic)
+    head = getattr(inner, "score", None)
+    if head is None or getattr(getattr(inner, "config", None), "num_labels", 1) != 1:
+        raise TypeError(
+            f"{type(inner).__name__} is not a one-label sequence classifier with a `score` head; the critic must be "
+            "a reward model (AutoModelForSequenceClassification, num_labels=1), e.g. the one rlhf train-rm wrote"
+        )
+    body = getattr(inner, inner.base_model_prefix)
+    rows, _, seq_index = _response_rows(inner, body, batch)
+    values = head(rows).squeeze(-1)
+    return values.to(torch.promote_types(values.dtype, torch.float32)), seq_index
+
+
+def split_by_sequence(values: Tensor, seq_index: Tensor, num_sequences: int) -> list[list[float]]:
+    """Per-token values (N,) ordered by sequence (as :func:`token_logps` returns them) as one list per sequence."""
+    counts = torch.bincount(seq_index, minlength=num_sequences).tolist()
+    return [chunk.tolist() for chunk in torch.split(values.detach().cpu(), counts)]
 
 
 _PACKING_CHECKED = "_rlhf_packing_works"

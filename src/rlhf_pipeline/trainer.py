@@ -245,6 +245,12 @@ def on_main_process(accelerator, fn: Callable[[], Any]) -> None:
         raise error
 
 
+def quiet(accelerator) -> bool:
+    """Progress bars off on all but the main process, and everywhere when TQDM_DISABLE is set (an explicit
+    ``disable=`` would otherwise override tqdm's own reading of it)."""
+    return not accelerator.is_main_process or os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes")
+
+
 def unwrap(model: Any) -> Any:
     return getattr(model, "module", model)
 
@@ -384,8 +390,12 @@ class Setup:
     global_size: int
 
 
-def prepare(config: TrainOptions, accelerator, model, num_train_rows: int) -> Setup:
-    """Wrap the model and an AdamW + warmup/cosine schedule for (distributed) training."""
+def prepare(
+    config: TrainOptions, accelerator, model, num_train_rows: int, learning_rate: Callable[[str], float] | None = None
+) -> Setup:
+    """Wrap the model and an AdamW + warmup/cosine schedule for (distributed) training. ``learning_rate(name)``
+    gives a parameter its own peak rate (a critic trained beside a policy); by default all share
+    ``config.learning_rate``."""
     import torch
 
     world = accelerator.num_processes
@@ -400,13 +410,15 @@ def prepare(config: TrainOptions, accelerator, model, num_train_rows: int) -> Se
     total_steps = config.max_steps or steps_per_epoch * config.epochs
     warmup = int(config.warmup_ratio * total_steps)
     torch.manual_seed(config.seed)
-    decay, no_decay = [], []
+    groups: dict[tuple[float, float], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
             shape = getattr(p, "ds_shape", p.shape)  # under zero.Init a parameter is an empty 1-D shard
-            (no_decay if len(shape) < 2 or "norm" in name.lower() else decay).append(p)
+            decay = 0.0 if len(shape) < 2 or "norm" in name.lower() else config.weight_decay
+            lr = learning_rate(name) if learning_rate is not None else config.learning_rate
+            groups.setdefault((decay, lr), []).append(p)
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [{"params": ps, "weight_decay": decay, "lr": lr} for (decay, lr), ps in groups.items()],
         lr=config.learning_rate,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_epsilon,
@@ -463,7 +475,7 @@ def train(
     all_tokens = totals_so_far.get("all_tokens", 0)
     started = time.time() - totals_so_far.get("seconds", 0.0)
     total_steps = setup.total_steps
-    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=quiet(accelerator))
     while step < total_steps:
         epoch, position = divmod(step, setup.steps_per_epoch)
         batch_ids = global_batches(train_ds.num_rows, setup.global_size, config.seed, epoch)[position]

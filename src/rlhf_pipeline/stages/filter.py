@@ -210,7 +210,8 @@ def main(config: FilterConfig) -> Path:
             f"cannot be split from them ({e}); pass a smaller --test-size, e.g. 0.1 for 10%"
         ) from None
     result = DatasetDict({"train": kept.select(train_rows), "test": kept.select(test_rows)})
-    extra: dict[str, Any] = {"mode": config.mode, "sampling": sampling, "renamed_columns": renamed}
+    extra: dict[str, Any] = {"mode": config.mode, "sampling": sampling, "renamed_columns": renamed,
+                             "reward": find_in_lineage([ref], "reward")}  # how it was scored (PPO's critic reads it)
     if config.mode == "pairs":
         extra["responses_left_out"] = responses_left_out
     out.save(result, rows_in=ds.num_rows, dropped=dict(dropped), extra=extra)

@@ -85,14 +85,14 @@ def compute_ref_logps(
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
 
-    from rlhf_pipeline.trainer import sharded_batches
+    from rlhf_pipeline.trainer import quiet, sharded_batches
 
     batches = sharded_batches(pair_lengths(ds), batch_size, accelerator.num_processes, accelerator.process_index)
     results: list[tuple[int, float, float]] = []
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for idx in tqdm(batches, desc="reference log-probs", unit="batch", disable=not accelerator.is_main_process):
+        for idx in tqdm(batches, desc="reference log-probs", unit="batch", disable=quiet(accelerator)):
             rows = ds.select(idx if idx is not None else [0]).to_list()  # a stand-in keeps ZeRO-3 processes in step
             with accelerator.autocast():
                 chosen, rejected, _ = pair_logps(model, rows, pad_id, temperature, pack_ratio)

@@ -1,6 +1,9 @@
-"""Train a policy on preference pairs with REBEL or the DPO family (DPO, cDPO, IPO, SimPO).
+"""Train a policy: on preference pairs with REBEL or the DPO family (DPO, cDPO, IPO, SimPO), or on groups of n
+responses per prompt with the PPO family (PPO with a critic and GAE, GRPO, RLOO, REINFORCE++; see rlhf_pipeline.rl).
 
     rlhf train --algo rebel --model runs/iter_0/policy --data runs/iter_0/filter --output runs/iter_0/train
+    rlhf train --algo grpo --model runs/iter_0/policy --data runs/iter_0/groups --output runs/iter_0/train
+    rlhf train --algo ppo --critic-model runs/rm --model runs/iter_0/policy --data runs/iter_0/groups --output OUT
     accelerate launch --config_file accelerate_cfgs/zero3.yaml -m rlhf_pipeline.stages.train \\
         --algo rebel --model meta-llama/Meta-Llama-3-8B-Instruct --data runs/iter_0/filter --output runs/iter_0/train \\
         --batch-size 1 --gradient-accumulation-steps 16 --learning-rate 3e-7 --bf16
@@ -33,9 +36,11 @@ METRIC_GROUPS = {"margin": "reward", "accuracy": "reward", "chosen_logratio": "l
 
 @dataclass(kw_only=True)
 class TrainConfig(TrainOptions):
-    """Train a policy on pairs with REBEL or the DPO family."""
+    """Train a policy on pairs (REBEL, DPO family) or on groups (PPO family)."""
 
-    algo: Literal["rebel", "dpo", "cdpo", "ipo", "simpo"] = option("rebel", help="The loss.")
+    algo: Literal["rebel", "dpo", "cdpo", "ipo", "simpo", "ppo", "grpo", "rloo", "reinforce_pp"] = option(
+        "rebel", help="The loss: rebel/dpo/cdpo/ipo/simpo train on pairs; ppo/grpo/rloo/reinforce_pp on groups."
+    )
     eta: float = option(
         1.0, help="REBEL: scale of the log-ratio regression, ((logratio_c - logratio_r)/eta - (r_c - r_r))^2. "
         "REBEL's UltraFeedback runs use 1e6."
@@ -44,12 +49,51 @@ class TrainConfig(TrainOptions):
     label_smoothing: Optional[float] = option(None, help="cDPO: probability that a label is flipped (default 0.1).")
     gamma: float = option(0.5, help="SimPO: target reward margin.")
     temperature: Optional[float] = option(
-        None, help="Temperature of policy and reference log-probs (default: sampling temperature for REBEL, 1.0 else)."
+        None, help="Temperature of policy and reference log-probs (default: the sampling temperature for REBEL and "
+        "the PPO family, 1.0 for the DPO family)."
     )
+    # The PPO family
+    clip: float = option(0.2, help="PPO family: clip range epsilon of the ratio to the sampling policy.")
+    kl_coef: float = option(0.05, help="PPO family: weight beta of the KL to the reference model (0 = none).")
+    kl_mode: Literal["reward", "loss"] = option(
+        "reward", help="PPO family: KL as a per-token reward penalty (reward) or as a term of the loss (loss)."
+    )
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = option(
+        None, help="PPO family: KL estimator (default k1 in the reward, k3 in the loss)."
+    )
+    ref_model: Optional[str] = option(
+        None, help="PPO family: the KL reference (e.g. the SFT model); default: the starting policy (--model)."
+    )
+    normalize_rewards: bool = option(False, help="PPO family: standardise the rewards over the dataset first.")
+    gamma: float = option(1.0, help="PPO / REINFORCE++: discount of the token rewards.")
+    lam: float = option(0.95, help="PPO: GAE lambda.")
+    critic_model: Optional[str] = option(
+        None, help="PPO: the critic's starting point, a reward model (default: the reward model of rlhf score)."
+    )
+    critic_learning_rate: Optional[float] = option(None, help="PPO: the critic's peak learning rate "
+                                                   "(default: --learning-rate).")
+    vf_coef: float = option(0.5, help="PPO: weight of the value loss.")
+    value_clip: Optional[float] = option(0.2, help="PPO: clip range of the values around the old values.")
+
+    @property
+    def is_group_algo(self) -> bool:
+        from rlhf_pipeline.rl import PPO_ALGOS
+
+        return self.algo in PPO_ALGOS
+
+    def rl_params(self):
+        from rlhf_pipeline.rl import RLParams
+
+        estimator = self.kl_estimator or ("k1" if self.kl_mode == "reward" else "k3")
+        return RLParams(algo=self.algo, clip=self.clip, kl_coef=self.kl_coef, kl_mode=self.kl_mode,
+                        kl_estimator=estimator, gamma=self.gamma, lam=self.lam, vf_coef=self.vf_coef,
+                        value_clip=self.value_clip, normalize_rewards=self.normalize_rewards)
 
     def loss_params(self):
         from rlhf_pipeline.losses import LossType, PairLossParams
 
+        if self.is_group_algo:
+            raise ValueError(f"--algo {self.algo} trains on groups and has no pair loss")
         loss_type = LossType(self.algo)
         beta = self.beta if self.beta is not None else (2.0 if loss_type is LossType.SIMPO else 0.1)
         smoothing = self.label_smoothing if self.label_smoothing is not None else (
@@ -148,11 +192,16 @@ def main(config: TrainConfig) -> Path:
     from rlhf_pipeline.datasets_io import parse_ref
     from rlhf_pipeline.trainer import run_training_stage
 
+    ref = parse_ref(config.data)
+    if config.is_group_algo:
+        from rlhf_pipeline.rl import train_groups
+
+        return run_training_stage("train", config, [ref],
+                                  lambda accelerator, out: train_groups(config, ref, accelerator, out))
     try:
         config.loss_params()
     except ValueError as e:
         raise PipelineError(str(e)) from None
-    ref = parse_ref(config.data)
     return run_training_stage("train", config, [ref], lambda accelerator, out: _train(config, ref, accelerator, out))
 
 

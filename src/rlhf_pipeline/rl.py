@@ -1,0 +1,443 @@
+"""The PPO family on groups (n responses per prompt): PPO with a critic and GAE, GRPO, RLOO and REINFORCE++.
+
+Offline, like the rest of the pipeline: the responses were sampled by the policy this run starts from, so "the
+rollout" is the groups dataset, and training runs ``--epochs`` passes (PPO's K epochs) over it in minibatches of
+``batch_size × gradient_accumulation_steps × processes`` samples. Before the first update one batched pass
+computes, for every sample and every response token:
+
+- ``old_logps``: the sampling policy's log-probs (the model as loaded, at the sampling temperature): ρ's denominator;
+- ``ref_logps``: the reference model's log-probs, for the KL control (``--ref-model``; by default the starting
+  policy itself, whose log-probs are ``old_logps``);
+- ``old_values`` (PPO): the critic's values, the critic being initialised from a reward model;
+
+then the advantages, per algorithm (``r`` is the sequence reward from ``rlhf score``, optionally standardised over
+the batch with ``--normalize-rewards``):
+
+=============  ==========================================================================================
+ppo            token rewards = r on the last token − β·KL_t on every token; GAE(γ, λ) with the critic's
+               values; advantages whitened over the batch; the critic regresses on the returns.
+grpo           (r − group mean) / group std, the same on every token of the sample.
+rloo           r − mean of the other samples of its group, on every token.
+reinforce_pp   token rewards = r on the last token − β·KL_t; returns-to-go (γ); whitened over the batch.
+=============  ==========================================================================================
+
+KL control: ``--kl-mode reward`` puts ``−β·KL_t`` (estimator ``--kl-estimator``, k1 by default) into the token
+rewards before the advantages; ``--kl-mode loss`` adds ``β·mean KL_t`` (k3 by default, as GRPO does) to the loss,
+computed with the current policy. These inputs are kept in ``OUTPUT/rollout`` so a resumed run uses the same ones.
+
+Loss per sample: the clipped surrogate (``losses.ppo_policy_loss``) averaged over the sample's tokens, plus the KL
+term, plus for PPO ``vf_coef ×`` the clipped value loss; averaged over the samples of a minibatch. Per-sample means
+make a micro-batch split (or a process split) give the same update as one big batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+PPO_ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
+GROUP_COLUMNS = ("prompt_token_ids", "response_token_ids", "rewards")
+
+
+@dataclass
+class RLParams:
+    algo: str
+    clip: float = 0.2
+    kl_coef: float = 0.05
+    kl_mode: str = "reward"  # reward | loss
+    kl_estimator: str = "k1"
+    gamma: float = 1.0
+    lam: float = 0.95
+    vf_coef: float = 0.5
+    value_clip: float | None = 0.2
+    normalize_rewards: bool = False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The policy and its critic, trained as one module
+
+
+def policy_and_critic(policy, critic):
+    """One ``nn.Module`` holding both, so one optimizer, one DeepSpeed engine and one checkpoint cover them; it saves
+    as the policy's ``save_pretrained`` directory with the critic's beside it in ``critic/``."""
+    import torch
+
+    class PolicyAndCritic(torch.nn.Module):
+        def __init__(self, policy, critic):
+            super().__init__()
+            self.policy, self.critic = policy, critic
+            self.config = policy.config  # what the trainer reads (use_cache, name) is the policy's
+
+        def gradient_checkpointing_enable(self, **kwargs):
+            self.policy.gradient_checkpointing_enable(**kwargs)
+            self.critic.gradient_checkpointing_enable(**kwargs)
+
+        def save_pretrained(self, path, state_dict=None, safe_serialization=True):
+            state_dict = state_dict if state_dict is not None else self.state_dict()
+            for name, module, where in (("policy", self.policy, Path(path)), ("critic", self.critic,
+                                                                                Path(path) / "critic")):
+                part = {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
+                module.save_pretrained(where, state_dict=part, safe_serialization=safe_serialization)
+
+    return PolicyAndCritic(policy, critic)
+
+
+def parts(model) -> tuple[Any, Any | None]:
+    """(policy, critic or None) of a model from :func:`policy_and_critic` or a plain policy, unwrapped."""
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "critic") and hasattr(inner, "policy"):
+        return inner.policy, inner.critic
+    return model, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The rollout: flatten groups, one batched pass, advantages
+
+
+def check_groups(ds, source: str) -> None:
+    from rlhf_pipeline.errors import PipelineError
+
+    missing = [c for c in GROUP_COLUMNS if c not in ds.column_names]
+    if missing:
+        raise PipelineError(f"{source}: missing column(s) {', '.join(missing)}; the PPO family trains on groups: "
+                            "make them with rlhf filter --mode groups")
+
+
+def flatten_groups(ds, source: str) -> dict[str, list]:
+    """One sample per response: ``group`` (row of ``ds``), ``prompt_token_ids``, ``response_token_ids``, ``reward``."""
+    from rlhf_pipeline.errors import PipelineError
+
+    out: dict[str, list] = {"group": [], "prompt_token_ids": [], "response_token_ids": [], "reward": []}
+    for g, (prompt, responses, rewards) in enumerate(zip(ds["prompt_token_ids"], ds["response_token_ids"],
+                                                         ds["rewards"])):
+        if len(responses) != len(rewards):
+            raise PipelineError(f"{source}: row {g} has {len(responses)} responses but {len(rewards)} rewards")
+        for response, reward in zip(responses, rewards):
+            if reward is None or not math.isfinite(reward):
+                raise PipelineError(f"{source}: row {g} has a reward of {reward}; rescore it (rlhf score)")
+            out["group"].append(g)
+            out["prompt_token_ids"].append(list(prompt))
+            out["response_token_ids"].append(list(response))
+            out["reward"].append(float(reward))
+    return out
+
+
+def sample_lengths(samples) -> list[int]:
+    return [len(p) + len(r) for p, r in zip(samples["prompt_token_ids"], samples["response_token_ids"])]
+
+
+def rollout_pass(accelerator, model, samples, pad_id: int, temperature: float, batch_size: int, pack_ratio: float,
+                 values: bool) -> dict[str, list]:
+    """Token log-probs (and, with ``values``, the critic's token values) of every sample, in length-sorted batches
+    shared over the processes; ``model`` is a policy or a :func:`policy_and_critic` (possibly a DeepSpeed engine)."""
+    import torch
+    from accelerate.utils import gather_object
+    from tqdm.auto import tqdm
+
+    from rlhf_pipeline.logprobs import build_batch, split_by_sequence, token_logps, token_values
+    from rlhf_pipeline.trainer import quiet, sharded_batches
+
+    policy, critic = parts(model)
+    prompts, responses = samples["prompt_token_ids"], samples["response_token_ids"]
+    batches = sharded_batches(sample_lengths(samples), batch_size, accelerator.num_processes,
+                              accelerator.process_index)
+    results: list[tuple[int, list[float], list[float] | None]] = []
+    was_training = model.training
+    model.eval()
+    device = next(policy.parameters()).device
+    with torch.no_grad():
+        for idx in tqdm(batches, desc="rollout log-probs", unit="batch", disable=quiet(accelerator)):
+            ids = idx if idx is not None else [0]  # a stand-in keeps ZeRO-3 processes in step
+            batch = build_batch([prompts[i] for i in ids], [responses[i] for i in ids], pad_id, pack_ratio)
+            batch = batch.to(device)
+            with accelerator.autocast():
+                logps, seq = token_logps(policy, batch, temperature=temperature)
+                vals = token_values(critic, batch)[0] if values else None
+            if idx is None:
+                continue
+            per_logps = split_by_sequence(logps, seq, len(ids))
+            per_values = split_by_sequence(vals, seq, len(ids)) if values else [None] * len(ids)
+            results += zip(ids, per_logps, per_values)
+    model.train(was_training)
+    if accelerator.num_processes > 1:
+        results = gather_object(results)
+    out: dict[str, list] = {"logps": [None] * len(prompts), "values": [None] * len(prompts)}
+    for i, lp, v in results:
+        out["logps"][i], out["values"][i] = lp, v
+    return out
+
+
+def padded(rows: Sequence[Sequence[float]], dtype=None):
+    """Lists of per-token values (ragged) → (B, T) tensor right-padded with 0, and its (B, T) bool mask."""
+    import torch
+
+    width = max((len(r) for r in rows), default=0)
+    out = torch.zeros((len(rows), width), dtype=dtype or torch.float64)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(list(r), dtype=out.dtype)
+        mask[i, : len(r)] = True
+    return out, mask
+
+
+def unpadded(values, mask) -> list[list[float]]:
+    return [row[m].tolist() for row, m in zip(values, mask)]
+
+
+def compute_advantages(samples: dict[str, list], params: RLParams) -> dict[str, list]:
+    """Per-token ``advantages`` (and ``returns`` for PPO) of every sample, from its reward, the rollout's
+    ``old_logps``, ``ref_logps`` and (PPO) ``old_values``; see the module docstring."""
+    import torch
+
+    from rlhf_pipeline.advantages import gae, group_norm, masked_whiten, reinforce_pp, reinforce_pp_returns, rloo
+    from rlhf_pipeline.losses import kl_estimate
+
+    rewards = torch.tensor(samples["reward"], dtype=torch.float64)
+    if params.normalize_rewards and rewards.numel() > 1:
+        rewards = (rewards - rewards.mean()) / (rewards.std() + 1e-8)
+    groups = torch.tensor(samples["group"])
+    if params.algo in ("grpo", "rloo"):  # the group baseline, group by group (filtering can leave groups uneven)
+        scores = torch.empty_like(rewards)
+        for g in groups.unique():
+            where = groups == g
+            if int(where.sum()) < 2:
+                scores[where] = 0.0  # a lone sample has no baseline: it teaches nothing
+                continue
+            fn = group_norm if params.algo == "grpo" else rloo
+            scores[where] = fn(rewards[where].unsqueeze(0)).squeeze(0)
+    else:
+        scores = rewards
+    old, mask = padded(samples["old_logps"])
+    ref, _ = padded(samples["ref_logps"])
+    lengths = mask.sum(dim=1)
+    token_rewards = torch.zeros_like(old)
+    if params.kl_mode == "reward" and params.kl_coef:
+        token_rewards -= params.kl_coef * torch.where(mask, kl_estimate(old, ref, kind=params.kl_estimator), 0)
+    last = (lengths - 1).clamp(min=0)
+    has_tokens = lengths > 0
+    token_rewards[has_tokens, last[has_tokens]] += scores[has_tokens]
+
+    out: dict[str, list] = {}
+    if params.algo == "ppo":
+        values, _ = padded(samples["old_values"])
+        advantages, returns = gae(token_rewards, values, gamma=params.gamma, lam=params.lam, mask=mask)
+        advantages = masked_whiten(advantages, mask)
+        out["returns"] = unpadded(returns, mask)
+    elif params.algo == "reinforce_pp":
+        advantages = reinforce_pp(token_rewards, mask, gamma=params.gamma)
+    else:
+        advantages = reinforce_pp_returns(token_rewards, gamma=params.gamma, mask=mask)
+    out["advantages"] = unpadded(advantages, mask)
+    out["score"] = scores.tolist()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loss
+
+
+class GroupTask:
+    """A micro-batch of samples: clipped surrogate + KL term (+ value loss for PPO), per-sample means."""
+
+    def __init__(self, params: RLParams, temperature: float, pad_id: int, pack_ratio: float):
+        self.params, self.temperature, self.pad_id, self.pack_ratio = params, temperature, pad_id, pack_ratio
+
+    def lengths(self, ds) -> list[int]:
+        return sample_lengths(ds)
+
+    def collate(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return rows
+
+    def loss(self, model, rows):
+        import torch
+
+        from rlhf_pipeline.logprobs import build_batch, token_logps, token_values
+        from rlhf_pipeline.losses import kl_estimate, ppo_policy_loss, value_loss
+
+        p = self.params
+        policy, critic = parts(model)
+        device = next(policy.parameters()).device
+        batch = build_batch([r["prompt_token_ids"] for r in rows], [r["response_token_ids"] for r in rows],
+                            self.pad_id, self.pack_ratio).to(device)
+        logps, seq = token_logps(policy, batch, temperature=self.temperature)
+        dtype = logps.dtype
+
+        def column(name):
+            values, mask = padded([r[name] for r in rows], dtype=dtype)
+            return values.to(device), mask.to(device)
+
+        old, mask = column("old_logps")
+        logp = torch.zeros_like(old).index_put((seq, _positions(seq)), logps)  # (B, T) in the rollout's layout
+        advantages, _ = column("advantages")
+        loss, metrics = ppo_policy_loss(logp, old, advantages, mask, clip=p.clip, reduction="sequence")
+        per_sample_count = mask.sum(dim=1).clamp(min=1)
+        out = {"policy_loss": _per_sample_mean_detached(loss, len(rows))}
+        if p.kl_mode == "loss" and p.kl_coef:
+            ref, _ = column("ref_logps")
+            kl = (torch.where(mask, kl_estimate(logp, ref, kind=p.kl_estimator), 0).sum(dim=1) / per_sample_count)
+            loss = loss + p.kl_coef * kl.mean()
+            out["kl"] = kl.detach()
+        if critic is not None:
+            vals, vseq = token_values(critic, batch)
+            values = torch.zeros_like(old).index_put((vseq, _positions(vseq)), vals.to(dtype))
+            old_values, _ = column("old_values")
+            returns, _ = column("returns")
+            vloss, vmetrics = value_loss(values, old_values, returns, mask, clip=p.value_clip, reduction="sequence")
+            loss = loss + p.vf_coef * vloss
+            out["value_loss"] = _per_sample_mean_detached(vloss, len(rows))
+        with torch.no_grad():
+            ref, _ = column("ref_logps")
+            out["kl_to_ref"] = torch.where(mask, logp - ref, 0).sum(dim=1)  # k1 summed over the response
+            for k, v in metrics.items():
+                out[k] = v.expand(len(rows))
+        return loss, out, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
+
+
+def _positions(seq_index):
+    """Position of each token within its sequence, for tokens ordered by sequence then position."""
+    import torch
+
+    starts = torch.zeros_like(seq_index)
+    if seq_index.numel():
+        change = torch.ones_like(seq_index, dtype=torch.bool)
+        change[1:] = seq_index[1:] != seq_index[:-1]
+        first = torch.nonzero(change).squeeze(-1)
+        counts = torch.diff(torch.cat([first, first.new_tensor([seq_index.numel()])]))
+        starts = torch.repeat_interleave(first, counts)
+    return torch.arange(seq_index.numel(), device=seq_index.device) - starts
+
+
+def _per_sample_mean_detached(value, n: int):
+    return value.detach().expand(n)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The stage body (``rlhf train --algo ppo|grpo|rloo|reinforce_pp``)
+
+
+def metric_name(key: str, prefix: str) -> str:
+    if key == "loss":
+        return f"loss/{prefix}"
+    group = {"policy_loss": "loss", "value_loss": "loss", "kl": "kl", "kl_to_ref": "kl", "approx_kl": "kl",
+             "clip_frac": "ppo", "ratio_mean": "ppo"}.get(key, prefix)
+    return f"{group}/{prefix}_{key}"
+
+
+def _critic_source(config, ref) -> str:
+    from rlhf_pipeline.datasets_io import find_in_lineage
+    from rlhf_pipeline.errors import PipelineError
+
+    if config.critic_model:
+        return config.critic_model
+    reward = find_in_lineage([ref], "reward") or {}
+    if reward.get("reward_model"):
+        return reward["reward_model"]
+    raise PipelineError(f"{config.data}: --algo ppo needs a critic to start from, and the data was not scored with a "
+                        "reward model; pass --critic-model (a reward model directory, e.g. from rlhf train-rm)")
+
+
+def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, output: Path):
+    """The flattened samples of each split with old_logps, ref_logps, (old_values,) advantages (, returns): from
+    OUTPUT/rollout when an interrupted run made them, else computed now and kept there."""
+    import datasets
+    from datasets import load_from_disk
+
+    from rlhf_pipeline.datasets_io import atomic_directory
+    from rlhf_pipeline.modeling import load_causal_lm
+
+    cache = output / "rollout"
+    if (cache / "dataset_dict.json").exists():
+        return load_from_disk(str(cache))
+    samples = {split: flatten_groups(ds, f"{config.data}:{split}") for split, ds in dd.items()}
+    reference = None
+    if config.ref_model and params.kl_coef:
+        reference = load_causal_lm(config.ref_model, dtype="float32" if not config.bf16 else "bfloat16",
+                                   trust_remote_code=config.trust_remote_code, device=accelerator.device)
+    for split, s in samples.items():
+        batch = config.eval_batch_size
+        passed = rollout_pass(accelerator, setup_model, s, pad, temperature, batch, config.pack_ratio,
+                              values=params.algo == "ppo")
+        s["old_logps"] = passed["logps"]
+        if params.algo == "ppo":
+            s["old_values"] = passed["values"]
+        s["ref_logps"] = (rollout_pass(accelerator, reference, s, pad, temperature, batch, config.pack_ratio,
+                                       values=False)["logps"] if reference is not None else s["old_logps"])
+        s.update(compute_advantages(s, params))
+    del reference
+    dd = datasets.DatasetDict({split: datasets.Dataset.from_dict(s) for split, s in samples.items()})
+    if accelerator.is_main_process:
+        with atomic_directory(cache) as tmp:
+            dd.save_to_disk(str(tmp))
+    accelerator.wait_for_everyone()
+    return dd
+
+
+def train_groups(config, ref, accelerator, out):
+    """``rlhf train`` for the PPO family: see the module docstring."""
+    import statistics
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.stages.ref_logps import resolve_temperature
+    from rlhf_pipeline.trainer import StageRun, load_trainable, on_main_process, prepare, train, training_summary
+
+    params = config.rl_params()
+    dd = load_dataset_dict(ref, required=("train",))
+    for split, ds in dd.items():
+        check_groups(ds, f"{ref}:{split}")
+    sampling = find_in_lineage([ref], "sampling")
+    temperature = resolve_temperature(config.temperature, sampling, str(ref), None)
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    pad = pad_id(tokenizer)
+    critic_path = _critic_source(config, ref) if params.algo == "ppo" else None
+
+    def loader(path, trust_remote_code):
+        policy = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if critic_path is None:
+            return policy
+        critic = AutoModelForSequenceClassification.from_pretrained(critic_path, num_labels=1,
+                                                                    trust_remote_code=trust_remote_code)
+        if critic.config.vocab_size < policy.config.vocab_size:
+            raise PipelineError(
+                f"critic {critic_path} has a vocabulary of {critic.config.vocab_size}, the policy "
+                f"{policy.config.vocab_size}: the critic reads the policy's tokens, so it must share its tokenizer; "
+                "pass --critic-model with a reward model trained on the policy's tokenizer"
+            )
+        critic.config.use_cache = False
+        critic.config.pad_token_id = pad
+        return policy_and_critic(policy, critic)
+
+    model = load_trainable(config, loader)
+    num_train = sum(len(r) for r in dd["train"]["rewards"])
+    critic_lr = config.critic_learning_rate or config.learning_rate
+    setup = prepare(config, accelerator, model, num_train,
+                    learning_rate=lambda name: critic_lr if name.startswith("critic.") else config.learning_rate)
+    data = _rollout(config, params, accelerator, setup.model, dd, temperature, pad, out.path)
+    task = GroupTask(params, temperature, pad, config.pack_ratio)
+    result = train(
+        config, accelerator, setup, tokenizer, task, data["train"], data.get("test"),
+        train_names=lambda m: {metric_name(k, "train"): v for k, v in m.items()},
+        eval_names=lambda m: {metric_name(k, "eval"): v for k, v in m.items()},
+    )
+    if critic_path is not None:
+        on_main_process(accelerator, lambda: tokenizer.save_pretrained(out.path / "critic"))
+    rewards = data["train"]["reward"]
+    training = {
+        "algo": params.algo, "rl_params": vars(params), "logp_temperature": temperature,
+        "ref_model": config.ref_model or config.model, "critic_model": critic_path,
+        "samples": {split: data[split].num_rows for split in data},
+        "mean_reward": statistics.fmean(rewards) if rewards else None,
+        **training_summary(result),
+    }
+    return StageRun(
+        result=result,
+        rows_in=sum(ds.num_rows for ds in dd.values()),
+        extra={"sampling": sampling, "training": training},
+        summary=f"{params.algo}: {result.steps} steps over {num_train} samples, loss {result.first_loss:.4f} -> "
+        f"{result.last_loss:.4f}",
+    )
