@@ -133,3 +133,25 @@ def test_demo_interrupted_resumes_without_redoing_finished_stages(tmp_path):
     assert proc.returncode == 0, output
     assert len((run / "steps.jsonl").read_text().splitlines()) == len(launched_after)
     assert _output_ids(run) == after
+
+
+def test_ppo_family_plans_groups_a_fixed_reference_and_a_critic_carried_over(tmp_path):
+    steps = plan(config(tmp_path, algo="ppo", train={"kl_coef": 0.1}))
+    run = tmp_path / "run"
+    by_name = {s.name: s for s in steps}
+
+    def arg(step, flag):
+        args = by_name[step].args
+        return args[args.index(flag) + 1]
+
+    assert all(arg(f"iter_{t}/filter", "--mode") == "groups" for t in (1, 2, 3))
+    # the KL reference stays the starting policy; the critic starts from the reward model, then carries over
+    assert all(arg(f"iter_{t}/train", "--ref-model") == "base" for t in (1, 2, 3))
+    assert arg("iter_1/train", "--critic-model") == "rm"
+    assert arg("iter_3/train", "--critic-model") == str(run / "iter_2" / "train" / "critic")
+    assert arg("iter_2/train", "--kl-coef") == "0.1"
+    check(steps)  # every stage parses its options
+    grpo = plan(config(tmp_path, algo="grpo"))
+    assert not any("--critic-model" in s.args for s in grpo)
+    with pytest.raises(PipelineError, match="trains on groups"):
+        plan(config(tmp_path, algo="grpo", filter={"mode": "pairs"}))

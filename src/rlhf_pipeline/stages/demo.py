@@ -32,6 +32,7 @@ from typing import Literal, Sequence
 
 from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import option
+from rlhf_pipeline.rl import PPO_ALGOS
 
 GOLD = "rlhf_pipeline.demo.task:gold_reward"
 
@@ -41,7 +42,9 @@ class DemoConfig:
     """Run SFT, reward-model training, T RLHF iterations, evaluation and the report on a bundled task, on a CPU."""
 
     output: str = option("runs/demo", help="The run directory.")
-    algo: Literal["rebel", "dpo", "cdpo", "ipo", "simpo"] = option("rebel", help="The RLHF loss.")
+    algo: Literal["rebel", "dpo", "cdpo", "ipo", "simpo", "ppo", "grpo", "rloo", "reinforce_pp"] = option(
+        "rebel", help="The RLHF algorithm: REBEL or the DPO family on pairs, the PPO family on groups."
+    )
     iterations: int = option(3, help="RLHF iterations.")
     prompts_per_iteration: int = option(320, help="Training prompts sampled per iteration (of 640).")
     n: int = option(4, help="Responses sampled per prompt.")
@@ -66,6 +69,11 @@ ALGO_TRAIN_DEFAULTS = {
     "cdpo": {"learning_rate": 3e-4, "beta": 0.1},
     "ipo": {"learning_rate": 3e-4, "beta": 0.1},
     "simpo": {"learning_rate": 3e-4},
+    # The PPO family: KL to the SFT policy; GRPO keeps it in the loss (k3), the others in the reward (k1).
+    "grpo": {"learning_rate": 2e-4, "kl_mode": "loss", "kl_coef": 0.02},
+    "rloo": {"learning_rate": 2e-4, "kl_coef": 0.02},
+    "reinforce_pp": {"learning_rate": 2e-4, "kl_coef": 0.02},
+    "ppo": {"learning_rate": 2e-4, "kl_coef": 0.02, "critic_learning_rate": 1e-3},
 }
 
 
@@ -98,7 +106,7 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
         generate={"n": config.n, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,
                   "engine": "hf", "seed": config.seed, "batch_size": 64},
         score={"batch_size": 64},
-        filter={"mode": "pairs", "test_size": 0.1, "seed": config.seed},
+        filter={"mode": "groups" if config.algo in PPO_ALGOS else "pairs", "test_size": 0.1, "seed": config.seed},
         train={**common, "epochs": 1, **ALGO_TRAIN_DEFAULTS[config.algo], **config.train},
         eval={"reward_fn": GOLD, "reward_model": str(run / "reward_model"), "n": config.eval_n,
               "limit": config.eval_prompts, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,

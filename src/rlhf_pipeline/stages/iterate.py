@@ -11,7 +11,8 @@ Layout of the run directory (``output``)::
     RUN/iter_<t>/generate|score|filter|train|eval/    t = 1..T
 
 Iteration t samples with policy t-1 (``model`` for t = 1, else ``RUN/iter_<t-1>/train``), scores the samples,
-builds pairs (or groups) with policy t-1's tokenizer, trains policy t from policy t-1 and, when ``eval_prompts`` is
+builds pairs (or, for the PPO family, groups) with policy t-1's tokenizer, trains policy t from policy t-1 (the PPO
+family with its KL to ``model`` by default, PPO with the critic of iteration t-1) and, when ``eval_prompts`` is
 set, evaluates policy t against the starting policy (``rlhf eval --baseline RUN/iter_0/eval``). Prompts: every
 iteration uses all of ``prompts``, or with ``prompts_per_iteration: k`` iteration t takes the k rows starting at
 row ``(t-1)*k`` (modulo the number of rows; a chunk stops at the last row). Generation seed of iteration t:
@@ -46,6 +47,7 @@ from typing import Any, Literal, Optional, Sequence
 from rlhf_pipeline.cli import STAGES, run_stage
 from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.rl import PPO_ALGOS
 
 STAGE_SECTIONS = ("generate", "score", "filter", "train", "eval")
 TRAINING_STAGES = ("train", "sft", "train-rm")
@@ -78,7 +80,11 @@ class IterateConfig(OutputOptions):
     prompts_per_iteration: Optional[int] = option(
         None, help="Iteration t takes this many prompts starting at row (t-1)*k (wrapping); default: all of them."
     )
-    algo: Literal["rebel", "dpo", "cdpo", "ipo", "simpo"] = option("rebel", help="The training loss (rlhf train --algo).")
+    algo: Literal["rebel", "dpo", "cdpo", "ipo", "simpo", "ppo", "grpo", "rloo", "reinforce_pp"] = option(
+        "rebel", help="The training algorithm (rlhf train --algo). The PPO family trains on groups (filter mode "
+        "groups); its KL reference defaults to `model`, and PPO's critic starts from the reward model and carries "
+        "over from one iteration to the next."
+    )
     reward_model: Optional[str] = option(None, help="Reward model that scores the samples.")
     reward_fn: Optional[str] = option(None, help="Or a python reward function (module:function or file.py:function).")
     eval_prompts: Optional[str] = option(
@@ -210,6 +216,14 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
         steps.append(eval_step(config, run, 0, config.model))
     policy = config.model
     base_seed = int(sections["generate"].pop("seed", 0))
+    group_algo = config.algo in PPO_ALGOS
+    if group_algo:
+        if sections["filter"].get("mode", "groups") != "groups":
+            raise PipelineError(f"run config: --algo {config.algo} trains on groups; remove filter mode "
+                                f"{sections['filter']['mode']!r}")
+        sections["filter"]["mode"] = "groups"
+        sections["train"].setdefault("ref_model", config.model)
+    critic = sections["train"].pop("critic_model", None) or config.reward_model
     for t in range(1, config.iterations + 1):
         it = run / f"iter_{t}"
         gen_opts = dict(sections["generate"], seed=base_seed + t - 1)
@@ -217,18 +231,25 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
             k = config.prompts_per_iteration
             gen_opts.update(offset=((t - 1) * k) % num_prompts, limit=k)
         reward = {"reward_model": config.reward_model, "reward_fn": config.reward_fn}
+        train_opts = dict(sections["train"])
+        if config.algo == "ppo":
+            if critic is None:
+                raise PipelineError("run config: --algo ppo needs a critic to start from; set reward_model or "
+                                    "train: {critic_model: PATH}")
+            train_opts["critic_model"] = critic
         specs = [
             ("generate", ["--model", policy, "--prompts", config.prompts], gen_opts),
             ("score", ["--input", str(it / "generate"), *option_args(reward)], sections["score"]),
             ("filter", ["--input", str(it / "score"), "--tokenizer", policy], sections["filter"]),
             ("train", ["--model", policy, "--data", str(it / "filter"), "--algo", config.algo, "--resume"],
-             sections["train"]),
+             train_opts),
         ]
         for stage, fixed, options in specs:
             name = f"iter_{t}/{stage}"
             args = [*fixed, "--output", str(it / stage), *option_args(options), *_common(config, name)]
             steps.append(Step(name, stage, args, it / stage, _launcher(config, stage)))
         policy = str(it / "train")
+        critic = str(it / "train" / "critic")  # PPO: the next iteration's critic is this one's
         if config.eval_prompts:
             steps.append(eval_step(config, run, t, policy))
     return steps
