@@ -33,6 +33,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "iterate": ("rlhf_pipeline.stages.iterate", "T iterations of generate -> score -> filter -> train, resumable"),
     "report": ("rlhf_pipeline.stages.report", "plots and report.md of a run directory"),
     "demo": ("rlhf_pipeline.stages.demo", "the whole loop on a bundled task, offline on a CPU, showing learning"),
+    "bench": ("rlhf_pipeline.bench.run", "side-by-side benchmarks against TRL and per-row/one-by-one baselines"),
 }
 
 

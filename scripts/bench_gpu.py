@@ -1,0 +1,709 @@
+#!/usr/bin/env python
+"""DPO training throughput and MFU on one GPU: our trainer's step against TRL's ``DPOTrainer``.
+
+    python scripts/bench_gpu.py                                  # ~0.9B Llama, bf16 autocast, sdpa, on cuda:0
+    python scripts/bench_gpu.py --attn flash_attention_2         # needs flash-attn installed
+    python scripts/bench_gpu.py --device cpu --tiny              # the same code end to end on a CPU, < 1 minute
+
+Standalone: it needs torch, transformers and (for the TRL sides) trl + datasets, and imports ``rlhf_pipeline`` from
+this checkout's ``src/`` (no install needed). Neither ``datasets`` nor ``deepspeed`` is needed for our side; TRL
+imports ``datasets``, so without it the TRL sides are skipped with a message.
+
+Model and data (identical on every side)
+----------------------------------------
+A random-initialised Llama built from ``LlamaConfig`` (never downloaded): hidden 2048, 16 layers, 16 heads, 8 KV heads,
+intermediate 5632, vocab 32000, untied LM head (~0.89B parameters), saved once to a work directory that every side
+loads from. Weights are float32 (master weights) and every forward runs under bf16 autocast, on both sides: TRL's
+default (``bf16=True`` on a float32 model) and our ``rlhf train --bf16``. Synthetic pairs of random ids: prompt
+16-256 tokens, each response 16-512 (uniform; each response ends with EOS). Every side trains ``warmup + steps``
+optimizer steps (default 2 + 20) over the same ``batch_size x accumulation`` global batches (default 4 x 4 pairs), one
+pass over ``(warmup + steps) x global batch`` pairs, with AdamW (torch, fused on CUDA) at 1e-6, warmup + cosine,
+clipping at 1.0, DPO beta 0.1, no gradient checkpointing (TRL defaults it on; it is turned off there so both sides do
+the same work; ``--gradient-checkpointing`` turns it on for both).
+
+``--tiny`` (a smoke test, not a measurement): hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 512, float32 without
+autocast, prompts 8-64 and responses 8-128 tokens, a global batch of 2 x 2, 2 + 2 steps, one CPU thread per side.
+
+Sides, each in a fresh subprocess (so peak memory is its own)
+-------------------------------------------------------------
+* ``ours``: our trainer's step, reproduced from the library without the CLI (which needs ``datasets``). Reference
+  log-probs first, as ``rlhf train`` computes them when the data has none: one no-grad pass over all pairs with
+  ``stages.ref_logps.pair_logps`` in length-sorted batches of ``--ref-batch-size`` (``trainer.sharded_batches``).
+  Then per step: the global batch from ``trainer.global_batches``, cut by ``trainer.micro_batches`` (sorted by
+  length), each micro-batch through ``stages.train.PairTask.loss`` (``pair_logps`` with ``pack_ratio`` for the
+  policy log-probs, ``losses.compute_pair_loss(LossType.DPO, PairLossParams(beta=0.1), ...)`` against the
+  precomputed reference), backward of loss / accumulation, metrics summed per micro-batch as the trainer does
+  (``trainer.add_to_sums``, which syncs), clip, AdamW step, schedule step.
+* ``trl``: TRL's ``DPOTrainer`` with its default reference model (a second model loaded from the same directory and
+  run every step).
+* ``trl_precomputed``: TRL with ``precompute_ref_log_probs=True`` (its pass runs in the trainer's constructor, with
+  ``precompute_ref_batch_size = --ref-batch-size``).
+  TRL gets the token ids directly (its tokenization is bypassed by overriding ``_prepare_dataset``). With
+  ``--trl-order ours`` (default) it reads the pairs in exactly our micro-batch order (sequential sampler), so every
+  micro-batch holds the same pairs on all sides (and the step-1 loss and grad norm must agree); ``--trl-order
+  random`` uses TRL's default shuffled sampler instead (each pair still seen once, micro-batches not length-sorted).
+
+What is timed (``torch.cuda.synchronize`` at every clock reading; imports and CUDA context creation are not timed)
+* steps window: from the end of step ``--warmup`` to the end of the last step, i.e. ``--steps`` steady steps.
+* whole run: setup + reference pass + every step (warmup steps included); no save. Setup is the model load for ours
+  and the trainer's construction for TRL (its model load(s), Trainer / accelerate set-up; the precompute pass is
+  reported apart as the reference pass). Optimizer creation and ``train()``'s start-up fall in the first step.
+
+Real tokens of a pair = prompt twice + both responses (what a pair's chosen and rejected sequences hold). Tokens/s
+= real tokens of the window / its seconds. Positions processed (padding, packing slack) are reported as the
+real-token fraction. Peak memory = ``torch.cuda.max_memory_allocated`` of the side's own process (CPU: peak RSS).
+
+FLOPs and MFU
+-------------
+Model FLOPs follow PaLM (Chowdhery et al. 2022, appendix B): per token, ``6N + 12·L·H·Q·T`` for a training step
+(forward + backward), with N the parameters that take part in matmuls (all parameters minus the input embedding
+table; the LM head counted), L layers, H·Q = heads × head dim = hidden size, T the sequence's length. Summed over a
+sequence of T tokens:
+
+    training  (forward + backward) of one sequence:  6·N·T + 12·L·hidden·T²
+    reference (forward only, no grad) of one sequence: 2·N·T +  4·L·hidden·T²
+
+summed over the chosen and the rejected sequence (prompt + response) of every pair. T is the sequence's own real
+length: padding and the cross-sequence blocks of a packed row are not model FLOPs, and the attention term is PaLM's
+(no halving for the causal mask), the LM head is counted at every position. FLOPs are counted from the sequences each
+side actually trained on in each step; with ``--trl-order ours`` these are the same pairs on every side, so MFU
+differences are speed differences.
+
+    MFU (steps)          = training FLOPs of the window's steps / window seconds / peak
+    MFU (steps, +ref)    = the same plus the reference forward FLOPs run inside those steps (TRL default only; the
+                           other sides compute the reference before training, so it equals MFU (steps) for them)
+    MFU (run)            = (training FLOPs of all steps + reference FLOPs of all pairs) / whole-run seconds / peak
+
+so MFU (steps) excludes the reference pass everywhere, and MFU (run) includes it (each side does one reference forward
+per pair, in a pass or inside its steps), with the setup in its seconds. The peak is ``--peak-tflops`` (dense
+bf16), by default from the device name: H100 SXM / H200 989, H100 NVL 835, H100 PCIe 756, A100 312; unknown devices
+(and the CPU) get no MFU unless ``--peak-tflops`` is given.
+
+Output: a JSON file (``--output``, default gpu_bench.json) and a markdown table on stdout, with the ratios
+ours / TRL for tokens/s (> 1: ours faster) and peak memory (< 1: ours smaller).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if (REPO / "src" / "rlhf_pipeline").is_dir():  # benchmark this checkout's code, installed or not
+    sys.path.insert(0, str(REPO / "src"))
+
+SIDES = ("ours", "trl", "trl_precomputed")
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+FIRST_ID = 4  # random ids avoid the special tokens
+LR, BETA = 1e-6, 0.1
+
+FULL_MODEL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                  intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048)
+TINY_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=176, vocab_size=512, max_position_embeddings=1024)
+
+# Dense bf16 tensor-core peaks (TFLOP/s), matched against torch.cuda.get_device_name, first match wins.
+PEAK_TFLOPS = (("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("GH200", 989.0),
+               ("A100", 312.0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Setup (parent process): model, tokenizer, pairs
+
+
+def build_model(path: Path, dims: dict[str, int], seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    config = LlamaConfig(**dims, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    # A tokenizer only for its special ids (TRL wants one); the data are ids already.
+    vocab = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, "<unk>": UNK}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")),
+                                  pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.save_pretrained(path)
+
+
+def make_pairs(num_pairs: int, vocab: int, seed: int, prompt: tuple[int, int] = (16, 256),
+               response: tuple[int, int] = (16, 512)) -> list[dict[str, list[int]]]:
+    """Prompts of ``prompt`` tokens, responses of ``response`` tokens (inclusive bounds, uniform) ending in EOS."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(FIRST_ID, vocab, n).tolist()
+
+    def response_ids() -> list[int]:
+        return ids(int(rng.integers(response[0] - 1, response[1]))) + [EOS]
+
+    return [{"prompt_token_ids": ids(int(rng.integers(prompt[0], prompt[1] + 1))),
+             "chosen_token_ids": response_ids(), "rejected_token_ids": response_ids()} for _ in range(num_pairs)]
+
+
+def seq_lengths(pairs) -> list[int]:
+    """Lengths of every pair's chosen and rejected sequence (prompt + response)."""
+    out = []
+    for p in pairs:
+        out += [len(p["prompt_token_ids"]) + len(p["chosen_token_ids"]),
+                len(p["prompt_token_ids"]) + len(p["rejected_token_ids"])]
+    return out
+
+
+def pair_lengths(pairs) -> list[int]:
+    return [2 * len(p["prompt_token_ids"]) + len(p["chosen_token_ids"]) + len(p["rejected_token_ids"]) for p in pairs]
+
+
+def step_order(spec: dict) -> list[list[list[int]]]:
+    """Pair indices of every micro-batch of every step, as our trainer orders them (one process)."""
+    from rlhf_pipeline.trainer import global_batches, micro_batches
+
+    pairs_n, b, a = spec["num_pairs"], spec["batch_size"], spec["accumulation"]
+    lengths = spec["pair_lengths"]
+    batches = global_batches(pairs_n, b * a, spec["seed"], 0)
+    return [micro_batches(ids, lengths, b, 1, a, 0) for ids in batches[: spec["total_steps"]]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Workers (one side per process)
+
+
+class Clock:
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self._sync = torch.cuda.synchronize if self.cuda else (lambda: None)
+
+    def __call__(self) -> float:
+        self._sync()
+        return time.perf_counter()
+
+
+def run_ours(spec: dict, pairs: list[dict], device, clock: Clock) -> dict[str, Any]:
+    import contextlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.losses import LossType, PairLossParams
+    from rlhf_pipeline.stages.ref_logps import pair_logps
+    from rlhf_pipeline.stages.train import PairTask
+    from rlhf_pipeline.trainer import add_to_sums, disable_dropout, sharded_batches, warmup_cosine
+
+    amp = spec["precision"] == "amp"
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+
+    t0 = clock()
+    torch.manual_seed(spec["seed"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32,
+                                                 attn_implementation=spec["attn"]).to(device)
+    model.config.use_cache = False
+    disable_dropout(model)
+    if spec["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    t_loaded = clock()
+
+    # Reference log-probs: one batched no-grad pass, length-sorted (as stages.ref_logps.compute_ref_logps).
+    model.eval()
+    with torch.no_grad():
+        for idx in sharded_batches(spec["pair_lengths"], spec["ref_batch_size"], 1, 0):
+            rows = [pairs[i] for i in idx]
+            with autocast():
+                chosen, rejected, _ = pair_logps(model, rows, PAD, 1.0, spec["pack_ratio"])
+            for i, c, r in zip(idx, chosen.tolist(), rejected.tolist()):
+                pairs[i]["chosen_ref_logp"], pairs[i]["rejected_ref_logp"] = c, r
+    model.train()
+    t_ref = clock()
+
+    total, accumulation = spec["total_steps"], spec["accumulation"]
+    fused = {"fused": True} if device.type == "cuda" else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, **fused)
+    warmup = int(0.1 * total)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total))
+    task = PairTask(LossType.DPO, PairLossParams(beta=BETA), temperature=1.0, pad_id=PAD,
+                    pack_ratio=spec["pack_ratio"])
+
+    step_ends, stats, losses, grad_norms = [], [], [], []
+    for micro in step_order(spec):
+        sums: dict[str, float] = {}
+        real = sq = positions = 0
+        for ids in micro:
+            rows = [pairs[i] for i in ids]
+            with autocast():
+                loss, metrics, (n_real, n_total) = task.loss(model, rows)
+            (loss / accumulation).backward()  # accelerate divides by the accumulation steps the same way
+            add_to_sums(sums, loss, metrics, len(ids))  # float() per micro-batch, as the trainer does
+            lens = seq_lengths(rows)
+            real, sq, positions = real + n_real, sq + sum(t * t for t in lens), positions + n_total
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(sums["loss"] / sums["_n"])
+        stats.append({"real": real, "sq": sq, "positions": positions})
+        step_ends.append(clock())
+    return {"t0": t0, "seconds_setup": t_loaded - t0, "seconds_ref": t_ref - t_loaded, "step_ends": step_ends,
+            "step_stats": stats, "first_loss": losses[0], "first_grad_norm": grad_norms[0]}
+
+
+def run_trl(spec: dict, pairs: list[dict], device, clock: Clock, precompute: bool) -> dict[str, Any]:
+    import dataclasses
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    records: list[tuple[int, Any, int]] = []  # (global step at the call, sequence lengths on device, positions)
+    ref_seconds = [0.0]
+
+    class IdsDPOTrainer(DPOTrainer):
+        """The data arrive as token ids (prompt_ids / chosen_ids / rejected_ids): skip tokenization."""
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            return dataset
+
+        def _precompute_ref_logps(self, dataset, name, batch_size):
+            t = clock()
+            out = super()._precompute_ref_logps(dataset, name, batch_size)
+            ref_seconds[0] += clock() - t
+            return out
+
+        def _get_train_sampler(self, *args, **kwargs):
+            if spec["trl_order"] != "ours":
+                return super()._get_train_sampler(*args, **kwargs)
+            from torch.utils.data import SequentialSampler
+
+            dataset = args[0] if args else kwargs.get("train_dataset")
+            return SequentialSampler(dataset if dataset is not None else self.train_dataset)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            # Lengths stay on the device (no sync); read after training.
+            records.append((self.state.global_step, inputs["attention_mask"].sum(1), inputs["input_ids"].numel()))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    step_ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append(clock())
+
+    if spec["trl_order"] == "ours":  # read sequentially (the sampler above): our micro-batches, in our order
+        order = [i for micro in step_order(spec) for ids in micro for i in ids]
+    else:
+        order = list(range(spec["num_pairs"]))
+    ds = Dataset.from_dict({
+        "prompt_ids": [pairs[i]["prompt_token_ids"] for i in order],
+        "chosen_ids": [pairs[i]["chosen_token_ids"] for i in order],
+        "rejected_ids": [pairs[i]["rejected_token_ids"] for i in order],
+    })
+    cpu = device.type == "cpu"
+    kwargs = dict(
+        output_dir=str(Path(spec["workdir"]) / f"trl_out_{'pre' if precompute else 'default'}"),
+        per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=spec["accumulation"],
+        max_steps=spec["total_steps"], num_train_epochs=1, learning_rate=LR, beta=BETA, lr_scheduler_type="cosine",
+        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch" if cpu else "adamw_torch_fused",
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=spec["seed"],
+        use_cpu=cpu, bf16=spec["precision"] == "amp", gradient_checkpointing=spec["gradient_checkpointing"],
+        precompute_ref_log_probs=precompute, precompute_ref_batch_size=spec["ref_batch_size"], max_length=None,
+        dataloader_num_workers=0, model_init_kwargs={"dtype": "float32", "attn_implementation": spec["attn"]},
+    )
+    fields = {f.name for f in dataclasses.fields(DPOConfig)}
+    # transformers 5 dropped warmup_ratio: a warmup_steps below 1 is the ratio
+    kwargs["warmup_ratio" if "warmup_ratio" in fields else "warmup_steps"] = 0.1
+    dropped = sorted(k for k in kwargs if k not in fields)
+    if dropped:  # another TRL / transformers version than the one this was written against (trl 1.16, transformers 5)
+        print(f"[bench_gpu] this DPOConfig has no {', '.join(dropped)}; left at its default", file=sys.stderr)
+    args = DPOConfig(**{k: v for k, v in kwargs.items() if k in fields})
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    t0 = clock()
+    trainer = IdsDPOTrainer(model=spec["model_dir"], args=args, train_dataset=ds, processing_class=tokenizer,
+                            callbacks=[StepClock()])
+    t_init = clock()
+    trainer.train()
+    if len(step_ends) != spec["total_steps"]:
+        raise RuntimeError(f"TRL ran {len(step_ends)} steps, expected {spec['total_steps']}")
+    model_device = next(trainer.model.parameters()).device
+    if model_device.type != device.type:
+        raise RuntimeError(f"TRL trained on {model_device}, expected {device}")
+
+    stats = [{"real": 0, "sq": 0, "positions": 0} for _ in range(spec["total_steps"])]
+    for step, lens, positions in records:
+        lens = lens.long().cpu()
+        s = stats[step]
+        s["real"] += int(lens.sum())
+        s["sq"] += int((lens * lens).sum())
+        s["positions"] += positions
+    logs = [r for r in trainer.state.log_history if "loss" in r]
+    return {"t0": t0, "seconds_setup": t_init - t0 - ref_seconds[0], "seconds_ref": ref_seconds[0],
+            "step_ends": step_ends, "step_stats": stats, "first_loss": logs[0]["loss"],
+            "first_grad_norm": logs[0].get("grad_norm")}
+
+
+def worker(side: str, spec_path: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401  (imports are not timed: the
+    # model classes are imported lazily, on first use, so import them here for both sides)
+
+    import rlhf_pipeline.stages.train  # noqa: F401
+
+    spec = json.loads(Path(spec_path).read_text())
+    pairs = json.loads(Path(spec["pairs_path"]).read_text())
+    if side != "ours":
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
+    device = torch.device(spec["device"])
+    if device.type == "cuda":  # the parent made exactly one GPU visible (TRL refuses several: nn.DataParallel)
+        torch.zeros(1, device=device)  # CUDA context outside the timing
+        torch.cuda.reset_peak_memory_stats(device)
+    clock = Clock(device)
+    if side == "ours":
+        out = run_ours(spec, pairs, device, clock)
+    else:
+        out = run_trl(spec, pairs, device, clock, precompute=side == "trl_precomputed")
+    out["side"] = side
+    if device.type == "cuda":
+        out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parent: spawn, compute FLOPs and MFU, report
+
+
+def spawn(side: str, spec_path: Path, timeout: float | None, visible_gpu: str | None,
+          cpu_threads: int | None) -> dict[str, Any]:
+    env = {**os.environ, "TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if visible_gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_gpu
+    if cpu_threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(cpu_threads)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--spec", str(spec_path)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout)[-4000:]
+        return {"error": f"exit {proc.returncode}", "stderr_tail": tail}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def flops(lengths_sum: int, sq_sum: int, n: int, layers: int, hidden: int, train: bool) -> float:
+    """PaLM model FLOPs of sequences with Σ T = lengths_sum and Σ T² = sq_sum (see the module docstring)."""
+    return (6 if train else 2) * n * lengths_sum + (12 if train else 4) * layers * hidden * sq_sum
+
+
+def summarise(raw: dict, spec: dict, peak_flops: float | None) -> dict[str, Any]:
+    n, layers, hidden = spec["flops_params"], spec["model"]["num_hidden_layers"], spec["model"]["hidden_size"]
+    warmup, stats, ends = spec["warmup"], raw["step_stats"], raw["step_ends"]
+    window = stats[warmup:]
+    w_real = sum(s["real"] for s in window)
+    w_sq = sum(s["sq"] for s in window)
+    w_seconds = ends[-1] - ends[warmup - 1]
+    w_train = flops(w_real, w_sq, n, layers, hidden, True)
+    w_ref = flops(w_real, w_sq, n, layers, hidden, False) if raw["side"] == "trl" else 0.0
+    run_seconds = ends[-1] - raw["t0"]
+    all_real = sum(s["real"] for s in stats)
+    all_sq = sum(s["sq"] for s in stats)
+    run_flops = flops(all_real, all_sq, n, layers, hidden, True) + flops(all_real, all_sq, n, layers, hidden, False)
+    step_seconds = [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])]
+
+    def mfu(f: float, s: float) -> float | None:
+        return f / s / peak_flops if peak_flops else None
+
+    out = {
+        "seconds_steps": w_seconds, "steps_timed": len(window), "median_step_seconds": statistics.median(step_seconds),
+        "real_tokens_steps": w_real, "tokens_per_s_steps": w_real / w_seconds,
+        "seconds_run": run_seconds, "seconds_setup": raw["seconds_setup"], "seconds_ref": raw["seconds_ref"],
+        "seconds_all_steps": ends[-1] - (raw["t0"] + raw["seconds_setup"] + raw["seconds_ref"]),
+        "real_tokens_run": all_real, "tokens_per_s_run": all_real / run_seconds,
+        "real_token_fraction": all_real / max(1, sum(s["positions"] for s in stats)),
+        "train_tflops_per_s_steps": w_train / w_seconds / 1e12,
+        "mfu_steps": mfu(w_train, w_seconds), "mfu_steps_with_ref": mfu(w_train + w_ref, w_seconds),
+        "mfu_run": mfu(run_flops, run_seconds),
+        "peak_memory_gib": raw["peak_memory_bytes"] / 2**30 if "peak_memory_bytes" in raw else None,
+        "peak_reserved_gib": raw["peak_reserved_bytes"] / 2**30 if "peak_reserved_bytes" in raw else None,
+        "peak_rss_gib": raw["peak_rss_bytes"] / 2**30,
+        "first_loss": raw["first_loss"], "first_grad_norm": raw["first_grad_norm"],
+        "step_seconds": [round(s, 4) for s in step_seconds],
+    }
+    return out
+
+
+def count(n: int) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def fmt(v, spec: str = ".2f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def table(sides: dict[str, dict], mem_key: str) -> str:
+    head = ("| side | steps s | tok/s (steps) | MFU steps | MFU steps+ref | run s (setup / ref) | tok/s (run) | "
+            "MFU run | real-token frac | peak mem GiB | step-1 loss | step-1 grad norm |")
+    columns = head.count("|") - 1
+    lines = [head, "|" + "---|" * columns]
+    for side, s in sides.items():
+        if "skipped" in s or "error" in s:
+            lines.append(f"| {side} | " + (f"skipped: {s['skipped']}" if "skipped" in s else f"FAILED: {s['error']}")
+                         + " |" + " |" * (columns - 2))
+            continue
+        pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+        lines.append(
+            f"| {side} | {s['seconds_steps']:.2f} | {s['tokens_per_s_steps']:,.0f} | {pct(s['mfu_steps'])} | "
+            f"{pct(s['mfu_steps_with_ref'])} | {s['seconds_run']:.2f} ({s['seconds_setup']:.2f} / "
+            f"{s['seconds_ref']:.2f}) | {s['tokens_per_s_run']:,.0f} | {pct(s['mfu_run'])} | "
+            f"{s['real_token_fraction']:.3f} | {fmt(s[mem_key], '.2f')} | {s['first_loss']:.6f} | "
+            f"{fmt(s['first_grad_norm'], '.5f')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available, else cpu)")
+    p.add_argument("--tiny", action="store_true",
+                   help="hidden 64, 2 layers, vocab 512, few short pairs, float32 (a smoke test)")
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
+    p.add_argument("--batch-size", type=int, default=None, help="pairs per micro-batch (default 4; tiny 2)")
+    p.add_argument("--accumulation", type=int, default=None, help="micro-batches per step (default 4; tiny 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps after the warmup (default 20; tiny 2)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the steps window (>= 1)")
+    p.add_argument("--ref-batch-size", type=int, default=8,
+                   help="pairs per reference forward (ours; TRL's precompute_ref_batch_size)")
+    p.add_argument("--pack-ratio", type=float, default=2.0, help="ours: pack ratio (0 = pad); with flash-attn try 8")
+    p.add_argument("--attn", default="sdpa", choices=("sdpa", "flash_attention_2", "eager"),
+                   help="attn_implementation for every model")
+    p.add_argument("--precision", choices=("amp", "fp32"), default=None,
+                   help="amp = float32 master weights + bf16 autocast (TRL's bf16=True; default on CUDA); "
+                        "fp32 = no autocast (default on CPU)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides (TRL's default is on)")
+    p.add_argument("--trl-order", choices=("ours", "random"), default="ours",
+                   help="ours: TRL reads the pairs in our micro-batch order (same pairs per micro-batch); "
+                        "random: TRL's default shuffled sampler")
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the device, TFLOP/s")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every side, alternating; the median run is kept")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="where the model and pairs go (default: a temporary directory)")
+    p.add_argument("--keep-workdir", action="store_true")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads per side on a CPU (default 1 with --device cpu --tiny: a tiny model gains "
+                        "nothing from more and timings on a shared machine are steadier; else torch's default)")
+    p.add_argument("--worker-timeout", type=float, default=None, help="seconds per side run")
+    p.add_argument("--output", default="gpu_bench.json")
+    p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(a.worker, a.spec)
+        return 0
+
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no GPU; pass --device cpu (with --tiny for a smoke test)")
+    on_cuda = device.startswith("cuda")
+    visible_gpu = None
+    if on_cuda:  # each worker sees exactly this GPU, as cuda:0
+        index = torch.device(device).index or 0
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        visible_gpu = visible[index] if visible else str(index)
+        # Asked in a child process, so this one never holds a CUDA context while the sides run.
+        device_name = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"], capture_output=True,
+            text=True, check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": visible_gpu},
+        ).stdout.strip()
+        device = "cuda:0"
+    else:
+        device_name = "cpu"
+    precision = a.precision or ("amp" if on_cuda else "fp32")
+    if precision == "amp" and not on_cuda:
+        print("[bench_gpu] note: bf16 autocast on a CPU is slow and not what TRL's use_cpu runs; using it anyway")
+    if a.attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise SystemExit("--attn flash_attention_2 needs the flash-attn package (pip install flash-attn)")
+    if a.warmup < 1:
+        raise SystemExit("--warmup must be at least 1 (the steps window starts at the end of a step)")
+    batch_size = a.batch_size or (2 if a.tiny else 4)
+    accumulation = a.accumulation or (2 if a.tiny else 4)
+    steps = a.steps or (2 if a.tiny else 20)
+    total_steps = a.warmup + steps
+    num_pairs = batch_size * accumulation * total_steps
+    dims = TINY_MODEL if a.tiny else FULL_MODEL
+    cpu_threads = a.cpu_threads or (1 if a.tiny and not on_cuda else None)
+
+    sides = [s.strip() for s in a.sides.split(",") if s.strip()]
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown:
+        raise SystemExit(f"unknown side(s) {unknown}; choose from {SIDES}")
+    trl_missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    skipped: dict[str, str] = {}
+    if trl_missing:
+        reason = (f"{' and '.join(trl_missing)} not installed (TRL's DPOTrainer imports datasets); "
+                  "pip install trl datasets to compare")
+        for s in sides:
+            if s != "ours":
+                skipped[s] = reason
+        print(f"[bench_gpu] TRL sides skipped: {reason}")
+
+    peak_tflops, peak_source = a.peak_tflops, "--peak-tflops"
+    if peak_tflops is None and on_cuda:
+        for key, value in PEAK_TFLOPS:
+            if key.lower() in device_name.lower():
+                peak_tflops, peak_source = value, f"default for '{key}' in the device name"
+                break
+    if peak_tflops is None:
+        peak_source = "none (pass --peak-tflops for MFU)"
+    print(f"[bench_gpu] device {device_name}; peak {fmt(peak_tflops, 'g')} TFLOP/s bf16 ({peak_source})")
+
+    workdir = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="bench_gpu_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = workdir / "model"
+    t = time.perf_counter()
+    build_model(model_dir, dims, a.seed)
+    lengths = ((8, 64), (8, 128)) if a.tiny else ((16, 256), (16, 512))
+    pairs = make_pairs(num_pairs, dims["vocab_size"], a.seed, *lengths)
+    (workdir / "pairs.json").write_text(json.dumps(pairs))
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    total_params = sum(x.numel() for x in meta.parameters())
+    tied = meta.get_output_embeddings().weight is meta.get_input_embeddings().weight
+    flops_params = total_params - (0 if tied else meta.get_input_embeddings().weight.numel())  # the LM head stays
+    del meta
+    real_tokens = sum(pair_lengths(pairs))
+    print(f"[bench_gpu] Llama {dims['num_hidden_layers']} layers x {dims['hidden_size']}, vocab {dims['vocab_size']}: "
+          f"{count(total_params)} params ({count(flops_params)} in matmuls); {num_pairs} pairs, "
+          f"{real_tokens:,} real tokens; global batch {batch_size} x {accumulation}, {a.warmup} warmup + {steps} "
+          f"timed steps; {precision}, attn {a.attn}; setup {time.perf_counter() - t:.1f} s")
+
+    spec = {
+        "device": device, "model_dir": str(model_dir), "pairs_path": str(workdir / "pairs.json"),
+        "workdir": str(workdir), "model": dims, "num_pairs": num_pairs, "pair_lengths": pair_lengths(pairs),
+        "batch_size": batch_size, "accumulation": accumulation, "warmup": a.warmup, "steps": steps,
+        "total_steps": total_steps, "ref_batch_size": a.ref_batch_size, "pack_ratio": a.pack_ratio,
+        "attn": a.attn, "precision": precision, "gradient_checkpointing": a.gradient_checkpointing,
+        "trl_order": a.trl_order, "seed": a.seed, "flops_params": flops_params, "cpu_threads": cpu_threads,
+    }
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+
+    runnable = [s for s in sides if s not in skipped]
+    runs: dict[str, list[dict]] = {s: [] for s in runnable}
+    for r in range(a.rounds):
+        order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
+        for side in order:
+            t = time.perf_counter()
+            raw = spawn(side, spec_path, a.worker_timeout, visible_gpu, cpu_threads)
+            if "error" in raw:
+                print(f"[bench_gpu] {side} FAILED ({raw['error']}):\n{raw.get('stderr_tail', '')}")
+            else:
+                s = summarise(raw, spec, peak_tflops * 1e12 if peak_tflops else None)
+                raw["summary"] = s
+                print(f"[bench_gpu] round {r + 1} {side}: {s['tokens_per_s_steps']:,.0f} tok/s over the steps, "
+                      f"run {s['seconds_run']:.1f} s (process {time.perf_counter() - t:.1f} s)")
+            runs[side].append(raw)
+
+    results: dict[str, dict] = {}
+    for side in sides:
+        if side in skipped:
+            results[side] = {"skipped": skipped[side]}
+            continue
+        ok = [x for x in runs[side] if "error" not in x]
+        if not ok:
+            results[side] = {"error": runs[side][-1]["error"], "stderr_tail": runs[side][-1].get("stderr_tail")}
+            continue
+        ok.sort(key=lambda x: x["summary"]["tokens_per_s_steps"])
+        results[side] = dict(ok[len(ok) // 2]["summary"])
+        if len(ok) > 1:
+            results[side]["tokens_per_s_steps_all_rounds"] = [x["summary"]["tokens_per_s_steps"] for x in ok]
+
+    mem_key = "peak_memory_gib" if on_cuda else "peak_rss_gib"
+    ratios = {}
+    ours = results.get("ours", {})
+    for other in ("trl", "trl_precomputed"):
+        theirs = results.get(other, {})
+        if "tokens_per_s_steps" in ours and "tokens_per_s_steps" in theirs:
+            ratios[f"ours_vs_{other}"] = {
+                "tokens_per_s_steps": ours["tokens_per_s_steps"] / theirs["tokens_per_s_steps"],
+                "tokens_per_s_run": ours["tokens_per_s_run"] / theirs["tokens_per_s_run"],
+                "peak_memory": ours[mem_key] / theirs[mem_key],
+                "memory_measure": "torch.cuda.max_memory_allocated" if on_cuda else "peak RSS (CPU)",
+                "step1_loss_abs_diff": abs(ours["first_loss"] - theirs["first_loss"]),
+                "step1_grad_norm_rel_diff": (abs(ours["first_grad_norm"] - theirs["first_grad_norm"])
+                                             / max(abs(theirs["first_grad_norm"]), 1e-12)
+                                             if theirs.get("first_grad_norm") is not None else None),
+            }
+
+    def version(name: str) -> str | None:
+        try:
+            return __import__(name).__version__
+        except ImportError:
+            return None
+
+    report = {
+        "config": {
+            **{k: v for k, v in spec.items() if k not in ("pair_lengths", "model_dir", "pairs_path", "workdir")},
+            "device_name": device_name, "peak_tflops_bf16": peak_tflops, "peak_tflops_source": peak_source,
+            "total_params": total_params, "real_tokens_all_pairs": real_tokens, "tiny": a.tiny,
+            "weights": "float32 master weights" + (" + bf16 autocast" if precision == "amp" else ", no autocast"),
+            "versions": {m: version(m) for m in ("torch", "transformers", "trl", "datasets", "flash_attn")},
+            "flops_formula": ("PaLM: training 6*N*T + 12*L*hidden*T^2 per sequence, reference forward 2*N*T + "
+                              "4*L*hidden*T^2; T = the sequence's real length (prompt + response), summed over "
+                              "chosen and rejected of every pair; N = parameters minus the input embedding"),
+            "mfu_definitions": {
+                "mfu_steps": "training FLOPs of the timed steps / their seconds / peak (reference FLOPs excluded)",
+                "mfu_steps_with_ref": "plus the reference forward FLOPs run inside those steps (TRL default only)",
+                "mfu_run": "(training FLOPs of all steps + reference forward FLOPs of all pairs) / whole-run "
+                           "seconds (setup + reference pass + all steps) / peak",
+            },
+        },
+        "sides": results,
+        "ratios": ratios,
+    }
+    Path(a.output).write_text(json.dumps(report, indent=2) + "\n")
+
+    print()
+    print(f"DPO, Llama {dims['num_hidden_layers']}x{dims['hidden_size']} ({count(total_params)} params), "
+          f"{report['config']['weights']}, attn {a.attn}, on {device_name}; {num_pairs} pairs, global batch "
+          f"{batch_size} x {accumulation}, {steps} timed steps after {a.warmup} warmup; peak "
+          f"{fmt(peak_tflops, 'g')} TFLOP/s ({peak_source})")
+    print()
+    print(table(results, mem_key))
+    print()
+    for name, r in ratios.items():
+        print(f"- {name}: tokens/s {r['tokens_per_s_steps']:.2f}x over the steps, {r['tokens_per_s_run']:.2f}x "
+              f"over the whole run; peak memory {r['peak_memory']:.2f}x ({r['memory_measure']}); step-1 loss "
+              f"|diff| {r['step1_loss_abs_diff']:.2e}, grad norm rel. diff {fmt(r['step1_grad_norm_rel_diff'], '.2e')}")
+    print(f"\nwritten {a.output}")
+    if not a.keep_workdir and not a.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""What every benchmark shares: the result record, side-by-side alternating timing, and the writers.
+
+Machines here are noisy, so a comparison never times one side and then the other: the two sides alternate round by
+round in the same process run (ours, peer, ours, peer, ...), and the result is the ratio of their medians. Absolute
+times are context only.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+@dataclass
+class Entry:
+    """One line of benchmarks.json. ``ratio > 1`` means we are better; ``target`` is the ratio we promise."""
+
+    name: str
+    ours: float
+    peer: float
+    unit: str
+    ratio: float
+    target: Optional[float]
+    notes: str
+    details: dict[str, Any] = field(default_factory=dict)  # per-round figures, sizes, anything worth keeping
+
+    @property
+    def met(self) -> Optional[bool]:
+        return None if self.target is None else self.ratio >= self.target
+
+
+def alternate(ours: Callable[[], Any], peer: Callable[[], Any], rounds: int, warmup: bool = True) -> dict[str, Any]:
+    """Time ``ours()`` and ``peer()`` alternately for ``rounds`` rounds (after one untimed warm-up call of each).
+
+    Returns the per-round seconds of both sides, their medians and ``ratio = median(peer) / median(ours)`` (> 1:
+    ours is faster), plus the last value each side returned.
+    """
+    results: dict[str, Any] = {}
+    if warmup:
+        results["ours_value"], results["peer_value"] = ours(), peer()
+    times: dict[str, list[float]] = {"ours": [], "peer": []}
+    for r in range(rounds):
+        # Swap the order every round, so neither side always runs on a machine the other just warmed or heated.
+        order = (("ours", ours), ("peer", peer)) if r % 2 == 0 else (("peer", peer), ("ours", ours))
+        for side, fn in order:
+            gc.collect()
+            t0 = time.perf_counter()
+            results[f"{side}_value"] = fn()
+            times[side].append(time.perf_counter() - t0)
+    ours_s, peer_s = statistics.median(times["ours"]), statistics.median(times["peer"])
+    return {
+        "ours_seconds": times["ours"],
+        "peer_seconds": times["peer"],
+        "ours_median": ours_s,
+        "peer_median": peer_s,
+        "ratio": peer_s / ours_s,
+        "ours_value": results.get("ours_value"),
+        "peer_value": results.get("peer_value"),
+    }
+
+
+def growth_exponent(sizes: list[float], seconds: list[float]) -> float:
+    """The slope of log(seconds) against log(size), least squares: ~1 means time grows linearly with size."""
+    xs, ys = [math.log(s) for s in sizes], [math.log(t) for t in seconds]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def _fmt(value: float) -> str:
+    if value == 0 or 0.01 <= abs(value) < 100_000:
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+def write_results(output: Path, entries: list[Entry], context: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """``benchmarks.json`` (the entries) and ``BENCHMARKS.md`` (a table of them, the notes, and ``records``: figures
+    kept without a target, such as stage time against data size)."""
+    from rlhf_pipeline.datasets_io import write_text_atomic
+
+    output.mkdir(parents=True, exist_ok=True)
+    payload = [{k: v for k, v in asdict(e).items()} for e in entries]
+    write_text_atomic(output / "benchmarks.json", json.dumps(payload, indent=2) + "\n")
+
+    lines = ["# Benchmarks", ""]
+    lines += [f"- {k}: {v}" for k, v in context.items()]
+    lines += ["", "Ratio > 1 means rlhf-pipeline is better. Each comparison alternates both sides in one run; the ratio "
+              "is of medians over the rounds.", "",
+              "| benchmark | ours | peer | unit | ratio | target | met |", "|---|---|---|---|---|---|---|"]
+    for e in entries:
+        met = "—" if e.met is None else ("yes" if e.met else "**no**")
+        target = "—" if e.target is None else f"≥ {e.target:g}"
+        lines.append(f"| `{e.name}` | {_fmt(e.ours)} | {_fmt(e.peer)} | {e.unit} | {e.ratio:.2f} | {target} | {met} |")
+    lines += ["", "## Notes", ""]
+    for e in entries:
+        lines += [f"**`{e.name}`**: {e.notes}", ""]
+    for record in records:
+        lines += [f"## {record['title']}", "", record["markdown"], ""]
+    write_text_atomic(output / "BENCHMARKS.md", "\n".join(lines).rstrip() + "\n")
