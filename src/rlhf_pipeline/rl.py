@@ -7,17 +7,18 @@ computes, for every sample and every response token:
 
 - ``old_logps``: the sampling policy's log-probs (the model as loaded, at the sampling temperature): ρ's denominator;
 - ``ref_logps``: the reference model's log-probs, for the KL control (``--ref-model``; by default the starting
-  policy itself, whose log-probs are ``old_logps``);
+  policy itself, whose log-probs are ``old_logps``: then a KL penalty in the reward is zero and only
+  ``--kl-mode loss`` keeps the policy near where it started; ``rlhf iterate`` passes the iteration-0 model);
 - ``old_values`` (PPO): the critic's values, the critic being initialised from a reward model;
 
 then the advantages, per algorithm (``r`` is the sequence reward from ``rlhf score``, optionally standardised over
 the batch with ``--normalize-rewards``):
 
 =============  ==========================================================================================
-ppo            token rewards = r on the last token − β·KL_t on every token; GAE(γ, λ) with the critic's
+ppo            token rewards = r on the last token − β·KL_t on every token; GAE(γ = --discount, λ) with the critic's
                values; advantages whitened over the batch; the critic regresses on the returns.
-grpo           (r − group mean) / group std, the same on every token of the sample.
-rloo           r − mean of the other samples of its group, on every token.
+grpo           (r − group mean) / group std on every token (minus the KL returns-to-go with --kl-mode reward).
+rloo           r − mean of the other samples of its group on every token (likewise).
 reinforce_pp   token rewards = r on the last token − β·KL_t; returns-to-go (γ); whitened over the batch.
 =============  ==========================================================================================
 
@@ -228,7 +229,7 @@ def compute_advantages(samples: dict[str, list], params: RLParams) -> dict[str, 
     elif params.algo == "reinforce_pp":
         advantages = reinforce_pp(token_rewards, mask, gamma=params.gamma)
     else:
-        advantages = reinforce_pp_returns(token_rewards, gamma=params.gamma, mask=mask)
+        advantages = reinforce_pp_returns(token_rewards, gamma=1.0, mask=mask)  # GRPO/RLOO: undiscounted
     out["advantages"] = unpadded(advantages, mask)
     out["score"] = scores.tolist()
     return out
@@ -352,7 +353,7 @@ def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, out
         return load_from_disk(str(cache))
     samples = {split: flatten_groups(ds, f"{config.data}:{split}") for split, ds in dd.items()}
     reference = None
-    if config.ref_model and params.kl_coef:
+    if config.ref_model and params.kl_coef and config.ref_model != config.model:  # else: the rollout's own
         reference = load_causal_lm(config.ref_model, dtype="float32" if not config.bf16 else "bfloat16",
                                    trust_remote_code=config.trust_remote_code, device=accelerator.device)
     for split, s in samples.items():
@@ -414,7 +415,7 @@ def train_groups(config, ref, accelerator, out):
 
     model = load_trainable(config, loader)
     num_train = sum(len(r) for r in dd["train"]["rewards"])
-    critic_lr = config.critic_learning_rate or config.learning_rate
+    critic_lr = config.learning_rate if config.critic_learning_rate is None else config.critic_learning_rate
     setup = prepare(config, accelerator, model, num_train,
                     learning_rate=lambda name: critic_lr if name.startswith("critic.") else config.learning_rate)
     data = _rollout(config, params, accelerator, setup.model, dd, temperature, pad, out.path)

@@ -637,7 +637,7 @@ def training_summary(result: TrainResult) -> dict[str, Any]:
 
 
 def push_model_to_hub(output: Path, repo_id: str) -> None:
-    """Upload the final model (not the checkpoints, logs or cached reference log-probs). The token comes from the
+    """Upload the final model (not the checkpoints, logs, cached reference log-probs or PPO rollout). The token comes from the
     environment (HF_TOKEN), read by huggingface_hub."""
     from huggingface_hub import HfApi
 
@@ -647,7 +647,7 @@ def push_model_to_hub(output: Path, repo_id: str) -> None:
         folder_path=str(output),
         repo_id=repo_id,
         repo_type="model",
-        ignore_patterns=[f"{CHECKPOINTS}/*", "runs/*", "ref_logps/*"],
+        ignore_patterns=[f"{CHECKPOINTS}/*", "runs/*", "ref_logps/*", "rollout/*"],
     )
     print(f"pushed to https://huggingface.co/{repo_id}")
 

@@ -65,7 +65,8 @@ class TrainConfig(TrainOptions):
         None, help="PPO family: the KL reference (e.g. the SFT model); default: the starting policy (--model)."
     )
     normalize_rewards: bool = option(False, help="PPO family: standardise the rewards over the dataset first.")
-    gamma: float = option(1.0, help="PPO / REINFORCE++: discount of the token rewards.")
+    discount: float = option(1.0, help="PPO / REINFORCE++: discount gamma of the token rewards (GRPO and RLOO "
+                             "give every token the group-relative score undiscounted).")
     lam: float = option(0.95, help="PPO: GAE lambda.")
     critic_model: Optional[str] = option(
         None, help="PPO: the critic's starting point, a reward model (default: the reward model of rlhf score)."
@@ -81,12 +82,17 @@ class TrainConfig(TrainOptions):
 
         return self.algo in PPO_ALGOS
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.discount <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise ValueError("--discount and --lam must be in [0, 1]")
+
     def rl_params(self):
         from rlhf_pipeline.rl import RLParams
 
         estimator = self.kl_estimator or ("k1" if self.kl_mode == "reward" else "k3")
         return RLParams(algo=self.algo, clip=self.clip, kl_coef=self.kl_coef, kl_mode=self.kl_mode,
-                        kl_estimator=estimator, gamma=self.gamma, lam=self.lam, vf_coef=self.vf_coef,
+                        kl_estimator=estimator, gamma=self.discount, lam=self.lam, vf_coef=self.vf_coef,
                         value_clip=self.value_clip, normalize_rewards=self.normalize_rewards)
 
     def loss_params(self):

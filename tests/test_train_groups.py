@@ -1,0 +1,612 @@
+"""The PPO family (``rlhf train --algo ppo|grpo|rloo|reinforce_pp``) on groups the tiny kit's stages made.
+
+Oracles: advantages against numbers worked by hand (arithmetic in the comments); the training loss against a naive
+per-sample reference (one plain full-logits forward per sample, float64, the clipped surrogate written out here);
+runs against what a user checks (exit codes, finite losses, every parameter moved, loadable outputs, manifest);
+resume and a 2-process ZeRO-3 run against an uninterrupted 1-process run.
+"""
+
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import load_from_disk
+from safetensors.torch import load_file
+
+from rlhf_pipeline import rl, trainer
+from rlhf_pipeline.cli import main as rlhf
+
+REPO = Path(__file__).resolve().parents[1]
+
+LENGTH_REWARD = '''
+def reward(prompts, responses, **columns):
+    # Longer answers and answers that stopped are better: differences of several units between responses.
+    return [len(r) / 20 + (2.0 if f == "stop" else 0.0) for r, f in zip(responses, columns["finish_reasons"])]
+'''
+
+GROUP_ALGOS = ("grpo", "rloo", "reinforce_pp", "ppo")
+
+
+def run(*args) -> int:
+    return rlhf([str(a) for a in args])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models on a shared CPU: torch's intra-op threads only wait on each other (a 32-step run measured ~10x
+    slower with 2 threads than with 1 on a busy 2-core machine). Results do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each in-process run builds its own Accelerator; accelerate keeps singletons between them."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tiny_policy, bundled_prompts) -> Path:
+    """generate (n=4) -> score (reward fn) -> filter --mode groups (and --mode pairs, for the error test)."""
+    d = tmp_path_factory.mktemp("groups_data")
+    (d / "reward.py").write_text(LENGTH_REWARD)
+    assert run("generate", "--model", tiny_policy, "--prompts", bundled_prompts, "--output", d / "gen", "--n", 4,
+               "--max-new-tokens", 16, "--limit", 40) == 0
+    assert run("score", "--input", d / "gen", "--output", d / "scored", "--reward-fn", f"{d}/reward.py:reward") == 0
+    assert run("filter", "--input", d / "scored", "--output", d / "groups", "--tokenizer", tiny_policy,
+               "--mode", "groups", "--test-size", 8) == 0
+    assert run("filter", "--input", d / "scored", "--output", d / "pairs", "--tokenizer", tiny_policy,
+               "--test-size", 8) == 0
+    return d
+
+
+def train_args(data: Path, policy: str, out: Path, algo: str, *extra, critic: str | None = None,
+               split: str = "groups") -> list:
+    args = ["train", "--algo", algo, "--model", policy, "--data", data / split, "--output", out, "--report-to", "none"]
+    if critic is not None:
+        args += ["--critic-model", critic]
+    return [*args, *extra]
+
+
+def metric(path: Path, key: str = "loss/train") -> list[float]:
+    return [r[key] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines()) if key in r]
+
+
+def max_weight_diff(a: Path, b: Path) -> float:
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+
+
+def unchanged_parameters(before: Path, after: Path) -> list[str]:
+    wa, wb = load_file(before / "model.safetensors"), load_file(after / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    return [k for k in wa if torch.equal(wa[k], wb[k])]
+
+
+# ---------------------------------------------------------------------------------------------------- naive oracles
+
+
+def naive_logps(policy, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) of each response token, from one plain full-logits forward of prompt + response."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    logits = policy(input_ids=ids).logits[0]
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    start = len(prompt) - 1  # position t predicts token t + 1
+    return logp[torch.arange(start, start + len(response)), torch.tensor(list(response), dtype=torch.long)]
+
+
+def naive_values(critic, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """The critic's value at every position that predicts a response token: backbone + score head, plain forward."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    values = critic.score(critic.model(input_ids=ids).last_hidden_state[0]).squeeze(-1)
+    # the reward model's own forward reads its score at the last token: the same head on the same hidden states
+    assert values[-1].item() == pytest.approx(critic(input_ids=ids).logits[0, 0].item(), abs=1e-6)
+    start = len(prompt) - 1
+    return values[start : start + len(response)]
+
+
+def flat_samples(ds, groups: range) -> list[dict]:
+    """One dict per response of the given group rows (the flattening written out here, not rl.flatten_groups)."""
+    out = []
+    for g in groups:
+        row = ds[g]
+        for response, reward in zip(row["response_token_ids"], row["rewards"]):
+            out.append({"group": g, "prompt_token_ids": list(row["prompt_token_ids"]),
+                        "response_token_ids": list(response), "reward": float(reward)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- advantages
+
+# Two groups: group 0 has 3 samples, group 1 has 2. Response lengths 2, 1, 3, 2, 1 (9 tokens).
+#   old − ref per token (the k1 KL):  s0 [0.5, −1.0]   s1 [0.0]   s2 [1.0, 0.0, −0.5]   s3 [0.0, 1.0]   s4 [−1.0]
+HAND = {
+    "group": [0, 0, 0, 1, 1],
+    "reward": [1.0, 2.0, 6.0, 0.0, 4.0],
+    "old_logps": [[-1.0, -2.0], [-0.5], [-1.0, -1.0, -1.0], [-2.0, -1.0], [-3.0]],
+    "ref_logps": [[-1.5, -1.0], [-0.5], [-2.0, -1.0, -0.5], [-2.0, -2.0], [-2.0]],
+    "old_values": [[0.5, 1.0], [1.0], [2.0, 3.0, 4.0], [0.0, -1.0], [2.0]],
+}
+
+
+def advantages_of(params: "rl.RLParams", **override) -> dict:
+    samples = {k: [list(v) if isinstance(v, list) else v for v in vs] for k, vs in {**HAND, **override}.items()}
+    return rl.compute_advantages(samples, params)
+
+
+def assert_rows(actual: list[list[float]], expected: list[list[float]], tol: float = 1e-9):
+    assert [len(r) for r in actual] == [len(r) for r in expected]
+    for a, e in zip(actual, expected):
+        assert a == pytest.approx(e, abs=tol), (actual, expected)
+
+
+def whiten(values: list[float]) -> list[float]:
+    """(x − mean)/sqrt(population variance + 1e-8) over all tokens: the global whitening, written out."""
+    mu, var = statistics.fmean(values), statistics.pvariance(values)
+    return [(x - mu) / math.sqrt(var + 1e-8) for x in values]
+
+
+def test_grpo_advantages_are_the_group_normalised_reward_on_every_token():
+    # kl_mode loss: the KL goes into the loss, never into the rewards, so only the group statistics count.
+    # Group 0, rewards [1, 2, 6]: mean 3, deviations [−2, −1, 3], unbiased variance (4 + 1 + 9)/2 = 7, std √7.
+    # Group 1, rewards [0, 4]: mean 2, deviations [−2, 2], unbiased variance (4 + 4)/1 = 8, std √8.
+    # A = deviation / (std + 1e-4) (TRL's eps), the same on every token of the sample.
+    params = rl.RLParams(algo="grpo", kl_coef=0.1, kl_mode="loss", kl_estimator="k3")
+    out = advantages_of(params)
+    s7, s8 = math.sqrt(7) + 1e-4, math.sqrt(8) + 1e-4
+    scores = [-2 / s7, -1 / s7, 3 / s7, -2 / s8, 2 / s8]
+    assert out["score"] == pytest.approx(scores, abs=1e-12)
+    assert out["score"] == pytest.approx([-0.755900, -0.377950, 1.133850, -0.707082, 0.707082], abs=1e-6)
+    assert_rows(out["advantages"], [[scores[0]] * 2, [scores[1]], [scores[2]] * 3, [scores[3]] * 2, [scores[4]]])
+    assert "returns" not in out
+
+
+def test_rloo_advantages_with_a_k1_kl_reward_penalty():
+    # Leave-one-out baselines on the sequence rewards: group 0 [1, 2, 6] (sum 9): baselines (9 − r)/2 = [4, 3.5, 1.5]
+    # → [−3, −1.5, 4.5]; group 1 [0, 4]: baselines [4, 0] → [−4, 4].
+    # kl_mode reward, β = 0.1, k1 = old − ref: token rewards −0.1·k1 on every token, + the RLOO score on the last;
+    # with γ = 1 each token's advantage is the sum of the token rewards from it to the end:
+    #   s0: rewards [−0.05, +0.1 − 3]         → [−2.95, −2.9]
+    #   s1: rewards [0 − 1.5]                 → [−1.5]
+    #   s2: rewards [−0.1, 0, +0.05 + 4.5]    → [4.45, 4.55, 4.55]
+    #   s3: rewards [0, −0.1 − 4]             → [−4.1, −4.1]
+    #   s4: rewards [+0.1 + 4]                → [4.1]
+    params = rl.RLParams(algo="rloo", kl_coef=0.1, kl_mode="reward", kl_estimator="k1")
+    out = advantages_of(params)
+    assert out["score"] == pytest.approx([-3, -1.5, 4.5, -4, 4], abs=1e-12)
+    assert_rows(out["advantages"], [[-2.95, -2.9], [-1.5], [4.45, 4.55, 4.55], [-4.1, -4.1], [4.1]])
+
+
+def test_reinforce_pp_advantages_are_whitened_returns_to_go_with_the_kl_penalty():
+    # Raw rewards (no group baseline), β = 0.1 k1 penalty per token, γ = 1, returns-to-go:
+    #   s0: [−0.05, 0.1 + 1]       → [1.05, 1.1]
+    #   s1: [0 + 2]                → [2.0]
+    #   s2: [−0.1, 0, 0.05 + 6]    → [5.95, 6.05, 6.05]
+    #   s3: [0, −0.1 + 0]          → [−0.1, −0.1]
+    #   s4: [0.1 + 4]              → [4.1]
+    # Over all 9 tokens: sum 26.1, mean 2.9; deviations [−1.85, −1.8, −0.9, 3.05, 3.15, 3.15, −3, −3, 1.2];
+    # squares sum to 56.06, population variance 56.06/9 = 6.228889, std 2.495774; A = deviation / std.
+    params = rl.RLParams(algo="reinforce_pp", kl_coef=0.1, kl_mode="reward", kl_estimator="k1", gamma=1.0)
+    out = advantages_of(params)
+    std = math.sqrt(56.06 / 9 + 1e-8)
+    dev = [[-1.85, -1.8], [-0.9], [3.05, 3.15, 3.15], [-3.0, -3.0], [1.2]]
+    assert_rows(out["advantages"], [[d / std for d in row] for row in dev])
+    assert out["advantages"][2][0] == pytest.approx(3.05 / 2.495774, abs=1e-6)
+    assert out["score"] == pytest.approx(HAND["reward"])
+
+
+def test_ppo_advantages_are_whitened_gae_and_returns_are_unwhitened_gae_plus_values():
+    # Token rewards as for REINFORCE++ above (raw reward on the last token, −0.1·k1 on each), critic values given.
+    # GAE with γ = 1, λ = 0.5: δ_t = r_t + V_{t+1} − V_t (V = 0 past the end), A_t = δ_t + 0.5·A_{t+1}:
+    #   s0: r [−0.05, 1.1], V [0.5, 1]:     δ1 = 1.1 − 1 = 0.1, A1 = 0.1; δ0 = −0.05 + 1 − 0.5 = 0.45, A0 = 0.5
+    #   s1: r [2], V [1]:                   A = 1.0
+    #   s2: r [−0.1, 0, 6.05], V [2, 3, 4]: δ2 = 2.05, A2 = 2.05; δ1 = 0 + 4 − 3 = 1, A1 = 1 + 1.025 = 2.025;
+    #                                       δ0 = −0.1 + 3 − 2 = 0.9, A0 = 0.9 + 1.0125 = 1.9125
+    #   s3: r [0, −0.1], V [0, −1]:         δ1 = −0.1 + 1 = 0.9, A1 = 0.9; δ0 = −1 − 0 = −1, A0 = −1 + 0.45 = −0.55
+    #   s4: r [4.1], V [2]:                 A = 2.1
+    # returns = A + V (before whitening): s0 [1.0, 1.1], s1 [2.0], s2 [3.9125, 5.025, 6.05], s3 [−0.55, −0.1], s4 [4.1]
+    # advantages: the 9 raw A whitened together (population variance).
+    params = rl.RLParams(algo="ppo", kl_coef=0.1, kl_mode="reward", kl_estimator="k1", gamma=1.0, lam=0.5)
+    out = advantages_of(params)
+    assert_rows(out["returns"], [[1.0, 1.1], [2.0], [3.9125, 5.025, 6.05], [-0.55, -0.1], [4.1]])
+    raw = [0.5, 0.1, 1.0, 1.9125, 2.025, 2.05, -0.55, 0.9, 2.1]
+    w = whiten(raw)
+    assert_rows(out["advantages"], [w[0:2], w[2:3], w[3:6], w[6:8], w[8:9]])
+
+
+def test_group_baselines_on_uneven_groups_and_normalized_rewards():
+    # Group 0 has two samples [1, 3], group 1 a lone sample [5]: the lone one has no baseline and gets 0.
+    uneven = dict(group=[0, 0, 1], reward=[1.0, 3.0, 5.0], old_logps=[[-1.0, -1.0], [-1.0], [-2.0]],
+                  ref_logps=[[-1.0, -1.0], [-1.0], [-2.0]], old_values=[[0.0, 0.0], [0.0], [0.0]])
+    # grpo: deviations ±1, unbiased std √2 → ∓1/(√2 + 1e-4) = ∓0.707057; rloo: 1 − 3 = −2 and 3 − 1 = 2.
+    a = 1 / (math.sqrt(2) + 1e-4)
+    grpo = rl.compute_advantages({k: list(v) for k, v in uneven.items()}, rl.RLParams(algo="grpo", kl_coef=0.0))
+    assert_rows(grpo["advantages"], [[-a, -a], [a], [0.0]])
+    rloo = rl.compute_advantages({k: list(v) for k, v in uneven.items()}, rl.RLParams(algo="rloo", kl_coef=0.0))
+    assert_rows(rloo["advantages"], [[-2.0, -2.0], [2.0], [0.0]])
+
+    # normalize_rewards standardises the 5 rewards [1, 2, 6, 0, 4] first: mean 2.6, deviations
+    # [−1.6, −0.6, 3.4, −2.6, 1.4], squares sum 23.2, unbiased variance 5.8. RLOO is linear and the mean cancels in
+    # r_i − mean of the others, so the scores are the raw RLOO scores [−3, −1.5, 4.5, −4, 4] divided by √5.8.
+    params = rl.RLParams(algo="rloo", kl_coef=0.0, normalize_rewards=True)
+    out = advantages_of(params)
+    s = math.sqrt(5.8) + 1e-8
+    assert out["score"] == pytest.approx([-3 / s, -1.5 / s, 4.5 / s, -4 / s, 4 / s], abs=1e-9)
+    assert_rows(out["advantages"], [[-3 / s] * 2, [-1.5 / s], [4.5 / s] * 3, [-4 / s] * 2, [4 / s]])
+    # reinforce_pp without KL: returns = the standardised reward on every token; the whitening of those
+    # [z0, z0, z1, z2, z2, z2, z3, z3, z4] is the same as of the raw rewards (whitening ignores shift and scale).
+    rpp = advantages_of(rl.RLParams(algo="reinforce_pp", kl_coef=0.0, normalize_rewards=True))
+    w = whiten([1.0, 1.0, 2.0, 6.0, 6.0, 6.0, 0.0, 0.0, 4.0])
+    assert_rows(rpp["advantages"], [w[0:2], w[2:3], w[3:6], w[6:8], w[8:9]], tol=1e-7)
+
+
+def test_gamma_does_not_discount_grpo_advantages():
+    params = rl.RLParams(algo="grpo", kl_coef=0.1, kl_mode="loss", kl_estimator="k3", gamma=0.5)
+    out = advantages_of(params)
+    for score, row in zip(out["score"], out["advantages"]):
+        assert row == pytest.approx([score] * len(row), abs=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------- the loss
+
+
+def _reference_loss(policy, critic, rows, params, temperature):
+    """Per sample: the clipped surrogate (and KL, value terms) by hand, mean over tokens, then over samples."""
+    policy_terms, kl_terms, value_terms, clipped = [], [], [], 0
+    for r in rows:
+        lp = naive_logps(policy, r["prompt_token_ids"], r["response_token_ids"], temperature)
+        old, adv = torch.tensor(r["old_logps"], dtype=lp.dtype), torch.tensor(r["advantages"], dtype=lp.dtype)
+        ratio = torch.exp(lp - old)
+        kept = ratio.clamp(1 - params.clip, 1 + params.clip)
+        clipped += int(((-adv * kept) > (-adv * ratio)).sum())
+        policy_terms.append(torch.maximum(-adv * ratio, -adv * kept).mean())
+        if params.kl_mode == "loss":
+            d = torch.tensor(r["ref_logps"], dtype=lp.dtype) - lp  # log(ref/π)
+            kl = {"k1": -d, "k2": d**2 / 2, "k3": torch.exp(d) - 1 - d}[params.kl_estimator]
+            kl_terms.append(kl.mean())
+        if critic is not None:
+            v = naive_values(critic, r["prompt_token_ids"], r["response_token_ids"])
+            v_old, ret = torch.tensor(r["old_values"], dtype=v.dtype), torch.tensor(r["returns"], dtype=v.dtype)
+            v_clip = v_old + (v - v_old).clamp(-params.value_clip, params.value_clip)
+            value_terms.append(0.5 * torch.maximum((v - ret) ** 2, (v_clip - ret) ** 2).mean())
+    loss = torch.stack(policy_terms).mean()
+    if kl_terms:
+        loss = loss + params.kl_coef * torch.stack(kl_terms).mean()
+    if value_terms:
+        loss = loss + params.vf_coef * torch.stack(value_terms).mean()
+    return loss, clipped
+
+
+@pytest.mark.parametrize("algo, kl_mode, estimator", [("grpo", "loss", "k3"), ("ppo", "loss", "k2"),
+                                                      ("rloo", "reward", "k1")])
+def test_group_task_loss_and_gradient_equal_a_naive_per_sample_reference(data, tiny_policy, tiny_rm, algo, kl_mode,
+                                                                         estimator):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhf_pipeline.chat import load_tokenizer
+    from rlhf_pipeline.logprobs import build_batch
+
+    temperature = 0.8
+    policy = AutoModelForCausalLM.from_pretrained(tiny_policy).double().eval()
+    critic = AutoModelForSequenceClassification.from_pretrained(tiny_rm).double().eval() if algo == "ppo" else None
+    model = rl.policy_and_critic(policy, critic) if critic is not None else policy
+    pad = load_tokenizer(tiny_policy).pad_token_id
+
+    # Two groups of 4 (8 samples), with rollout columns chosen so that ratios and values get clipped both ways.
+    # The tiny policy nearly always runs to --max-new-tokens, so the responses are cut to uneven lengths: a mean over
+    # all tokens of the micro-batch would then differ from the per-sample means the loss is defined with.
+    rows = flat_samples(load_from_disk(str(data / "groups"))["train"], range(2))
+    for r, n in zip(rows, (16, 5, 11, 2, 16, 8, 1, 13)):
+        r["response_token_ids"] = r["response_token_ids"][:n]
+    assert len({len(r["response_token_ids"]) for r in rows}) >= 5
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for r in rows:
+            lp = naive_logps(policy, r["prompt_token_ids"], r["response_token_ids"], temperature)
+            n = len(lp)
+            r["old_logps"] = (lp + 0.3 * torch.randn(n, generator=gen, dtype=lp.dtype)).tolist()
+            r["ref_logps"] = (lp + 0.5 * torch.randn(n, generator=gen, dtype=lp.dtype)).tolist()
+            r["advantages"] = torch.randn(n, generator=gen, dtype=lp.dtype).tolist()
+            if critic is not None:
+                v = naive_values(critic, r["prompt_token_ids"], r["response_token_ids"])
+                r["old_values"] = (v + 0.3 * torch.randn(n, generator=gen, dtype=v.dtype)).tolist()
+                r["returns"] = torch.randn(n, generator=gen, dtype=v.dtype).tolist()
+    params = rl.RLParams(algo=algo, clip=0.2, kl_coef=0.1, kl_mode=kl_mode, kl_estimator=estimator, vf_coef=0.5,
+                         value_clip=0.2)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+
+    expected, clipped = _reference_loss(policy, critic, rows, params, temperature)
+    assert clipped > 0  # the test exercises the clipped branch
+    expected_grads = torch.autograd.grad(expected, parameters)
+
+    packed = build_batch([r["prompt_token_ids"] for r in rows], [r["response_token_ids"] for r in rows], pad, 2.0)
+    assert packed.input_ids.shape[0] < len(rows)  # pack_ratio 2 really puts several samples in a row
+    losses = {}
+    for pack_ratio in (0.0, 2.0):
+        task = rl.GroupTask(params, temperature, pad, pack_ratio)
+        loss, metrics, (real, total) = task.loss(model, task.collate(rows))
+        assert loss.dtype == torch.float64
+        assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+        assert abs(loss.item() - expected.item()) < 1e-10  # float64: far tighter than the 1e-6 asked
+        grads = torch.autograd.grad(loss, parameters)
+        for p_name, g, e in zip([n for n, p in model.named_parameters() if p.requires_grad], grads, expected_grads):
+            torch.testing.assert_close(g, e, atol=1e-9, rtol=1e-7, msg=lambda m: f"{p_name}: {m}")
+        assert real == sum(len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in rows)
+        assert all(v.shape == (len(rows),) for v in metrics.values())
+        assert ("kl" in metrics) == (kl_mode == "loss") and ("value_loss" in metrics) == (algo == "ppo")
+        with torch.no_grad():  # the logged KL to the reference: k1 summed over each response
+            k1 = [(naive_logps(policy, r["prompt_token_ids"], r["response_token_ids"], temperature)
+                   - torch.tensor(r["ref_logps"], dtype=torch.float64)).sum().item() for r in rows]
+        assert metrics["kl_to_ref"].tolist() == pytest.approx(k1, abs=1e-9)
+        losses[pack_ratio] = loss.item()
+    assert losses[0.0] == pytest.approx(losses[2.0], abs=1e-12)  # packing changes nothing
+
+
+# ---------------------------------------------------------------------------------------------------- integration
+
+
+@pytest.mark.parametrize("algo", GROUP_ALGOS)
+def test_each_algo_trains_every_parameter_and_saves_loadable_outputs(algo, data, tiny_policy, tiny_rm, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    out = tmp_path / algo
+    critic = tiny_rm if algo == "ppo" else None
+    assert run(*train_args(data, tiny_policy, out, algo, "--batch-size", 8, "--epochs", 2, "--learning-rate", 1e-3,
+                           critic=critic)) == 0
+    groups = load_from_disk(str(data / "groups"))
+    n_train = sum(len(r) for r in groups["train"]["rewards"])
+    n_test = sum(len(r) for r in groups["test"]["rewards"])
+    steps = 2 * (n_train // 8)  # --epochs 2 are the PPO epochs over the one rollout
+
+    curve = metric(out)
+    assert len(curve) == steps and all(math.isfinite(x) for x in curve), curve
+    eval_curve = metric(out, "loss/eval")
+    assert len(eval_curve) == 2 and all(math.isfinite(x) for x in eval_curve)  # before any update, and at the end
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = set().union(*records)
+    assert {"loss/train", "loss/train_policy_loss", "kl/train_kl_to_ref", "ppo/train_clip_frac", "grad_norm",
+            "lr"} <= keys
+    assert ("loss/train_value_loss" in keys) == (algo == "ppo")
+
+    assert not unchanged_parameters(Path(tiny_policy), out), "policy parameters that did not change"
+    AutoModelForCausalLM.from_pretrained(out)
+    if algo == "ppo":
+        assert not unchanged_parameters(Path(tiny_rm), out / "critic"), "critic parameters that did not change"
+        loaded = AutoModelForSequenceClassification.from_pretrained(out / "critic")
+        assert loaded.config.num_labels == 1
+        assert (out / "critic" / "tokenizer_config.json").exists()
+    else:
+        assert not (out / "critic").exists()
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    training = manifest["training"]
+    assert training["algo"] == algo and training["steps"] == steps
+    assert training["rl_params"]["algo"] == algo and training["rl_params"]["kl_coef"] == 0.05
+    assert training["logp_temperature"] == 0.8  # the sampling temperature, read from the lineage
+    assert training["ref_model"] == tiny_policy
+    assert training["critic_model"] == critic
+    assert training["samples"] == {"train": n_train, "test": n_test}
+    flat_rewards = [x for r in groups["train"]["rewards"] for x in r]
+    assert training["mean_reward"] == pytest.approx(statistics.fmean(flat_rewards))
+    assert math.isfinite(training["loss_first_step"]) and math.isfinite(training["loss_last_step"])
+
+    # OUTPUT/rollout: the rollout inputs a resumed run reuses, checked against plain forwards of the starting models.
+    rollout = load_from_disk(str(out / "rollout"))
+    assert rollout["train"].num_rows == n_train and rollout["test"].num_rows == n_test
+    columns = {"old_logps", "ref_logps", "advantages"} | ({"old_values", "returns"} if algo == "ppo" else set())
+    assert columns <= set(rollout["train"].column_names)
+    start = AutoModelForCausalLM.from_pretrained(tiny_policy).eval()
+    start_critic = AutoModelForSequenceClassification.from_pretrained(tiny_rm).eval() if algo == "ppo" else None
+    trained = AutoModelForCausalLM.from_pretrained(out).eval()
+    train_rollout = rollout["train"].to_list()
+    improvement = []
+    with torch.no_grad():
+        for i, s in enumerate(train_rollout):
+            if i < 3:
+                lp = naive_logps(start, s["prompt_token_ids"], s["response_token_ids"], 0.8)
+                assert s["old_logps"] == pytest.approx(lp.tolist(), abs=1e-4)
+                assert s["ref_logps"] == s["old_logps"]  # no --ref-model: the starting policy is the reference
+                if start_critic is not None:
+                    v = naive_values(start_critic, s["prompt_token_ids"], s["response_token_ids"])
+                    assert s["old_values"] == pytest.approx(v.tolist(), abs=1e-4)
+            # the surrogate's first-order gain mean_t A_t·(log π_new − log π_old) should be positive on the whole
+            new = naive_logps(trained, s["prompt_token_ids"], s["response_token_ids"], 0.8)
+            adv, old = torch.tensor(s["advantages"]), torch.tensor(s["old_logps"])
+            improvement.append(float((adv * (new - old)).mean()))
+    assert statistics.fmean(improvement) > 0, "training moved the policy against the advantages"
+    if algo in ("grpo", "rloo"):  # ref == old, so no KL in the rewards: the group score on every token
+        by_group: dict[int, list[float]] = {}
+        for s in train_rollout:
+            by_group.setdefault(s["group"], []).append(s["reward"])
+        for s in train_rollout:
+            rs = by_group[s["group"]]
+            if algo == "grpo":
+                score = (s["reward"] - statistics.fmean(rs)) / (statistics.stdev(rs) + 1e-4)
+            else:
+                score = s["reward"] - (sum(rs) - s["reward"]) / (len(rs) - 1)
+            assert s["advantages"] == pytest.approx([score] * len(s["advantages"]), abs=1e-6)
+
+
+def test_ppo_needs_a_critic_and_groups_need_group_data(data, tiny_policy, tmp_path, capsys):
+    capsys.readouterr()
+    assert run(*train_args(data, tiny_policy, tmp_path / "ppo", "ppo", "--max-steps", 1)) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--critic-model" in err and "\n" not in err and "Traceback" not in err, err
+    assert not (tmp_path / "ppo" / "manifest.json").exists()
+
+    for algo in ("grpo", "ppo"):
+        assert run(*train_args(data, tiny_policy, tmp_path / f"pairs_{algo}", algo, "--max-steps", 1, split="pairs",
+                               critic=None)) == 1
+        err = capsys.readouterr().err.strip()
+        assert "--mode groups" in err and "response_token_ids" in err and "\n" not in err, err
+
+
+def test_ppo_takes_its_critic_from_the_reward_model_that_scored_the_data(data, tiny_policy, tiny_rm, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    assert run("score", "--input", data / "gen", "--output", tmp_path / "scored", "--reward-model", tiny_rm) == 0
+    assert run("filter", "--input", tmp_path / "scored", "--output", tmp_path / "groups", "--tokenizer", tiny_policy,
+               "--mode", "groups", "--test-size", 8) == 0
+    out = tmp_path / "ppo"
+    # --critic-learning-rate gives the critic its own rate: at 1e-12 one AdamW step cannot move a float32 weight.
+    assert run(*train_args(tmp_path, tiny_policy, out, "ppo", "--max-steps", 1, "--batch-size", 8,
+                           "--learning-rate", 1e-3, "--critic-learning-rate", 1e-12)) == 0
+    assert json.loads((out / "manifest.json").read_text())["training"]["critic_model"] == tiny_rm
+    AutoModelForSequenceClassification.from_pretrained(out / "critic")
+    assert max_weight_diff(Path(tiny_rm), out / "critic") < 1e-6
+    assert max_weight_diff(Path(tiny_policy), out) > 1e-4
+
+
+def test_a_separate_reference_puts_its_k1_kl_into_reinforce_pp_rewards(data, tiny_policy, tmp_path):
+    """With --ref-model the rollout's ref_logps are the reference's, and the advantages are the whitened
+    returns-to-go of (reward on the last token − β·(old − ref) on every token), written out here with loops."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.tiny import save_tiny_model
+
+    reference = str(save_tiny_model(tmp_path / "ref", kind="policy", seed=3))
+    out = tmp_path / "rpp"
+    assert run(*train_args(data, tiny_policy, out, "reinforce_pp", "--max-steps", 1, "--batch-size", 8,
+                           "--ref-model", reference, "--kl-coef", 0.1)) == 0
+    assert json.loads((out / "manifest.json").read_text())["training"]["ref_model"] == reference
+    samples = load_from_disk(str(out / "rollout"))["test"].to_list()
+    ref_model = AutoModelForCausalLM.from_pretrained(reference).eval()
+    with torch.no_grad():
+        for s in samples[:3]:
+            lp = naive_logps(ref_model, s["prompt_token_ids"], s["response_token_ids"], 0.8)
+            assert s["ref_logps"] == pytest.approx(lp.tolist(), abs=1e-4)
+    returns = []
+    for s in samples:
+        token_rewards = [-0.1 * (o - r) for o, r in zip(s["old_logps"], s["ref_logps"])]
+        token_rewards[-1] += s["reward"]
+        running, rtg = 0.0, []
+        for x in reversed(token_rewards):
+            running = x + running
+            rtg.insert(0, running)
+        returns.append(rtg)
+    assert any(abs(o - r) > 0.1 for s in samples for o, r in zip(s["old_logps"], s["ref_logps"]))  # a real KL
+    w = iter(whiten([x for rtg in returns for x in rtg]))
+    for s, rtg in zip(samples, returns):
+        assert s["advantages"] == pytest.approx([next(w) for _ in rtg], abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------- resume
+
+
+def test_interrupted_ppo_run_resumed_equals_uninterrupted_and_reuses_the_rollout(data, tiny_policy, tiny_rm, tmp_path,
+                                                                                 monkeypatch):
+    common = ["--max-steps", 6, "--batch-size", 8, "--save-every", 2, "--learning-rate", 1e-3]
+    calls = []
+    real_rollout_pass = rl.rollout_pass
+
+    def counting_rollout_pass(*args, **kwargs):
+        calls.append(len(args[2]["prompt_token_ids"]))
+        return real_rollout_pass(*args, **kwargs)
+
+    monkeypatch.setattr(rl, "rollout_pass", counting_rollout_pass)
+    assert run(*train_args(data, tiny_policy, tmp_path / "full", "ppo", *common, critic=tiny_rm)) == 0
+    assert len(calls) == 2  # train and test, once each (no --ref-model: the reference log-probs are the old ones)
+
+    real_save = trainer.save_checkpoint
+
+    def save_then_crash(accelerator, model, tokenizer, output, state):
+        path = real_save(accelerator, model, tokenizer, output, state)
+        if state["step"] == 4:
+            raise KeyboardInterrupt  # as if Ctrl-C came right after the step-4 checkpoint
+        return path
+
+    calls.clear()
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_crash)
+    assert run(*train_args(data, tiny_policy, tmp_path / "cut", "ppo", *common, critic=tiny_rm)) == 130
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    assert len(calls) == 2 and (tmp_path / "cut" / "rollout" / "dataset_dict.json").exists()
+    assert not (tmp_path / "cut" / "manifest.json").exists()
+
+    calls.clear()
+    assert run(*train_args(data, tiny_policy, tmp_path / "cut", "ppo", *common, "--resume", critic=tiny_rm)) == 0
+    assert calls == [], "the resumed run recomputed the rollout instead of reusing OUTPUT/rollout"
+
+    assert metric(tmp_path / "cut") == pytest.approx(metric(tmp_path / "full"), abs=1e-6)
+    assert len(metric(tmp_path / "cut")) == 6
+    assert max_weight_diff(tmp_path / "cut", tmp_path / "full") < 1e-5
+    assert max_weight_diff(tmp_path / "cut" / "critic", tmp_path / "full" / "critic") < 1e-5
+
+
+def test_push_to_hub_leaves_the_rollout_cache_out(data, tiny_policy, tmp_path, monkeypatch):
+    uploads = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kw):
+            pass
+
+        def upload_folder(self, **kw):
+            uploads.append(kw["ignore_patterns"])
+
+    monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
+    out = tmp_path / "grpo"
+    assert run(*train_args(data, tiny_policy, out, "grpo", "--max-steps", 1, "--batch-size", 8,
+                           "--push-to-hub", "org/tiny-grpo")) == 0
+    assert (out / "rollout").exists()
+    (patterns,) = uploads
+    assert "rollout/*" in patterns
+
+
+def test_simpo_margin_keeps_its_default():
+    from rlhf_pipeline.stages.train import TrainConfig
+
+    simpo = TrainConfig(algo="simpo", model="m", data="d", output="o")
+    assert simpo.loss_params()[1].gamma == 0.5
+
+
+# ---------------------------------------------------------------------------------------------------- ZeRO-3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_two_process_zero3_equals_one_process(algo, data, tiny_policy, tiny_rm, tmp_path):
+    """2 processes x batch 4 under DeepSpeed ZeRO-3 (CPU, gloo) against 1 process x batch 4 x accumulation 2; for
+    PPO the critic is partitioned too (policy and critic are one module, one engine)."""
+    critic = tiny_rm if algo == "ppo" else None
+    common = ["--max-steps", 3, "--learning-rate", 1e-3, "--batch-size", 4]
+    assert run(*train_args(data, tiny_policy, tmp_path / "single", algo, *common, "--gradient-accumulation-steps", 2,
+                           critic=critic)) == 0
+    accelerate = Path(sys.executable).parent / "accelerate"
+    cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
+           "--main_process_port", str(_free_port()), "-m", "rlhf_pipeline.stages.train",
+           *map(str, train_args(data, tiny_policy, tmp_path / "zero3", algo, *common, critic=critic)[1:])]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-8000:]
+    for key in ("loss/train", "loss/eval", "loss/train_policy_loss"):
+        assert len(metric(tmp_path / "zero3", key)) == len(metric(tmp_path / "single", key)) > 0
+        assert metric(tmp_path / "zero3", key) == pytest.approx(metric(tmp_path / "single", key), abs=1e-5), key
+    assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
+    if algo == "ppo":
+        assert metric(tmp_path / "zero3", "loss/train_value_loss") == pytest.approx(
+            metric(tmp_path / "single", "loss/train_value_loss"), abs=1e-5)
+        assert max_weight_diff(tmp_path / "zero3" / "critic", tmp_path / "single" / "critic") < 1e-4
+        assert not unchanged_parameters(Path(tiny_rm), tmp_path / "zero3" / "critic")
+    # the rollout the 2 processes shared out and gathered is the 1-process rollout
+    zr, sr = load_from_disk(str(tmp_path / "zero3" / "rollout")), load_from_disk(str(tmp_path / "single" / "rollout"))
+    for column in ("old_logps", "advantages") + (("old_values", "returns") if algo == "ppo" else ()):
+        for a, b in zip(zr["train"][column], sr["train"][column]):
+            assert a == pytest.approx(b, abs=1e-5)
