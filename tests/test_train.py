@@ -176,7 +176,8 @@ def test_finished_run_is_not_redone_and_pushes_only_the_model(pairs, tiny_policy
                       "--push-to-hub", "org/tiny-rebel")
     assert run(*args) == 0
     assert uploads == [("create", "org/tiny-rebel"),
-                       ("upload", "org/tiny-rebel", str(tmp_path / "once"), ["checkpoints/*", "runs/*", "ref_logps/*"])]
+                       ("upload", "org/tiny-rebel", str(tmp_path / "once"),
+                        ["checkpoints/*", "runs/*", "ref_logps/*", "rollout/*"])]
     stamp = (tmp_path / "once" / "manifest.json").read_text()
     capsys.readouterr()
     assert run(*args) == 0
