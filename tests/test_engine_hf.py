@@ -96,3 +96,86 @@ def test_greedy_is_deterministic(tiny_policy):
     b = HFEngine(tiny_policy, tok, batch_size=1).generate(prompts, [5, 6, 7], sampling)
     # Greedy output does not depend on seeds or batching (left padding is masked out).
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
+
+
+def _sampling(tok, model, n=3, max_new_tokens=10, seed=3, temperature=0.8, top_p=0.9, top_k=0):
+    return SamplingSettings(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                            seed=seed, stop_token_ids=tuple(stop_token_ids(tok, model)))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (20, 0.9), (5, 1.0)])
+def test_our_warpers_sample_the_same_tokens_as_generates_own(tiny_policy, monkeypatch, top_k, top_p):
+    """Our temperature/top-k/top-p processors give generate's processed logits, so the same seed draws the same
+    tokens as transformers' own warpers would."""
+    from transformers import LogitsProcessorList
+
+    from rlhf_pipeline.engines import hf
+
+    tok, prompts, _ = _setup(tiny_policy)
+    sampling = _sampling(tok, tiny_policy, top_k=top_k, top_p=top_p)
+    ours = HFEngine(tiny_policy, tok, batch_size=2)
+    ours.share_prefill = False
+    a = ours.generate(prompts, [0, 1, 2], sampling)
+
+    class TransformersWarpers(HFEngine):
+        def _generation_config(self, sampling, num_return_sequences=None):
+            config = super()._generation_config(sampling, num_return_sequences)
+            config.temperature, config.top_k, config.top_p = sampling.temperature, sampling.top_k, sampling.top_p
+            return config
+
+    monkeypatch.setattr(hf, "sampling_processors", lambda sampling: LogitsProcessorList())
+    theirs = TransformersWarpers(tiny_policy, tok, batch_size=2)
+    theirs.share_prefill = False
+    b = theirs.generate(prompts, [0, 1, 2], sampling)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_shared_prompt_prefill_gives_the_same_samples(tiny_policy, temperature):
+    """n samples of a prompt from one prefill (a KV cache of the prompt repeated n times) equal generate's own
+    n prefills: the same seed gives the same tokens, prompts of 1 to 9 tokens, left-padded together."""
+    tok = load_tokenizer(tiny_policy)
+    prompts = [[5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [20, 21], [30, 31, 32, 33]]
+    sampling = _sampling(tok, tiny_policy, n=3 if temperature else 1, temperature=temperature, top_k=5)
+    plain = HFEngine(tiny_policy, tok, batch_size=4)
+    plain.share_prefill = False
+    shared = HFEngine(tiny_policy, tok, batch_size=4)
+    a = plain.generate(prompts, [0] * 5, sampling)
+    b = shared.generate(prompts, [0] * 5, sampling)
+    assert shared.share_prefill is (True if temperature else None)  # n=1 never needs the probe
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.finish_reasons for c in a] == [c.finish_reasons for c in b]
+
+
+def test_shared_prefill_is_dropped_when_it_fails(tiny_policy, caplog):
+    tok, prompts, sampling = _setup(tiny_policy, n=2, max_new_tokens=6)
+    engine = HFEngine(tiny_policy, tok, batch_size=2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("this model cannot continue from a cache")
+
+    engine._prefix_cache = broken
+    out = engine.generate(prompts, [0, 1, 2], sampling)
+    assert engine.share_prefill is False
+    assert "prefilling per sample" in caplog.text
+    assert all(len(c.token_ids) == 2 for c in out)
+
+
+def test_models_with_their_own_cache_layers_do_not_share_the_prefill(tiny_policy, tmp_path):
+    """A sliding-window model keeps its own cache layer type: the engine leaves its prefill to generate."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tok = load_tokenizer(tiny_policy)
+    config = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    path = tmp_path / "sliding"
+    MistralForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    _, prompts, sampling = _setup(str(path), n=2, max_new_tokens=5)
+    engine = HFEngine(str(path), tok, batch_size=3)
+    out = engine.generate(prompts, [0, 1, 2], sampling)
+    assert engine.share_prefill is False
+    assert all(len(c.token_ids) == 2 for c in out)

@@ -6,6 +6,12 @@ option that shapes the distribution is set here explicitly (top-k off unless ask
 
 Same seed, same prompts, same batch size: same output. Unlike vLLM's per-request seeds, a sample here also depends
 on which prompts share its batch.
+
+Temperature, top-k and top-p are applied by our own logits processors (:func:`sampling_processors`), in transformers'
+order, instead of ``generate``'s: :class:`TopPLogitsWarper` and :class:`TopKLogitsWarper` below give exactly
+transformers' processed logits (so the same tokens for the same seed) without its per-step ``torch.sort`` of every
+sampled row's whole vocabulary, which on a CPU costs more than a small model's decode step (``torch.sort`` of 80 rows
+of 1,024 logits: ~3 ms on one thread; ``numpy.sort`` of the same values: ~0.1 ms).
 """
 
 from __future__ import annotations
@@ -31,6 +37,118 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
     return tokens, "length"
 
 
+def sorted_values(scores):
+    """Each row of ``scores`` sorted ascending, values only. The sorted values of a row do not depend on the sorting
+    algorithm (only the order of equal values' indices would), so on a CPU numpy's much faster sort gives the same
+    tensor as ``torch.sort(scores).values``."""
+    import numpy as np
+    import torch
+
+    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.sort(scores.detach().contiguous().numpy(), axis=-1))
+    return torch.sort(scores, dim=-1).values
+
+
+def keep_at_least(scores, threshold, filter_value: float):
+    """``scores`` where ``scores >= threshold`` (per row), ``filter_value`` elsewhere: ``masked_fill``'s result. For
+    ``-inf`` computed as ``minimum(scores, +-inf)``, which is branch-free: ``masked_fill`` with an irregular mask
+    takes ~3x longer on a CPU (a mispredicted branch per element)."""
+    import torch
+
+    keep = scores >= threshold
+    if filter_value != -float("inf"):
+        return scores.masked_fill(~keep, filter_value)
+    return torch.minimum(scores, keep.to(scores.dtype).mul_(2).sub_(1).mul_(float("inf")))
+
+
+class TopPLogitsWarper:
+    """transformers' ``TopPLogitsWarper``, the same processed logits, found from sorted values instead of a sort with
+    indices and a scatter.
+
+    transformers sorts each row ascending, takes ``softmax(sorted).cumsum()``, removes the sorted positions whose
+    cumulative probability is ``<= 1 - top_p`` (keeping the last ``min_tokens_to_keep``) and scatters that back. Here
+    the same ``softmax`` and ``cumsum`` run on the same sorted values (bit for bit the same inputs, so the same
+    comparison results); when the removed positions are a prefix of the sorted row (the cumulative sum rises) and the
+    first kept value is strictly above the last removed one, the removed tokens are exactly those below the first
+    kept value, which needs no indices. A row where either fails (equal logits on both sides of the cut, whose fate
+    depends on the order ``torch.sort`` happens to give them, or a NaN) goes through transformers' own warper.
+    """
+
+    def __init__(self, top_p: float, filter_value: float = -float("inf"), min_tokens_to_keep: int = 1):
+        from transformers.generation.logits_process import TopPLogitsWarper as Reference
+
+        self.reference = Reference(top_p, filter_value=filter_value, min_tokens_to_keep=min_tokens_to_keep)
+        self.top_p = self.reference.top_p
+        self.filter_value = filter_value
+        self.min_tokens_to_keep = min_tokens_to_keep
+        self.fallback_rows = 0  # rows handed to transformers' warper so far (for tests and profiling)
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        values = sorted_values(scores).to(scores.device)
+        cumulative_probs = values.softmax(dim=-1).cumsum(dim=-1)  # as transformers computes it
+        remove = cumulative_probs <= (1 - self.top_p)
+        remove[..., -self.min_tokens_to_keep :] = False
+        removed = remove.sum(dim=-1, keepdim=True)  # (B, 1) positions removed
+        first_kept = values.gather(-1, removed.clamp(max=values.shape[-1] - 1))
+        last_removed = values.gather(-1, (removed - 1).clamp(min=0))
+        exact = (
+            ~(remove[..., 1:] & ~remove[..., :-1]).any(dim=-1)  # the removed positions are a prefix
+            & ((removed == 0) | (last_removed < first_kept))[:, 0]  # no tie across the cut
+            & ~torch.isnan(values[:, -1])  # both sorts put NaN last
+        )
+        processed = keep_at_least(scores, first_kept, self.filter_value)
+        if not bool(exact.all()):
+            redo = (~exact).nonzero(as_tuple=True)[0]
+            self.fallback_rows += int(redo.numel())
+            processed[redo] = self.reference(input_ids, scores[redo])  # reads only the scores
+        return processed
+
+
+class TopKLogitsWarper:
+    """transformers' ``TopKLogitsWarper`` (keep every token whose logit is at least the k-th largest), the k-th largest
+    value found with numpy's partition on a CPU instead of ``torch.topk``; the value, hence the result, is the same."""
+
+    def __init__(self, top_k: int, filter_value: float = -float("inf"), min_tokens_to_keep: int = 1):
+        from transformers.generation.logits_process import TopKLogitsWarper as Reference
+
+        self.reference = Reference(top_k, filter_value=filter_value, min_tokens_to_keep=min_tokens_to_keep)
+        self.top_k = self.reference.top_k
+        self.filter_value = filter_value
+
+    def __call__(self, input_ids, scores):
+        import numpy as np
+        import torch
+
+        if scores.device.type != "cpu" or scores.dtype not in (torch.float32, torch.float64):
+            return self.reference(input_ids, scores)
+        top_k = min(self.top_k, scores.shape[-1])
+        array = scores.detach().contiguous().numpy()
+        if np.isnan(array).any():  # numpy and torch order NaN differently: let transformers decide
+            return self.reference(input_ids, scores)
+        kth = torch.from_numpy(np.partition(array, array.shape[-1] - top_k, axis=-1)[:, -top_k])
+        return keep_at_least(scores, kth[:, None], self.filter_value)
+
+
+def sampling_processors(sampling: SamplingSettings):
+    """Temperature, top-k, top-p as ``generate`` would apply them for a sampling request (same order, same
+    ``min_tokens_to_keep=1``), with the two warpers above. Empty for greedy decoding."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    processors = LogitsProcessorList()
+    if sampling.temperature == 0:
+        return processors
+    if sampling.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k:
+        processors.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        processors.append(TopPLogitsWarper(sampling.top_p))
+    return processors
+
+
 class HFEngine:
     name = "hf"
 
@@ -50,32 +168,125 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.pad_id = pad_id(tokenizer)
+        self.share_prefill: bool | None = None  # decided by a probe on the first request with n > 1
 
-    def _generation_config(self, sampling: SamplingSettings):
+    def _generation_config(self, sampling: SamplingSettings, num_return_sequences: int | None = None):
         from transformers import GenerationConfig
 
         greedy = sampling.temperature == 0
+        # Temperature, top-k and top-p come from sampling_processors(); these values make generate add none of its
+        # own (1.0 and 0 rather than None, which generate would fill from the model's generation_config.json).
+        # min_p: None adds no per-step no-op warper; 0.0 only where the model's own config sets one to override.
+        # Greedy decoding uses none of them (None: no "flag ignored" warnings).
+        model_min_p = getattr(getattr(self.model, "generation_config", None), "min_p", None)
         return GenerationConfig(
             do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=1.0 if greedy else sampling.top_p,
-            top_k=0 if greedy else sampling.top_k,
-            min_p=0.0,
+            temperature=None if greedy else 1.0,
+            top_p=None if greedy else 1.0,
+            top_k=None if greedy else 0,
+            min_p=0.0 if model_min_p and not greedy else None,
             typical_p=1.0,
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             max_new_tokens=sampling.max_new_tokens,
             min_new_tokens=0,
-            num_return_sequences=sampling.n,
+            num_return_sequences=sampling.n if num_return_sequences is None else num_return_sequences,
             num_beams=1,
             eos_token_id=list(sampling.stop_token_ids),
             pad_token_id=self.pad_id,
         )
 
+    def _prefix_cache(self, input_ids, attention_mask, n: int):
+        """The KV cache of every prompt but its last token, computed once and repeated ``n`` times per prompt, or
+        None when the model's cache is not a plain full-attention ``DynamicCache`` (sliding-window, hybrid or
+        recurrent layers keep their own state, which is not worth the risk)."""
+        import inspect
+
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        # Positions as generate derives them from the attention mask (pads at 0), so the cached keys match.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        extra = {}
+        if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
+            extra["logits_to_keep"] = 1  # the prefix's logits are never used
+        out = self.model(
+            input_ids=input_ids[:, :-1],
+            attention_mask=attention_mask[:, :-1],
+            position_ids=position_ids[:, :-1],
+            use_cache=True,
+            **extra,
+        )
+        cache = out.past_key_values
+        if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
+            return None
+        cache.batch_repeat_interleave(n)
+        return cache
+
+    def _sample(self, input_ids, attention_mask, sampling: SamplingSettings, processors, share: bool,
+                record_logits: bool = False):
+        """``model.generate`` for one left-padded batch; (B * n, width + new) ids, rows of one prompt adjacent.
+
+        ``share``: the prompt's prefill runs once per prompt instead of once per sample (generate repeats every
+        prompt n times before its prefill): every prompt token but the last goes into a KV cache that is then
+        repeated n times, and generate starts from the last prompt token, as it does when continuing from a cache.
+        """
+        import torch
+
+        n = sampling.n
+        cache = None
+        if share and n > 1 and input_ids.shape[1] > 1:
+            cache = self._prefix_cache(input_ids, attention_mask, n)
+        config = self._generation_config(sampling, num_return_sequences=None if cache is None else 1)
+        if record_logits:
+            config.return_dict_in_generate = config.output_logits = True
+        if cache is None:
+            return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                       logits_processor=processors)
+        return self.model.generate(
+            input_ids=torch.repeat_interleave(input_ids, n, dim=0),
+            attention_mask=torch.repeat_interleave(attention_mask, n, dim=0),
+            past_key_values=cache,
+            generation_config=config,
+            logits_processor=processors,
+        )
+
+    def _check_shared_prefill(self, input_ids, attention_mask, sampling: SamplingSettings) -> bool:
+        """Greedy logits for a few steps on (up to) two prompts of the batch, with and without the shared prefill;
+        the shared one is used only if they agree (and it runs at all)."""
+        import dataclasses
+
+        import torch
+
+        rows = [0, input_ids.shape[0] - 1] if input_ids.shape[0] > 1 else [0]  # the longest and the shortest
+        ids, mask = input_ids[rows], attention_mask[rows]
+        keep = int(mask.sum(0).nonzero()[0])  # drop the columns that are padding in every probe row
+        ids, mask = ids[:, keep:], mask[:, keep:]
+        # Greedy (no random numbers drawn), 2 samples per prompt shared, against generate's own prefill of 1.
+        plain_settings = dataclasses.replace(sampling, n=1, temperature=0.0, max_new_tokens=3)
+        shared_settings = dataclasses.replace(plain_settings, n=2)
+        try:
+            with torch.no_grad():
+                if self._prefix_cache(ids, mask, 2) is None:
+                    return False  # not a cache this engine shares (see _prefix_cache)
+                plain = self._sample(ids, mask, plain_settings, [], share=False, record_logits=True)
+                shared = self._sample(ids, mask, shared_settings, [], share=True, record_logits=True)
+        except Exception as e:  # a model generate cannot continue from a cache this way: don't share
+            log.warning("%s: sharing the prompt prefill across samples failed (%s); prefilling per sample",
+                        type(self.model).__name__, e)
+            return False
+        a = torch.stack(plain.logits).float().repeat_interleave(2, dim=1)  # (steps, rows * 2, V)
+        b = torch.stack(shared.logits).float()
+        tolerance = 1e-4 if next(self.model.parameters()).dtype in (torch.float32, torch.float64) else 3e-2
+        ok = a.shape == b.shape and bool(((a - b).abs().max() / a.abs().max().clamp(min=1e-6)) <= tolerance)
+        if not ok:
+            log.warning("%s: logits with a shared prompt prefill differ from generate's own; prefilling per sample",
+                        type(self.model).__name__)
+        return ok
+
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings) -> list[Completion]:
         import torch
 
-        gen_config = self._generation_config(sampling)
+        processors = sampling_processors(sampling)
         stop_ids = set(sampling.stop_token_ids)
         device = self.model.device
         # Longest first: similar lengths share a batch (little padding), and a memory problem shows up at once.
@@ -92,12 +303,11 @@ class HFEngine:
                     ids = prompts[i]
                     input_ids[row, width - len(ids) :] = torch.tensor(ids)
                     attention_mask[row, width - len(ids) :] = 1
+                input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+                if self.share_prefill is None and sampling.n > 1 and width > 1:
+                    self.share_prefill = self._check_shared_prefill(input_ids, attention_mask, sampling)
                 with torch.no_grad():
-                    out = self.model.generate(
-                        input_ids=input_ids.to(device),
-                        attention_mask=attention_mask.to(device),
-                        generation_config=gen_config,
-                    )
+                    out = self._sample(input_ids, attention_mask, sampling, processors, share=bool(self.share_prefill))
                 new_tokens = out[:, width:].tolist()  # (B * n, T), rows of one prompt are adjacent
                 for row, i in enumerate(batch):
                     cut = [cut_at_stop(t, stop_ids) for t in new_tokens[row * sampling.n : (row + 1) * sampling.n]]

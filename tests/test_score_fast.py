@@ -1,0 +1,147 @@
+"""The reward model's fast scoring path (no attention mask, hand pooling, last layer at the pooled token only)
+against the model's own forward, one sequence at a time and in padded batches, on several architectures."""
+
+import logging
+
+import pytest
+import torch
+
+from rlhf_pipeline import rewards
+from rlhf_pipeline.rewards import (
+    RewardModelScorer,
+    last_token_rewards,
+    model_pad_id,
+    pooled_index,
+    prunable_last_layer,
+)
+
+PAD = 0
+
+
+def _classifier(kind: str, **overrides):
+    """A random two-layer one-label classifier of ``kind``, weights large enough that errors would show."""
+    import transformers
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, num_labels=1)
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common),
+        "mistral": lambda: transformers.MistralConfig(**{"sliding_window": None, **common}),
+        "qwen2": lambda: transformers.Qwen2Config(**common),  # q/k/v biases
+        "qwen3": lambda: transformers.Qwen3Config(**{"head_dim": 32, **common}),  # per-head q/k norms, wide heads
+        "gemma": lambda: transformers.GemmaConfig(**{"head_dim": 16, **common}),  # not prunable: whole body
+    }
+    config = configs[kind]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model
+
+
+def _sequences(n: int = 7, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 2, 5, 9, 17, 30, 31][:n]
+    return [torch.randint(1, 97, (length,), generator=g).tolist() for length in lengths]
+
+
+def _one_at_a_time(model, sequences):
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([s])).logits[0, 0].item() for s in sequences]
+
+
+def _fast(model, sequences, prune):
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [PAD] * (width - len(s)) for s in sequences])
+    pooled = torch.tensor([pooled_index(s, model_pad_id(model.config)) for s in sequences])
+    with torch.no_grad():
+        return last_token_rewards(model, ids, pooled, prune=prune).tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
+def test_fast_paths_equal_one_at_a_time(kind):
+    model = _classifier(kind)
+    seqs = _sequences()
+    reference = _one_at_a_time(model, seqs)
+    assert len({round(x, 4) for x in reference}) == len(seqs)  # distinct rewards: the check is not empty
+    assert (prunable_last_layer(model) is None) == (kind == "gemma")
+    for prune in (True, False):
+        assert _fast(model, seqs, prune) == pytest.approx(reference, abs=1e-5, rel=1e-5)
+
+
+def test_sliding_window_models_are_not_pruned():
+    assert prunable_last_layer(_classifier("mistral", sliding_window=4)) is None
+
+
+def test_pooling_skips_trailing_pad_ids_as_transformers_does():
+    """A model whose pad id is also its EOS reads a conversation ending in EOS at the last token before it (the
+    rightmost non-pad token), at batch size 1 as in a padded batch; the fast path does the same."""
+    model = _classifier("llama")
+    eos = 5
+    model.config.pad_token_id = eos
+    seqs = [[7, 8, 9, eos], [10, 11, eos, eos], [12, 13, 14, 15, 16, 17, eos], [eos, eos]]
+    assert [pooled_index(s, eos) for s in seqs] == [2, 1, 5, 0]
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [eos] * (width - len(s)) for s in seqs])  # padded with the pad id, as the scorer does
+    pooled = torch.tensor([pooled_index(s, eos) for s in seqs])
+    with torch.no_grad():
+        fast = last_token_rewards(model, ids, pooled).tolist()
+    assert fast == pytest.approx(_one_at_a_time(model, seqs), abs=1e-5, rel=1e-5)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_scorer_fast_path_equals_model_forward_one_by_one(tiny_rm, batch_size):
+    scorer = RewardModelScorer(tiny_rm, batch_size=batch_size)
+    prompts = ["Write a short review of the hotel The Willow.", "Hi", "What did you think of the album Low Tide?"] * 3
+    responses = ["Great staff.", "ok", "The songs were dull, but the vocals were warm and fun, and I liked it."] * 3
+    responses = [r * (1 + k % 3) for k, r in enumerate(responses)]
+    ids = scorer.encode(prompts, responses)
+    fast = scorer.score_ids(ids)
+    assert scorer.mode == "pruned"
+    reference = _one_at_a_time(scorer.model, ids)
+    assert fast == pytest.approx(reference, abs=1e-5)
+    scorer.mode = "last_token"
+    assert scorer.score_ids(ids) == pytest.approx(reference, abs=1e-5)
+    scorer.mode = "forward"
+    assert scorer.score_ids(ids) == pytest.approx(reference, abs=1e-5)
+
+
+def test_scorer_falls_back_to_the_model_forward_when_the_fast_path_disagrees(tiny_rm, monkeypatch, caplog):
+    """A model whose reward is not score(last hidden state) fails the first-batch check and is scored by its own
+    forward, with a warning."""
+    scorer = RewardModelScorer(tiny_rm, batch_size=4)
+    ids = scorer.encode(["Hi", "Tell me about Oak Hollow park"], ["ok", "It is a quiet park with old trees."])
+    reference = _one_at_a_time(scorer.model, ids)
+    monkeypatch.setattr(rewards, "last_token_rewards", lambda model, input_ids, pooled, prune=True: pooled * 0.0 + 7)
+    with caplog.at_level(logging.WARNING, logger="rlhf_pipeline.rewards"):
+        got = scorer.score_ids(ids)
+    assert scorer.mode == "forward"
+    assert "scoring with the model's own forward" in caplog.text
+    assert got == pytest.approx(reference, abs=1e-5)
+
+
+def test_scorer_falls_back_when_the_pruned_layer_fails(tiny_rm, monkeypatch):
+    scorer = RewardModelScorer(tiny_rm, batch_size=4)
+    ids = scorer.encode(["Hi", "Tell me about Oak Hollow park"], ["ok", "It is a quiet park with old trees."])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(rewards, "_last_layer_at", broken)
+    got = scorer.score_ids(ids)
+    assert scorer.mode == "last_token"
+    assert got == pytest.approx(_one_at_a_time(scorer.model, ids), abs=1e-5)
+
+
+def test_only_one_label_classifiers_with_a_score_head_take_the_fast_path():
+    model = _classifier("llama")
+    assert rewards.supports_fast_path(model)
+    model.config.num_labels = 3
+    assert not rewards.supports_fast_path(model)
+    gated = torch.nn.Module()  # e.g. ArmoRM: no `score` head, its reward comes from its own gating layers
+    gated.config, gated.base_model_prefix, gated.model = model.config, "model", model.model
+    gated.config.num_labels = 1
+    assert not rewards.supports_fast_path(gated)
