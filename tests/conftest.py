@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,28 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 def small_prompts(tmp_path) -> str:
     rows = [json.loads(line) for line in bundled_path("prompts.jsonl").read_text().splitlines()[:12]]
     return write_jsonl(tmp_path / "prompts.jsonl", rows)
+
+
+# A reward for the training tests: longer answers and answers that stopped are better, by several units.
+LENGTH_REWARD = '''
+def reward(prompts, responses, **columns):
+    # Longer answers and answers that stopped are better: differences of several units between responses.
+    return [len(r) / 20 + (2.0 if f == "stop" else 0.0) for r, f in zip(responses, columns["finish_reasons"])]
+'''
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Each in-process training run builds its own Accelerator; accelerate keeps singletons between them."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def free_port() -> int:
+    """A free TCP port for a multi-process launch's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,5 +1,4 @@
-"""The reward model's fast scoring path (no attention mask, hand pooling, last layer at the pooled token only)
-against the model's own forward, one sequence at a time and in padded batches, on several architectures."""
+"""The reward model's fast scoring path (no attention mask, hand pooling) against the model's own forward, one sequence at a time and in padded batches, on several architectures."""
 
 import logging
 
@@ -12,7 +11,6 @@ from rlhf_pipeline.rewards import (
     last_token_rewards,
     model_pad_id,
     pooled_index,
-    prunable_last_layer,
 )
 
 PAD = 0
@@ -53,27 +51,21 @@ def _one_at_a_time(model, sequences):
         return [model(input_ids=torch.tensor([s])).logits[0, 0].item() for s in sequences]
 
 
-def _fast(model, sequences, prune):
+def _fast(model, sequences):
     width = max(len(s) for s in sequences)
     ids = torch.tensor([s + [PAD] * (width - len(s)) for s in sequences])
     pooled = torch.tensor([pooled_index(s, model_pad_id(model.config)) for s in sequences])
     with torch.no_grad():
-        return last_token_rewards(model, ids, pooled, prune=prune).tolist()
+        return last_token_rewards(model, ids, pooled).tolist()
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
-def test_fast_paths_equal_one_at_a_time(kind):
+def test_fast_path_equals_one_at_a_time(kind):
     model = _classifier(kind)
     seqs = _sequences()
     reference = _one_at_a_time(model, seqs)
     assert len({round(x, 4) for x in reference}) == len(seqs)  # distinct rewards: the check is not empty
-    assert (prunable_last_layer(model) is None) == (kind == "gemma")
-    for prune in (True, False):
-        assert _fast(model, seqs, prune) == pytest.approx(reference, abs=1e-5, rel=1e-5)
-
-
-def test_sliding_window_models_are_not_pruned():
-    assert prunable_last_layer(_classifier("mistral", sliding_window=4)) is None
+    assert _fast(model, seqs) == pytest.approx(reference, abs=1e-5, rel=1e-5)
 
 
 def test_pooling_skips_trailing_pad_ids_as_transformers_does():
@@ -100,11 +92,9 @@ def test_scorer_fast_path_equals_model_forward_one_by_one(tiny_rm, batch_size):
     responses = [r * (1 + k % 3) for k, r in enumerate(responses)]
     ids = scorer.encode(prompts, responses)
     fast = scorer.score_ids(ids)
-    assert scorer.mode == "pruned"
+    assert scorer.mode == "last_token"
     reference = _one_at_a_time(scorer.model, ids)
     assert fast == pytest.approx(reference, abs=1e-5)
-    scorer.mode = "last_token"
-    assert scorer.score_ids(ids) == pytest.approx(reference, abs=1e-5)
     scorer.mode = "forward"
     assert scorer.score_ids(ids) == pytest.approx(reference, abs=1e-5)
 
@@ -115,7 +105,7 @@ def test_scorer_falls_back_to_the_model_forward_when_the_fast_path_disagrees(tin
     scorer = RewardModelScorer(tiny_rm, batch_size=4)
     ids = scorer.encode(["Hi", "Tell me about Oak Hollow park"], ["ok", "It is a quiet park with old trees."])
     reference = _one_at_a_time(scorer.model, ids)
-    monkeypatch.setattr(rewards, "last_token_rewards", lambda model, input_ids, pooled, prune=True: pooled * 0.0 + 7)
+    monkeypatch.setattr(rewards, "last_token_rewards", lambda model, input_ids, pooled: pooled * 0.0 + 7)
     with caplog.at_level(logging.WARNING, logger="rlhf_pipeline.rewards"):
         got = scorer.score_ids(ids)
     assert scorer.mode == "forward"
@@ -123,16 +113,16 @@ def test_scorer_falls_back_to_the_model_forward_when_the_fast_path_disagrees(tin
     assert got == pytest.approx(reference, abs=1e-5)
 
 
-def test_scorer_falls_back_when_the_pruned_layer_fails(tiny_rm, monkeypatch):
+def test_scorer_falls_back_when_the_fast_path_fails(tiny_rm, monkeypatch):
     scorer = RewardModelScorer(tiny_rm, batch_size=4)
     ids = scorer.encode(["Hi", "Tell me about Oak Hollow park"], ["ok", "It is a quiet park with old trees."])
 
     def broken(*args, **kwargs):
         raise RuntimeError("no")
 
-    monkeypatch.setattr(rewards, "_last_layer_at", broken)
+    monkeypatch.setattr(rewards, "last_token_rewards", broken)
     got = scorer.score_ids(ids)
-    assert scorer.mode == "last_token"
+    assert scorer.mode == "forward"
     assert got == pytest.approx(_one_at_a_time(scorer.model, ids), abs=1e-5)
 
 

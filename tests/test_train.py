@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,28 +13,15 @@ from safetensors.torch import load_file
 
 from rlhf_pipeline import trainer
 from rlhf_pipeline.cli import main as rlhf
+from conftest import LENGTH_REWARD, free_port
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 REPO = Path(__file__).resolve().parents[1]
-
-LENGTH_REWARD = '''
-def reward(prompts, responses, **columns):
-    # Longer answers and answers that stopped are better: differences of several units between responses.
-    return [len(r) / 20 + (2.0 if f == "stop" else 0.0) for r, f in zip(responses, columns["finish_reasons"])]
-'''
 
 
 def run(*args) -> int:
     return rlhf([str(a) for a in args])
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each in-process run builds its own Accelerator; accelerate keeps singletons between them."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")
@@ -185,12 +171,6 @@ def test_finished_run_is_not_redone_and_pushes_only_the_model(pairs, tiny_policy
     assert (tmp_path / "once" / "manifest.json").read_text() == stamp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_process_zero3_equals_one_process(pairs, tiny_policy, tmp_path):
     """2 processes x batch 2 under DeepSpeed ZeRO-3 (CPU, gloo) against 1 process x batch 2 x accumulation 2."""
     common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 4, "--learning-rate", 1e-3]
@@ -198,7 +178,7 @@ def test_two_process_zero3_equals_one_process(pairs, tiny_policy, tmp_path):
                            "--gradient-accumulation-steps", 2)) == 0
     accelerate = Path(sys.executable).parent / "accelerate"
     cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
-           "--main_process_port", str(_free_port()), "-m", "rlhf_pipeline.stages.train",
+           "--main_process_port", str(free_port()), "-m", "rlhf_pipeline.stages.train",
            *map(str, train_args(pairs, tiny_policy, tmp_path / "zero3", *common, "--batch-size", 2)[1:])]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

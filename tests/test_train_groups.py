@@ -9,7 +9,6 @@ resume and a 2-process ZeRO-3 run against an uninterrupted 1-process run.
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,14 +21,12 @@ from safetensors.torch import load_file
 
 from rlhf_pipeline import rl, trainer
 from rlhf_pipeline.cli import main as rlhf
+from conftest import LENGTH_REWARD, free_port
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 REPO = Path(__file__).resolve().parents[1]
 
-LENGTH_REWARD = '''
-def reward(prompts, responses, **columns):
-    # Longer answers and answers that stopped are better: differences of several units between responses.
-    return [len(r) / 20 + (2.0 if f == "stop" else 0.0) for r, f in zip(responses, columns["finish_reasons"])]
-'''
 
 GROUP_ALGOS = ("grpo", "rloo", "reinforce_pp", "ppo")
 
@@ -46,16 +43,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each in-process run builds its own Accelerator; accelerate keeps singletons between them."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")
@@ -575,12 +562,6 @@ def test_simpo_margin_keeps_its_default():
 # ---------------------------------------------------------------------------------------------------- ZeRO-3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_two_process_zero3_equals_one_process(algo, data, tiny_policy, tiny_rm, tmp_path):
     """2 processes x batch 4 under DeepSpeed ZeRO-3 (CPU, gloo) against 1 process x batch 4 x accumulation 2; for
@@ -591,7 +572,7 @@ def test_two_process_zero3_equals_one_process(algo, data, tiny_policy, tiny_rm, 
                            critic=critic)) == 0
     accelerate = Path(sys.executable).parent / "accelerate"
     cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
-           "--main_process_port", str(_free_port()), "-m", "rlhf_pipeline.stages.train",
+           "--main_process_port", str(free_port()), "-m", "rlhf_pipeline.stages.train",
            *map(str, train_args(data, tiny_policy, tmp_path / "zero3", algo, *common, critic=critic)[1:])]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

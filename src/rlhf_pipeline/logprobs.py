@@ -359,16 +359,17 @@ def token_values(critic, batch: Batch) -> tuple[Tensor, Tensor]:
     whose linear ``score`` head is applied here at every response position instead of only at the last token.
     Returns ``(values (N,) float32 or wider, seq_index (N,))``.
     """
+    from rlhf_pipeline.rewards import supports_fast_path  # the reward-as-score(hidden state) shape scoring relies on
+
     inner = _unwrap(critic)
-    head = getattr(inner, "score", None)
-    if head is None or getattr(getattr(inner, "config", None), "num_labels", 1) != 1:
+    if not supports_fast_path(inner):
         raise TypeError(
             f"{type(inner).__name__} is not a one-label sequence classifier with a `score` head; the critic must be "
             "a reward model (AutoModelForSequenceClassification, num_labels=1), e.g. the one rlhf train-rm wrote"
         )
     body = getattr(inner, inner.base_model_prefix)
     rows, _, seq_index = _response_rows(inner, body, batch)
-    values = head(rows).squeeze(-1)
+    values = inner.score(rows).squeeze(-1)
     return values.to(torch.promote_types(values.dtype, torch.float32)), seq_index
 
 

@@ -123,10 +123,6 @@ class RewardModelScorer:
       so the mask adds nothing but its construction and the slower masked attention kernel. The reward is ``score``
       applied to the final hidden state at each sequence's pooled token, chosen by transformers' rule (the rightmost
       token that is not ``config.pad_token_id``), so no position but that one goes through the head.
-    * Llama-family bodies (Llama, Mistral, Qwen2, Qwen3 without sliding windows): only the pooled token's state
-      leaves the last decoder layer, so that layer computes keys and values for every position but the query,
-      attention output, MLP and final norm for the pooled token alone. On a deep model that saves a small fraction
-      of one layer; on a two-layer model close to half the work.
 
     The first batch on a model checks the fast path against the model's own padded, masked ``forward`` on two short
     real sequences, and falls back to that forward (with a warning) if they disagree or the fast path fails, so a
@@ -152,8 +148,8 @@ class RewardModelScorer:
         self.pad_id = pad_id(self.tokenizer)
         prepare_reward_model(self.model, self.pad_id)
         self.truncated = 0
-        # How batches are scored: "pruned" (fast path, last layer at the pooled token only), "last_token" (fast path,
-        # whole body) or "forward" (the model's own forward); decided on the first batch (see the class docstring).
+        # How batches are scored: "last_token" (the fast path) or "forward" (the model's own forward); decided on the
+        # first batch (see the class docstring).
         self.mode: str | None = None
 
     def encode(self, prompts: list, responses: list[str]) -> list[list[int]]:
@@ -177,9 +173,8 @@ class RewardModelScorer:
             out = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
         return reward_from_output(out).tolist()
 
-    def fast_rewards(self, sequences: list[list[int]], prune: bool = True) -> list[float]:
-        """The fast path on one batch (see the class docstring); ``prune``: the last layer at the pooled token only
-        (Llama-family bodies; others run the whole body either way)."""
+    def fast_rewards(self, sequences: list[list[int]]) -> list[float]:
+        """The fast path on one batch (see the class docstring)."""
         import torch
 
         width = max(len(s) for s in sequences)
@@ -188,12 +183,12 @@ class RewardModelScorer:
         pooled = torch.tensor([pooled_index(s, pad) for s in sequences], dtype=torch.long)
         device = self.model.device
         with torch.no_grad():
-            values = last_token_rewards(self.model, input_ids.to(device), pooled.to(device), prune=prune)
+            values = last_token_rewards(self.model, input_ids.to(device), pooled.to(device))
         return values.tolist()
 
     def _choose_mode(self, sequences: list[list[int]]) -> str:
-        """The fastest way to score that gives the model's own rewards on two short real sequences of different
-        lengths: pruned, then last-token, then the model's forward."""
+        """The fast path when it gives the model's own rewards on two short real sequences of different lengths, else
+        the model's forward."""
         import torch
 
         if not supports_fast_path(self.model):
@@ -203,17 +198,15 @@ class RewardModelScorer:
         reference = self.forward_rewards(probe)
         tolerance = 1e-4 if next(self.model.parameters()).dtype in (torch.float32, torch.float64) else 3e-2
         name = type(self.model).__name__
-        candidates = ["pruned", "last_token"] if prunable_last_layer(self.model) is not None else ["last_token"]
-        for mode in candidates:
-            try:
-                fast = self.fast_rewards(probe, prune=mode == "pruned")
-            except Exception as e:  # a body that will not run this way
-                log.warning("reward model %s: the %s scoring path failed (%s)", name, mode, e)
-                continue
+        try:
+            fast = self.fast_rewards(probe)
+        except Exception as e:  # a body that will not run this way
+            log.warning("reward model %s: the fast scoring path failed (%s)", name, e)
+        else:
             if all(abs(a - b) <= tolerance * max(1.0, abs(b)) for a, b in zip(fast, reference)):
-                return mode
-            log.warning("reward model %s: the %s scoring path disagrees with the model's forward (%s vs %s)",
-                        name, mode, fast, reference)
+                return "last_token"
+            log.warning("reward model %s: the fast scoring path disagrees with the model's forward (%s vs %s)",
+                        name, fast, reference)
         log.warning("reward model %s: scoring with the model's own forward", name)
         return "forward"
 
@@ -224,14 +217,7 @@ class RewardModelScorer:
             return rewards
         if self.mode is None:
             self.mode = self._choose_mode(sequences)
-        if self.mode == "forward":
-            run = self.forward_rewards
-        else:
-            prune = self.mode == "pruned"
-
-            def run(batch: list[list[int]]) -> list[float]:
-                return self.fast_rewards(batch, prune=prune)
-
+        run = self.forward_rewards if self.mode == "forward" else self.fast_rewards
         with tqdm(total=len(sequences), desc="score", unit="seq") as bar:
             for start in range(0, len(order), self.batch_size):
                 batch = order[start : start + self.batch_size]
@@ -242,11 +228,6 @@ class RewardModelScorer:
 
     def score(self, prompts: list, responses: list[str]) -> list[float]:
         return self.score_ids(self.encode(prompts, responses))
-
-
-# Decoder layers whose structure the pruned last layer reproduces: input norm -> attention (q/k/v/o projections,
-# optional per-head q/k norms, rotary embeddings) -> residual -> post-attention norm -> MLP -> residual.
-PRUNABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def supports_fast_path(model) -> bool:
@@ -280,106 +261,12 @@ def pooled_index(sequence: list[int], pad: int | None) -> int:
     return 0
 
 
-def prunable_last_layer(model):
-    """The body's last decoder layer when its structure is one :func:`_last_layer_at` reproduces, else None."""
-    config = model.config
-    body = getattr(model, model.base_model_prefix)
-    if getattr(config, "model_type", None) not in PRUNABLE_MODEL_TYPES:
-        return None
-    if getattr(config, "sliding_window", None) is not None:
-        return None
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return None
-    layers = getattr(body, "layers", None)
-    if not layers or not hasattr(body, "norm"):
-        return None
-    layer = layers[-1]
-    attn = getattr(layer, "self_attn", None)
-    needed = (
-        all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp"))
-        and attn is not None
-        and all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))
-    )
-    return layer if needed else None
-
-
-class _StopBeforeLastLayer(Exception):
-    pass
-
-
-def _rotate_half(x):
-    import torch
-
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _last_layer_at(layer, hidden, position_embeddings, pooled):
-    """The output of ``layer`` (a Llama-family decoder layer, causal attention) at one position per row.
-
-    ``hidden`` (B, T, H) is the layer's input; ``pooled`` (B,) the positions wanted. Keys and values come from every
-    position up to the pooled one; the query, attention output, MLP and residuals only from the pooled one.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    attn = layer.self_attn
-    batch, width, _ = hidden.shape
-    rows = torch.arange(batch, device=hidden.device)
-    x = layer.input_layernorm(hidden)
-    k = attn.k_proj(x).view(batch, width, -1, attn.head_dim)
-    if hasattr(attn, "k_norm"):  # Qwen3: RMS norm per head before the rotary embedding
-        k = attn.k_norm(k)
-    k = k.transpose(1, 2)  # (B, kv heads, T, D)
-    v = attn.v_proj(x).view(batch, width, -1, attn.head_dim).transpose(1, 2)
-    q = attn.q_proj(x[rows, pooled]).view(batch, 1, -1, attn.head_dim)
-    if hasattr(attn, "q_norm"):
-        q = attn.q_norm(q)
-    q = q.transpose(1, 2)  # (B, heads, 1, D)
-
-    cos, sin = position_embeddings  # (B or 1, T, D)
-    cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
-    k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
-    q = q * cos[rows, pooled][:, None, None] + _rotate_half(q) * sin[rows, pooled][:, None, None]
-
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads in a row
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    visible = torch.arange(width, device=hidden.device)[None, :] <= pooled[:, None]  # causal, for the one query
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :], scale=attn.scaling)
-    h = hidden[rows, pooled] + attn.o_proj(out.transpose(1, 2).reshape(batch, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-def last_token_rewards(model, input_ids, pooled, prune: bool = True):
+def last_token_rewards(model, input_ids, pooled):
     """(B,) float rewards: ``model.score`` on the final hidden state at ``pooled`` (B,) of right-padded ``input_ids``,
-    the body run without an attention mask (causal attention alone keeps pads out of every real position).
-    ``prune``: compute the last decoder layer at the pooled positions only, when the body is one
-    :func:`prunable_last_layer` accepts."""
+    the body run without an attention mask (causal attention alone keeps pads out of every real position)."""
     import torch
 
     body = getattr(model, model.base_model_prefix)
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    layer = prunable_last_layer(model) if prune else None
-    if layer is None:
-        hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state[rows, pooled]
-    else:
-        captured: dict = {}
-
-        def stop(module, args, kwargs):
-            captured["hidden"] = args[0] if args else kwargs["hidden_states"]
-            captured["position_embeddings"] = kwargs["position_embeddings"]
-            raise _StopBeforeLastLayer
-
-        handle = layer.register_forward_pre_hook(stop, with_kwargs=True)
-        try:
-            body(input_ids=input_ids, use_cache=False)
-        except _StopBeforeLastLayer:
-            pass
-        finally:
-            handle.remove()
-        if "hidden" not in captured:
-            raise RuntimeError("the body never reached its last decoder layer")
-        hidden = body.norm(_last_layer_at(layer, captured["hidden"], captured["position_embeddings"], pooled))
-    values = model.score(hidden)
-    return reward_from_output(SimpleNamespace(logits=values))
+    hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state[rows, pooled]
+    return reward_from_output(SimpleNamespace(logits=model.score(hidden)))

@@ -133,41 +133,24 @@ def rollout_pass(accelerator, model, samples, pad_id: int, temperature: float, b
                  values: bool) -> dict[str, list]:
     """Token log-probs (and, with ``values``, the critic's token values) of every sample, in length-sorted batches
     shared over the processes; ``model`` is a policy or a :func:`policy_and_critic` (possibly a DeepSpeed engine)."""
-    import torch
-    from accelerate.utils import gather_object
-    from tqdm.auto import tqdm
-
     from rlhf_pipeline.logprobs import build_batch, split_by_sequence, token_logps, token_values
-    from rlhf_pipeline.trainer import quiet, sharded_batches
+    from rlhf_pipeline.trainer import sharded_inference
 
     policy, critic = parts(model)
     prompts, responses = samples["prompt_token_ids"], samples["response_token_ids"]
-    batches = sharded_batches(sample_lengths(samples), batch_size, accelerator.num_processes,
-                              accelerator.process_index)
-    results: list[tuple[int, list[float], list[float] | None]] = []
-    was_training = model.training
-    model.eval()
     device = next(policy.parameters()).device
-    with torch.no_grad():
-        for idx in tqdm(batches, desc="rollout log-probs", unit="batch", disable=quiet(accelerator)):
-            ids = idx if idx is not None else [0]  # a stand-in keeps ZeRO-3 processes in step
-            batch = build_batch([prompts[i] for i in ids], [responses[i] for i in ids], pad_id, pack_ratio)
-            batch = batch.to(device)
-            with accelerator.autocast():
-                logps, seq = token_logps(policy, batch, temperature=temperature)
-                vals = token_values(critic, batch)[0] if values else None
-            if idx is None:
-                continue
-            per_logps = split_by_sequence(logps, seq, len(ids))
-            per_values = split_by_sequence(vals, seq, len(ids)) if values else [None] * len(ids)
-            results += zip(ids, per_logps, per_values)
-    model.train(was_training)
-    if accelerator.num_processes > 1:
-        results = gather_object(results)
-    out: dict[str, list] = {"logps": [None] * len(prompts), "values": [None] * len(prompts)}
-    for i, lp, v in results:
-        out["logps"][i], out["values"][i] = lp, v
-    return out
+
+    def compute(ids: list[int]) -> list[tuple[list[float], list[float] | None]]:
+        batch = build_batch([prompts[i] for i in ids], [responses[i] for i in ids], pad_id, pack_ratio).to(device)
+        logps, seq = token_logps(policy, batch, temperature=temperature)
+        per_logps = split_by_sequence(logps, seq, len(ids))
+        if not values:
+            return [(lp, None) for lp in per_logps]
+        vals, vseq = token_values(critic, batch)
+        return list(zip(per_logps, split_by_sequence(vals, vseq, len(ids))))
+
+    out = sharded_inference(accelerator, model, sample_lengths(samples), batch_size, compute, "rollout log-probs")
+    return {"logps": [lp for lp, _ in out], "values": [v for _, v in out]}
 
 
 def padded(rows: Sequence[Sequence[float]], dtype=None):
@@ -270,26 +253,29 @@ class GroupTask:
             return values.to(device), mask.to(device)
 
         old, mask = column("old_logps")
-        logp = torch.zeros_like(old).index_put((seq, _positions(seq)), logps)  # (B, T) in the rollout's layout
+        ref, _ = column("ref_logps")
+
+        def rollout_layout(flat, seq_index):  # per-token values ordered by sequence -> (B, T) like the columns
+            return torch.zeros_like(old).index_put((seq_index, _positions(seq_index)), flat.to(dtype))
+
+        logp = rollout_layout(logps, seq)
         advantages, _ = column("advantages")
         loss, metrics = ppo_policy_loss(logp, old, advantages, mask, clip=p.clip, reduction="sequence")
         per_sample_count = mask.sum(dim=1).clamp(min=1)
-        out = {"policy_loss": _per_sample_mean_detached(loss, len(rows))}
+        out = {"policy_loss": loss.detach().expand(len(rows))}
         if p.kl_mode == "loss" and p.kl_coef:
-            ref, _ = column("ref_logps")
             kl = (torch.where(mask, kl_estimate(logp, ref, kind=p.kl_estimator), 0).sum(dim=1) / per_sample_count)
             loss = loss + p.kl_coef * kl.mean()
             out["kl"] = kl.detach()
         if critic is not None:
             vals, vseq = token_values(critic, batch)
-            values = torch.zeros_like(old).index_put((vseq, _positions(vseq)), vals.to(dtype))
+            values = rollout_layout(vals, vseq)
             old_values, _ = column("old_values")
             returns, _ = column("returns")
-            vloss, vmetrics = value_loss(values, old_values, returns, mask, clip=p.value_clip, reduction="sequence")
+            vloss, _ = value_loss(values, old_values, returns, mask, clip=p.value_clip, reduction="sequence")
             loss = loss + p.vf_coef * vloss
-            out["value_loss"] = _per_sample_mean_detached(vloss, len(rows))
+            out["value_loss"] = vloss.detach().expand(len(rows))
         with torch.no_grad():
-            ref, _ = column("ref_logps")
             out["kl_to_ref"] = torch.where(mask, logp - ref, 0).sum(dim=1)  # k1 summed over the response
             for k, v in metrics.items():
                 out[k] = v.expand(len(rows))
@@ -308,10 +294,6 @@ def _positions(seq_index):
         counts = torch.diff(torch.cat([first, first.new_tensor([seq_index.numel()])]))
         starts = torch.repeat_interleave(first, counts)
     return torch.arange(seq_index.numel(), device=seq_index.device) - starts
-
-
-def _per_sample_mean_detached(value, n: int):
-    return value.detach().expand(n)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -138,6 +138,34 @@ def sharded_batches(lengths: Sequence[int], batch_size: int, world: int, rank: i
     return mine + [None] * (rounds - len(mine))
 
 
+def sharded_inference(accelerator, model, lengths: Sequence[int], batch_size: int,
+                      compute: Callable[[list[int]], list[Any]], desc: str) -> list[Any]:
+    """``compute(ids)`` (one result per row id) over every row, without gradients, in length-sorted batches shared
+    over the processes, gathered so that every process returns ``results[row]`` for all rows. A process with no
+    batch left runs a stand-in on row 0 (discarded), so ZeRO-3's collective forwards stay in step."""
+    import torch
+    from accelerate.utils import gather_object
+    from tqdm.auto import tqdm
+
+    batches = sharded_batches(lengths, batch_size, accelerator.num_processes, accelerator.process_index)
+    results: list[tuple[int, Any]] = []
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for idx in tqdm(batches, desc=desc, unit="batch", disable=quiet(accelerator)):
+            with accelerator.autocast():
+                values = compute(idx if idx is not None else [0])
+            if idx is not None:
+                results += zip(idx, values)
+    model.train(was_training)
+    if accelerator.num_processes > 1:
+        results = gather_object(results)
+    out: list[Any] = [None] * len(lengths)
+    for i, value in results:
+        out[i] = value
+    return out
+
+
 def warmup_cosine(step: int, warmup: int, total: int) -> float:
     """Learning-rate multiplier: linear warmup to 1, then cosine decay to 0 at ``total``."""
     if step < warmup:

@@ -746,9 +746,8 @@ def bench_generate(workdir: Path, policy: Path, sizes: Sizes, rounds: int) -> En
             f"after a warm-up, model loaded once outside the timing. Ours: one request per prompt batch with n={n} "
             f"(`num_return_sequences`, {batch_size * n} sequences per decode step). Peer: REBEL's `generate.py` "
             f"shape, {n} passes over all prompts with n=1, pass p seeded p*50 ({batch_size} sequences per step, "
-            f"{n}x the decode steps). Hugging Face `generate` repeats each prompt n times before the prefill, so the "
-            "gain measured here is from fewer, fuller decode steps; with vLLM one request also shares the prompt's "
-            f"prefill. Without top-p (context only, 1 round): ratio {no_top_p['ratio']:.2f}. Torch on "
+            f"{n}x the decode steps). Our hf engine also prefills each prompt once for its n samples (vLLM shares the "
+            "prefill the same way), so the gain is from fewer, fuller decode steps and one prefill per prompt. Without top-p (context only, 1 round): ratio {no_top_p['ratio']:.2f}. Torch on "
             f"{BENCH_TORCH_THREADS} thread."
         ),
         details={

@@ -81,31 +81,14 @@ def compute_ref_logps(
     accelerator, model, ds, pad_id: int, temperature: float, batch_size: int, pack_ratio: float = 0.0
 ) -> tuple[list, list]:
     """Reference log-probs of every pair in ``ds``, computed in length-sorted batches shared over processes."""
-    import torch
-    from accelerate.utils import gather_object
-    from tqdm.auto import tqdm
+    from rlhf_pipeline.trainer import sharded_inference
 
-    from rlhf_pipeline.trainer import quiet, sharded_batches
+    def compute(ids: list[int]) -> list[tuple[float, float]]:
+        chosen, rejected, _ = pair_logps(model, ds.select(ids).to_list(), pad_id, temperature, pack_ratio)
+        return list(zip(chosen.tolist(), rejected.tolist()))
 
-    batches = sharded_batches(pair_lengths(ds), batch_size, accelerator.num_processes, accelerator.process_index)
-    results: list[tuple[int, float, float]] = []
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for idx in tqdm(batches, desc="reference log-probs", unit="batch", disable=quiet(accelerator)):
-            rows = ds.select(idx if idx is not None else [0]).to_list()  # a stand-in keeps ZeRO-3 processes in step
-            with accelerator.autocast():
-                chosen, rejected, _ = pair_logps(model, rows, pad_id, temperature, pack_ratio)
-            if idx is not None:
-                results += zip(idx, chosen.tolist(), rejected.tolist())
-    model.train(was_training)
-    if accelerator.num_processes > 1:
-        results = gather_object(results)
-    chosen_out = [0.0] * ds.num_rows
-    rejected_out = [0.0] * ds.num_rows
-    for i, c, r in results:
-        chosen_out[i], rejected_out[i] = c, r
-    return chosen_out, rejected_out
+    values = sharded_inference(accelerator, model, pair_lengths(ds), batch_size, compute, "reference log-probs")
+    return [c for c, _ in values], [r for _, r in values]
 
 
 def add_ref_columns(dd, values: dict[str, tuple[list, list]]):
