@@ -1,0 +1,148 @@
+"""The benchmark harness: timing and ratios, growth exponents, the written results, target checking, and the
+trainer benchmark's data and padding arithmetic (the TRL side runs only where the `bench` extra is installed)."""
+
+import json
+import math
+
+import pytest
+
+from rlhf_pipeline.bench import common, run
+from rlhf_pipeline.bench import trainer as bench_trainer
+from rlhf_pipeline.bench.common import Entry, alternate, growth_exponent, write_results
+from rlhf_pipeline.errors import PipelineError
+
+
+class FakeClock:
+    """``time.perf_counter`` that only moves when a benchmarked function says how long it took."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_alternate_reports_medians_and_the_peer_over_ours_ratio(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(common.time, "perf_counter", clock)
+    ours_costs, peer_costs = iter([9.0, 1.0, 2.0, 10.0]), iter([9.0, 7.0, 5.0, 6.0])
+    calls = []
+
+    def ours():
+        calls.append("ours")
+        clock.spend(next(ours_costs))
+        return "ours result"
+
+    def peer():
+        calls.append("peer")
+        clock.spend(next(peer_costs))
+        return "peer result"
+
+    result = alternate(ours, peer, rounds=3)
+    # A warm-up call of each (untimed: 9 s each), then the order swaps every round.
+    assert calls == ["ours", "peer", "ours", "peer", "peer", "ours", "ours", "peer"]
+    assert result["ours_seconds"] == [1.0, 2.0, 10.0] and result["peer_seconds"] == [7.0, 5.0, 6.0]
+    assert result["ours_median"] == 2.0 and result["peer_median"] == 6.0
+    assert result["ratio"] == pytest.approx(3.0)
+    assert result["ours_value"] == "ours result" and result["peer_value"] == "peer result"
+
+
+def test_alternate_without_warmup_times_every_call(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(common.time, "perf_counter", clock)
+    result = alternate(lambda: clock.spend(2.0), lambda: clock.spend(1.0), rounds=1, warmup=False)
+    assert result["ours_seconds"] == [2.0] and result["peer_seconds"] == [1.0]
+    assert result["ratio"] == pytest.approx(0.5)  # the peer was faster: a ratio below 1
+
+
+@pytest.mark.parametrize("power", [0.5, 1.0, 2.0])
+def test_growth_exponent_recovers_a_power_law(power):
+    sizes = [250, 1000, 4000]
+    assert growth_exponent(sizes, [0.3 * s**power for s in sizes]) == pytest.approx(power)
+
+
+def test_growth_exponent_of_a_fixed_cost_plus_linear_work_is_below_one():
+    sizes = [100, 200, 400]
+    assert 0 < growth_exponent(sizes, [5.0 + 0.01 * s for s in sizes]) < 1
+
+
+def entries():
+    return [
+        Entry("fast_thing", 2.0, 8.0, "s", 4.0, 3.0, "Ours: x. Peer: y.", {"rounds": 1}),
+        Entry("slow_thing", 1.0, 1.5, "s", 1.5, 2.0, "missed on purpose"),
+        Entry("context_only", 0.5, 0.25, "fraction", 0.5, None, "no target"),
+    ]
+
+
+def test_write_results_writes_the_json_contract_and_a_table(tmp_path):
+    write_results(tmp_path, entries(), {"mode": "quick"}, [{"title": "Stage time", "markdown": "| a | b |"}])
+    payload = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert [p["name"] for p in payload] == ["fast_thing", "slow_thing", "context_only"]
+    for p in payload:
+        assert {"name", "ours", "peer", "unit", "ratio", "target", "notes"} <= set(p)
+    assert payload[0]["ratio"] == 4.0 and payload[2]["target"] is None and payload[0]["details"] == {"rounds": 1}
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "- mode: quick" in md
+    assert "| `fast_thing` | 2 | 8 | s | 4.00 | ≥ 3 | yes |" in md
+    assert "| `slow_thing` | 1 | 1.5 | s | 1.50 | ≥ 2 | **no** |" in md
+    assert "| `context_only` | 0.5 | 0.25 | fraction | 0.50 | — | — |" in md
+    assert "## Stage time" in md and "| a | b |" in md
+
+
+def test_bench_names_the_missed_targets_after_writing_everything(tmp_path, monkeypatch):
+    from rlhf_pipeline.bench import stages
+
+    monkeypatch.setattr(stages, "run", lambda config, workdir: (entries(), []))
+    config = run.BenchConfig(output=str(tmp_path / "out"), quick=True, only="stages")
+    with pytest.raises(PipelineError, match="targets missed: slow_thing"):
+        run.main(config)
+    assert len(json.loads((tmp_path / "out" / "benchmarks.json").read_text())) == 3
+    assert not (tmp_path / "out" / "scratch").exists()  # removed unless --keep-scratch
+
+
+def test_bench_options_are_checked():
+    with pytest.raises(ValueError, match="--only must be one of trainer, stages"):
+        run.BenchConfig(output="x", only="score")
+    with pytest.raises(ValueError, match="--rounds"):
+        run.BenchConfig(output="x", rounds=0)
+    assert run.BenchConfig(output="x", quick=True).num_rounds == 2
+    assert run.BenchConfig(output="x").num_rounds == 3
+
+
+def test_trainer_bench_pairs_have_the_promised_length_spread(tmp_path):
+    from datasets import load_from_disk
+
+    real = bench_trainer.make_pairs(tmp_path / "pairs", 64, eos_id=2, seed=0)
+    ds = load_from_disk(str(tmp_path / "pairs"))["train"]
+    prompts, chosen, rejected = ds["prompt_token_ids"], ds["chosen_token_ids"], ds["rejected_token_ids"]
+    assert all(16 <= len(p) <= 256 for p in prompts)
+    assert all(16 <= len(r) <= 512 and r[-1] == 2 for r in list(chosen) + list(rejected))
+    assert max(len(p) for p in prompts) > 200 and min(len(p) for p in prompts) < 40  # a spread, not one length
+    assert real == sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(prompts, chosen, rejected))
+    assert all(16 <= t < bench_trainer.VOCAB for p in prompts for t in p)
+
+
+def test_rebel_fixed_padding_fraction_is_real_tokens_over_the_fixed_grid(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    rows = {"prompt_token_ids": [[5] * 100, [5] * 24], "chosen_token_ids": [[6] * 300, [6] * 48],
+            "rejected_token_ids": [[7] * 20, [7] * 40]}
+    DatasetDict({"train": Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "pairs"))
+    real = (2 * 100 + 300 + 20) + (2 * 24 + 48 + 40)
+    expected = real / (2 * 2 * (1024 + 2048))
+    assert bench_trainer.rebel_fixed_padding_fraction(tmp_path / "pairs") == pytest.approx(expected)
+    assert math.isclose(expected, 656 / 12288)
+
+
+def test_our_dpo_loss_equals_trls_on_a_fixed_batch(tmp_path):
+    """The check behind trainer_vs_trl_precomputed, at the benchmark's model size; needs the bench extra."""
+    pytest.importorskip("trl")
+    model, data = tmp_path / "model", tmp_path / "pairs"
+    bench_trainer.make_model(model)
+    bench_trainer.make_pairs(data, 4, eos_id=2, seed=1)
+    check = bench_trainer.loss_agreement(model, data, rows=4)
+    assert check["abs_diff"] <= 1e-5
+    assert abs(check["ours"] - math.log(2)) > 1e-3  # a perturbed reference: not the trivial step-0 loss
