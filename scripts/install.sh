@@ -18,6 +18,6 @@ fi
 # DeepSpeed ships as a source package whose build imports torch: build it against the torch just installed
 # (with build isolation pip would fetch another torch into the build environment).
 case ",$EXTRAS," in
-  *,train,*|*,dev,*) "$VENV/bin/pip" install -q --no-build-isolation "deepspeed>=0.14" ;;
+  *,train,*|*,dev,*|*,bench,*) "$VENV/bin/pip" install -q --no-build-isolation "deepspeed>=0.14" ;;
 esac
 "$VENV/bin/pip" install -q -e ".${EXTRAS:+[$EXTRAS]}"
