@@ -146,3 +146,22 @@ def test_our_dpo_loss_equals_trls_on_a_fixed_batch(tmp_path):
     check = bench_trainer.loss_agreement(model, data, rows=4)
     assert check["abs_diff"] <= 1e-5
     assert abs(check["ours"] - math.log(2)) > 1e-3  # a perturbed reference: not the trivial step-0 loss
+
+
+def test_the_gpu_score_script_runs_end_to_end_on_a_cpu(tmp_path):
+    """scripts/bench_score_gpu.py at toy size on a CPU: both sides run, agree, and the report is written."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_score_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_score_gpu", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "score.json"
+    assert script.main(["--device", "cpu", "--sizes", "tiny", "--prompts", "4", "--n", "3", "--rounds", "1",
+                        "--output", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["size"] == "tiny" and row["sequences"] == 12 and row["scorer_mode"] == "last_token"
+    assert row["ratio"] > 0 and row["max_relative_reward_difference"] <= 1e-4
+    with pytest.raises(SystemExit):
+        script.main(["--device", "cpu", "--sizes", "huge"])
