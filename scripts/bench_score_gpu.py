@@ -12,7 +12,8 @@ Standalone: torch, transformers and tokenizers, and ``rlhf_pipeline`` from this 
 ``datasets``). Models are random-initialised Llama sequence classifiers (one label) built here, never downloaded,
 with the tiny bundled tokenizer (vocabulary 1,024) and its chat template; bfloat16 on a GPU (what ``rlhf score
 --dtype auto`` picks), float32 on a CPU. Sizes: ``tiny`` (hidden 64, 2 layers: the model of ``rlhf bench``),
-``small`` (hidden 512, 8 layers), ``1b`` (hidden 2048, 16 layers, intermediate 5632).
+``small`` (hidden 512, 8 layers, 26M parameters), ``1b`` (hidden 2048, 16 layers, intermediate 5632: 0.76B
+parameters with this vocabulary).
 
 Data: ``--prompts`` bundled prompts (cycled, half with a corpus sentence appended) x ``--n`` responses of one to four
 corpus sentences, as ``rlhf bench`` builds them. Sides, in one process, alternating for ``--rounds`` rounds after one
