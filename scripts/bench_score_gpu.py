@@ -85,16 +85,9 @@ def conversations(num_prompts: int, n: int, seed: int = 0) -> tuple[list[str], l
 
 def one_by_one(model, tokenizer, prompts: list[str], responses: list[str], device) -> list[float]:
     """REBEL's ``rank.py`` shape: template, one forward of batch 1 and ``.item()`` per response."""
-    import torch
+    from rlhf_pipeline.bench.stages import rebel_score_one
 
-    out = []
-    for prompt, response in zip(prompts, responses):
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-        input_ids = tokenizer.apply_chat_template(messages, return_tensors="pt", padding=True, truncation=True,
-                                                  max_length=4096, return_dict=True)["input_ids"].to(device)
-        with torch.no_grad():
-            out.append(model(input_ids).logits.float().item())
-    return out
+    return [rebel_score_one(model, tokenizer, p, r, device) for p, r in zip(prompts, responses)]
 
 
 def measure(size: str, args, workdir: Path) -> dict:

@@ -67,3 +67,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run(*args) -> int:
+    """One ``rlhf`` command in-process; arguments may be paths or numbers."""
+    from rlhf_pipeline.cli import main as rlhf
+
+    return rlhf([str(a) for a in args])
+
+
+def logged(path: Path, key: str = "loss/train") -> list[float]:
+    """Every value of ``key`` in a training run's metrics.jsonl, in order."""
+    return [r[key] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines()) if key in r]
+
+
+def max_weight_diff(a: Path, b: Path) -> float:
+    """The largest absolute difference between two saved models' weights (same parameter names required)."""
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)

@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 from datasets import load_from_disk
 
-from rlhf_pipeline.cli import main as rlhf
-
-from conftest import write_jsonl
+from conftest import run, write_jsonl
 
 GENERATIONS = ["prompt_id", "prompt_token_ids", "responses", "response_token_ids", "finish_reasons"]
 PAIRS = ["prompt_id", "prompt_token_ids", "chosen_token_ids", "rejected_token_ids", "chosen_reward",
@@ -25,10 +23,6 @@ def reward(prompts, responses, **columns):
 def nan_at_seven(prompts, responses, **columns):
     return [float("nan") if i == 7 else 0.0 for i in range(len(responses))]
 '''
-
-
-def run(*args) -> int:
-    return rlhf([str(a) for a in args])
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,11 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 
 from rlhf_pipeline import trainer
-from rlhf_pipeline.cli import main as rlhf
-from conftest import LENGTH_REWARD, free_port
+from conftest import LENGTH_REWARD, free_port, logged, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run(*args) -> int:
-    return rlhf([str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +31,6 @@ def pairs(tmp_path_factory, tiny_policy, bundled_prompts) -> Path:
                "--test-size", 8) == 0
     assert run("ref-logps", "--model", tiny_policy, "--input", d / "pairs", "--output", d / "ref") == 0
     return d
-
-
-def losses(path: Path, key: str = "loss/train") -> list[float]:
-    return [r[key] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines()) if key in r]
-
-
-def max_weight_diff(a: Path, b: Path) -> float:
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
 
 
 def train_args(pairs: Path, policy: str, out: Path, *extra, data: str = "ref") -> list:
@@ -77,7 +62,7 @@ def test_training_lowers_the_loss_changes_every_parameter_and_saves_a_loadable_m
     out = tmp_path / algo
     assert run(*train_args(pairs, tiny_policy, out, "--algo", algo, "--max-steps", 30, "--batch-size", 4,
                            "--learning-rate", lr, "--warmup-ratio", 0.0, data=data)) == 0
-    curve = losses(out)
+    curve = logged(out)
     assert len(curve) == 30
     assert sum(curve[-5:]) / 5 < 0.7 * sum(curve[:5]) / 5, curve
 
@@ -115,7 +100,7 @@ def test_batch_times_accumulation_is_invariant(pairs, tiny_policy, tmp_path):
     assert run(*train_args(pairs, tiny_policy, tmp_path / "b4", *common, "--batch-size", 4)) == 0
     assert run(*train_args(pairs, tiny_policy, tmp_path / "b1", *common, "--batch-size", 1,
                            "--gradient-accumulation-steps", 4)) == 0
-    assert losses(tmp_path / "b4") == pytest.approx(losses(tmp_path / "b1"), abs=1e-5)
+    assert logged(tmp_path / "b4") == pytest.approx(logged(tmp_path / "b1"), abs=1e-5)
     assert max_weight_diff(tmp_path / "b4", tmp_path / "b1") < 1e-4
 
 
@@ -142,7 +127,7 @@ def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_pa
     assert "started with another config or inputs (learning_rate 0.001 -> 0.0005)" in capsys.readouterr().err
     assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common, "--resume")) == 0
 
-    assert losses(tmp_path / "cut") == pytest.approx(losses(tmp_path / "full"), abs=1e-6)
+    assert logged(tmp_path / "cut") == pytest.approx(logged(tmp_path / "full"), abs=1e-6)
     assert max_weight_diff(tmp_path / "cut", tmp_path / "full") < 1e-6
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
@@ -183,8 +168,8 @@ def test_two_process_zero3_equals_one_process(pairs, tiny_policy, tmp_path):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-8000:]
-    assert losses(tmp_path / "zero3") == pytest.approx(losses(tmp_path / "single"), abs=1e-5)
-    assert losses(tmp_path / "zero3", "loss/eval") == pytest.approx(losses(tmp_path / "single", "loss/eval"), abs=1e-5)
+    assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
+    assert logged(tmp_path / "zero3", "loss/eval") == pytest.approx(logged(tmp_path / "single", "loss/eval"), abs=1e-5)
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
 
 

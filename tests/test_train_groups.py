@@ -20,8 +20,7 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 
 from rlhf_pipeline import rl, trainer
-from rlhf_pipeline.cli import main as rlhf
-from conftest import LENGTH_REWARD, free_port
+from conftest import LENGTH_REWARD, free_port, logged, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
@@ -29,10 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 GROUP_ALGOS = ("grpo", "rloo", "reinforce_pp", "ppo")
-
-
-def run(*args) -> int:
-    return rlhf([str(a) for a in args])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,16 +61,6 @@ def train_args(data: Path, policy: str, out: Path, algo: str, *extra, critic: st
     if critic is not None:
         args += ["--critic-model", critic]
     return [*args, *extra]
-
-
-def metric(path: Path, key: str = "loss/train") -> list[float]:
-    return [r[key] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines()) if key in r]
-
-
-def max_weight_diff(a: Path, b: Path) -> float:
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
 
 
 def unchanged_parameters(before: Path, after: Path) -> list[str]:
@@ -359,9 +344,9 @@ def test_each_algo_trains_every_parameter_and_saves_loadable_outputs(algo, data,
     n_test = sum(len(r) for r in groups["test"]["rewards"])
     steps = 2 * (n_train // 8)  # --epochs 2 are the PPO epochs over the one rollout
 
-    curve = metric(out)
+    curve = logged(out)
     assert len(curve) == steps and all(math.isfinite(x) for x in curve), curve
-    eval_curve = metric(out, "loss/eval")
+    eval_curve = logged(out, "loss/eval")
     assert len(eval_curve) == 2 and all(math.isfinite(x) for x in eval_curve)  # before any update, and at the end
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     keys = set().union(*records)
@@ -527,8 +512,8 @@ def test_interrupted_ppo_run_resumed_equals_uninterrupted_and_reuses_the_rollout
     assert run(*train_args(data, tiny_policy, tmp_path / "cut", "ppo", *common, "--resume", critic=tiny_rm)) == 0
     assert calls == [], "the resumed run recomputed the rollout instead of reusing OUTPUT/rollout"
 
-    assert metric(tmp_path / "cut") == pytest.approx(metric(tmp_path / "full"), abs=1e-6)
-    assert len(metric(tmp_path / "cut")) == 6
+    assert logged(tmp_path / "cut") == pytest.approx(logged(tmp_path / "full"), abs=1e-6)
+    assert len(logged(tmp_path / "cut")) == 6
     assert max_weight_diff(tmp_path / "cut", tmp_path / "full") < 1e-5
     assert max_weight_diff(tmp_path / "cut" / "critic", tmp_path / "full" / "critic") < 1e-5
 
@@ -578,12 +563,12 @@ def test_two_process_zero3_equals_one_process(algo, data, tiny_policy, tiny_rm, 
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-8000:]
     for key in ("loss/train", "loss/eval", "loss/train_policy_loss"):
-        assert len(metric(tmp_path / "zero3", key)) == len(metric(tmp_path / "single", key)) > 0
-        assert metric(tmp_path / "zero3", key) == pytest.approx(metric(tmp_path / "single", key), abs=1e-5), key
+        assert len(logged(tmp_path / "zero3", key)) == len(logged(tmp_path / "single", key)) > 0
+        assert logged(tmp_path / "zero3", key) == pytest.approx(logged(tmp_path / "single", key), abs=1e-5), key
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
     if algo == "ppo":
-        assert metric(tmp_path / "zero3", "loss/train_value_loss") == pytest.approx(
-            metric(tmp_path / "single", "loss/train_value_loss"), abs=1e-5)
+        assert logged(tmp_path / "zero3", "loss/train_value_loss") == pytest.approx(
+            logged(tmp_path / "single", "loss/train_value_loss"), abs=1e-5)
         assert max_weight_diff(tmp_path / "zero3" / "critic", tmp_path / "single" / "critic") < 1e-4
         assert not unchanged_parameters(Path(tiny_rm), tmp_path / "zero3" / "critic")
     # the rollout the 2 processes shared out and gathered is the 1-process rollout

@@ -416,7 +416,6 @@ def rebel_rank(
     batch 1 and ``.item()``; one ``add_column`` per response. Adaptations: local load/save; the reward is read from
     ``.logits`` (the tiny reward model has no ArmoRM ``.score``); the dtype our score stage uses on this device
     (float32 on a CPU; REBEL loads bfloat16 on a GPU)."""
-    import torch
     from datasets import load_from_disk
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -431,23 +430,30 @@ def rebel_rank(
     dataset = load_from_disk(str(input_dir))
     rewards: dict[str, list[float]] = {}
     for i in range(pairs):
-        rewards[f"response_{i}_reward"] = []
-        for row in dataset:
-            input_ids = tokenizer.apply_chat_template(
-                _rebel_message(row["prompt"], row[f"response_{i}"]),
-                return_tensors="pt",
-                padding=True,
-                truncation=True,
-                max_length=max_length,
-            )["input_ids"].to(device)
-            with torch.no_grad():
-                output = model(input_ids)
-                score = output.logits.float().item()
-            rewards[f"response_{i}_reward"].append(score)
+        rewards[f"response_{i}_reward"] = [
+            rebel_score_one(model, tokenizer, row["prompt"], row[f"response_{i}"], device, max_length)
+            for row in dataset
+        ]
     for k, v in rewards.items():
         dataset = dataset.add_column(k, v)
     dataset.save_to_disk(str(output_dir))
     return dataset
+
+
+def rebel_score_one(model, tokenizer, prompt: str, response: str, device, max_length: int = 4096) -> float:
+    """One response as ``rank.py`` scores it: apply the chat template (``truncation=True``), one forward of batch 1,
+    ``.item()`` of the logits (ArmoRM's ``.score`` in REBEL; the tiny reward models have only ``.logits``)."""
+    import torch
+
+    input_ids = tokenizer.apply_chat_template(
+        _rebel_message(prompt, response),
+        return_tensors="pt",
+        padding=True,
+        truncation=True,
+        max_length=max_length,
+    )["input_ids"].to(device)
+    with torch.no_grad():
+        return model(input_ids).logits.float().item()
 
 
 def generate_in_passes(
