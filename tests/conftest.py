@@ -1,5 +1,6 @@
 """Shared fixtures: tiny models built once per session, offline, and small prompt files."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -12,6 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from rlhf_pipeline.tiny import bundled_path  # noqa: E402
+
+# tests/vllm_env runs in the vLLM environment (scripts/test.sh runs it there); the test environment never has vLLM.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_env"]
 
 
 @pytest.fixture(scope="session")
@@ -88,3 +92,65 @@ def max_weight_diff(a: Path, b: Path) -> float:
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys()
     return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+
+
+def make_stop_prone(model_dir: Path, likely: int, unlikely: tuple[int, ...] = (), logit: float = 0.6) -> None:
+    """Rewrite a saved tiny policy so that token ``likely`` is probable after every token, ``unlikely`` improbable.
+
+    Hidden dimension 0 of every input embedding is set to 1 (the others are ~0.02), so after the final RMSNorm every
+    position's hidden state has a large, constant component there (~sqrt(hidden_size)); the LM head row of ``likely``
+    reads it with weight ``logit``, those of ``unlikely`` with ``-logit``, every other row not at all. With
+    ``logit=0.6`` the token takes about a third of the probability at each step: most samples stop within a dozen
+    tokens, and some still reach the length limit.
+    """
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model_dir / "model.safetensors")
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    embed[:, 0] = 1.0
+    head[:, 0] = 0.0
+    head[likely, 0] = logit
+    for token in unlikely:
+        head[token, 0] = -logit
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def stop_prone_policy(tmp_path_factory) -> str:
+    """The tiny policy with EOS made likely: about 60% of samples stop within 16 tokens, so both endings occur."""
+    from transformers import AutoTokenizer
+
+    from rlhf_pipeline.tiny import save_tiny_model
+
+    path = save_tiny_model(tmp_path_factory.mktemp("models") / "stop_prone_policy", kind="policy", seed=0)
+    make_stop_prone(path, AutoTokenizer.from_pretrained(path).eos_token_id, logit=0.4)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def shared_vllm_engines():
+    """One vLLM engine per (model, dtype, context length) for a whole session of the real-vLLM suite (tests/vllm_env).
+
+    vLLM takes 20-40 s to start an engine on 2 cores, so ``rlhf_pipeline.engines.load_engine`` is wrapped to keep the
+    vLLM engines it builds: what a stage does with its engine is unchanged, only the start-up is shared. Tests that
+    run a stage as its own process (the CLI, ``rlhf iterate`` with a vLLM launcher) start engines of their own.
+    """
+    import rlhf_pipeline.engines as engines
+
+    real = engines.load_engine
+    cache: dict = {}
+
+    def load_engine(name, model, tokenizer, **kwargs):
+        if engines.resolve_engine_name(name) != "vllm":
+            return real(name, model, tokenizer, **kwargs)
+        key = (str(Path(model).resolve()), kwargs.get("dtype", "auto"), kwargs.get("max_model_len"))
+        if key not in cache:
+            cache[key] = real(name, model, tokenizer, **kwargs)
+        return cache[key]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(engines, "load_engine", load_engine)
+    yield cache
+    patch.undo()
+    for engine in cache.values():  # now, while pytest's output streams are open (vLLM logs its shutdown)
+        engine.close()

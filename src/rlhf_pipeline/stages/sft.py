@@ -8,9 +8,10 @@ Rows are ``prompt``/``answer`` (ReaL's and OpenRLHF's format) or ``messages`` (a
 assistant turn; the loss is on that last turn, the earlier turns are the prompt). Each row is rendered with the
 model's chat template exactly as ``rlhf generate`` renders a prompt, so the policy learns the ids it will later be
 fed: the prompt is the template with the generation prompt, the answer is what the template puts after it (the
-answer text and the turn's end token, which is what generation stops on). When a template does not render the
-prompt as a prefix of the whole conversation, the answer is tokenized on its own and followed by EOS; the manifest
-counts those rows.
+answer text and the turn's end token, which is what generation stops on), up to that stop token: what a template
+writes after it (ChatML's and Gemma's "\\n") is never sampled, so it is not trained on. When a template does not
+render the prompt as a prefix of the whole conversation, the answer is tokenized on its own and followed by EOS;
+the manifest counts those rows.
 
 The loss of an example is the mean negative log-likelihood of its answer tokens, averaged over the examples of
 the batch (so batch size, accumulation and process count give the same update, as in every training stage).
@@ -23,7 +24,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import option
@@ -64,16 +65,27 @@ def split_conversation(row: dict[str, Any], row_index: int, source: str) -> tupl
     )
 
 
-def encode_answers(tokenizer, prompts: list, answers: list[str]) -> tuple[list[list[int]], list[list[int]], int]:
-    """(prompt ids, answer ids, rows whose template does not render the prompt as a prefix of the whole)."""
+def encode_answers(
+    tokenizer, prompts: list, answers: list[str], stop_ids: Iterable[int] = ()
+) -> tuple[list[list[int]], list[list[int]], int]:
+    """(prompt ids, answer ids, rows whose template does not render the prompt as a prefix of the whole).
+
+    The answer ends at its last stop token (``stop_ids``, the ids generation stops on, and the tokenizer's EOS): the
+    policy is trained on exactly the ids it will sample. Templates that put a newline after the turn's end token
+    (ChatML's ``<|im_end|>\\n``, Gemma's ``<end_of_turn>\\n``) would otherwise train a token that sampling, stopped
+    at the end token, never produces, and that the RL stages' sampled responses never contain.
+    """
     from rlhf_pipeline.chat import encode_conversations, encode_prompts
 
+    stops = set(stop_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     prompt_ids = encode_prompts(tokenizer, prompts)
     full_ids = encode_conversations(tokenizer, prompts, answers)
     answer_ids, fallbacks = [], 0
     for p, full, answer in zip(prompt_ids, full_ids, answers):
         if full[: len(p)] == p and len(full) > len(p):
-            answer_ids.append(full[len(p) :])
+            rest = full[len(p) :]
+            ends = [i for i, t in enumerate(rest) if t in stops]
+            answer_ids.append(rest[: ends[-1] + 1] if ends else rest)
         else:
             fallbacks += 1
             answer_ids.append(list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id])
@@ -105,14 +117,14 @@ class SFTTask:
         return per_example.mean(), {}, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
 
 
-def tokenize(dd, tokenizer, max_length: int, source: str):
+def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int] = ()):
     """Add ``prompt_token_ids``, ``answer_token_ids`` and ``num_tokens``; drop rows over ``max_length``."""
     counts = {"fallback": 0}
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         prompts, answers = zip(*(split_conversation(r, i, source) for r, i in zip(rows, indices)))
-        prompt_ids, answer_ids, fallbacks = encode_answers(tokenizer, list(prompts), list(answers))
+        prompt_ids, answer_ids, fallbacks = encode_answers(tokenizer, list(prompts), list(answers), stop_ids)
         counts["fallback"] += fallbacks
         return {
             "prompt_token_ids": prompt_ids,
@@ -137,13 +149,14 @@ def main(config: SFTConfig) -> Path:
 def _train(config: SFTConfig, ref, accelerator):
     from transformers import AutoModelForCausalLM
 
-    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.chat import load_tokenizer, pad_id, stop_token_ids
     from rlhf_pipeline.trainer import StageRun, load_trainable, prepare, train, train_test_splits, training_summary
 
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     dd = train_test_splits(ref, config.test_size, config.seed)
     rows_in = sum(ds.num_rows for ds in dd.values())
-    data, dropped, fallbacks = tokenize(dd, tokenizer, config.max_length, str(ref))
+    stops = stop_token_ids(tokenizer, config.model, config.trust_remote_code)
+    data, dropped, fallbacks = tokenize(dd, tokenizer, config.max_length, str(ref), stops)
     if data["train"].num_rows == 0:
         raise PipelineError(f"{ref}: no training row fits in --max-length {config.max_length}; raise it")
     model = load_trainable(config, AutoModelForCausalLM.from_pretrained)

@@ -2,8 +2,11 @@
 
     rlhf tiny-model --output models/tiny-policy
     rlhf tiny-model --output models/tiny-rm --kind reward --seed 1
+    rlhf tiny-model --output models/tiny-llama3 --chat-format llama3
 
 The directory loads with ``from_pretrained`` like any Hub model, so every stage runs on it unchanged.
+``--chat-format`` gives the tokenizer a real family's special tokens and chat template (Llama-3, ChatML/Qwen,
+Mistral, Gemma; see ``rlhf_pipeline.tiny.CHAT_FORMATS``), so a pipeline can be checked on that layout offline.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.datasets_io import atomic_directory, clean_stale
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.tiny import ChatFormatName
 
 
 @dataclass(kw_only=True)
@@ -30,6 +34,9 @@ class TinyModelConfig:
     seed: int = option(0, help="Seed of the random initialisation.")
     hidden_size: int = option(64, help="Hidden size of the Llama.")
     num_layers: int = option(2, help="Number of decoder layers.")
+    chat_format: ChatFormatName = option(
+        "tiny", help="Tokenizer family: special tokens, chat template and stop tokens (tiny: the kit's own format)."
+    )
     overwrite: bool = option(False, help="Replace an existing directory.")
 
 
@@ -41,9 +48,9 @@ def main(config: TinyModelConfig) -> Path:
     if path.exists() and not config.overwrite:
         raise PipelineError(f"--output {path}: already exists; pass --overwrite to replace it")
     with atomic_directory(path) as tmp:
-        save_tiny_model(tmp, kind=config.kind, seed=config.seed, hidden_size=config.hidden_size,
-                        num_layers=config.num_layers)
-    print(f"[tiny-model] wrote a tiny {config.kind} model to {path}")
+        save_tiny_model(tmp, kind=config.kind, seed=config.seed, chat_format=config.chat_format,
+                        hidden_size=config.hidden_size, num_layers=config.num_layers)
+    print(f"[tiny-model] wrote a tiny {config.kind} model ({config.chat_format} chat format) to {path}")
     return path
 
 
