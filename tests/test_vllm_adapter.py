@@ -105,25 +105,33 @@ def test_engine_wiring_with_a_fake_vllm(monkeypatch):
             seen["llm"] = kwargs
 
         def generate(self, prompts, params, use_tqdm):
-            seen["prompts"], seen["params"] = prompts, params
+            seen["prompts"], seen["params"], seen["use_tqdm"] = prompts, params, use_tqdm
             return [SimpleNamespace(outputs=[out(1, [4, EOT], "stop", EOT), out(0, [3], "length")]) for _ in prompts]
 
     fake = types.ModuleType("vllm")
     fake.LLM = FakeLLM
     fake.SamplingParams = lambda **kwargs: kwargs
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     tokenizer = SimpleNamespace(
         batch_decode=lambda ids, skip_special_tokens: [f"{x}:{skip_special_tokens}" for x in ids]
     )
 
     engine = VLLMEngine("some/model", tokenizer)
-    assert seen["llm"]["tokenizer"] == "some/model" and seen["llm"]["dtype"] == "auto"
+    assert seen["llm"]["tokenizer"] == "some/model"
+    assert seen["llm"]["dtype"] == "float32"  # the hf engine's "auto" on a CPU, not vLLM's (bfloat16 there)
+    # vLLM's CPU backend: a fixed KV cache, not a fraction of the machine's memory
+    assert seen["llm"]["kv_cache_memory_bytes"] == 4 * 2**30 and "gpu_memory_utilization" not in seen["llm"]
     sampling = SamplingSettings(
         n=2, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=8, seed=0, stop_token_ids=STOPS
     )
     completions = engine.generate([[1, 5], [1, 6]], [11, 12], sampling)
 
     assert seen["prompts"] == [{"prompt_token_ids": [1, 5]}, {"prompt_token_ids": [1, 6]}]
+    assert seen["use_tqdm"] is False  # TQDM_DISABLE=1 (conftest): vLLM's bar would divide by a zero elapsed time
     assert [p["seed"] for p in seen["params"]] == [11, 12]
     assert all("top_k" not in p for p in seen["params"])
     assert seen["params"][0]["stop_token_ids"] == list(STOPS) and seen["params"][0]["ignore_eos"] is True
@@ -132,3 +140,41 @@ def test_engine_wiring_with_a_fake_vllm(monkeypatch):
     )
     engine.generate([[1]], [3], SamplingSettings(1, 1.0, 1.0, 20, 8, 0, STOPS))
     assert seen["params"][0]["top_k"] == 20
+
+
+def test_memory_arguments_per_backend():
+    from rlhf_pipeline.engines.vllm import engine_memory_args
+
+    assert engine_memory_args(0.5, on_cpu=True, environ={}) == {"gpu_memory_utilization": 0.5}  # the user's, always
+    assert engine_memory_args(None, on_cpu=False, environ={}) == {"gpu_memory_utilization": 0.9}
+    assert engine_memory_args(None, on_cpu=True, environ={}) == {"kv_cache_memory_bytes": 4 * 2**30}
+    assert engine_memory_args(None, on_cpu=True, environ={"VLLM_CPU_KVCACHE_SPACE": "2"}) == {}  # vLLM reads it
+
+
+def test_a_failed_start_is_one_error_line(monkeypatch):
+    import types
+
+    from rlhf_pipeline.engines.vllm import VLLMEngine
+    from rlhf_pipeline.errors import PipelineError
+
+    def refuse(**kwargs):
+        raise RuntimeError("Engine core initialization failed. See root cause above.\nmore")
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = refuse
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    with pytest.raises(PipelineError, match=r"could not start on m \(Engine core initialization failed\. See root "
+                       r"cause above\.\); .*--gpu-memory-utilization") as info:
+        VLLMEngine("m", SimpleNamespace())
+    assert "\n" not in str(info.value)
+
+
+def test_progress_bar_follows_tqdm_disable(monkeypatch):
+    from rlhf_pipeline.progress import bars_disabled
+
+    for value, disabled in (("1", True), ("true", True), ("", False), ("0", False)):
+        monkeypatch.setenv("TQDM_DISABLE", value)
+        assert bars_disabled() is disabled

@@ -137,17 +137,32 @@ class RewardModelScorer:
         trust_remote_code: bool = False,
         batch_size: int = 16,
         max_length: int = 4096,
+        engine: str = "hf",
     ):
         from rlhf_pipeline.chat import load_tokenizer, pad_id
-        from rlhf_pipeline.modeling import load_reward_model
 
         self.tokenizer = load_tokenizer(path, trust_remote_code)
-        self.model = load_reward_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
         self.batch_size = batch_size
         self.max_length = max_length
         self.pad_id = pad_id(self.tokenizer)
-        prepare_reward_model(self.model, self.pad_id)
         self.truncated = 0
+        self.vllm = None
+        if engine == "vllm":
+            # vLLM pools the last token it is given: each sequence is cut after the token transformers pools at (the
+            # rightmost that is not the pad id, see pooled_index), so both engines read the same position.
+            from transformers import AutoConfig
+
+            from rlhf_pipeline.engines.vllm import VLLMRewardModel
+
+            pad = model_pad_id(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+            self.pooling_pad = self.pad_id if pad is None else pad  # as prepare_reward_model sets it
+            self.vllm = VLLMRewardModel(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                        max_model_len=max_length)
+            return
+        from rlhf_pipeline.modeling import load_reward_model
+
+        self.model = load_reward_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        prepare_reward_model(self.model, self.pad_id)
         # How batches are scored: "last_token" (the fast path) or "forward" (the model's own forward); decided on the
         # first batch (see the class docstring).
         self.mode: str | None = None
@@ -211,6 +226,8 @@ class RewardModelScorer:
         return "forward"
 
     def score_ids(self, sequences: list[list[int]]) -> list[float]:
+        if self.vllm is not None:  # vLLM schedules and batches the sequences itself
+            return self.vllm.rewards([s[: pooled_index(s, self.pooling_pad) + 1] for s in sequences])
         order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
         rewards = [0.0] * len(sequences)
         if not sequences:

@@ -276,7 +276,9 @@ def on_main_process(accelerator, fn: Callable[[], Any]) -> None:
 def quiet(accelerator) -> bool:
     """Progress bars off on all but the main process, and everywhere when TQDM_DISABLE is set (an explicit
     ``disable=`` would otherwise override tqdm's own reading of it)."""
-    return not accelerator.is_main_process or os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes")
+    from rlhf_pipeline.progress import bars_disabled
+
+    return not accelerator.is_main_process or bars_disabled()
 
 
 def unwrap(model: Any) -> Any:

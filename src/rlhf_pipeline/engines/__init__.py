@@ -68,7 +68,7 @@ def load_engine(
     trust_remote_code: bool = False,
     batch_size: int = 16,
     tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.9,
+    gpu_memory_utilization: float | None = None,
     max_model_len: int | None = None,
 ) -> Engine:
     name = resolve_engine_name(name)

@@ -32,6 +32,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rlhf_pipeline.engines import Completion, SamplingSettings
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.progress import bars_disabled
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -71,6 +73,66 @@ def completion_from_outputs(
     return Completion(texts=list(texts), token_ids=token_ids, finish_reasons=reasons)
 
 
+# vLLM's CPU backend reads --gpu-memory-utilization as the fraction of the machine's (NUMA node's) memory to reserve,
+# and refuses to start when that much is not free (``vllm/v1/worker/cpu_worker.py``): 0.9 fails on any machine doing
+# something else. There the engine gets a fixed KV cache instead, 4 GiB as vLLM's own CPU default long was, unless
+# the user sets --gpu-memory-utilization or vLLM's VLLM_CPU_KVCACHE_SPACE (GiB). A fixed size also skips the
+# profiling warm-up, which cuts ~10 s from a start on 2 cores.
+CPU_KV_CACHE_GIB = 4
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+def engine_memory_args(gpu_memory_utilization: float | None, on_cpu: bool, environ: dict[str, str]) -> dict[str, Any]:
+    """The memory arguments of ``vllm.LLM``: what the user set, else the default for the backend."""
+    if gpu_memory_utilization is not None:
+        return {"gpu_memory_utilization": gpu_memory_utilization}
+    if not on_cpu:
+        return {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
+    if environ.get("VLLM_CPU_KVCACHE_SPACE", "") != "":
+        return {}  # vLLM's own variable: its platform code turns it into kv_cache_memory_bytes
+    return {"kv_cache_memory_bytes": CPU_KV_CACHE_GIB * 2**30}
+
+
+def start_llm(model: str, *, dtype: str, trust_remote_code: bool, gpu_memory_utilization: float | None,
+              **kwargs: Any):
+    """``vllm.LLM`` with the project's dtype and memory defaults; a failed start is one PipelineError line."""
+    import os
+
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    from rlhf_pipeline.modeling import default_device, resolve_dtype
+
+    on_cpu = current_platform.is_cpu()
+    try:
+        return LLM(
+            model=model,
+            tokenizer=model,
+            # "auto" means what it means for the hf engine (float32 on a CPU, bfloat16 on a GPU that has it), not
+            # vLLM's auto (bfloat16 on its CPU backend), so both engines run the same weights.
+            dtype=str(resolve_dtype(dtype, default_device())).removeprefix("torch."),
+            trust_remote_code=trust_remote_code,
+            **engine_memory_args(gpu_memory_utilization, on_cpu, dict(os.environ)),
+            **kwargs,
+        )
+    except (RuntimeError, ValueError) as e:
+        hint = (
+            " On vLLM's CPU backend --gpu-memory-utilization is the fraction of the machine's memory to reserve:"
+            f" leave it unset for a fixed KV cache (VLLM_CPU_KVCACHE_SPACE GiB, default {CPU_KV_CACHE_GIB}) or lower it."
+            if on_cpu
+            else " If it ran out of memory, lower --gpu-memory-utilization or --max-model-len."
+        )
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PipelineError(f"vllm engine: could not start on {model} ({first}); vLLM's log above says why.{hint}") from e
+
+
+def shutdown(llm) -> None:
+    """Stop vLLM's engine core and workers now rather than at interpreter exit (for callers that keep going)."""
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine_core is not None:
+        engine_core.shutdown()
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -82,21 +144,21 @@ class VLLMEngine:
         dtype: str = "auto",
         trust_remote_code: bool = False,
         tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float | None = None,
         max_model_len: int | None = None,
     ):
-        from vllm import LLM
-
         self.tokenizer = tokenizer
-        self.llm = LLM(
-            model=model,
-            tokenizer=model,
+        self.llm = start_llm(
+            model,
             dtype=dtype,
             trust_remote_code=trust_remote_code,
-            tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len,  # an EngineArgs field, forwarded through LLM(**kwargs)
         )
+
+    def close(self) -> None:
+        shutdown(self.llm)
 
     def _params(self, seed: int, sampling: SamplingSettings):
         from vllm import SamplingParams
@@ -121,8 +183,43 @@ class VLLMEngine:
         # BOS in front of a chat template that already starts with one (the double-BOS pitfall).
         requests = [{"prompt_token_ids": list(ids)} for ids in prompts]
         params = [self._params(seed, sampling) for seed in seeds]
-        results = self.llm.generate(requests, params, use_tqdm=True)
+        results = self.llm.generate(requests, params, use_tqdm=not bars_disabled())
         if len(results) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(results)} results for {len(prompts)} prompts")
         decode = partial(self.tokenizer.batch_decode, skip_special_tokens=True)  # the HF engine's decode
         return [completion_from_outputs(r.outputs, sampling.stop_token_ids, decode) for r in results]
+
+
+class VLLMRewardModel:
+    """A one-label sequence-classification reward model on vLLM's pooling runner (``LLM(runner="pooling")``).
+
+    ``classify`` with ``PoolingParams(use_activation=False)`` returns the score head's raw output at the pooled token
+    (vLLM pools a ``*ForSequenceClassification`` decoder at the last token; without ``use_activation=False`` a
+    one-label head comes back through a sigmoid). Callers pass each sequence ending at the token transformers pools
+    at, so both engines read the same position (see ``rewards.RewardModelScorer``).
+    """
+
+    def __init__(self, path: str, *, dtype: str = "auto", trust_remote_code: bool = False,
+                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None):
+        self.llm = start_llm(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                             gpu_memory_utilization=gpu_memory_utilization, runner="pooling",
+                             max_model_len=max_model_len)
+
+    def rewards(self, sequences: list[list[int]]) -> list[float]:
+        from vllm import PoolingParams
+
+        results = self.llm.classify(
+            [{"prompt_token_ids": list(ids)} for ids in sequences],
+            pooling_params=PoolingParams(use_activation=False),
+            use_tqdm=not bars_disabled(),
+        )
+        values = []
+        for result in results:
+            scores = list(result.outputs.probs)
+            if len(scores) != 1:
+                raise PipelineError(f"vllm engine: the reward model has {len(scores)} labels; rlhf score reads one")
+            values.append(float(scores[0]))
+        return values
+
+    def close(self) -> None:
+        shutdown(self.llm)

@@ -58,8 +58,12 @@ class GenerateConfig(OutputOptions):
         "auto", help="Model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."
     )
     tensor_parallel_size: int = option(1, help="vllm engine: GPUs per model (tensor parallelism).")
-    gpu_memory_utilization: float = option(
-        0.9, help="vllm engine: fraction of GPU memory vLLM may use.", semantic=False
+    gpu_memory_utilization: Optional[float] = option(
+        None,
+        help="vllm engine: fraction of GPU memory vLLM may use (default 0.9). On vLLM's CPU backend it is the "
+        "fraction of the machine's memory to reserve, so there the default is a fixed KV cache instead "
+        "(VLLM_CPU_KVCACHE_SPACE GiB, 4 if unset).",
+        semantic=False,
     )
     max_model_len: Optional[int] = option(None, help="vllm engine: context length (default: the model's).")
     trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
@@ -75,6 +79,8 @@ class GenerateConfig(OutputOptions):
             raise ValueError("--temperature 0 (greedy) gives n identical samples; use --n 1 or a temperature > 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("--top-p must be in (0, 1]")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.shard is not None:
             parse_shard(self.shard)
 

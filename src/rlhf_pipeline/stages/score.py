@@ -44,11 +44,18 @@ class ScoreConfig(OutputOptions):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto", help="Reward model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."
     )
+    engine: Literal["hf", "vllm"] = option(
+        "hf",
+        help="Reward model engine: hf (transformers, length-sorted batches) or vllm (vLLM's pooling runner; needs "
+        "the vLLM environment and a model vLLM supports as a sequence classifier).",
+    )
     trust_remote_code: bool = option(False, help="Allow custom model code (needed for ArmoRM); off by default.")
 
     def __post_init__(self) -> None:
         if (self.reward_model is None) == (self.reward_fn is None):
             raise ValueError("give exactly one of --reward-model and --reward-fn")
+        if self.engine == "vllm" and self.reward_model is None:
+            raise ValueError("--engine vllm scores with a --reward-model; a --reward-fn runs in python")
         if self.batch_size < 1:
             raise ValueError("--batch-size must be at least 1")
 
@@ -95,9 +102,11 @@ def main(config: ScoreConfig) -> Path:
             trust_remote_code=config.trust_remote_code,
             batch_size=config.batch_size,
             max_length=config.max_length,
+            engine=config.engine,
         )
         flat = scorer.score(prompts, responses)
-        extra["reward"] = {"reward_model": config.reward_model, "truncated_sequences": scorer.truncated}
+        extra["reward"] = {"reward_model": config.reward_model, "engine": config.engine,
+                           "truncated_sequences": scorer.truncated}
         source = f"reward model {config.reward_model}"
     else:
         from rlhf_pipeline.chat import as_text
