@@ -31,7 +31,7 @@ Sides, each in a fresh subprocess (so peak memory is its own)
   ``stages.ref_logps.pair_logps`` in length-sorted batches of ``--ref-batch-size`` (``trainer.sharded_batches``).
   Then per step: the global batch from ``trainer.global_batches``, cut by ``trainer.micro_batches`` (sorted by
   length), each micro-batch through ``stages.train.PairTask.loss`` (``pair_logps`` with ``pack_ratio`` for the
-  policy log-probs, ``losses.compute_pair_loss(LossType.DPO, PairLossParams(beta=0.1), ...)`` against the
+  policy log-probs, ``algorithms.compute_pair_loss("dpo", PairLossParams(beta=0.1), ...)`` against the
   precomputed reference), backward of loss / accumulation, metrics summed per micro-batch as the trainer does
   (``trainer.add_to_sums``, which syncs), clip, AdamW step, schedule step.
 * ``trl``: TRL's ``DPOTrainer`` with its default reference model (a second model loaded from the same directory and
@@ -200,10 +200,11 @@ def run_ours(spec: dict, pairs: list[dict], device, clock: Clock) -> dict[str, A
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhf_pipeline.losses import LossType, PairLossParams
-    from rlhf_pipeline.stages.ref_logps import pair_logps
-    from rlhf_pipeline.stages.train import PairTask
-    from rlhf_pipeline.trainer import add_to_sums, disable_dropout, sharded_batches, warmup_cosine
+    from rlhf_pipeline.losses import PairLossParams
+    from rlhf_pipeline.pairs import pair_logps
+    from rlhf_pipeline.pairs import PairTask
+    from rlhf_pipeline.distributed import sharded_batches
+    from rlhf_pipeline.trainer import add_to_sums, disable_dropout, warmup_cosine
 
     amp = spec["precision"] == "amp"
 
@@ -237,7 +238,7 @@ def run_ours(spec: dict, pairs: list[dict], device, clock: Clock) -> dict[str, A
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, **fused)
     warmup = int(0.1 * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total))
-    task = PairTask(LossType.DPO, PairLossParams(beta=BETA), temperature=1.0, pad_id=PAD,
+    task = PairTask("dpo", PairLossParams(beta=BETA), temperature=1.0, pad_id=PAD,
                     pack_ratio=spec["pack_ratio"])
 
     step_ends, stats, losses, grad_norms = [], [], [], []

@@ -72,8 +72,9 @@ def time_steps(policy: str, data: Path, rounds: int, steps: int) -> dict:
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM
 
-    from rlhf_pipeline.losses import LossType, PairLossParams, compute_pair_loss
-    from rlhf_pipeline.stages.ref_logps import pair_logps
+    from rlhf_pipeline.algorithms import compute_pair_loss
+    from rlhf_pipeline.losses import PairLossParams
+    from rlhf_pipeline.pairs import pair_logps
     from rlhf_pipeline.trainer import global_batches
 
     torch.manual_seed(0)
@@ -95,7 +96,7 @@ def time_steps(policy: str, data: Path, rounds: int, steps: int) -> dict:
         else:
             with torch.no_grad():
                 ref_c, ref_r, _ = pair_logps(reference, rows, pad_id, 1.0)
-        loss, _ = compute_pair_loss(LossType.DPO, params, chosen, rejected, ref_c, ref_r)
+        loss, _ = compute_pair_loss("dpo", params, chosen, rejected, ref_c, ref_r)
         loss.mean().backward()
         optimizer.step()
         optimizer.zero_grad()

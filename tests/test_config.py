@@ -76,8 +76,9 @@ def test_every_stage_option_is_documented(stage):
     import importlib
 
     module = importlib.import_module(STAGES[stage][0])
-    config_cls = next(
-        v for v in vars(module).values() if dataclasses.is_dataclass(v) and v.__module__ == module.__name__
+    config_cls = next(  # the stage's config: defined in the stage module or in the library module it wraps
+        v for v in vars(module).values()
+        if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__name__.endswith("Config")
     )
     help_text = build_parser(config_cls, f"rlhf {stage}").format_help()
     for f in dataclasses.fields(config_cls):

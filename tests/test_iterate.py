@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.stages.iterate import IterateConfig, check, option_args, plan
+from rlhf_pipeline.runs import IterateConfig, check, option_args, plan
 
 
 def config(tmp_path, **overrides) -> IterateConfig:

@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rlhf_pipeline.algorithms import ALGORITHMS, PAIRS, compute_pair_loss, names
 from rlhf_pipeline.losses import (
-    LossType,
     PairLossParams,
-    compute_pair_loss,
     dpo_loss,
     ipo_loss,
     rebel_loss,
@@ -167,11 +166,11 @@ def _inputs(requires_grad: bool):
 ALL_PARAMS = PairLossParams(eta=0.5, beta=0.1, label_smoothing=0.1, gamma=0.5)
 
 
-def _params_for(lt: LossType) -> PairLossParams:
-    return ALL_PARAMS if lt is LossType.CDPO else PairLossParams(eta=0.5, beta=0.1, gamma=0.5)
+def _params_for(lt: str) -> PairLossParams:
+    return ALL_PARAMS if lt == "cdpo" else PairLossParams(eta=0.5, beta=0.1, gamma=0.5)
 
 
-@pytest.mark.parametrize("lt", list(LossType))
+@pytest.mark.parametrize("lt", list(names(PAIRS)))
 def test_gradients_reach_policy_logps_only(lt):
     x = _inputs(requires_grad=True)
     loss, _ = compute_pair_loss(lt, _params_for(lt), **x)
@@ -183,7 +182,7 @@ def test_gradients_reach_policy_logps_only(lt):
             assert v.grad is None or torch.all(v.grad == 0), name
 
 
-@pytest.mark.parametrize("lt", list(LossType))
+@pytest.mark.parametrize("lt", list(names(PAIRS)))
 def test_metrics_detached_per_example_and_dtype_kept(lt):
     loss, metrics = compute_pair_loss(lt, _params_for(lt), **_inputs(requires_grad=True))
     assert loss.shape == (2,) and loss.dtype == torch.float64 and loss.requires_grad
@@ -192,13 +191,13 @@ def test_metrics_detached_per_example_and_dtype_kept(lt):
         assert m.shape == (2,) and m.dtype == torch.float64 and not m.requires_grad, name
 
 
-def test_loss_type_properties():
-    assert [lt.value for lt in LossType] == ["rebel", "dpo", "cdpo", "ipo", "simpo"]
-    assert LossType("cdpo") is LossType.CDPO and LossType.DPO == "dpo"
-    assert {lt for lt in LossType if not lt.needs_reference} == {LossType.SIMPO}
-    assert {lt for lt in LossType if lt.uses_rewards} == {LossType.REBEL}
-    assert {lt for lt in LossType if lt.length_normalized} == {LossType.SIMPO}
-    assert {lt for lt in LossType if lt.default_logp_temperature_is_sampling} == {LossType.REBEL}
+def test_pair_algorithm_properties():
+    pairs = [ALGORITHMS[n] for n in names(PAIRS)]
+    assert [a.name for a in pairs] == ["rebel", "dpo", "cdpo", "ipo", "simpo"]
+    assert {a.name for a in pairs if not a.needs_reference} == {"simpo"}
+    assert {a.name for a in pairs if a.uses_rewards} == {"rebel"}
+    assert {a.name for a in pairs if a.length_normalized} == {"simpo"}
+    assert {a.name for a in pairs if a.logp_at_sampling_temperature} == {"rebel"}
 
 
 def test_dispatch_matches_direct_functions_and_margins():
@@ -212,31 +211,31 @@ def test_dispatch_matches_direct_functions_and_margins():
     pc, pr, rc, rr = (x[k] for k in ("policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps",
                                      "ref_rejected_logps"))
     direct = {
-        LossType.REBEL: rebel_loss(pc, pr, rc, rr, x["chosen_rewards"], x["rejected_rewards"], eta=0.5),
-        LossType.DPO: dpo_loss(pc, pr, rc, rr, beta=0.1),
-        LossType.CDPO: dpo_loss(pc, pr, rc, rr, beta=0.1, label_smoothing=0.1),
-        LossType.IPO: ipo_loss(pc, pr, rc, rr, beta=0.1),
-        LossType.SIMPO: simpo_loss(pc, pr, x["chosen_lengths"], x["rejected_lengths"], beta=0.1, gamma=0.5),
+        "rebel": rebel_loss(pc, pr, rc, rr, x["chosen_rewards"], x["rejected_rewards"], eta=0.5),
+        "dpo": dpo_loss(pc, pr, rc, rr, beta=0.1),
+        "cdpo": dpo_loss(pc, pr, rc, rr, beta=0.1, label_smoothing=0.1),
+        "ipo": ipo_loss(pc, pr, rc, rr, beta=0.1),
+        "simpo": simpo_loss(pc, pr, x["chosen_lengths"], x["rejected_lengths"], beta=0.1, gamma=0.5),
     }
-    margins = {LossType.REBEL: [1.4, -2.0], LossType.DPO: [0.07, -0.1], LossType.CDPO: [0.07, -0.1],
-               LossType.IPO: [0.07, -0.1], LossType.SIMPO: [0.1 * (-0.25 + 2 / 3), 0.1 * (-1.5 + 0.2)]}
-    for lt in LossType:
-        loss, metrics = compute_pair_loss(lt.value, _params_for(lt), **x)
+    margins = {"rebel": [1.4, -2.0], "dpo": [0.07, -0.1], "cdpo": [0.07, -0.1],
+               "ipo": [0.07, -0.1], "simpo": [0.1 * (-0.25 + 2 / 3), 0.1 * (-1.5 + 0.2)]}
+    for lt in names(PAIRS):
+        loss, metrics = compute_pair_loss(lt, _params_for(lt), **x)
         close(loss, direct[lt], 0.0)
         close(metrics["margin"], margins[lt])
         close(metrics["accuracy"], [1.0, 0.0], 0.0)
-    close(direct[LossType.REBEL], [0.16, 1.0])
-    _, simpo_metrics = compute_pair_loss(LossType.SIMPO, _params_for(LossType.SIMPO), **x)
+    close(direct["rebel"], [0.16, 1.0])
+    _, simpo_metrics = compute_pair_loss("simpo", _params_for("simpo"), **x)
     close(simpo_metrics["chosen_logratio"], [-0.25, -1.5])
     close(simpo_metrics["rejected_logratio"], [-2 / 3, -0.2])
-    _, dpo_metrics = compute_pair_loss(LossType.DPO, _params_for(LossType.DPO), **x)
+    _, dpo_metrics = compute_pair_loss("dpo", _params_for("dpo"), **x)
     close(dpo_metrics["chosen_logratio"], [0.5, 0.0])
     close(dpo_metrics["rejected_logratio"], [-0.2, 1.0])
 
 
 @pytest.mark.parametrize("lt, drop", [
-    (LossType.REBEL, "chosen_rewards"), (LossType.REBEL, "ref_rejected_logps"), (LossType.DPO, "ref_chosen_logps"),
-    (LossType.CDPO, "ref_rejected_logps"), (LossType.IPO, "ref_chosen_logps"), (LossType.SIMPO, "rejected_lengths"),
+    ("rebel", "chosen_rewards"), ("rebel", "ref_rejected_logps"), ("dpo", "ref_chosen_logps"),
+    ("cdpo", "ref_rejected_logps"), ("ipo", "ref_chosen_logps"), ("simpo", "rejected_lengths"),
 ])
 def test_missing_input_raises(lt, drop):
     x = _inputs(requires_grad=False)
@@ -248,7 +247,7 @@ def test_missing_input_raises(lt, drop):
 def test_simpo_needs_no_reference():
     x = _inputs(requires_grad=False)
     x.update(ref_chosen_logps=None, ref_rejected_logps=None, chosen_rewards=None, rejected_rewards=None)
-    loss, _ = compute_pair_loss(LossType.SIMPO, _params_for(LossType.SIMPO), **x)
+    loss, _ = compute_pair_loss("simpo", _params_for("simpo"), **x)
     assert loss.shape == (2,)
 
 
@@ -266,7 +265,7 @@ def test_token_level_input_is_rejected():
     x = _inputs(requires_grad=False)
     x["ref_chosen_logps"] = torch.zeros(2, 7, dtype=torch.float64)
     with pytest.raises(ValueError, match="ref_chosen_logps has shape"):
-        compute_pair_loss(LossType.DPO, PairLossParams(), **x)
+        compute_pair_loss("dpo", PairLossParams(), **x)
 
 
 def test_import_pulls_in_torch_only():

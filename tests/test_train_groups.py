@@ -19,7 +19,7 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from rlhf_pipeline import rl, trainer
+from rlhf_pipeline import groups as rl, trainer
 from conftest import LENGTH_REWARD, free_port, logged, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")

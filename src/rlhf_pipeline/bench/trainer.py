@@ -197,9 +197,8 @@ def loss_agreement(model_path: Path, data: Path, rows: int = 8, dtype: str = "fl
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM
 
-    from rlhf_pipeline.losses import LossType, PairLossParams
-    from rlhf_pipeline.stages.ref_logps import pair_logps
-    from rlhf_pipeline.stages.train import PairTask
+    from rlhf_pipeline.losses import PairLossParams
+    from rlhf_pipeline.pairs import PairTask, pair_logps
 
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
     reference = copy.deepcopy(policy)
@@ -213,7 +212,7 @@ def loss_agreement(model_path: Path, data: Path, rows: int = 8, dtype: str = "fl
         ref_c, ref_r, _ = pair_logps(reference, batch, pad_id=0, temperature=1.0)
         for row, c, r in zip(batch, ref_c.tolist(), ref_r.tolist()):
             row["chosen_ref_logp"], row["rejected_ref_logp"] = c, r
-        task = PairTask(LossType.DPO, PairLossParams(beta=BETA), temperature=1.0, pad_id=0, pack_ratio=2.0)
+        task = PairTask("dpo", PairLossParams(beta=BETA), temperature=1.0, pad_id=0, pack_ratio=2.0)
         ours, _, _ = task.loss(policy, batch)
 
         trainer = trl_trainer(policy, ds, "/tmp/rlhf_bench_trl_check", len(batch), 1, precompute=False,

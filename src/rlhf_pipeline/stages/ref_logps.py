@@ -16,15 +16,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import OutputOptions, option
-from rlhf_pipeline.errors import PipelineError
-
-REF_COLUMNS = ("chosen_ref_logp", "rejected_ref_logp")
-PAIR_COLUMNS = ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids")
-
 
 @dataclass(kw_only=True)
 class RefLogpsConfig(OutputOptions):
@@ -46,85 +41,14 @@ class RefLogpsConfig(OutputOptions):
     trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
 
 
-def check_pairs(ds, source: str) -> None:
-    missing = [c for c in PAIR_COLUMNS if c not in ds.column_names]
-    if missing:
-        raise PipelineError(
-            f"{source}: missing column(s) {', '.join(missing)}; pass pairs made by rlhf filter --mode pairs"
-        )
-
-
-def pair_lengths(ds) -> list[int]:
-    """Tokens in one pair's forward: the prompt twice plus both responses."""
-    return [
-        2 * len(p) + len(c) + len(r)
-        for p, c, r in zip(ds["prompt_token_ids"], ds["chosen_token_ids"], ds["rejected_token_ids"])
-    ]
-
-
-def pair_logps(model, rows: list[dict[str, Any]], pad_id: int, temperature: float, pack_ratio: float = 0.0):
-    """Sequence log-probs of the chosen and rejected responses of ``rows``: one forward over 2B sequences, padded or
-    packed (``pack_ratio``; see ``logprobs.build_batch``)."""
-    from rlhf_pipeline.logprobs import build_batch, sequence_logps
-
-    prompts = [r["prompt_token_ids"] for r in rows]
-    batch = build_batch(
-        prompts + prompts, [r["chosen_token_ids"] for r in rows] + [r["rejected_token_ids"] for r in rows], pad_id,
-        pack_ratio=pack_ratio,
-    )
-    batch = batch.to(next(model.parameters()).device)
-    logps = sequence_logps(model, batch, temperature=temperature)  # (2B,)
-    return logps[: len(rows)], logps[len(rows) :], batch
-
-
-def compute_ref_logps(
-    accelerator, model, ds, pad_id: int, temperature: float, batch_size: int, pack_ratio: float = 0.0
-) -> tuple[list, list]:
-    """Reference log-probs of every pair in ``ds``, computed in length-sorted batches shared over processes."""
-    from rlhf_pipeline.trainer import sharded_inference
-
-    def compute(ids: list[int]) -> list[tuple[float, float]]:
-        chosen, rejected, _ = pair_logps(model, ds.select(ids).to_list(), pad_id, temperature, pack_ratio)
-        return list(zip(chosen.tolist(), rejected.tolist()))
-
-    values = sharded_inference(accelerator, model, pair_lengths(ds), batch_size, compute, "reference log-probs")
-    return [c for c, _ in values], [r for _, r in values]
-
-
-def add_ref_columns(dd, values: dict[str, tuple[list, list]]):
-    from datasets import Value
-
-    out = {}
-    for split, ds in dd.items():
-        chosen, rejected = values[split]
-        ds = ds.remove_columns([c for c in REF_COLUMNS if c in ds.column_names])
-        ds = ds.add_column("chosen_ref_logp", chosen, feature=Value("float64"))
-        out[split] = ds.add_column("rejected_ref_logp", rejected, feature=Value("float64"))
-    return type(dd)(out)
-
-
-def resolve_temperature(requested: float | None, sampling: dict | None, source: str, default: float | None) -> float:
-    """The log-prob temperature: asked for, else ``default``, else the recorded sampling temperature."""
-    if requested is not None:
-        return requested
-    if default is not None:
-        return default
-    if sampling is None or sampling.get("temperature") is None:
-        raise PipelineError(
-            f"{source}: no sampling temperature recorded upstream (no generate manifest in its lineage); "
-            "pass --temperature with the temperature the responses were sampled at"
-        )
-    if sampling["temperature"] == 0:
-        raise PipelineError(f"{source}: the data was sampled greedily (temperature 0); pass --temperature")
-    return float(sampling["temperature"])
-
-
 def main(config: RefLogpsConfig) -> Path:
     from accelerate import Accelerator
 
+    from rlhf_pipeline.algorithms import resolve_temperature
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.modeling import load_causal_lm
+    from rlhf_pipeline.pairs import add_ref_columns, check_pairs, compute_ref_logps
 
     ref = parse_ref(config.input)
     out = StageOutput("ref-logps", config, inputs=[ref])

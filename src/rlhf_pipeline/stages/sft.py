@@ -132,48 +132,47 @@ def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int
             "num_tokens": [len(p) + len(a) for p, a in zip(prompt_ids, answer_ids)],
         }
 
-    from rlhf_pipeline.trainer import encode_splits
+    from rlhf_pipeline.training_stage import encode_splits
 
     out, dropped = encode_splits(dd, encode, max_length)
     return out, dropped, counts["fallback"]
 
 
 def main(config: SFTConfig) -> Path:
-    from rlhf_pipeline.datasets_io import parse_ref
-    from rlhf_pipeline.trainer import run_training_stage
-
-    ref = parse_ref(config.data)
-    return run_training_stage("sft", config, [ref], lambda accelerator, out: _train(config, ref, accelerator))
-
-
-def _train(config: SFTConfig, ref, accelerator):
     from transformers import AutoModelForCausalLM
 
     from rlhf_pipeline.chat import load_tokenizer, pad_id, stop_token_ids
-    from rlhf_pipeline.trainer import StageRun, load_trainable, prepare, train, train_test_splits, training_summary
+    from rlhf_pipeline.datasets_io import parse_ref
+    from rlhf_pipeline.trainer import load_trainable, prepare, train
+    from rlhf_pipeline.training_stage import StageRun, train_test_splits, training_run, training_summary
 
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    dd = train_test_splits(ref, config.test_size, config.seed)
-    rows_in = sum(ds.num_rows for ds in dd.values())
-    stops = stop_token_ids(tokenizer, config.model, config.trust_remote_code)
-    data, dropped, fallbacks = tokenize(dd, tokenizer, config.max_length, str(ref), stops)
-    if data["train"].num_rows == 0:
-        raise PipelineError(f"{ref}: no training row fits in --max-length {config.max_length}; raise it")
-    model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
-    setup = prepare(config, accelerator, model, data["train"].num_rows)
-    result = train(
-        config, accelerator, setup, tokenizer, SFTTask(pad_id(tokenizer), config.pack_ratio), data["train"], data.get("test"),
-        train_names=lambda m: {"loss/train": m["loss"]}, eval_names=lambda m: {"loss/eval": m["loss"]},
-    )
-    eval_loss = result.final_eval.get("loss")
-    return StageRun(
-        result=result,
-        rows_in=rows_in,
-        dropped=dropped,
-        extra={"training": {"answer_tokenized_alone": fallbacks, **training_summary(result)}},
-        summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
-        + (f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""),
-    )
+    ref = parse_ref(config.data)
+    with training_run("sft", config, [ref]) as run:
+        if run.finished:
+            return run.path
+        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        dd = train_test_splits(ref, config.test_size, config.seed)
+        rows_in = sum(ds.num_rows for ds in dd.values())
+        stops = stop_token_ids(tokenizer, config.model, config.trust_remote_code)
+        data, dropped, fallbacks = tokenize(dd, tokenizer, config.max_length, str(ref), stops)
+        if data["train"].num_rows == 0:
+            raise PipelineError(f"{ref}: no training row fits in --max-length {config.max_length}; raise it")
+        model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
+        setup = prepare(config, run.accelerator, model, data["train"].num_rows)
+        task = SFTTask(pad_id(tokenizer), config.pack_ratio)
+        result = train(
+            config, run.accelerator, setup, tokenizer, task, data["train"], data.get("test"),
+        )
+        eval_loss = result.final_eval.get("loss")
+        run.finish(StageRun(
+            result=result,
+            rows_in=rows_in,
+            dropped=dropped,
+            extra={"training": {"answer_tokenized_alone": fallbacks, **training_summary(result)}},
+            summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
+            + (f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""),
+        ))
+    return run.path
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """Train a policy: on preference pairs with REBEL or the DPO family (DPO, cDPO, IPO, SimPO), or on groups of n
-responses per prompt with the PPO family (PPO with a critic and GAE, GRPO, RLOO, REINFORCE++; see rlhf_pipeline.rl).
+responses per prompt with the PPO family (PPO with a critic and GAE, GRPO, RLOO, REINFORCE++; see rlhf_pipeline.groups).
+The algorithms and what each needs come from ``rlhf_pipeline.algorithms``.
 
     rlhf train --algo rebel --model runs/iter_0/policy --data runs/iter_0/filter --output runs/iter_0/train
     rlhf train --algo grpo --model runs/iter_0/policy --data runs/iter_0/groups --output runs/iter_0/train
@@ -23,24 +24,21 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
+from rlhf_pipeline.algorithms import GROUPS, AlgoName, get, help_text
 from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.stages.ref_logps import REF_COLUMNS, check_pairs, pair_lengths, pair_logps, resolve_temperature
+from rlhf_pipeline.layout import CRITIC, REF_LOGPS_CACHE, ROLLOUT_CACHE
+from rlhf_pipeline.pairs import REF_COLUMNS, check_pairs
 from rlhf_pipeline.trainer import TrainOptions
-
-METRIC_GROUPS = {"margin": "reward", "accuracy": "reward", "chosen_logratio": "logp", "rejected_logratio": "logp"}
-
 
 @dataclass(kw_only=True)
 class TrainConfig(TrainOptions):
     """Train a policy on pairs (REBEL, DPO family) or on groups (PPO family)."""
 
-    algo: Literal["rebel", "dpo", "cdpo", "ipo", "simpo", "ppo", "grpo", "rloo", "reinforce_pp"] = option(
-        "rebel", help="The loss: rebel/dpo/cdpo/ipo/simpo train on pairs; ppo/grpo/rloo/reinforce_pp on groups."
-    )
+    algo: AlgoName = option("rebel", help=f"The algorithm: {help_text()}.")
     eta: float = option(
         1.0, help="REBEL: scale of the log-ratio regression, ((logratio_c - logratio_r)/eta - (r_c - r_r))^2. "
         "REBEL's UltraFeedback runs use 1e6."
@@ -77,18 +75,21 @@ class TrainConfig(TrainOptions):
     value_clip: Optional[float] = option(0.2, help="PPO: clip range of the values around the old values.")
 
     @property
-    def is_group_algo(self) -> bool:
-        from rlhf_pipeline.rl import PPO_ALGOS
+    def algorithm(self):
+        return get(self.algo)
 
-        return self.algo in PPO_ALGOS
+    @property
+    def is_group_algo(self) -> bool:
+        return self.algorithm.data == GROUPS
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        get(self.algo)  # an unknown name fails here, with the list of algorithms
         if not 0.0 <= self.discount <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError("--discount and --lam must be in [0, 1]")
 
     def rl_params(self):
-        from rlhf_pipeline.rl import RLParams
+        from rlhf_pipeline.groups import RLParams
 
         estimator = self.kl_estimator or ("k1" if self.kl_mode == "reward" else "k3")
         return RLParams(algo=self.algo, clip=self.clip, kl_coef=self.kl_coef, kl_mode=self.kl_mode,
@@ -96,78 +97,20 @@ class TrainConfig(TrainOptions):
                         value_clip=self.value_clip, normalize_rewards=self.normalize_rewards)
 
     def loss_params(self):
-        from rlhf_pipeline.losses import LossType, PairLossParams
+        """(the pair algorithm, its ``PairLossParams``): the options given, the algorithm's defaults for the rest."""
+        from rlhf_pipeline.algorithms import pair_loss_params
 
         if self.is_group_algo:
             raise ValueError(f"--algo {self.algo} trains on groups and has no pair loss")
-        loss_type = LossType(self.algo)
-        beta = self.beta if self.beta is not None else (2.0 if loss_type is LossType.SIMPO else 0.1)
-        smoothing = self.label_smoothing if self.label_smoothing is not None else (
-            0.1 if loss_type is LossType.CDPO else 0.0
-        )
-        return loss_type, PairLossParams(eta=self.eta, beta=beta, label_smoothing=smoothing, gamma=self.gamma)
-
-
-class PairTask:
-    """Chosen and rejected of a micro-batch in one forward; the loss from ``losses.compute_pair_loss``."""
-
-    def __init__(self, loss_type, params, temperature: float, pad_id: int, pack_ratio: float = 0.0):
-        self.loss_type, self.params, self.temperature, self.pad_id = loss_type, params, temperature, pad_id
-        self.pack_ratio = pack_ratio
-
-    def lengths(self, ds) -> list[int]:
-        return pair_lengths(ds)
-
-    def collate(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return rows  # tensors are built in loss(), by logprobs.build_batch, packed or padded per micro-batch
-
-    def loss(self, model, rows):
-        import torch
-
-        from rlhf_pipeline.logprobs import response_lengths
-        from rlhf_pipeline.losses import LossType, compute_pair_loss
-
-        chosen, rejected, batch = pair_logps(model, rows, self.pad_id, self.temperature, self.pack_ratio)
-        device, dtype = chosen.device, chosen.dtype
-
-        def column(name):
-            return torch.tensor([r[name] for r in rows], dtype=dtype, device=device)
-
-        lengths = response_lengths(batch).to(dtype).clamp(min=1)  # an empty response must not divide by zero
-        needs_ref = self.loss_type.needs_reference
-        losses, metrics = compute_pair_loss(
-            self.loss_type,
-            self.params,
-            chosen,
-            rejected,
-            ref_chosen_logps=column("chosen_ref_logp") if needs_ref else None,
-            ref_rejected_logps=column("rejected_ref_logp") if needs_ref else None,
-            chosen_rewards=column("chosen_reward") if self.loss_type.uses_rewards else None,
-            rejected_rewards=column("rejected_reward") if self.loss_type.uses_rewards else None,
-            chosen_lengths=lengths[: len(rows)],
-            rejected_lengths=lengths[len(rows) :],
-        )
-        loss = losses.mean()
-        if self.loss_type is LossType.REBEL and self.params.eta != 1.0:
-            # The value of the paper's loss, the gradient of REBEL's code (eta² larger; see losses.rebel_loss).
-            loss = loss.detach() + (loss - loss.detach()) * self.params.eta**2
-        return loss, metrics, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
-
-
-def train_names(values: dict[str, float]) -> dict[str, float]:
-    return {("loss/train" if k == "loss" else f"{METRIC_GROUPS.get(k, 'train')}/train_{k}"): v for k, v in values.items()}
-
-
-def eval_names(values: dict[str, float]) -> dict[str, float]:
-    return {("loss/eval" if k == "loss" else f"{METRIC_GROUPS.get(k, 'eval')}/{k}"): v for k, v in values.items()}
+        algo = self.algorithm
+        return algo, pair_loss_params(algo, eta=self.eta, beta=self.beta, label_smoothing=self.label_smoothing,
+                                      gamma=self.gamma)
 
 
 def _reference_columns(accelerator, setup_model, dd, config, temperature, pad_id, record, output: Path):
     """The splits with reference log-prob columns: from the data, from OUTPUT/ref_logps, or computed now."""
-    from datasets import load_from_disk
-
-    from rlhf_pipeline.datasets_io import atomic_directory
-    from rlhf_pipeline.stages.ref_logps import add_ref_columns, compute_ref_logps
+    from rlhf_pipeline.pairs import add_ref_columns, compute_ref_logps
+    from rlhf_pipeline.training_stage import cached_splits
 
     if all(c in ds.column_names for ds in dd.values() for c in REF_COLUMNS):
         if record is not None and record.get("temperature") != temperature:
@@ -177,76 +120,191 @@ def _reference_columns(accelerator, setup_model, dd, config, temperature, pad_id
                 "recompute them with rlhf ref-logps --temperature"
             )
         return dd
-    cache = output / "ref_logps"
-    if (cache / "dataset_dict.json").exists():
-        return load_from_disk(str(cache))
-    values = {
-        split: compute_ref_logps(
-            accelerator, setup_model, ds, pad_id, temperature, config.eval_batch_size, config.pack_ratio
-        )
-        for split, ds in dd.items()
-    }
-    dd = add_ref_columns(dd, values)
-    if accelerator.is_main_process:
-        with atomic_directory(cache) as tmp:
-            dd.save_to_disk(str(tmp))
-    accelerator.wait_for_everyone()
-    return dd
+    def compute():
+        values = {
+            split: compute_ref_logps(
+                accelerator, setup_model, ds, pad_id, temperature, config.eval_batch_size, config.pack_ratio
+            )
+            for split, ds in dd.items()
+        }
+        return add_ref_columns(dd, values)
+
+    return cached_splits(accelerator, output / REF_LOGPS_CACHE, compute)
 
 
 def main(config: TrainConfig) -> Path:
-    from rlhf_pipeline.datasets_io import parse_ref
-    from rlhf_pipeline.trainer import run_training_stage
-
-    ref = parse_ref(config.data)
-    if config.is_group_algo:
-        from rlhf_pipeline.rl import train_groups
-
-        return run_training_stage("train", config, [ref],
-                                  lambda accelerator, out: train_groups(config, ref, accelerator, out))
-    try:
-        config.loss_params()
-    except ValueError as e:
-        raise PipelineError(str(e)) from None
-    return run_training_stage("train", config, [ref], lambda accelerator, out: _train(config, ref, accelerator, out))
+    return train_groups(config) if config.is_group_algo else train_pairs(config)
 
 
-def _train(config: TrainConfig, ref, accelerator, out):
+def train_pairs(config: TrainConfig) -> Path:
+    """``rlhf train`` for REBEL and the DPO family: see ``rlhf_pipeline.pairs``."""
     from transformers import AutoModelForCausalLM
 
+    from rlhf_pipeline.algorithms import logp_temperature
     from rlhf_pipeline.chat import load_tokenizer, pad_id
-    from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict
-    from rlhf_pipeline.trainer import StageRun, load_trainable, prepare, train, training_summary
+    from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
+    from rlhf_pipeline.pairs import PairTask
+    from rlhf_pipeline.trainer import load_trainable, prepare, train
+    from rlhf_pipeline.training_stage import StageRun, training_run, training_summary
 
-    loss_type, params = config.loss_params()
-    dd = load_dataset_dict(ref, required=("train",))
-    for split, ds in dd.items():
-        check_pairs(ds, f"{ref}:{split}")
-    sampling = find_in_lineage([ref], "sampling")
-    temperature = resolve_temperature(
-        config.temperature, sampling, str(ref), None if loss_type.default_logp_temperature_is_sampling else 1.0
-    )
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    pad = pad_id(tokenizer)
-    model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
-    setup = prepare(config, accelerator, model, dd["train"].num_rows)
-    if loss_type.needs_reference:
-        dd = _reference_columns(
-            accelerator, setup.model, dd, config, temperature, pad, find_in_lineage([ref], "ref_logps"), out.path
+    ref = parse_ref(config.data)
+    try:
+        algo, params = config.loss_params()
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
+    with training_run("train", config, [ref]) as run:
+        if run.finished:
+            return run.path
+        dd = load_dataset_dict(ref, required=("train",))
+        for split, ds in dd.items():
+            check_pairs(ds, f"{ref}:{split}")
+        sampling = find_in_lineage([ref], "sampling")
+        temperature = logp_temperature(algo, config.temperature, sampling, str(ref))
+        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        pad = pad_id(tokenizer)
+        model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
+        setup = prepare(config, run.accelerator, model, dd["train"].num_rows)
+        if algo.needs_reference:
+            dd = _reference_columns(
+                run.accelerator, setup.model, dd, config, temperature, pad, find_in_lineage([ref], "ref_logps"),
+                run.path,
+            )
+        task = PairTask(algo, params, temperature, pad, config.pack_ratio)
+        result = train(
+            config, run.accelerator, setup, tokenizer, task, dd["train"], dd.get("test"),
         )
-    task = PairTask(loss_type, params, temperature, pad, config.pack_ratio)
-    result = train(
-        config, accelerator, setup, tokenizer, task, dd["train"], dd.get("test"),
-        train_names=train_names, eval_names=eval_names,
-    )
-    training = {"algo": loss_type.value, "loss_params": vars(params), "logp_temperature": temperature,
-                **training_summary(result)}
-    return StageRun(
-        result=result,
-        rows_in=sum(ds.num_rows for ds in dd.values()),
-        extra={"sampling": sampling, "training": training},
-        summary=f"{loss_type.value}: {result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}",
-    )
+        training = {"algo": algo.name, "loss_params": vars(params), "logp_temperature": temperature,
+                    **training_summary(result)}
+        run.finish(StageRun(
+            result=result,
+            rows_in=sum(ds.num_rows for ds in dd.values()),
+            extra={"sampling": sampling, "training": training},
+            summary=f"{algo.name}: {result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}",
+        ))
+    return run.path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# On groups: the PPO family (rlhf_pipeline.groups)
+
+
+def _critic_source(config, ref) -> str:
+    from rlhf_pipeline.datasets_io import find_in_lineage
+    from rlhf_pipeline.errors import PipelineError
+
+    if config.critic_model:
+        return config.critic_model
+    reward = find_in_lineage([ref], "reward") or {}
+    if reward.get("reward_model"):
+        return reward["reward_model"]
+    raise PipelineError(f"{config.data}: --algo {config.algo} needs a critic to start from, and the data was not scored with a "
+                        "reward model; pass --critic-model (a reward model directory, e.g. from rlhf train-rm)")
+
+
+def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, output: Path):
+    """The flattened samples of each split with old_logps, ref_logps, (old_values,) advantages (, returns): from
+    OUTPUT/rollout when an interrupted run made them, else computed now and kept there."""
+    import datasets
+
+    from rlhf_pipeline.groups import compute_advantages, flatten_groups, rollout_pass
+    from rlhf_pipeline.modeling import load_causal_lm
+    from rlhf_pipeline.training_stage import cached_splits
+
+    def compute():
+        uses_critic = config.algorithm.uses_critic
+        samples = {split: flatten_groups(ds, f"{config.data}:{split}") for split, ds in dd.items()}
+        reference = None
+        if config.ref_model and params.kl_coef and config.ref_model != config.model:  # else: the rollout's own
+            reference = load_causal_lm(config.ref_model, dtype="float32" if not config.bf16 else "bfloat16",
+                                       trust_remote_code=config.trust_remote_code, device=accelerator.device)
+        for split, s in samples.items():
+            batch = config.eval_batch_size
+            passed = rollout_pass(accelerator, setup_model, s, pad, temperature, batch, config.pack_ratio,
+                                  values=uses_critic)
+            s["old_logps"] = passed["logps"]
+            if uses_critic:
+                s["old_values"] = passed["values"]
+            s["ref_logps"] = (rollout_pass(accelerator, reference, s, pad, temperature, batch, config.pack_ratio,
+                                           values=False)["logps"] if reference is not None else s["old_logps"])
+            s.update(compute_advantages(s, params))
+        del reference
+        return datasets.DatasetDict({split: datasets.Dataset.from_dict(s) for split, s in samples.items()})
+
+    return cached_splits(accelerator, output / ROLLOUT_CACHE, compute)
+
+
+def train_groups(config: TrainConfig) -> Path:
+    """``rlhf train`` for the PPO family: see ``rlhf_pipeline.groups``."""
+    import statistics
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhf_pipeline.algorithms import logp_temperature
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
+    from rlhf_pipeline.distributed import on_main_process
+    from rlhf_pipeline.groups import GroupTask, check_groups, policy_and_critic
+    from rlhf_pipeline.trainer import load_trainable, prepare, train
+    from rlhf_pipeline.training_stage import StageRun, training_run, training_summary
+
+    ref = parse_ref(config.data)
+    with training_run("train", config, [ref]) as run:
+        if run.finished:
+            return run.path
+        params = config.rl_params()
+        dd = load_dataset_dict(ref, required=("train",))
+        for split, ds in dd.items():
+            check_groups(ds, f"{ref}:{split}")
+        sampling = find_in_lineage([ref], "sampling")
+        temperature = logp_temperature(config.algorithm, config.temperature, sampling, str(ref))
+        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        pad = pad_id(tokenizer)
+        critic_path = _critic_source(config, ref) if config.algorithm.uses_critic else None
+
+        def loader(path, trust_remote_code):
+            policy = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code)
+            if critic_path is None:
+                return policy
+            critic = AutoModelForSequenceClassification.from_pretrained(critic_path, num_labels=1,
+                                                                        trust_remote_code=trust_remote_code)
+            if critic.config.vocab_size < policy.config.vocab_size:
+                raise PipelineError(
+                    f"critic {critic_path} has a vocabulary of {critic.config.vocab_size}, the policy "
+                    f"{policy.config.vocab_size}: the critic reads the policy's tokens, so it must share its "
+                    "tokenizer; pass --critic-model with a reward model trained on the policy's tokenizer"
+                )
+            critic.config.use_cache = False
+            critic.config.pad_token_id = pad
+            return policy_and_critic(policy, critic)
+
+        model = load_trainable(config, loader)
+        num_train = sum(len(r) for r in dd["train"]["rewards"])
+        critic_lr = config.learning_rate if config.critic_learning_rate is None else config.critic_learning_rate
+        setup = prepare(config, run.accelerator, model, num_train,
+                        learning_rate=lambda name: critic_lr if name.startswith("critic.") else config.learning_rate)
+        data = _rollout(config, params, run.accelerator, setup.model, dd, temperature, pad, run.path)
+        task = GroupTask(params, temperature, pad, config.pack_ratio)
+        result = train(
+            config, run.accelerator, setup, tokenizer, task, data["train"], data.get("test"),
+        )
+        if critic_path is not None:
+            on_main_process(run.accelerator, lambda: tokenizer.save_pretrained(run.path / CRITIC))
+        rewards = data["train"]["reward"]
+        training = {
+            "algo": params.algo, "rl_params": vars(params), "logp_temperature": temperature,
+            "ref_model": config.ref_model or config.model, "critic_model": critic_path,
+            "samples": {split: data[split].num_rows for split in data},
+            "mean_reward": statistics.fmean(rewards) if rewards else None,
+            **training_summary(result),
+        }
+        run.finish(StageRun(
+            result=result,
+            rows_in=sum(ds.num_rows for ds in dd.values()),
+            extra={"sampling": sampling, "training": training},
+            summary=f"{params.algo}: {result.steps} steps over {num_train} samples, loss {result.first_loss:.4f} "
+            f"-> {result.last_loss:.4f}",
+        ))
+    return run.path
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

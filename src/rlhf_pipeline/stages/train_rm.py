@@ -98,7 +98,7 @@ def tokenize(dd, tokenizer, max_length: int, source: str):
         return {"chosen_input_ids": ids[0::2], "rejected_input_ids": ids[1::2],
                 "num_tokens": [max(len(c), len(r)) for c, r in zip(ids[0::2], ids[1::2])]}
 
-    from rlhf_pipeline.trainer import encode_splits
+    from rlhf_pipeline.training_stage import encode_splits
 
     return encode_splits(dd, encode, max_length)
 
@@ -139,14 +139,6 @@ class RewardTask:
         return losses.mean(), metrics, (real, attention_mask.numel())
 
 
-def _names(prefix: str):
-    def rename(values: dict[str, float]) -> dict[str, float]:
-        return {(f"loss/{prefix}" if k == "loss" else
-                 f"reward/{'' if prefix == 'eval' else 'train_'}{k}"): v for k, v in values.items()}
-
-    return rename
-
-
 def load_reward_model_for_training(path: str, trust_remote_code: bool = False):
     from transformers import AutoModelForSequenceClassification
 
@@ -154,41 +146,40 @@ def load_reward_model_for_training(path: str, trust_remote_code: bool = False):
 
 
 def main(config: TrainRMConfig) -> Path:
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import parse_ref
-    from rlhf_pipeline.trainer import run_training_stage
+    from rlhf_pipeline.rewards import prepare_reward_model
+    from rlhf_pipeline.trainer import load_trainable, prepare, train
+    from rlhf_pipeline.training_stage import StageRun, train_test_splits, training_run, training_summary
 
     ref = parse_ref(config.data)
-    return run_training_stage("train-rm", config, [ref], lambda accelerator, out: _train(config, ref, accelerator))
-
-
-def _train(config: TrainRMConfig, ref, accelerator):
-    from rlhf_pipeline.chat import load_tokenizer, pad_id
-    from rlhf_pipeline.rewards import prepare_reward_model
-    from rlhf_pipeline.trainer import StageRun, load_trainable, prepare, train, train_test_splits, training_summary
-
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    dd = train_test_splits(ref, config.test_size, config.seed)
-    rows_in = sum(ds.num_rows for ds in dd.values())
-    data, dropped = tokenize(dd, tokenizer, config.max_length, str(ref))
-    if data["train"].num_rows == 0:
-        raise PipelineError(f"{ref}: no training pair fits in --max-length {config.max_length}; raise it")
-    pad = pad_id(tokenizer)
-    model = load_trainable(config, load_reward_model_for_training)
-    prepare_reward_model(model, pad)
-    setup = prepare(config, accelerator, model, data["train"].num_rows)
-    result = train(
-        config, accelerator, setup, tokenizer, RewardTask(pad), data["train"], data.get("test"),
-        train_names=_names("train"), eval_names=_names("eval"),
-    )
-    accuracy = result.final_eval.get("accuracy")
-    return StageRun(
-        result=result,
-        rows_in=rows_in,
-        dropped=dropped,
-        extra={"training": {"pairs": {split: ds.num_rows for split, ds in data.items()}, **training_summary(result)}},
-        summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
-        + (f", eval accuracy {accuracy:.3f}" if accuracy is not None else ""),
-    )
+    with training_run("train-rm", config, [ref]) as run:
+        if run.finished:
+            return run.path
+        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        dd = train_test_splits(ref, config.test_size, config.seed)
+        rows_in = sum(ds.num_rows for ds in dd.values())
+        data, dropped = tokenize(dd, tokenizer, config.max_length, str(ref))
+        if data["train"].num_rows == 0:
+            raise PipelineError(f"{ref}: no training pair fits in --max-length {config.max_length}; raise it")
+        pad = pad_id(tokenizer)
+        model = load_trainable(config, load_reward_model_for_training)
+        prepare_reward_model(model, pad)
+        setup = prepare(config, run.accelerator, model, data["train"].num_rows)
+        result = train(
+            config, run.accelerator, setup, tokenizer, RewardTask(pad), data["train"], data.get("test"),
+        )
+        accuracy = result.final_eval.get("accuracy")
+        run.finish(StageRun(
+            result=result,
+            rows_in=rows_in,
+            dropped=dropped,
+            extra={"training": {"pairs": {split: ds.num_rows for split, ds in data.items()},
+                                **training_summary(result)}},
+            summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
+            + (f", eval accuracy {accuracy:.3f}" if accuracy is not None else ""),
+        ))
+    return run.path
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

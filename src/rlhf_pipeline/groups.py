@@ -1,4 +1,6 @@
-"""The PPO family on groups (n responses per prompt): PPO with a critic and GAE, GRPO, RLOO and REINFORCE++.
+"""The PPO family on groups (n responses per prompt): the rollout pass, the advantages and the training task shared by
+PPO with a critic and GAE, GRPO, RLOO and REINFORCE++ (each a ``GroupAlgorithm`` of ``algorithms.py``); the stage
+body is ``rlhf train`` (``stages/train.py``).
 
 Offline, like the rest of the pipeline: the responses were sampled by the policy this run starts from, so "the
 rollout" is the groups dataset, and training runs ``--epochs`` passes (PPO's K epochs) over it in minibatches of
@@ -38,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-PPO_ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
+from rlhf_pipeline.layout import CRITIC
+
 GROUP_COLUMNS = ("prompt_token_ids", "response_token_ids", "rewards")
 
 
@@ -78,7 +81,7 @@ def policy_and_critic(policy, critic):
         def save_pretrained(self, path, state_dict=None, safe_serialization=True):
             state_dict = state_dict if state_dict is not None else self.state_dict()
             for name, module, where in (("policy", self.policy, Path(path)), ("critic", self.critic,
-                                                                                Path(path) / "critic")):
+                                                                                Path(path) / CRITIC)):
                 part = {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
                 module.save_pretrained(where, state_dict=part, safe_serialization=safe_serialization)
 
@@ -134,7 +137,7 @@ def rollout_pass(accelerator, model, samples, pad_id: int, temperature: float, b
     """Token log-probs (and, with ``values``, the critic's token values) of every sample, in length-sorted batches
     shared over the processes; ``model`` is a policy or a :func:`policy_and_critic` (possibly a DeepSpeed engine)."""
     from rlhf_pipeline.logprobs import build_batch, split_by_sequence, token_logps, token_values
-    from rlhf_pipeline.trainer import sharded_inference
+    from rlhf_pipeline.distributed import sharded_inference
 
     policy, critic = parts(model)
     prompts, responses = samples["prompt_token_ids"], samples["response_token_ids"]
@@ -175,22 +178,23 @@ def compute_advantages(samples: dict[str, list], params: RLParams) -> dict[str, 
     ``old_logps``, ``ref_logps`` and (PPO) ``old_values``; see the module docstring."""
     import torch
 
-    from rlhf_pipeline.advantages import gae, group_norm, masked_whiten, reinforce_pp, reinforce_pp_returns, rloo
+    from rlhf_pipeline.algorithms import get
     from rlhf_pipeline.losses import kl_estimate
 
+    algo = get(params.algo)
     rewards = torch.tensor(samples["reward"], dtype=torch.float64)
     if params.normalize_rewards and rewards.numel() > 1:
         rewards = (rewards - rewards.mean()) / (rewards.std() + 1e-8)
     groups = torch.tensor(samples["group"])
-    if params.algo in ("grpo", "rloo"):  # the group baseline, group by group (filtering can leave groups uneven)
+    baseline = algo.baseline_fn()
+    if baseline is not None:  # the group baseline, group by group (filtering can leave groups uneven)
         scores = torch.empty_like(rewards)
         for g in groups.unique():
             where = groups == g
             if int(where.sum()) < 2:
                 scores[where] = 0.0  # a lone sample has no baseline: it teaches nothing
                 continue
-            fn = group_norm if params.algo == "grpo" else rloo
-            scores[where] = fn(rewards[where].unsqueeze(0)).squeeze(0)
+            scores[where] = baseline(rewards[where].unsqueeze(0)).squeeze(0)
     else:
         scores = rewards
     old, mask = padded(samples["old_logps"])
@@ -204,15 +208,10 @@ def compute_advantages(samples: dict[str, list], params: RLParams) -> dict[str, 
     token_rewards[has_tokens, last[has_tokens]] += scores[has_tokens]
 
     out: dict[str, list] = {}
-    if params.algo == "ppo":
-        values, _ = padded(samples["old_values"])
-        advantages, returns = gae(token_rewards, values, gamma=params.gamma, lam=params.lam, mask=mask)
-        advantages = masked_whiten(advantages, mask)
+    values = padded(samples["old_values"])[0] if algo.uses_critic else None
+    advantages, returns = algo.advantages_fn()(token_rewards, mask, values, params)
+    if returns is not None:
         out["returns"] = unpadded(returns, mask)
-    elif params.algo == "reinforce_pp":
-        advantages = reinforce_pp(token_rewards, mask, gamma=params.gamma)
-    else:
-        advantages = reinforce_pp_returns(token_rewards, gamma=1.0, mask=mask)  # GRPO/RLOO: undiscounted
     out["advantages"] = unpadded(advantages, mask)
     out["score"] = scores.tolist()
     return out
@@ -294,133 +293,3 @@ def _positions(seq_index):
         counts = torch.diff(torch.cat([first, first.new_tensor([seq_index.numel()])]))
         starts = torch.repeat_interleave(first, counts)
     return torch.arange(seq_index.numel(), device=seq_index.device) - starts
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The stage body (``rlhf train --algo ppo|grpo|rloo|reinforce_pp``)
-
-
-def metric_name(key: str, prefix: str) -> str:
-    if key == "loss":
-        return f"loss/{prefix}"
-    group = {"policy_loss": "loss", "value_loss": "loss", "kl": "kl", "kl_to_ref": "kl", "approx_kl": "kl",
-             "clip_frac": "ppo", "ratio_mean": "ppo"}.get(key, prefix)
-    return f"{group}/{prefix}_{key}"
-
-
-def _critic_source(config, ref) -> str:
-    from rlhf_pipeline.datasets_io import find_in_lineage
-    from rlhf_pipeline.errors import PipelineError
-
-    if config.critic_model:
-        return config.critic_model
-    reward = find_in_lineage([ref], "reward") or {}
-    if reward.get("reward_model"):
-        return reward["reward_model"]
-    raise PipelineError(f"{config.data}: --algo ppo needs a critic to start from, and the data was not scored with a "
-                        "reward model; pass --critic-model (a reward model directory, e.g. from rlhf train-rm)")
-
-
-def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, output: Path):
-    """The flattened samples of each split with old_logps, ref_logps, (old_values,) advantages (, returns): from
-    OUTPUT/rollout when an interrupted run made them, else computed now and kept there."""
-    import datasets
-    from datasets import load_from_disk
-
-    from rlhf_pipeline.datasets_io import atomic_directory
-    from rlhf_pipeline.modeling import load_causal_lm
-
-    cache = output / "rollout"
-    if (cache / "dataset_dict.json").exists():
-        return load_from_disk(str(cache))
-    samples = {split: flatten_groups(ds, f"{config.data}:{split}") for split, ds in dd.items()}
-    reference = None
-    if config.ref_model and params.kl_coef and config.ref_model != config.model:  # else: the rollout's own
-        reference = load_causal_lm(config.ref_model, dtype="float32" if not config.bf16 else "bfloat16",
-                                   trust_remote_code=config.trust_remote_code, device=accelerator.device)
-    for split, s in samples.items():
-        batch = config.eval_batch_size
-        passed = rollout_pass(accelerator, setup_model, s, pad, temperature, batch, config.pack_ratio,
-                              values=params.algo == "ppo")
-        s["old_logps"] = passed["logps"]
-        if params.algo == "ppo":
-            s["old_values"] = passed["values"]
-        s["ref_logps"] = (rollout_pass(accelerator, reference, s, pad, temperature, batch, config.pack_ratio,
-                                       values=False)["logps"] if reference is not None else s["old_logps"])
-        s.update(compute_advantages(s, params))
-    del reference
-    dd = datasets.DatasetDict({split: datasets.Dataset.from_dict(s) for split, s in samples.items()})
-    if accelerator.is_main_process:
-        with atomic_directory(cache) as tmp:
-            dd.save_to_disk(str(tmp))
-    accelerator.wait_for_everyone()
-    return dd
-
-
-def train_groups(config, ref, accelerator, out):
-    """``rlhf train`` for the PPO family: see the module docstring."""
-    import statistics
-
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from rlhf_pipeline.chat import load_tokenizer, pad_id
-    from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict
-    from rlhf_pipeline.errors import PipelineError
-    from rlhf_pipeline.stages.ref_logps import resolve_temperature
-    from rlhf_pipeline.trainer import StageRun, load_trainable, on_main_process, prepare, train, training_summary
-
-    params = config.rl_params()
-    dd = load_dataset_dict(ref, required=("train",))
-    for split, ds in dd.items():
-        check_groups(ds, f"{ref}:{split}")
-    sampling = find_in_lineage([ref], "sampling")
-    temperature = resolve_temperature(config.temperature, sampling, str(ref), None)
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    pad = pad_id(tokenizer)
-    critic_path = _critic_source(config, ref) if params.algo == "ppo" else None
-
-    def loader(path, trust_remote_code):
-        policy = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code)
-        if critic_path is None:
-            return policy
-        critic = AutoModelForSequenceClassification.from_pretrained(critic_path, num_labels=1,
-                                                                    trust_remote_code=trust_remote_code)
-        if critic.config.vocab_size < policy.config.vocab_size:
-            raise PipelineError(
-                f"critic {critic_path} has a vocabulary of {critic.config.vocab_size}, the policy "
-                f"{policy.config.vocab_size}: the critic reads the policy's tokens, so it must share its tokenizer; "
-                "pass --critic-model with a reward model trained on the policy's tokenizer"
-            )
-        critic.config.use_cache = False
-        critic.config.pad_token_id = pad
-        return policy_and_critic(policy, critic)
-
-    model = load_trainable(config, loader)
-    num_train = sum(len(r) for r in dd["train"]["rewards"])
-    critic_lr = config.learning_rate if config.critic_learning_rate is None else config.critic_learning_rate
-    setup = prepare(config, accelerator, model, num_train,
-                    learning_rate=lambda name: critic_lr if name.startswith("critic.") else config.learning_rate)
-    data = _rollout(config, params, accelerator, setup.model, dd, temperature, pad, out.path)
-    task = GroupTask(params, temperature, pad, config.pack_ratio)
-    result = train(
-        config, accelerator, setup, tokenizer, task, data["train"], data.get("test"),
-        train_names=lambda m: {metric_name(k, "train"): v for k, v in m.items()},
-        eval_names=lambda m: {metric_name(k, "eval"): v for k, v in m.items()},
-    )
-    if critic_path is not None:
-        on_main_process(accelerator, lambda: tokenizer.save_pretrained(out.path / "critic"))
-    rewards = data["train"]["reward"]
-    training = {
-        "algo": params.algo, "rl_params": vars(params), "logp_temperature": temperature,
-        "ref_model": config.ref_model or config.model, "critic_model": critic_path,
-        "samples": {split: data[split].num_rows for split in data},
-        "mean_reward": statistics.fmean(rewards) if rewards else None,
-        **training_summary(result),
-    }
-    return StageRun(
-        result=result,
-        rows_in=sum(ds.num_rows for ds in dd.values()),
-        extra={"sampling": sampling, "training": training},
-        summary=f"{params.algo}: {result.steps} steps over {num_train} samples, loss {result.first_loss:.4f} -> "
-        f"{result.last_loss:.4f}",
-    )

@@ -1,0 +1,69 @@
+"""What a training run saves: the final model and the resumable checkpoints.
+
+Output directory of a training stage::
+
+    OUTPUT/                  the final model (save_pretrained, safetensors) + tokenizer: vLLM and from_pretrained load it
+    OUTPUT/manifest.json     written last: the run completed (rlhf_pipeline.training_stage)
+    OUTPUT/metrics.jsonl     one JSON object per logged step ({"step", "loss/train", ...}); TensorBoard in OUTPUT/runs
+    OUTPUT/checkpoints/step_N/   a save_pretrained model + state/ (optimizer, scheduler, RNG) + trainer_state.json
+
+``--resume`` continues from the newest complete checkpoint; checkpoints are written to a temporary name and
+renamed, so a crash while saving leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.distributed import on_main_process, unwrap
+from rlhf_pipeline.layout import CHECKPOINTS
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def save_model(accelerator, model, tokenizer, path: Path) -> None:
+    """A full save_pretrained directory (safetensors); under ZeRO-3 the shards are gathered first."""
+    state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3: every process calls it
+
+    def write() -> None:
+        unwrap(model).save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+
+    on_main_process(accelerator, write)
+
+
+def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str, Any]) -> Path:
+    """Model + resumable state at ``output/checkpoints/step_N``, renamed into place once complete."""
+    final = output / CHECKPOINTS / f"step_{state['step']:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    save_model(accelerator, model, tokenizer, tmp)
+    accelerator.save_state(str(tmp / "state"))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, checkpoint: Path) -> dict[str, Any]:
+    """Restore the optimizer, scheduler and RNG state that :func:`save_checkpoint` saved; returns its trainer state
+    (``step``, ``epoch``, ``first_loss``, ``real_tokens``, ``all_tokens``, ``seconds``)."""
+    accelerator.load_state(str(checkpoint / "state"))
+    return json.loads((checkpoint / TRAINER_STATE).read_text())
+
+
+def latest_checkpoint(output: Path) -> Path | None:
+    """The newest complete checkpoint under ``output``, or None."""
+    root = output / CHECKPOINTS
+    done = sorted(p for p in root.glob("step_*") if (p / TRAINER_STATE).exists()) if root.exists() else []
+    return done[-1] if done else None

@@ -1,0 +1,200 @@
+"""The frame every training stage (``rlhf sft``, ``rlhf train-rm``, ``rlhf train``) shares around the loop of
+``rlhf_pipeline.trainer``: the run's output directory, the accelerator, the manifest and the Hub upload; and the
+data preparation the stages share (train/test splits, tokenizing with a length limit).
+
+A stage's ``main`` reads top to bottom::
+
+    ref = parse_ref(config.data)
+    with training_run("sft", config, [ref]) as run:
+        if run.finished:  # the output already holds this run
+            return run.path
+        ...  # load the data and the model, prepare, train
+        run.finish(StageRun(result=result, rows_in=..., extra=..., summary=...))
+    return run.path
+
+On entry :func:`training_run` checks the output (a finished run with the same config and inputs is not redone; an
+unfinished one is refused, or continued with ``--resume``, or replaced with ``--overwrite``) and builds the
+accelerator; :meth:`TrainingRun.finish` pushes the model to the Hub when asked and writes the manifest that marks
+the run complete. Whatever happens, the process group is destroyed on the way out. An error or Ctrl-C before
+``finish`` leaves no manifest: the output stays unfinished, to be resumed or redone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+from rlhf_pipeline.layout import CHECKPOINTS, REF_LOGPS_CACHE, ROLLOUT_CACHE
+from rlhf_pipeline.distributed import finish_distributed, make_accelerator, on_main_process
+from rlhf_pipeline.errors import PipelineError
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.datasets_io import StageOutput
+    from rlhf_pipeline.trainer import TrainOptions, TrainResult
+
+SOURCE_ROW = "_source_row"  # a row's index in the data as given, kept through the train/test split for error messages
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class StageRun:
+    """What a training stage hands to :meth:`TrainingRun.finish` for the manifest."""
+
+    result: TrainResult
+    rows_in: int
+    extra: dict[str, Any]
+    summary: str  # one line for the console
+    dropped: Optional[dict[str, int]] = None
+
+
+@dataclass
+class TrainingRun:
+    """One run of a training stage, as :func:`training_run` yields it."""
+
+    output: StageOutput
+    accelerator: Any
+    finished: bool  # the output already holds this run (same config and inputs): nothing to do
+    completed: bool = False  # :meth:`finish` wrote the manifest
+
+    @property
+    def path(self) -> Path:
+        return self.output.path
+
+    def finish(self, run: StageRun) -> None:
+        """Mark the run complete (main process): push the model when ``--push-to-hub`` asks, then write the
+        manifest, then say so on the console."""
+        out, config = self.output, self.output.config
+
+        def write() -> None:
+            manifest = out.manifest(rows_in=run.rows_in, rows_out=run.result.steps, dropped=run.dropped,
+                                    extra=run.extra)
+            if config.push_to_hub:  # before the manifest: a failed upload leaves the run unfinished, to be rerun
+                push_model_to_hub(out.path, config.push_to_hub)
+            out.write_manifest(manifest)
+            print(f"[{out.stage}] {run.summary}; model in {out.path}")
+
+        on_main_process(self.accelerator, write)
+        self.completed = True
+
+
+@contextlib.contextmanager
+def training_run(stage: str, config: TrainOptions, inputs: list) -> Iterator[TrainingRun]:
+    """Enter a training stage's run: skip a finished output (``run.finished``), refuse or resume an unfinished one,
+    build the accelerator. The body ends with ``run.finish(StageRun(...))``; the process group is destroyed on the
+    way out, whatever happens."""
+    from rlhf_pipeline.datasets_io import StageOutput
+
+    try:
+        out = StageOutput(stage, config, inputs=inputs)
+        accelerator = make_accelerator(config)
+        finished = out.done(resume=config.resume)
+        accelerator.wait_for_everyone()  # every process has looked before the main process changes anything
+        if not finished:
+            if accelerator.is_main_process:
+                if out.replace:  # --overwrite of another run
+                    shutil.rmtree(out.path)
+                out.record_start()
+            accelerator.wait_for_everyone()
+        run = TrainingRun(out, accelerator, finished)
+        yield run
+        if not (run.finished or run.completed):
+            raise RuntimeError(f"{stage}: the training run ended without run.finish(...); it has no manifest")
+    finally:
+        finish_distributed()
+
+
+def training_summary(result: TrainResult) -> dict[str, Any]:
+    """The manifest's record of a training run."""
+    return {
+        "steps": result.steps,
+        "loss_first_step": result.first_loss,
+        "loss_last_step": result.last_loss,
+        "eval": result.final_eval,
+        "real_token_fraction": result.real_tokens / max(result.all_tokens, 1),
+        "seconds": round(result.seconds, 2),
+    }
+
+
+def push_model_to_hub(output: Path, repo_id: str) -> None:
+    """Upload the final model (not the checkpoints, logs, cached reference log-probs or PPO rollout). The token comes from the
+    environment (HF_TOKEN), read by huggingface_hub."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, repo_type="model", exist_ok=True)
+    api.upload_folder(
+        folder_path=str(output),
+        repo_id=repo_id,
+        repo_type="model",
+        ignore_patterns=[f"{CHECKPOINTS}/*", "runs/*", f"{REF_LOGPS_CACHE}/*", f"{ROLLOUT_CACHE}/*"],
+    )
+    print(f"pushed to https://huggingface.co/{repo_id}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The data
+
+
+def train_test_splits(ref, test_size: float, seed: int):
+    """The ``train`` and ``test`` splits of a training dataset. A source without a ``test`` split (a JSONL file, say)
+    has one split off with a seeded ``test_size`` (a row count, or a fraction below 1); 0 means no evaluation."""
+    import datasets
+
+    from rlhf_pipeline.datasets_io import load_dataset_dict
+    from rlhf_pipeline.selection import split_indices
+
+    dd = load_dataset_dict(ref)
+    if "test" in dd and "train" in dd:
+        return datasets.DatasetDict({"train": dd["train"], "test": dd["test"]})
+    if len(dd) != 1 and "train" not in dd:
+        raise PipelineError(f"{ref}: has splits {', '.join(dd)} but no 'train'; choose one as {ref}:SPLIT")
+    ds = dd["train"] if "train" in dd else next(iter(dd.values()))
+    if not test_size:
+        return datasets.DatasetDict({"train": ds})
+    try:
+        train_rows, test_rows = split_indices(ds.num_rows, test_size, seed)
+    except ValueError as e:
+        raise PipelineError(f"{ref}: {e}; pass another --test-size") from None
+    ds = ds.add_column(SOURCE_ROW, list(range(ds.num_rows)))
+    return datasets.DatasetDict({"train": ds.select(train_rows), "test": ds.select(test_rows)})
+
+
+def encode_splits(dd, encode: Callable[[dict, list], dict], max_length: int):
+    """Tokenize every split with the batched ``encode(batch, row_indices)``, which must add a ``num_tokens`` column,
+    and drop the rows over ``max_length``. Returns the splits and the dropped counts (``{"train:too_long": n}``)."""
+    def encode_rows(batch: dict, indices: list) -> dict:  # errors name the row of the file, not of the split
+        return encode(batch, batch[SOURCE_ROW] if SOURCE_ROW in batch else indices)
+
+    out, dropped = {}, {}
+    for split, ds in dd.items():
+        encoded = ds.map(encode_rows, batched=True, with_indices=True, remove_columns=ds.column_names,
+                         desc=f"tokenize {split}")
+        kept = encoded.filter(lambda n: n <= max_length, input_columns="num_tokens")
+        if encoded.num_rows - kept.num_rows:
+            dropped[f"{split}:too_long"] = encoded.num_rows - kept.num_rows
+        out[split] = kept
+    return out, dropped
+
+
+def cached_splits(accelerator, cache: Path, compute: Callable[[], Any]):
+    """A resumable run's expensive pass over its data (reference log-probs, PPO's rollout): the splits that an
+    interrupted run of this output kept in ``cache``, else ``compute()``'s, kept there (atomically, by the main
+    process) before anything trains on them."""
+    from datasets import load_from_disk
+
+    from rlhf_pipeline.datasets_io import atomic_directory
+
+    if (cache / "dataset_dict.json").exists():
+        return load_from_disk(str(cache))
+    dd = compute()
+    if accelerator.is_main_process:
+        with atomic_directory(cache) as tmp:
+            dd.save_to_disk(str(tmp))
+    accelerator.wait_for_everyone()
+    return dd
