@@ -28,9 +28,9 @@ Sides, each in a fresh subprocess (so peak memory is its own)
 -------------------------------------------------------------
 * ``ours``: our trainer's step, reproduced from the library without the CLI (which needs ``datasets``). Reference
   log-probs first, as ``rlhf train`` computes them when the data has none: one no-grad pass over all pairs with
-  ``stages.ref_logps.pair_logps`` in length-sorted batches of ``--ref-batch-size`` (``trainer.sharded_batches``).
+  ``pairs.pair_logps`` in length-sorted batches of ``--ref-batch-size`` (``distributed.sharded_batches``).
   Then per step: the global batch from ``trainer.global_batches``, cut by ``trainer.micro_batches`` (sorted by
-  length), each micro-batch through ``stages.train.PairTask.loss`` (``pair_logps`` with ``pack_ratio`` for the
+  length), each micro-batch through ``pairs.PairTask.loss`` (``pair_logps`` with ``pack_ratio`` for the
   policy log-probs, ``algorithms.compute_pair_loss("dpo", PairLossParams(beta=0.1), ...)`` against the
   precomputed reference), backward of loss / accumulation, metrics summed per micro-batch as the trainer does
   (``trainer.add_to_sums``, which syncs), clip, AdamW step, schedule step.
@@ -221,7 +221,7 @@ def run_ours(spec: dict, pairs: list[dict], device, clock: Clock) -> dict[str, A
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     t_loaded = clock()
 
-    # Reference log-probs: one batched no-grad pass, length-sorted (as stages.ref_logps.compute_ref_logps).
+    # Reference log-probs: one batched no-grad pass, length-sorted (as pairs.compute_ref_logps).
     model.eval()
     with torch.no_grad():
         for idx in sharded_batches(spec["pair_lengths"], spec["ref_batch_size"], 1, 0):

@@ -73,13 +73,9 @@ def test_semantic_dict_leaves_out_non_semantic_fields():
 
 @pytest.mark.parametrize("stage", sorted(STAGES))
 def test_every_stage_option_is_documented(stage):
-    import importlib
+    from rlhf_pipeline.cli import config_class
 
-    module = importlib.import_module(STAGES[stage][0])
-    config_cls = next(  # the stage's config: defined in the stage module or in the library module it wraps
-        v for v in vars(module).values()
-        if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__name__.endswith("Config")
-    )
+    config_cls = config_class(stage)
     help_text = build_parser(config_cls, f"rlhf {stage}").format_help()
     for f in dataclasses.fields(config_cls):
         assert f.metadata.get("help"), f"{config_cls.__name__}.{f.name} has no help text"

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from rlhf_pipeline.contracts import PROMPT_COLUMNS
 from rlhf_pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
@@ -20,8 +21,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
-
-PROMPT_COLUMNS = ("prompt", "messages")
 
 
 def prompt_column(ds: Dataset, source: str) -> str:

@@ -37,6 +37,19 @@ STAGES: dict[str, tuple[str, str]] = {
 }
 
 
+def config_class(stage: str) -> type:
+    """The config dataclass that ``rlhf <stage>`` parses (defined in the stage module or the library module it
+    wraps, and imported into the stage module under a name ending in ``Config``)."""
+    import dataclasses
+
+    module = importlib.import_module(STAGES[stage][0])
+    found = {v for k, v in vars(module).items() if k.endswith("Config") and isinstance(v, type)
+             and dataclasses.is_dataclass(v)}
+    if len(found) != 1:
+        raise TypeError(f"{module.__name__}: expected one *Config dataclass, found {sorted(c.__name__ for c in found)}")
+    return found.pop()
+
+
 def run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv: Sequence[str] | None = None) -> int:
     """Parse the stage's config, run it, and turn a PipelineError into a one-line message (exit status 1)."""
     logging.basicConfig(

@@ -4,9 +4,19 @@ Every field carries its help text in ``field(metadata={"help": ...})``; the same
 (``max_new_tokens`` -> ``--max-new-tokens``) and a YAML key (``max_new_tokens`` or ``max-new-tokens``). Values on
 the command line win over the YAML file, which wins over the defaults.
 
-Fields shared by several stages live in small dataclasses (``OutputOptions``) that stage configs inherit from, so
-a flag is declared once. ``metadata={"semantic": False}`` marks fields that do not change a stage's output
-(``--overwrite``, ``--num-proc``); they are left out when deciding whether a finished output can be reused.
+Fields shared by several stages live in small dataclasses (``OutputOptions``, ``sampling_options.SamplingOptions``)
+that stage configs inherit from, so a flag, its help and its checks are declared once; one whose ``options_group``
+names a help section gets its own section in ``--help``. A stage that needs another default for a shared field
+changes only that (:func:`override`), and passes a group on to another config with :func:`options_of`.
+``metadata={"semantic": False}`` marks fields that do not change a stage's output (``--overwrite``,
+``--num-proc``); they are left out when deciding whether a finished output can be reused.
+
+Why not transformers' ``HfArgumentParser`` (which TRL builds on): it maps the same dataclasses to flags (with dash
+aliases, ``Literal`` and ``Enum`` choices, help from metadata), but it reads a YAML file *instead of* the command
+line (``parse_yaml_file``), so "YAML, then flags that override it" needs TRL's ``TrlParser`` on top; it has no
+notion of options that do not change the output (what decides reuse here), no help sections for shared groups, and
+importing it loads transformers (seconds) before ``--help`` can answer. This module is those parts alone. Choices
+are ``Literal`` types, derived where a registry defines them (``algorithms.AlgoName``, ``tiny.ChatFormatName``).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import types
 import typing
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, TypeVar, Union
+from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar, Union
 
 from rlhf_pipeline.errors import PipelineError
 
@@ -30,9 +40,27 @@ def option(default: Any = MISSING, help: str = "", semantic: bool = True, **kwar
     return field(default=default, metadata={"help": help, "semantic": semantic}, **kwargs)
 
 
+def override(group: type, name: str, default: Any = MISSING, *, semantic: bool | None = None) -> Any:
+    """The shared field ``name`` of ``group`` with another default (or ``semantic`` flag) for one stage; its help
+    and its checks (the group's ``__post_init__``) stay where the group declares them."""
+    (shared,) = [f for f in dataclasses.fields(group) if f.name == name]
+    metadata = dict(shared.metadata, **({} if semantic is None else {"semantic": semantic}))
+    if default is MISSING and shared.default_factory is not MISSING:
+        return field(default_factory=shared.default_factory, metadata=metadata)
+    return field(default=shared.default if default is MISSING else default, metadata=metadata)
+
+
+def options_of(config: Any, group: type) -> dict[str, Any]:
+    """The values of ``group``'s fields in ``config`` (an instance of a config that inherits ``group``), to pass
+    on to another stage's config: ``GenerateConfig(..., **options_of(eval_config, SamplingOptions))``."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(group)}
+
+
 @dataclass(kw_only=True)
 class OutputOptions:
     """Where a dataset-producing stage writes, and what it does when the output already exists."""
+
+    options_group: ClassVar[str] = "output options"
 
     output: str = option(
         help="Output directory (a `datasets.save_to_disk` layout plus manifest.json).", semantic=False
@@ -62,19 +90,35 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _help_sections(cls: type) -> list[tuple[str, set[str]]]:
+    """(title, field names) of each shared group ``cls`` inherits that names a help section, in base-class order,
+    and the output options last (always: stages that declare their own ``--output`` list it there too)."""
+    inherited = [
+        (base.__dict__["options_group"], {f.name for f in dataclasses.fields(base)})
+        for base in cls.__mro__[1:]
+        if dataclasses.is_dataclass(base) and "options_group" in base.__dict__ and base is not OutputOptions
+    ]
+    return inherited + [(OutputOptions.options_group, {f.name for f in dataclasses.fields(OutputOptions)})]
+
+
 def build_parser(cls: type, prog: str, description: str | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with one kebab-case flag per dataclass field; the shared output options come last."""
+    """An argparse parser with one kebab-case flag per dataclass field: the stage's own options first, then one
+    section per shared group (sampling options, output options)."""
     parser = argparse.ArgumentParser(
         prog=prog, description=description or (cls.__doc__ or "").strip(), allow_abbrev=False
     )
     stage_group = parser.add_argument_group("stage options")
-    output_group = parser.add_argument_group("output options")
+    sections = _help_sections(cls)
+    groups = [stage_group] + [parser.add_argument_group(title) for title, _ in sections]
     stage_group.add_argument(
         "--config", metavar="FILE.yaml", default=None, help="Read options from a YAML file; flags override it."
     )
-    shared = {f.name for f in dataclasses.fields(OutputOptions)}
+
+    def section(f: dataclasses.Field) -> int:
+        return next((k + 1 for k, (_, names) in enumerate(sections) if f.name in names), 0)
+
     hints = typing.get_type_hints(cls)
-    fields = sorted(dataclasses.fields(cls), key=lambda f: f.name in shared)  # stable: stage options first
+    fields = sorted(dataclasses.fields(cls), key=section)  # stable: in declaration order within a section
     for f in fields:
         tp, _ = _strip_optional(hints[f.name])
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "")}
@@ -105,8 +149,7 @@ def build_parser(cls: type, prog: str, description: str | None = None) -> argpar
             kwargs["metavar"] = {int: "INT", float: "FLOAT"}.get(tp, f.name.upper())
         else:  # pragma: no cover - a config author's mistake, caught by the config tests
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported option type {tp!r}")
-        group = output_group if f.name in shared else stage_group
-        group.add_argument(_flag(f.name), **kwargs)
+        groups[section(f)].add_argument(_flag(f.name), **kwargs)
     return parser
 
 

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from rlhf_pipeline.contracts import GROUP_COLUMNS, require_columns
 from rlhf_pipeline.layout import CRITIC
 
-GROUP_COLUMNS = ("prompt_token_ids", "response_token_ids", "rewards")
 
 
 @dataclass
@@ -101,12 +101,7 @@ def parts(model) -> tuple[Any, Any | None]:
 
 
 def check_groups(ds, source: str) -> None:
-    from rlhf_pipeline.errors import PipelineError
-
-    missing = [c for c in GROUP_COLUMNS if c not in ds.column_names]
-    if missing:
-        raise PipelineError(f"{source}: missing column(s) {', '.join(missing)}; the PPO family trains on groups: "
-                            "make them with rlhf filter --mode groups")
+    require_columns(ds, GROUP_COLUMNS, source, "the PPO family trains on groups: make them with rlhf filter --mode groups")
 
 
 def flatten_groups(ds, source: str) -> dict[str, list]:

@@ -9,18 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.contracts import PAIR_TOKEN_COLUMNS, REF_LOGP_COLUMNS, require_columns
 
-REF_COLUMNS = ("chosen_ref_logp", "rejected_ref_logp")
-PAIR_TOKEN_COLUMNS = ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids")
 
 
 def check_pairs(ds, source: str) -> None:
-    missing = [c for c in PAIR_TOKEN_COLUMNS if c not in ds.column_names]
-    if missing:
-        raise PipelineError(
-            f"{source}: missing column(s) {', '.join(missing)}; pass pairs made by rlhf filter --mode pairs"
-        )
+    require_columns(ds, PAIR_TOKEN_COLUMNS, source, "pass pairs made by rlhf filter --mode pairs")
 
 
 def pair_lengths(ds) -> list[int]:
@@ -66,7 +60,7 @@ def add_ref_columns(dd, values: dict[str, tuple[list, list]]):
     out = {}
     for split, ds in dd.items():
         chosen, rejected = values[split]
-        ds = ds.remove_columns([c for c in REF_COLUMNS if c in ds.column_names])
+        ds = ds.remove_columns([c for c in REF_LOGP_COLUMNS if c in ds.column_names])
         ds = ds.add_column("chosen_ref_logp", chosen, feature=Value("float64"))
         out[split] = ds.add_column("rejected_ref_logp", rejected, feature=Value("float64"))
     return type(dd)(out)

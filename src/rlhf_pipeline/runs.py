@@ -265,13 +265,12 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
 def _stage_config(step: Step):
     """The stage's parsed config (argparse errors become a PipelineError that names the step)."""
     import contextlib
-    import importlib
     import io
 
+    from rlhf_pipeline.cli import config_class
     from rlhf_pipeline.config import parse_config
 
-    module = importlib.import_module(STAGES[step.stage][0])
-    cls = next(v for k, v in vars(module).items() if k.endswith("Config") and getattr(v, "__module__", "") == module.__name__)
+    cls = config_class(step.stage)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

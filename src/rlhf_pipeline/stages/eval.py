@@ -34,11 +34,12 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from rlhf_pipeline.cli import run_stage
-from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.config import OutputOptions, option, options_of, override
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.sampling_options import SamplingOptions
 
 SCORERS = ("reward_model", "reward_fn")
 # What must match for an earlier evaluation's samples to serve as the baseline.
@@ -47,8 +48,10 @@ RESULTS = "results.json"
 
 
 @dataclass(kw_only=True)
-class EvalConfig(OutputOptions):
-    """Generate on held-out prompts, score, and report the mean reward and the win rate against a baseline."""
+class EvalConfig(SamplingOptions, OutputOptions):
+    """Generate on held-out prompts, score, and report the mean reward and the win rate against a baseline.
+    The sampling and engine options are rlhf generate's; --dtype and --trust-remote-code apply to the reward model
+    too, and a baseline model is sampled with the same options and --seed."""
 
     model: str = option(help="Policy to evaluate: a local directory or a Hub model id.")
     prompts: str = option(help="Held-out prompt dataset (directory, .json/.jsonl/.parquet file, or Hub id).",
@@ -58,26 +61,16 @@ class EvalConfig(OutputOptions):
     baseline: Optional[str] = option(
         None, help="Compare with this model, or with the output directory of an earlier rlhf eval on the same prompts."
     )
-    n: int = option(1, help="Responses per prompt.")
-    temperature: float = option(0.8, help="Sampling temperature (0 = greedy, needs --n 1).")
-    top_p: float = option(0.9, help="Nucleus sampling mass.")
-    top_k: int = option(0, help="Top-k sampling; 0 = off.")
-    max_new_tokens: int = option(2048, help="Maximum tokens per response.")
-    seed: int = option(0, help="Sampling seed (the baseline model is sampled with the same one).")
-    engine: Literal["auto", "hf", "vllm"] = option("auto", help="Generation engine (see rlhf generate).")
-    limit: Optional[int] = option(None, help="Use only the first LIMIT prompts.")
-    batch_size: int = option(16, help="hf engine: prompts per generate call.", semantic=False)
+    n: int = override(SamplingOptions, "n", 1)
+    # Left out of eval's own reuse check; the generate step in OUTPUT/generate checks it against its manifest.
+    batch_size: int = override(SamplingOptions, "batch_size", semantic=False)
     score_batch_size: int = option(16, help="Sequences per reward-model forward.", semantic=False)
     max_length: int = option(4096, help="Reward model: conversations longer than this keep their first tokens.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("auto", help="Model dtype (policy and RM).")
-    tensor_parallel_size: int = option(1, help="vllm engine: GPUs per model.")
-    trust_remote_code: bool = option(False, help="Allow custom model code (policy and reward model); off by default.")
 
     def __post_init__(self) -> None:
         if self.reward_model is None and self.reward_fn is None:
             raise ValueError("give --reward-model, --reward-fn, or both")
-        if self.n < 1:
-            raise ValueError("--n must be at least 1")
+        super().__post_init__()  # the sampling options' checks, the same as rlhf generate's
 
 
 def mean_and_stderr(values: Sequence[float]) -> tuple[float, float | None]:
@@ -120,17 +113,15 @@ def _scorers(config: EvalConfig) -> dict[str, str]:
 
 def _sample_and_score(config: EvalConfig, model: str, directory: Path) -> dict[str, Path]:
     """Generate with ``model`` into ``directory/generate`` and score it with every scorer."""
-    from rlhf_pipeline.stages import generate, score
+    from rlhf_pipeline import generation, scoring
 
-    gen = generate.GenerateConfig(
-        output=str(directory / "generate"), model=model, prompts=config.prompts, n=config.n,
-        temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, max_new_tokens=config.max_new_tokens,
-        seed=config.seed, engine=config.engine, limit=config.limit, batch_size=config.batch_size, dtype=config.dtype,
-        tensor_parallel_size=config.tensor_parallel_size, trust_remote_code=config.trust_remote_code,
+    gen = generation.GenerateConfig(
+        output=str(directory / "generate"), model=model, prompts=config.prompts,
+        **options_of(config, SamplingOptions),
     )
-    paths = {"generate": generate.main(gen)}
+    paths = {"generate": generation.main(gen)}
     for name, spec in _scorers(config).items():
-        paths[name] = score.main(score.ScoreConfig(
+        paths[name] = scoring.main(scoring.ScoreConfig(
             output=str(directory / f"score_{name}"), input=str(paths["generate"]), batch_size=config.score_batch_size,
             max_length=config.max_length, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
             **{name: spec},

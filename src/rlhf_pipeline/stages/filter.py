@@ -21,11 +21,9 @@ from typing import Any, Literal, Sequence
 
 from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.contracts import CHOSEN_REJECTED_COLUMNS, PER_RESPONSE_COLUMNS, SCORED_COLUMNS, require_columns
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.selection import LengthLimits, decide_group, decide_pair, split_indices
-
-# Generation columns that pairs mode replaces by chosen/rejected ones.
-PER_RESPONSE = ("responses", "response_token_ids", "rewards", "finish_reasons")
 
 
 @dataclass(kw_only=True)
@@ -66,13 +64,11 @@ def _check_vocab(batch: dict[str, list], indices: list[int], vocab_size: int, so
             )
 
 
-PAIR_COLUMNS = ("chosen", "rejected", "chosen_token_ids", "rejected_token_ids", "chosen_reward", "rejected_reward")
-
-
 def rename_clashes(ds, mode: str):
     """Input columns that carry an output column's name (UltraFeedback's own ``chosen``/``rejected``, say) are kept
     as ``source_<name>``. Returns the dataset and the renames."""
-    taken = set(PAIR_COLUMNS if mode == "pairs" else ()) | {"_drop", "_response_too_long", "_response_truncated"}
+    taken = set(CHOSEN_REJECTED_COLUMNS if mode == "pairs" else ())
+    taken |= {"_drop", "_response_too_long", "_response_truncated"}
     renames = {c: f"source_{c}" for c in ds.column_names if c in taken}
     return (ds.rename_columns(renames) if renames else ds), renames
 
@@ -92,14 +88,14 @@ def build_rows(
         _tokenize_missing(batch, tokenizer, prompt_column)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
-    carried = [c for c in batch if c not in PER_RESPONSE and c != "prompt_token_ids"]
+    carried = [c for c in batch if c not in PER_RESPONSE_COLUMNS and c != "prompt_token_ids"]
     out: dict[str, list] = {c: [] for c in carried}
     out.update({"prompt_token_ids": [], "_drop": [], "_response_too_long": [], "_response_truncated": []})
     if mode == "pairs":
-        for key in PAIR_COLUMNS:
+        for key in CHOSEN_REJECTED_COLUMNS:  # pairs mode replaces the per-response columns by these
             out[key] = []
     else:
-        for key in PER_RESPONSE:
+        for key in PER_RESPONSE_COLUMNS:
             out[key] = []
 
     for k in range(len(batch["prompt_token_ids"])):
@@ -135,9 +131,7 @@ def build_rows(
 def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -> str:
     from rlhf_pipeline.chat import prompt_column
 
-    missing = [c for c in ("prompt_id", "responses", "rewards") if c not in ds.column_names]
-    if missing:
-        raise PipelineError(f"{source}: missing column(s) {', '.join(missing)}; filter takes the output of rlhf score")
+    require_columns(ds, SCORED_COLUMNS, source, "filter takes the output of rlhf score")
     if config.mode == "pairs":
         n = sampling["n"] if sampling else min((len(r) for r in ds["rewards"]), default=0)
         if n < 2:

@@ -37,7 +37,7 @@ def main(config: MergeConfig) -> Path:
     from datasets import concatenate_datasets
 
     from rlhf_pipeline.datasets_io import StageOutput, load_dataset_ref, parse_ref, read_manifest
-    from rlhf_pipeline.stages.generate import parse_shard
+    from rlhf_pipeline.sharding import parse_shard
 
     refs = [parse_ref(text) for text in config.inputs]
     manifests = []

@@ -31,7 +31,8 @@ from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CRITIC, REF_LOGPS_CACHE, ROLLOUT_CACHE
-from rlhf_pipeline.pairs import REF_COLUMNS, check_pairs
+from rlhf_pipeline.contracts import REF_LOGP_COLUMNS
+from rlhf_pipeline.pairs import check_pairs
 from rlhf_pipeline.trainer import TrainOptions
 
 @dataclass(kw_only=True)
@@ -112,7 +113,7 @@ def _reference_columns(accelerator, setup_model, dd, config, temperature, pad_id
     from rlhf_pipeline.pairs import add_ref_columns, compute_ref_logps
     from rlhf_pipeline.training_stage import cached_splits
 
-    if all(c in ds.column_names for ds in dd.values() for c in REF_COLUMNS):
+    if all(c in ds.column_names for ds in dd.values() for c in REF_LOGP_COLUMNS):
         if record is not None and record.get("temperature") != temperature:
             raise PipelineError(
                 f"{config.data}: its reference log-probs were computed at temperature {record.get('temperature')}, "

@@ -1,0 +1,64 @@
+"""The column contracts between stages (DESIGN.md, "Data contracts"), each named once, and the one check of them.
+
+A stage that reads a dataset calls :func:`require_columns` with the columns it needs; the error names the file,
+the missing columns and the fix. Extra columns are always allowed: stages carry them through.
+
+- prompts: one of ``PROMPT_COLUMNS``; read by generate and eval (``chat.prompt_column``).
+- generations: the prompt columns, ``prompt_id`` and ``GENERATED_COLUMNS``; written by generate and merge, read by
+  score, which needs ``GENERATIONS_COLUMNS``.
+- scored: generations + ``rewards``; written by score, read by filter, which needs ``SCORED_COLUMNS``.
+- pairs: ``prompt_id``, ``prompt_token_ids`` and ``CHOSEN_REJECTED_COLUMNS``; written by filter --mode pairs, read
+  by ref-logps and train, which need ``PAIR_TOKEN_COLUMNS``.
+- reference log-probs: pairs + ``REF_LOGP_COLUMNS``; written by ref-logps (or train itself), read by train.
+- groups: ``prompt_id``, ``prompt_token_ids`` and ``PER_RESPONSE_COLUMNS``; written by filter --mode groups, read by
+  train (PPO family), which needs ``GROUP_COLUMNS``.
+- SFT rows: ``prompt``/``answer``, or ``messages`` ending with the assistant turn the loss is on; read by sft.
+- reward-model pairs: ``chosen``/``rejected`` (texts, or conversations ending with the assistant turn) with a
+  ``prompt``, or ReaL's ``pos_answers``/``neg_answers`` lists; read by train-rm.
+
+SFT rows and reward-model pairs are checked row by row (``sft.split_conversation``, ``train_rm.expand_pairs``),
+not by columns: a JSON file may mix the formats, so each row is in one format or the other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from rlhf_pipeline.errors import PipelineError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+# Prompts: a ``prompt`` string or a ``messages`` list of {role, content}; ``prompt`` wins when both are present.
+PROMPT_COLUMNS = ("prompt", "messages")
+
+# What rlhf generate adds to the prompt columns (besides ``prompt_id``); a prompt dataset must not have them.
+GENERATED_COLUMNS = ("prompt_token_ids", "responses", "response_token_ids", "finish_reasons")
+# What rlhf score needs of generations (token ids and finish reasons are optional for data made elsewhere).
+GENERATIONS_COLUMNS = ("prompt_id", "responses")
+# What rlhf filter needs of scored generations.
+SCORED_COLUMNS = ("prompt_id", "responses", "rewards")
+# Scored columns that hold one entry per response (n per prompt): pairs mode replaces them, groups mode keeps them.
+PER_RESPONSE_COLUMNS = ("responses", "response_token_ids", "rewards", "finish_reasons")
+
+# The chosen and rejected response of each pair as rlhf filter --mode pairs writes them: text, token ids, reward.
+CHOSEN_REJECTED_COLUMNS = (
+    "chosen", "rejected", "chosen_token_ids", "rejected_token_ids", "chosen_reward", "rejected_reward"
+)
+# The token ids that training on pairs (and the reference pass) reads.
+PAIR_TOKEN_COLUMNS = ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids")
+# Sequence log-probs of chosen and rejected under the sampling policy, added by rlhf ref-logps.
+REF_LOGP_COLUMNS = ("chosen_ref_logp", "rejected_ref_logp")
+
+# What the PPO family trains on (rlhf filter --mode groups): every response of a prompt, with its reward.
+GROUP_COLUMNS = ("prompt_token_ids", "response_token_ids", "rewards")
+
+
+def require_columns(ds: Dataset, columns: Sequence[str], source: str, hint: str) -> None:
+    """Raise a PipelineError naming ``source`` and the missing columns when ``ds`` lacks any of ``columns``.
+
+    ``hint`` says what to pass instead, e.g. "score takes the output of rlhf generate".
+    """
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise PipelineError(f"{source}: missing column(s) {', '.join(missing)}; {hint}")

@@ -1,0 +1,162 @@
+"""Sample n responses per prompt: the body of ``rlhf generate`` (also run by ``rlhf eval``).
+
+    rlhf generate --model meta-llama/Meta-Llama-3-8B-Instruct --prompts HuggingFaceH4/ultrafeedback_binarized:train_prefs \\
+        --output runs/iter_0/generate --n 5 --temperature 0.8 --top-p 0.9 --max-new-tokens 2048
+    rlhf generate --model models/tiny-policy --prompts prompts.jsonl --output out/gen --n 5 --max-new-tokens 64
+
+Prompts come as ``prompt`` text or ``messages``; the chat template is applied once and the engine receives token
+ids. All n samples of a prompt come from one request (``n=``), not n passes. Each prompt gets its own seed derived
+from ``--seed`` and its row, so with vLLM a prompt's samples do not depend on sharding or batching. The sampling
+and engine options (``sampling_options.SamplingOptions``) are the ones ``rlhf eval`` takes too.
+
+Shards: ``--shard i/N`` takes the i-th of N contiguous slices, so N engines can work in parallel; ``rlhf merge``
+joins them. Output columns (the generations contract): ``prompt_id``, the prompt columns and every other input
+column, ``prompt_token_ids``, ``responses``, ``response_token_ids`` (as sampled, the stop token included when the
+sample stopped), ``finish_reasons`` (``stop`` / ``length``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.contracts import GENERATED_COLUMNS
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.sampling_options import SamplingOptions
+from rlhf_pipeline.sharding import parse_shard, request_seed, shard_indices
+
+
+@dataclass(kw_only=True)
+class GenerateConfig(SamplingOptions, OutputOptions):
+    """Sample n responses per prompt with vLLM or Hugging Face generate."""
+
+    model: str = option(help="Policy to sample from: a local directory or a Hub model id.")
+    prompts: str = option(
+        help="Prompt dataset: directory, .json/.jsonl/.parquet file, or Hub id (ORG/NAME[:SPLIT]).",
+        semantic=False,  # compared by the data's fingerprint, not by how the path is spelled
+    )
+    shard: Optional[str] = option(None, help="Generate only shard i of N contiguous slices, written as i/N.")
+    offset: int = option(
+        0, help="Skip the first OFFSET prompts; --limit counts from there (rlhf iterate gives each iteration its "
+        "own rows)."
+    )
+    use_chat_template: bool = option(True, help="Apply the tokenizer's chat template (when it has one).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the sampling options' checks
+        if self.offset < 0:
+            raise ValueError("--offset must be >= 0")
+        if self.shard is not None:
+            parse_shard(self.shard)
+
+
+def make_prompt_id(value: str | list) -> str:
+    """A stable id from the prompt's content (as UltraFeedback's ``prompt_id`` is), for data without one."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def main(config: GenerateConfig) -> Path:
+    from datasets import Dataset, Features, List, Value, concatenate_datasets
+
+    from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids, validate_prompts
+    from rlhf_pipeline.datasets_io import StageOutput, load_dataset_ref, parse_ref
+    from rlhf_pipeline.engines import SamplingSettings, load_engine, resolve_engine_name
+
+    ref = parse_ref(config.prompts)
+    out = StageOutput("generate", config, inputs=[ref])
+    if out.done():
+        return out.path
+
+    ds = load_dataset_ref(ref)
+    rows_total = ds.num_rows
+    clash = [c for c in GENERATED_COLUMNS if c in ds.column_names]
+    if clash:
+        raise PipelineError(f"{ref.name}: already has column(s) {', '.join(clash)}; pass a prompt dataset")
+    column = validate_prompts(ds, ref.name)
+    if config.offset >= rows_total:
+        raise PipelineError(f"{ref.name}: --offset {config.offset} skips all of its {rows_total} prompts")
+    end = rows_total if config.limit is None else min(config.offset + config.limit, rows_total)
+    rows = range(config.offset, end)
+    if config.shard is not None:
+        i, n = parse_shard(config.shard)
+        part = shard_indices(len(rows), i, n)
+        rows = rows[part.start : part.stop]
+    if len(rows) != rows_total:
+        ds = ds.select(rows)
+    if ds.num_rows == 0:
+        raise PipelineError(f"{ref.name}: no prompts to generate for (rows {rows.start}..{rows.stop})")
+
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    prompt_values = ds[column]
+    prompt_ids = encode_prompts(tokenizer, prompt_values, config.use_chat_template)
+    sampling = SamplingSettings(
+        n=config.n,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        max_new_tokens=config.max_new_tokens,
+        seed=config.seed,
+        stop_token_ids=tuple(stop_token_ids(tokenizer, config.model, config.trust_remote_code)),
+    )
+    engine = load_engine(
+        config.engine,
+        config.model,
+        tokenizer,
+        dtype=config.dtype,
+        trust_remote_code=config.trust_remote_code,
+        batch_size=config.batch_size,
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=config.max_model_len,
+    )
+    completions = engine.generate(prompt_ids, [request_seed(config.seed, r) for r in rows], sampling)
+
+    if "prompt_id" in ds.column_names:
+        ids = [str(x) for x in ds["prompt_id"]]
+        ds = ds.remove_columns("prompt_id")
+    elif "id" in ds.column_names:
+        ids = [str(x) for x in ds["id"]]
+    else:
+        ids = [make_prompt_id(v) for v in prompt_values]
+    generated = Dataset.from_dict(
+        {
+            "prompt_id": ids,
+            "prompt_token_ids": prompt_ids,
+            "responses": [c.texts for c in completions],
+            "response_token_ids": [c.token_ids for c in completions],
+            "finish_reasons": [c.finish_reasons for c in completions],
+        },
+        features=Features(
+            {
+                "prompt_id": Value("string"),
+                "prompt_token_ids": List(Value("int32")),
+                "responses": List(Value("string")),
+                "response_token_ids": List(List(Value("int32"))),
+                "finish_reasons": List(Value("string")),
+            }
+        ),
+    )
+    result = concatenate_datasets([generated.select_columns(["prompt_id"]), ds, generated.remove_columns("prompt_id")], axis=1)
+    stopped = sum(r == "stop" for c in completions for r in c.finish_reasons)
+    out.save(
+        result,
+        rows_in=len(rows),
+        extra={
+            "sampling": {
+                **dataclasses.asdict(sampling),
+                "stop_token_ids": list(sampling.stop_token_ids),
+                "model": config.model,
+                "engine": resolve_engine_name(config.engine),
+                "use_chat_template": config.use_chat_template,
+            },
+            "shard": {"spec": config.shard, "rows": [rows.start, rows.stop], "rows_total": rows_total},
+            "responses": {"total": stopped + sum(c.finish_reasons.count("length") for c in completions),
+                          "stopped": stopped},
+        },
+    )
+    return out.path

@@ -1,0 +1,71 @@
+"""The sampling and engine options that ``rlhf generate`` and ``rlhf eval`` share, declared and checked once.
+
+``GenerateConfig`` and ``EvalConfig`` inherit :class:`SamplingOptions`, so both take the same flags with the same
+help, and a bad combination (``--temperature 0 --n 2``) fails when the flags are parsed, before anything is
+written, with the same one-line error in both stages. Eval hands its values to generate with
+``config.options_of(config, SamplingOptions)``; a stage that needs another default changes only that with
+``config.override`` (eval samples one response per prompt unless told otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Optional
+
+from rlhf_pipeline.config import option
+
+
+@dataclass(kw_only=True)
+class SamplingOptions:
+    """How responses are sampled (``engines.SamplingSettings``), from which prompts, and the engine that samples."""
+
+    options_group: ClassVar[str] = "sampling and engine options"
+
+    n: int = option(5, help="Responses sampled per prompt, in one request.")
+    temperature: float = option(0.8, help="Sampling temperature (0 = greedy, needs --n 1).")
+    top_p: float = option(0.9, help="Nucleus sampling: keep the smallest token set with this probability mass.")
+    top_k: int = option(0, help="Keep the k most likely tokens; 0 turns top-k off (both engines).")
+    max_new_tokens: int = option(2048, help="Maximum tokens per response; longer samples end with 'length'.")
+    seed: int = option(0, help="Random seed; the same seed gives the same output.")
+    engine: Literal["auto", "hf", "vllm"] = option(
+        "auto", help="auto: vLLM when it imports and a GPU is present, else Hugging Face generate."
+    )
+    limit: Optional[int] = option(None, help="Use only the first LIMIT prompts.")
+    batch_size: int = option(16, help="hf engine: prompts per generate call (each expands to n sequences).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", help="Model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."
+    )
+    tensor_parallel_size: int = option(1, help="vllm engine: GPUs per model (tensor parallelism).")
+    gpu_memory_utilization: Optional[float] = option(
+        None,
+        help="vllm engine: fraction of GPU memory vLLM may use (default 0.9). On vLLM's CPU backend it is the "
+        "fraction of the machine's memory to reserve, so there the default is a fixed KV cache instead "
+        "(VLLM_CPU_KVCACHE_SPACE GiB, 4 if unset).",
+        semantic=False,
+    )
+    max_model_len: Optional[int] = option(None, help="vllm engine: context length (default: the model's).")
+    trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError("--n must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("--temperature must be >= 0")
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError("--temperature 0 (greedy) gives n identical samples; use --n 1 or a temperature > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("--top-p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("--top-k must be >= 0 (0 turns top-k off)")
+        if self.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be at least 1")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError("--limit must be at least 1")
+        if self.batch_size < 1:
+            raise ValueError("--batch-size must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("--max-model-len must be at least 1")
