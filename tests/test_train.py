@@ -110,8 +110,8 @@ def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_pa
 
     real_save = trainer.save_checkpoint
 
-    def save_then_crash(accelerator, model, tokenizer, output, state):
-        path = real_save(accelerator, model, tokenizer, output, state)
+    def save_then_crash(accelerator, model, tokenizer, output, state, **kwargs):
+        path = real_save(accelerator, model, tokenizer, output, state, **kwargs)
         if state["step"] == 4:
             raise KeyboardInterrupt  # as if Ctrl-C came right after the step-4 checkpoint
         return path
@@ -130,6 +130,35 @@ def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_pa
     assert logged(tmp_path / "cut") == pytest.approx(logged(tmp_path / "full"), abs=1e-6)
     assert max_weight_diff(tmp_path / "cut", tmp_path / "full") < 1e-6
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+
+def test_save_total_limit_keeps_the_newest_and_resumes_from_them(pairs, tiny_policy, tmp_path, monkeypatch):
+    common = ["--algo", "rebel", "--max-steps", 5, "--batch-size", 2, "--save-every", 1, "--learning-rate", 1e-3]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "all", *common)) == 0
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "two", *common, "--save-total-limit", 2)) == 0
+    names = ["checkpoints/step_000003", "checkpoints/step_000004"]  # step 5 is the final model, not a checkpoint
+    assert sorted(f"checkpoints/{p.name}" for p in (tmp_path / "two" / "checkpoints").iterdir()) == names
+    assert json.loads((tmp_path / "two" / "manifest.json").read_text())["checkpoints"] == names
+    assert len(json.loads((tmp_path / "all" / "manifest.json").read_text())["checkpoints"]) == 4
+
+    real_save = trainer.save_checkpoint
+    seen = []
+
+    def save_then_crash(accelerator, model, tokenizer, output, state, **kwargs):
+        path = real_save(accelerator, model, tokenizer, output, state, **kwargs)
+        seen.append(sorted(p.name for p in (output / "checkpoints").iterdir()))
+        if state["step"] == 3:
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_crash)
+    cut = [*common, "--save-total-limit", 1]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "one", *cut)) == 130
+    assert seen[-1] == ["step_000003"]  # only the newest, and the older ones went once it was complete
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "one", *cut, "--resume")) == 0
+    assert max_weight_diff(tmp_path / "one", tmp_path / "all") < 1e-6
+    assert sorted(p.name for p in (tmp_path / "one" / "checkpoints").iterdir()) == ["step_000004"]
 
 
 def test_finished_run_is_not_redone_and_pushes_only_the_model(pairs, tiny_policy, tmp_path, capsys, monkeypatch):

@@ -495,8 +495,8 @@ def test_interrupted_ppo_run_resumed_equals_uninterrupted_and_reuses_the_rollout
 
     real_save = trainer.save_checkpoint
 
-    def save_then_crash(accelerator, model, tokenizer, output, state):
-        path = real_save(accelerator, model, tokenizer, output, state)
+    def save_then_crash(accelerator, model, tokenizer, output, state, **kwargs):
+        path = real_save(accelerator, model, tokenizer, output, state, **kwargs)
         if state["step"] == 4:
             raise KeyboardInterrupt  # as if Ctrl-C came right after the step-4 checkpoint
         return path

@@ -8,7 +8,8 @@ Output directory of a training stage::
     OUTPUT/checkpoints/step_N/   a save_pretrained model + state/ (optimizer, scheduler, RNG) + trainer_state.json
 
 ``--resume`` continues from the newest complete checkpoint; checkpoints are written to a temporary name and
-renamed, so a crash while saving leaves the previous one intact.
+renamed, so a crash while saving leaves the previous one intact. ``--save-total-limit N`` keeps the newest N
+(older ones are deleted only after a newer one is complete); the manifest lists the checkpoints that remain.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
     on_main_process(accelerator, write)
 
 
-def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str, Any]) -> Path:
-    """Model + resumable state at ``output/checkpoints/step_N``, renamed into place once complete."""
+def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str, Any],
+                    keep: int | None = None) -> Path:
+    """Model + resumable state at ``output/checkpoints/step_N``, renamed into place once complete; then, with
+    ``keep``, only the newest ``keep`` complete checkpoints remain (the new one among them)."""
     final = output / CHECKPOINTS / f"step_{state['step']:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
@@ -51,6 +54,9 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
+        if keep is not None:
+            for old in list_checkpoints(output)[:-keep]:
+                shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
 
@@ -62,8 +68,15 @@ def load_checkpoint(accelerator, checkpoint: Path) -> dict[str, Any]:
     return json.loads((checkpoint / TRAINER_STATE).read_text())
 
 
+def list_checkpoints(output: Path) -> list[Path]:
+    """The complete checkpoints under ``output``, oldest first (a ``.tmp`` one is still being written)."""
+    root = output / CHECKPOINTS
+    if not root.exists():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.suffix != ".tmp" and (p / TRAINER_STATE).exists())
+
+
 def latest_checkpoint(output: Path) -> Path | None:
     """The newest complete checkpoint under ``output``, or None."""
-    root = output / CHECKPOINTS
-    done = sorted(p for p in root.glob("step_*") if (p / TRAINER_STATE).exists()) if root.exists() else []
+    done = list_checkpoints(output)
     return done[-1] if done else None

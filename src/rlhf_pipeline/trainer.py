@@ -63,6 +63,11 @@ class TrainOptions(OutputOptions):
     eval_every: int = option(0, help="Evaluate on the test split every N steps (0 = at the end only).")
     eval_batch_size: int = option(8, help="Examples per process per evaluation forward.", semantic=False)
     save_every: int = option(0, help="Save a resumable checkpoint every N steps (0 = final model only).")
+    save_total_limit: Optional[int] = option(
+        None, help="Keep only the newest N checkpoints: an older one is deleted once a newer one is complete, so the "
+        "one a run resumed from goes only after its successor is safely written (default: keep all).",
+        semantic=False,
+    )
     logging_steps: int = option(1, help="Log metrics every N steps.", semantic=False)
     resume: bool = option(False, help="Continue an interrupted run from its newest checkpoint.", semantic=False)
     seed: int = option(0, help="Seed of the data order and of anything random in training.")
@@ -77,6 +82,8 @@ class TrainOptions(OutputOptions):
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("--max-steps must be at least 1")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError("--save-total-limit must be at least 1 (leave it unset to keep every checkpoint)")
         if self.pack_ratio and self.pack_ratio < 1:
             raise ValueError("--pack-ratio must be 0 (pad) or at least 1")
 
@@ -366,7 +373,7 @@ def train(
         if config.save_every and step % config.save_every == 0 and step < total_steps:
             state = {"step": step, "epoch": epoch, "first_loss": first_loss, "real_tokens": real_tokens,
                      "all_tokens": all_tokens, "seconds": time.time() - started}
-            save_checkpoint(accelerator, model, tokenizer, output, state)
+            save_checkpoint(accelerator, model, tokenizer, output, state, keep=config.save_total_limit)
     bar.close()
 
     final_eval = evaluate(accelerator, model, task, eval_ds, config.eval_batch_size)

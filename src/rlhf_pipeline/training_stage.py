@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from rlhf_pipeline.layout import CHECKPOINTS, REF_LOGPS_CACHE, ROLLOUT_CACHE
+from rlhf_pipeline.checkpoints import list_checkpoints
 from rlhf_pipeline.distributed import finish_distributed, make_accelerator, on_main_process
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.layout import CHECKPOINTS, REF_LOGPS_CACHE, ROLLOUT_CACHE
 
 if TYPE_CHECKING:
     from rlhf_pipeline.datasets_io import StageOutput
@@ -72,8 +73,9 @@ class TrainingRun:
         out, config = self.output, self.output.config
 
         def write() -> None:
+            checkpoints = [str(p.relative_to(out.path)) for p in list_checkpoints(out.path)]
             manifest = out.manifest(rows_in=run.rows_in, rows_out=run.result.steps, dropped=run.dropped,
-                                    extra=run.extra)
+                                    extra={**run.extra, "checkpoints": checkpoints})
             if config.push_to_hub:  # before the manifest: a failed upload leaves the run unfinished, to be rerun
                 push_model_to_hub(out.path, config.push_to_hub)
             out.write_manifest(manifest)
