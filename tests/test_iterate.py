@@ -155,3 +155,38 @@ def test_ppo_family_plans_groups_a_fixed_reference_and_a_critic_carried_over(tmp
     assert not any("--critic-model" in s.args for s in grpo)
     with pytest.raises(PipelineError, match="trains on groups"):
         plan(config(tmp_path, algo="grpo", filter={"mode": "pairs"}))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's prctl")
+def test_a_stage_does_not_outlive_a_killed_iterate(tmp_path):
+    """SIGKILL to iterate (a scheduler's kill) takes its running stage with it: a rerun must not find the old stage
+    still writing the output it is about to redo."""
+    pidfile = tmp_path / "child.pid"
+    child = "import os, sys, time; open(sys.argv[-1], 'w').write(str(os.getpid())); time.sleep(120)"
+    parent = (
+        "import sys; from pathlib import Path; from rlhf_pipeline.runs import Step, run_steps; "
+        f"run_steps([Step('iter_1/generate', 'generate', [{str(pidfile)!r}], Path({str(tmp_path / 'out')!r}), "
+        f"launcher=[sys.executable, '-c', {child!r}])], Path({str(tmp_path / 'run')!r}))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.time() + 60
+    while not (pidfile.exists() and pidfile.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    pid = int(pidfile.read_text())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    def alive() -> bool:
+        try:
+            state = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+        return "\nState:\tZ" not in state  # a zombie has exited, only not yet reaped
+
+    deadline = time.time() + 10
+    while alive() and time.time() < deadline:
+        time.sleep(0.1)
+    still = alive()
+    if still:
+        os.kill(pid, signal.SIGKILL)
+    assert not still, "the stage kept running after iterate was killed"

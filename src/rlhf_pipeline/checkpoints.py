@@ -44,7 +44,8 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
     final = output / CHECKPOINTS / f"step_{state['step']:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in final.parent.glob("step_*.tmp"):  # what a killed save or removal left
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     save_model(accelerator, model, tokenizer, tmp)
@@ -56,7 +57,11 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
         os.rename(tmp, final)
         if keep is not None:
             for old in list_checkpoints(output)[:-keep]:
-                shutil.rmtree(old)
+                # out of the listing in one rename first: a kill midway leaves a .tmp that the next save removes,
+                # not a step_N that is half deleted (or, its trainer state gone first, never listed and never removed)
+                doomed = old.with_name(old.name + ".tmp")
+                os.rename(old, doomed)
+                shutil.rmtree(doomed)
     accelerator.wait_for_everyone()
     return final
 

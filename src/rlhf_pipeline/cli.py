@@ -3,6 +3,12 @@
 Each stage is also a module of its own (``python -m rlhf_pipeline.stages.generate ...``), so a launcher such as
 ``accelerate launch -m rlhf_pipeline.stages.train`` or ``conda run -n rlhf-vllm rlhf generate`` runs it unchanged.
 ``rlhf <stage> --help`` documents every option.
+
+A mistake in the user's input (a mistyped path or number, a missing column, a model that is not there) ends with
+exit status 1 and one ``error:`` line that names the option or file and the fix, and leaves no output behind:
+options are checked when they are parsed, and a stage checks what it reads (data, models, the reward function)
+before it makes its output directory. A flag argparse cannot parse is a usage error (exit status 2). When the user's
+own code raises (a ``--reward-fn``), its traceback comes first and the ``error:`` line last.
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ import os
 import sys
 from typing import Any, Callable, Sequence, TypeVar
 
+from rlhf_pipeline import algorithms
 from rlhf_pipeline.config import parse_config
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import PipelineError, UserCodeError
 
 C = TypeVar("C")
 
@@ -26,7 +33,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "score": ("rlhf_pipeline.stages.score", "score every response with a reward model or a python function"),
     "filter": ("rlhf_pipeline.stages.filter", "length filters, best/worst pairs or whole groups, train/test split"),
     "ref-logps": ("rlhf_pipeline.stages.ref_logps", "reference log-probs of chosen/rejected, once per dataset"),
-    "train": ("rlhf_pipeline.stages.train", "train a policy on pairs: REBEL, DPO, cDPO, IPO, SimPO"),
+    "train": ("rlhf_pipeline.stages.train", f"train a policy ({', '.join(algorithms.names())})"),
     "sft": ("rlhf_pipeline.stages.sft", "supervised fine-tuning on prompt/answer or messages rows (loss on answers)"),
     "train-rm": ("rlhf_pipeline.stages.train_rm", "train a Bradley-Terry reward model on chosen/rejected pairs"),
     "eval": ("rlhf_pipeline.stages.eval", "generate on held-out prompts, score, mean reward and win rate"),
@@ -51,7 +58,11 @@ def config_class(stage: str) -> type:
 
 
 def run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv: Sequence[str] | None = None) -> int:
-    """Parse the stage's config, run it, and turn a PipelineError into a one-line message (exit status 1)."""
+    """Parse the stage's config, run it, and turn a PipelineError into a one-line message (exit status 1).
+
+    A UserCodeError (the user's reward function raised) prints the user's traceback first, then the one line, which
+    names the stage. ``RLHF_DEBUG=1`` lets either propagate with the pipeline's whole traceback.
+    """
     logging.basicConfig(
         level=os.environ.get("RLHF_LOG_LEVEL", "WARNING").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -59,6 +70,12 @@ def run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv:
     try:
         config = parse_config(config_cls, argv, prog)
         main_fn(config)
+    except UserCodeError as e:
+        if os.environ.get("RLHF_DEBUG"):
+            raise
+        print(e.user_traceback(), end="", file=sys.stderr)
+        print(f"error: {prog}: {e}", file=sys.stderr)
+        return 1
     except PipelineError as e:
         if os.environ.get("RLHF_DEBUG"):
             raise

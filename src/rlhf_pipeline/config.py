@@ -2,7 +2,10 @@
 
 Every field carries its help text in ``field(metadata={"help": ...})``; the same field is a command-line flag
 (``max_new_tokens`` -> ``--max-new-tokens``) and a YAML key (``max_new_tokens`` or ``max-new-tokens``). Values on
-the command line win over the YAML file, which wins over the defaults.
+the command line win over the YAML file, which wins over the defaults. YAML values are checked against the
+option's type and choices as flags are (numbers written as text, ``1e-6``, become numbers), and no float option
+takes ``nan`` or ``inf``; each config's ``__post_init__`` checks ranges, so a bad value is one ``error:`` line
+before anything runs (what may not exist yet, such as a later iteration's model, is checked by the stage itself).
 
 Fields shared by several stages live in small dataclasses (``OutputOptions``, ``sampling_options.SamplingOptions``)
 that stage configs inherit from, so a flag, its help and its checks are declared once; one whose ``options_group``
@@ -22,7 +25,9 @@ are ``Literal`` types, derived where a registry defines them (``algorithms.AlgoN
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -179,6 +184,7 @@ def _load_yaml(path: str, cls: type) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PipelineError(f"--config {path}: expected a mapping of option names to values, got {type(data).__name__}")
     names = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
@@ -186,8 +192,57 @@ def _load_yaml(path: str, cls: type) -> dict[str, Any]:
             raise PipelineError(
                 f"--config {path}: unknown option '{key}'; valid options are: {', '.join(sorted(names))}"
             )
-        out[name] = value
+        out[name] = _yaml_value(f"--config {path}: {key}", value, hints[name])
     return out
+
+
+def _yaml_value(where: str, value: Any, tp: Any) -> Any:
+    """A YAML value checked against its option's type, as argparse checks a flag's: numbers written as text
+    (PyYAML reads ``1e-6`` as a string) become numbers; anything else of the wrong type is an error naming the key."""
+    tp, optional = _strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise PipelineError(f"{where}: has no value; give it one or remove the line")
+    origin = typing.get_origin(tp)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        expected = "true or false"
+    elif origin is Literal:
+        choices = typing.get_args(tp)
+        if isinstance(value, type(choices[0])) and value in choices:
+            return value
+        raise PipelineError(f"{where}: {value!r} is not one of the choices ({', '.join(map(str, choices))})")
+    elif tp is int:
+        if number and float(value).is_integer():
+            return int(value)
+        expected = "a whole number"
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return int(value)
+    elif tp is float:
+        if number:
+            return float(value)
+        expected = "a number"
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return float(value)
+    elif tp is str:
+        if isinstance(value, str) or number:
+            return str(value)
+        expected = "text"
+    elif origin in (list, Sequence):
+        (item,) = typing.get_args(tp)
+        return [_yaml_value(where, v, item) for v in (value if isinstance(value, list) else [value])]
+    elif tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+        expected = "a mapping such as {key: value}"
+    else:  # pragma: no cover - build_parser refuses other types
+        return value
+    raise PipelineError(f"{where}: expected {expected}, got {value!r}")
 
 
 def parse_config(cls: type[C], argv: Sequence[str] | None, prog: str) -> C:
@@ -206,10 +261,22 @@ def parse_config(cls: type[C], argv: Sequence[str] | None, prog: str) -> C:
     ]
     if missing:
         parser.error(f"the following arguments are required: {', '.join(missing)}")
+    hints = typing.get_type_hints(cls)
+    for name, value in ns.items():  # argparse's float() takes "nan" and "inf"; no option means either
+        if _strip_optional(hints[name])[0] is float and isinstance(value, float) and not math.isfinite(value):
+            raise PipelineError(f"{prog}: {_flag(name)} must be a finite number, got {value}")
     try:
         return cls(**ns)
     except (TypeError, ValueError) as e:
         raise PipelineError(f"{prog}: {e}") from None
+
+
+def check_test_size(value: float) -> None:
+    """``--test-size``: a row count (a whole number), or a fraction below 1; 0 means no test split."""
+    if value < 0:
+        raise ValueError("--test-size must be >= 0 (a row count, or a fraction below 1; 0 = none)")
+    if value >= 1 and not float(value).is_integer():
+        raise ValueError(f"--test-size {value:g}: use a fraction below 1 or a whole number of rows")
 
 
 def semantic_dict(config: Any) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The column contracts between stages (DESIGN.md, "Data contracts"), each named once, and the one check of them.
 
-A stage that reads a dataset calls :func:`require_columns` with the columns it needs; the error names the file,
-the missing columns and the fix. Extra columns are always allowed: stages carry them through.
+A stage that reads a dataset calls :func:`require_columns` with the columns it needs, and :func:`require_types` with
+what they hold (read from the features, no row decoded); the error names the file, the columns and the fix. Extra
+columns are always allowed: stages carry them through.
 
 - prompts: one of ``PROMPT_COLUMNS``; read by generate and eval (``chat.prompt_column``).
 - generations: the prompt columns, ``prompt_id`` and ``GENERATED_COLUMNS``; written by generate and merge, read by
@@ -38,6 +39,9 @@ GENERATED_COLUMNS = ("prompt_token_ids", "responses", "response_token_ids", "fin
 GENERATIONS_COLUMNS = ("prompt_id", "responses")
 # What rlhf filter needs of scored generations.
 SCORED_COLUMNS = ("prompt_id", "responses", "rewards")
+# What the per-response columns of scored generations hold (checked where present).
+SCORED_KINDS = {"responses": "list of text", "rewards": "list of number", "prompt_token_ids": "list of int",
+                "response_token_ids": "list of list of int", "finish_reasons": "list of text"}
 # Scored columns that hold one entry per response (n per prompt): pairs mode replaces them, groups mode keeps them.
 PER_RESPONSE_COLUMNS = ("responses", "response_token_ids", "rewards", "finish_reasons")
 
@@ -62,3 +66,44 @@ def require_columns(ds: Dataset, columns: Sequence[str], source: str, hint: str)
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         raise PipelineError(f"{source}: missing column(s) {', '.join(missing)}; {hint}")
+
+
+def require_types(ds: Dataset, kinds: dict[str, str], source: str, hint: str) -> None:
+    """Raise a PipelineError naming ``source``, the column and both kinds when a present column of ``ds`` holds
+    values of another kind than ``kinds`` says: ``text``, ``int``, ``number`` (int or float), and ``list of ...``
+    of those (``list of list of int``). Read from the dataset's features, so no row is decoded."""
+    for column, expected in kinds.items():
+        if column in ds.column_names:
+            found = feature_kind(ds.features[column])
+            if not _kind_matches(found, expected):
+                raise PipelineError(f"{source}: column '{column}' holds {found}, not {expected}; {hint}")
+
+
+def feature_kind(feature) -> str:
+    """A ``datasets`` feature in words: ``text``, ``int``, ``float``, ``bool``, ``list of ...``, ``mapping``."""
+    from datasets import LargeList, List, Value
+
+    if isinstance(feature, (List, LargeList)):
+        return "list of " + feature_kind(feature.feature)
+    if isinstance(feature, dict):
+        return "mapping"
+    if isinstance(feature, Value):
+        dtype = feature.dtype
+        if dtype in ("string", "large_string"):
+            return "text"
+        if dtype.startswith(("int", "uint")):
+            return "int"
+        if dtype.startswith("float") or dtype == "double":
+            return "float"
+        return dtype  # bool, null (a column or list with no values), timestamps, ...
+    return type(feature).__name__
+
+
+def _kind_matches(found: str, expected: str) -> bool:
+    *found_lists, found_leaf = found.split("list of ")
+    *expected_lists, expected_leaf = expected.split("list of ")
+    if found_leaf == "null":  # empty lists: no values to disagree with, as deep as they go
+        return len(found_lists) <= len(expected_lists)
+    if len(found_lists) != len(expected_lists):
+        return False
+    return found_leaf == expected_leaf or (expected_leaf == "number" and found_leaf in ("int", "float"))

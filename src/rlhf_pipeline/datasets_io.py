@@ -206,8 +206,10 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     """Yield a hidden temporary sibling of ``path`` to fill; on success it replaces ``path`` in one rename.
 
     On any failure (Ctrl-C included) the temporary directory is removed and an existing ``path`` is left as it
-    was, so readers only ever see a complete directory or none.
+    was, so readers only ever see a complete directory or none. What a killed write left (SIGKILL runs no cleanup)
+    is removed first.
     """
+    clean_stale(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
@@ -233,9 +235,10 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def clean_stale(path: Path) -> None:
-    """Remove temporary siblings that a killed run (SIGKILL, power loss) left next to ``path``."""
+    """Remove temporary siblings that a killed run (SIGKILL, power loss) left next to ``path``: the new version
+    being written, and the old one being replaced (killed between :func:`atomic_directory`'s two renames)."""
     if path.parent.exists():
-        for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        for stale in [*path.parent.glob(f".{path.name}.tmp-*"), *path.parent.glob(f".{path.name}.old-*")]:
             log.info("removing %s, left by an interrupted run", stale)
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -328,7 +331,8 @@ class StageOutput:
         """For outputs filled in place: note the config and inputs, so that ``--resume`` can check them."""
         self.path.mkdir(parents=True, exist_ok=True)
         record = {"stage": self.stage, "config": to_dict(self.config), "inputs": self.input_records}
-        (self.path / RUN_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        # atomically: a record truncated by a kill would make the output unreadable to --resume and --overwrite
+        write_text_atomic(self.path / RUN_RECORD, json.dumps(record, indent=2, default=str) + "\n")
 
     def manifest(
         self,

@@ -1,5 +1,47 @@
-"""The one exception type that reaches the user as a one-line message instead of a traceback."""
+"""The exception types that reach the user as a one-line message instead of a traceback."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+_PACKAGE = str(Path(__file__).resolve().parent)
 
 
 class PipelineError(Exception):
     """A problem with the user's input or setup. The message names the file, the row and the fix."""
+
+
+class UserCodeError(PipelineError):
+    """The user's own code (a ``--reward-fn`` function or its module) raised.
+
+    Its traceback is the user's to read, so ``cli.run_stage`` prints it first (from the user's first frame on: the
+    pipeline's frames above it are left out), then the one ``error:`` line, which names the stage, the function and
+    the rows it was given. ``cause`` is the exception the user's code raised.
+    """
+
+    def __init__(self, message: str, cause: BaseException):
+        super().__init__(message)
+        self.cause = cause
+
+    def user_traceback(self) -> str:
+        """The cause's traceback (its chain included), from the first frame outside this package and the import
+        machinery; with no such frame (a syntax error in the user's module), the exception alone, which shows the
+        file, the line and where in it."""
+        tb = self.cause.__traceback__
+        while tb is not None and _ours(tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next
+        return "".join(traceback.format_exception(type(self.cause), self.cause, tb))
+
+
+def _ours(filename: str) -> bool:
+    if filename.startswith("<frozen importlib"):
+        return True
+    return str(Path(filename).resolve()).startswith(_PACKAGE + os.sep)
+
+
+def one_line(exc: BaseException) -> str:
+    """``ExcType: message`` on one line (a multi-line message is joined), for an ``error:`` line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -60,17 +60,11 @@ def make_prompt_id(value: str | list) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def main(config: GenerateConfig) -> Path:
-    from datasets import Dataset, Features, List, Value, concatenate_datasets
-
-    from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids, validate_prompts
-    from rlhf_pipeline.datasets_io import StageOutput, load_dataset_ref, parse_ref
-    from rlhf_pipeline.engines import SamplingSettings, load_engine, resolve_engine_name
-
-    ref = parse_ref(config.prompts)
-    out = StageOutput("generate", config, inputs=[ref])
-    if out.done():
-        return out.path
+def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | None = None):
+    """The prompts a run samples for, checked: ``(dataset of the selected rows, prompt column, rows, rows_total)``.
+    ``rlhf eval`` calls it too, to check its prompts before it makes its output directory."""
+    from rlhf_pipeline.chat import validate_prompts
+    from rlhf_pipeline.datasets_io import load_dataset_ref
 
     ds = load_dataset_ref(ref)
     rows_total = ds.num_rows
@@ -78,18 +72,35 @@ def main(config: GenerateConfig) -> Path:
     if clash:
         raise PipelineError(f"{ref.name}: already has column(s) {', '.join(clash)}; pass a prompt dataset")
     column = validate_prompts(ds, ref.name)
-    if config.offset >= rows_total:
-        raise PipelineError(f"{ref.name}: --offset {config.offset} skips all of its {rows_total} prompts")
-    end = rows_total if config.limit is None else min(config.offset + config.limit, rows_total)
-    rows = range(config.offset, end)
-    if config.shard is not None:
-        i, n = parse_shard(config.shard)
+    if offset >= rows_total:
+        raise PipelineError(f"{ref.name}: --offset {offset} skips all of its {rows_total} prompts")
+    end = rows_total if limit is None else min(offset + limit, rows_total)
+    rows = range(offset, end)
+    if shard is not None:
+        i, n = parse_shard(shard)
         part = shard_indices(len(rows), i, n)
         rows = rows[part.start : part.stop]
     if len(rows) != rows_total:
         ds = ds.select(rows)
     if ds.num_rows == 0:
         raise PipelineError(f"{ref.name}: no prompts to generate for (rows {rows.start}..{rows.stop})")
+    return ds, column, rows, rows_total
+
+
+def main(config: GenerateConfig) -> Path:
+    from datasets import Dataset, Features, List, Value, concatenate_datasets
+
+    from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids
+    from rlhf_pipeline.datasets_io import StageOutput, parse_ref
+    from rlhf_pipeline.engines import SamplingSettings, load_engine, resolve_engine_name
+    from rlhf_pipeline.modeling import check_model_ref
+
+    check_model_ref("--model", config.model)
+    ref = parse_ref(config.prompts)
+    out = StageOutput("generate", config, inputs=[ref])
+    if out.done():
+        return out.path
+    ds, column, rows, rows_total = select_prompts(ref, config.offset, config.limit, config.shard)
 
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     prompt_values = ds[column]

@@ -40,9 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlhf_pipeline.contracts import GROUP_COLUMNS, require_columns
+from rlhf_pipeline.contracts import GROUP_COLUMNS, SCORED_KINDS, require_columns, require_types
 from rlhf_pipeline.layout import CRITIC
-
 
 
 @dataclass
@@ -101,7 +100,9 @@ def parts(model) -> tuple[Any, Any | None]:
 
 
 def check_groups(ds, source: str) -> None:
-    require_columns(ds, GROUP_COLUMNS, source, "the PPO family trains on groups: make them with rlhf filter --mode groups")
+    hint = "the PPO family trains on groups: make them with rlhf filter --mode groups"
+    require_columns(ds, GROUP_COLUMNS, source, hint)
+    require_types(ds, SCORED_KINDS, source, hint)
 
 
 def flatten_groups(ds, source: str) -> dict[str, list]:

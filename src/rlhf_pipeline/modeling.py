@@ -1,9 +1,15 @@
-"""Loading models the same way in every stage: device, dtype, ``trust_remote_code`` off unless asked."""
+"""Loading models the same way in every stage: device, dtype, ``trust_remote_code`` off unless asked; and the one
+check of a model or tokenizer reference (:func:`check_model_ref`) that every stage makes before it writes anything.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from rlhf_pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
     import torch
@@ -11,6 +17,94 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+MODEL_CONFIG = "config.json"
+# Any one of these makes a directory loadable with AutoTokenizer (fast, sentencepiece, BPE and WordPiece layouts).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+_MODEL_HINT = "a model directory written by save_pretrained (rlhf tiny-model, sft, train) or a Hub model id"
+
+
+def offline_variable() -> str | None:
+    """The environment variable that keeps the Hub offline (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE), or None. Read
+    now, not at import (huggingface_hub reads it once, when first imported)."""
+    for name in _OFFLINE_VARIABLES:
+        if os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE"):
+            return name
+    return None
+
+
+def check_model_ref(
+    flag: str, ref: str, *, model: bool = True, tokenizer: bool = True, hint: str = _MODEL_HINT
+) -> None:
+    """Check a model or tokenizer reference before a stage writes anything, so that a mistyped path is one line
+    that names the flag, not transformers' traceback about connecting to huggingface.co.
+
+    ``model`` asks for a model (``config.json``), ``tokenizer`` for tokenizer files; a stage that loads both from
+    the same reference (a policy) asks for both. A local directory must hold them. Anything else is taken as a Hub
+    id, as transformers takes it: one that cannot be (``./x``, ``a/b/c``) is a missing directory; with
+    HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set it must be in the local Hub cache; online the Hub is asked
+    whether it exists.
+    """
+    path = Path(ref).expanduser()
+    needed = "a model" if model else "a tokenizer"
+    if path.is_dir():
+        if model and not (path / MODEL_CONFIG).is_file():
+            raise PipelineError(f"{flag} {ref}: a directory without {MODEL_CONFIG}, so not a model; pass {hint}")
+        if tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
+            what = "a model but no tokenizer" if model else "no tokenizer"
+            raise PipelineError(
+                f"{flag} {ref}: holds {what} (none of {', '.join(TOKENIZER_FILES[:3])}, ...); save the tokenizer "
+                f"into it (tokenizer.save_pretrained) or pass a directory that has one"
+            )
+        return
+    if path.exists():
+        raise PipelineError(f"{flag} {ref}: is a file, not a directory; pass {hint}")
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(ref)
+    except HFValidationError:
+        raise PipelineError(f"{flag} {ref}: no such directory (and not a Hub id, ORG/NAME); check the path") from None
+    offline = offline_variable()
+    if offline is not None:
+        if not _in_hub_cache(ref, model=model, tokenizer=tokenizer):
+            raise PipelineError(
+                f"{flag} {ref}: not found locally; with {offline} set, Hub ids are not fetched (it is neither a "
+                f"directory nor in the local Hub cache); check the path, or unset {offline} to download it"
+            )
+        return
+    _check_on_hub(flag, ref, needed)
+
+
+def _in_hub_cache(repo_id: str, *, model: bool, tokenizer: bool) -> bool:
+    """Whether the local Hub cache holds the files a stage needs of ``repo_id`` (what transformers reads offline)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename: str) -> bool:
+        return isinstance(try_to_load_from_cache(repo_id, filename), str)
+
+    return (not model or cached(MODEL_CONFIG)) and (not tokenizer or any(cached(f) for f in TOKENIZER_FILES))
+
+
+def _check_on_hub(flag: str, ref: str, needed: str) -> None:
+    """Online: a reference that is not a local directory must name a model repo on the Hub."""
+    import huggingface_hub
+
+    try:
+        exists = huggingface_hub.repo_exists(ref, repo_type="model")
+    except Exception as e:  # no network, a proxy, the Hub down: say so here, not in four chained tracebacks
+        raise PipelineError(
+            f"{flag} {ref}: not a local directory; tried as a Hub id and the Hub could not be reached "
+            f"({type(e).__name__}); check the path, or the network (HF_HUB_OFFLINE=1 uses only local models)"
+        ) from None
+    if not exists:
+        raise PipelineError(
+            f"{flag} {ref}: not a local directory; tried as a Hub id and the Hub has no such model (or it is private: "
+            f"set HF_TOKEN); check the path or the id of {needed}"
+        )
 
 
 def default_device() -> torch.device:

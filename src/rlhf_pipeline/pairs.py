@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_pipeline.contracts import PAIR_TOKEN_COLUMNS, REF_LOGP_COLUMNS, require_columns
-
+from rlhf_pipeline.contracts import PAIR_TOKEN_COLUMNS, REF_LOGP_COLUMNS, require_columns, require_types
 
 
 def check_pairs(ds, source: str) -> None:
-    require_columns(ds, PAIR_TOKEN_COLUMNS, source, "pass pairs made by rlhf filter --mode pairs")
+    hint = "pass pairs made by rlhf filter --mode pairs"
+    require_columns(ds, PAIR_TOKEN_COLUMNS, source, hint)
+    require_types(ds, {**{c: "list of int" for c in PAIR_TOKEN_COLUMNS}, **{c: "number" for c in REF_LOGP_COLUMNS},
+                       "chosen_reward": "number", "rejected_reward": "number"}, source, hint)
 
 
 def pair_lengths(ds) -> list[int]:

@@ -605,7 +605,7 @@ def _markdown(data: dict[str, Any], plots: list[tuple[str, str, Optional[str]]])
     lines += ["## Plots", ""]
     for filename, title, reason in plots:
         if reason is None:
-            lines += [f"### {title}", "", f"![{title}](plots/{filename})", ""]
+            lines += [f"### {title}", "", f"![{title}]({PLOTS_DIR}/{filename})", ""]
         else:
             lines += [f"### {title}", "", f"*Not drawn (plots/{filename}): {reason}.*", ""]
     if data.get("summary") is not None:

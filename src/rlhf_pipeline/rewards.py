@@ -24,44 +24,84 @@ from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import PipelineError, UserCodeError, one_line
 
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Sequence[float]]
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Import ``module:function`` or ``path/to/file.py:function``."""
+def check_reward_fn_spec(spec: str) -> tuple[str, str]:
+    """``(module or file, function)`` of a ``--reward-fn`` spec, checked without importing anything (a file must
+    exist); what :func:`load_reward_fn` checks first, and what ``rlhf iterate`` checks before it launches."""
     module_name, sep, fn_name = spec.rpartition(":")
     if not sep or not module_name or not fn_name:
         raise PipelineError(f"--reward-fn {spec!r}: expected module:function or path/to/file.py:function")
+    if module_name.endswith(".py") and not Path(module_name).expanduser().is_file():
+        raise PipelineError(f"--reward-fn {spec!r}: no such file {Path(module_name).expanduser()}")
+    return module_name, fn_name
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import ``module:function`` or ``path/to/file.py:function``. The module's own code raising on import (a
+    syntax error, a missing package) is a :class:`UserCodeError`: the user's traceback, then one line."""
+    module_name, fn_name = check_reward_fn_spec(spec)
     if module_name.endswith(".py"):
         path = Path(module_name).expanduser()
-        if not path.is_file():
-            raise PipelineError(f"--reward-fn {spec!r}: no such file {path}")
         mod_spec = importlib.util.spec_from_file_location(f"rlhf_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as e:
+            raise UserCodeError(f"the reward function {spec}: importing {path} raised {one_line(e)}", e) from e
     else:
-        if importlib.util.find_spec(module_name) is None:
+        try:
+            found = importlib.util.find_spec(module_name)
+        except ModuleNotFoundError:  # a parent package that does not exist
+            found = None
+        if found is None:
             raise PipelineError(f"--reward-fn {spec!r}: cannot import module '{module_name}'")
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:
+            raise UserCodeError(f"the reward function {spec}: importing {module_name} raised {one_line(e)}", e) from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise PipelineError(f"--reward-fn {spec!r}: '{module_name}' has no function '{fn_name}'")
     return fn
 
 
-def call_reward_fn(fn: RewardFn, prompts: list[str], responses: list[str], columns: dict[str, list[Any]]) -> list[float]:
-    """Call a reward function and check that it gave one number per response."""
-    values = fn(prompts, responses, **columns)
+def call_reward_fn(
+    fn: RewardFn,
+    prompts: list[str],
+    responses: list[str],
+    columns: dict[str, list[Any]],
+    *,
+    name: str | None = None,
+    where: str = "",
+) -> list[float]:
+    """Call a reward function and check that it gave one number per response.
+
+    ``name`` (the ``--reward-fn`` spec) and ``where`` (which rows the batch holds, e.g. ``rows 0..3 (batch of 16
+    responses)``) go in the errors. The function raising is a :class:`UserCodeError` (its traceback is the user's to
+    read); a wrong result is a one-line PipelineError.
+    """
+    label = f"the reward function {name or getattr(fn, '__qualname__', fn)}"
+    at = f" on {where}" if where else ""
+    try:
+        values = fn(prompts, responses, **columns)
+    except Exception as e:
+        raise UserCodeError(f"{label} raised{at}: {one_line(e)}", e) from e
     try:
         values = [float(v) for v in values]
     except (TypeError, ValueError) as e:
-        raise PipelineError(f"reward function returned something that is not a list of numbers ({e})") from None
+        raise PipelineError(
+            f"{label} returned something that is not a list of numbers{at} ({e}); return one float per response"
+        ) from None
     if len(values) != len(responses):
-        raise PipelineError(f"reward function returned {len(values)} rewards for {len(responses)} responses")
+        raise PipelineError(
+            f"{label} returned {len(values)} rewards for {len(responses)} responses{at}; return one per response"
+        )
     return values
 
 

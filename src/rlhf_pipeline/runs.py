@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -278,6 +279,8 @@ def _stage_config(step: Step):
     except SystemExit:
         message = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "invalid options"
         raise PipelineError(f"{step.name}: {message} (options: {shlex.join(step.args)})") from None
+    except PipelineError as e:  # a --config file that cannot be read
+        raise PipelineError(f"{step.name}: {e}") from None
 
 
 def check(steps: Sequence[Step]) -> None:
@@ -304,6 +307,15 @@ def _log(run: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def _die_with_parent() -> None:
+    """In a launched stage, before it starts: on Linux, have it sent SIGTERM when this process dies (SIGKILL from a
+    scheduler included), so that a killed run leaves no stage still writing beside the rerun that resumes it."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate") -> list[str]:
     """Run the steps in order, skipping finished ones. Returns the names of the steps that were launched."""
     run.mkdir(parents=True, exist_ok=True)
@@ -313,7 +325,7 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate") -> list[
             continue
         print(f"[{label}] ({i}/{len(steps)}) {step.name}: {shlex.join(step.command)}", flush=True)
         started = time.time()
-        proc = subprocess.Popen(step.command)
+        proc = subprocess.Popen(step.command, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         try:
             rc = proc.wait()
         except KeyboardInterrupt:  # the child got the same Ctrl-C; let it clean up

@@ -21,7 +21,7 @@ from typing import Literal, Optional
 from tqdm.auto import tqdm
 
 from rlhf_pipeline.config import OutputOptions, option
-from rlhf_pipeline.contracts import GENERATED_COLUMNS, GENERATIONS_COLUMNS, require_columns
+from rlhf_pipeline.contracts import GENERATED_COLUMNS, GENERATIONS_COLUMNS, require_columns, require_types
 from rlhf_pipeline.errors import PipelineError
 
 # Columns of the generations contract that a reward function does not receive as extra columns.
@@ -58,23 +58,37 @@ class ScoreConfig(OutputOptions):
             raise ValueError("--engine vllm scores with a --reward-model; a --reward-fn runs in python")
         if self.batch_size < 1:
             raise ValueError("--batch-size must be at least 1")
+        if self.max_length < 1:
+            raise ValueError("--max-length must be at least 1")
 
 
 def _check_generations(ds, source: str) -> str:
     from rlhf_pipeline.chat import prompt_column
 
     require_columns(ds, GENERATIONS_COLUMNS, source, "score takes the output of rlhf generate")
+    require_types(ds, {"responses": "list of text"}, source, "score takes the output of rlhf generate")
     if "rewards" in ds.column_names:
         raise PipelineError(f"{source}: already has a 'rewards' column (already scored?)")
     return prompt_column(ds, source)
+
+
+def _rows_text(first: int, last: int) -> str:
+    return f"row {first}" if first == last else f"rows {first}..{last}"
 
 
 def main(config: ScoreConfig) -> Path:
     from datasets import List, Value
 
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_ref, parse_ref
+    from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.rewards import RewardModelScorer, call_reward_fn, first_non_finite, load_reward_fn
 
+    # The reward source first: a mistyped model or function fails before the data is read.
+    if config.reward_model is not None:
+        check_model_ref("--reward-model", config.reward_model)
+        fn = None
+    else:
+        fn = load_reward_fn(config.reward_fn)
     ref = parse_ref(config.input)
     out = StageOutput("score", config, inputs=[ref])
     if out.done():
@@ -107,13 +121,13 @@ def main(config: ScoreConfig) -> Path:
     else:
         from rlhf_pipeline.chat import as_text
 
-        fn = load_reward_fn(config.reward_fn)
         passed = [c for c in ds.column_names if c not in NOT_PASSED]
         per_row = {c: ds[c][:] for c in passed}
         finish = ds["finish_reasons"][:] if "finish_reasons" in ds.column_names else None
         flat = []
         for start in tqdm(range(0, len(locations), config.batch_size), desc="score (fn)", unit="batch"):
             chunk = locations[start : start + config.batch_size]
+            batch = f"{_rows_text(chunk[0][0], chunk[-1][0])} (batch of {len(chunk)} response{'s' * (len(chunk) > 1)})"
             columns = {c: [values[row] for row, _ in chunk] for c, values in per_row.items()}
             if finish is not None:
                 columns["finish_reasons"] = [finish[row][j] for row, j in chunk]
@@ -122,6 +136,8 @@ def main(config: ScoreConfig) -> Path:
                 [as_text(prompts[start + k]) for k in range(len(chunk))],
                 responses[start : start + len(chunk)],
                 columns,
+                name=config.reward_fn,
+                where=batch,
             )
         extra["reward"] = {"reward_fn": config.reward_fn}
         source = f"reward function {config.reward_fn}"

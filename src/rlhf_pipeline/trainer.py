@@ -28,8 +28,10 @@ from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
 from rlhf_pipeline.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_model
 from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.layout import METRICS
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,19 @@ class TrainOptions(OutputOptions):
             raise ValueError("--save-total-limit must be at least 1 (leave it unset to keep every checkpoint)")
         if self.pack_ratio and self.pack_ratio < 1:
             raise ValueError("--pack-ratio must be 0 (pad) or at least 1")
+        if self.learning_rate <= 0:
+            raise ValueError("--learning-rate must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError("--weight-decay must be >= 0")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ValueError("--adam-beta1 and --adam-beta2 must be in [0, 1)")
+        if self.adam_epsilon <= 0:
+            raise ValueError("--adam-epsilon must be > 0")
+        if not 0 <= self.warmup_ratio <= 1:
+            raise ValueError("--warmup-ratio must be in [0, 1]")
+        for name in ("max_grad_norm", "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = off)")
 
 
 class TrainTask(Protocol):
@@ -171,14 +186,15 @@ class Metrics:
 
     def __init__(self, accelerator, output: Path, resume_step: int):
         self.accelerator = accelerator
-        self.path = output / "metrics.jsonl"
+        self.path = output / METRICS
         if accelerator.is_main_process and self.path.exists():
             # A resumed run rewrites the steps after its checkpoint.
             kept = [
                 l for l in self.path.read_text().splitlines()
                 if l and resume_step > 0 and json.loads(l)["step"] <= resume_step
             ]
-            self.path.write_text("".join(l + "\n" for l in kept))
+            # atomically: a kill between truncating and writing would lose the steps before the checkpoint
+            write_text_atomic(self.path, "".join(l + "\n" for l in kept))
 
     def log(self, step: int, values: dict[str, float]) -> None:
         record = {"step": step, **{k: round(float(v), 8) for k, v in values.items()}}

@@ -4,19 +4,25 @@ data preparation the stages share (train/test splits, tokenizing with a length l
 
 A stage's ``main`` reads top to bottom::
 
+    check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
     with training_run("sft", config, [ref]) as run:
         if run.finished:  # the output already holds this run
             return run.path
-        ...  # load the data and the model, prepare, train
+        ...  # load and check the data, load the model
+        run.start()  # the inputs are read and checked: now the output directory is made
+        ...  # prepare, train
         run.finish(StageRun(result=result, rows_in=..., extra=..., summary=...))
     return run.path
 
 On entry :func:`training_run` checks the output (a finished run with the same config and inputs is not redone; an
 unfinished one is refused, or continued with ``--resume``, or replaced with ``--overwrite``) and builds the
-accelerator; :meth:`TrainingRun.finish` pushes the model to the Hub when asked and writes the manifest that marks
-the run complete. Whatever happens, the process group is destroyed on the way out. An error or Ctrl-C before
-``finish`` leaves no manifest: the output stays unfinished, to be resumed or redone.
+accelerator; it writes nothing. :meth:`TrainingRun.start` makes the output directory and records the run's config
+and inputs (what ``--resume`` compares), once the stage has read and checked its data and loaded its model, so a
+mistake in the inputs leaves no output behind; :meth:`TrainingRun.finish` pushes the model to the Hub when asked and
+writes the manifest that marks the run complete. Whatever happens, the process group is destroyed on the way out.
+An error or Ctrl-C between ``start`` and ``finish`` leaves no manifest: the output stays unfinished, to be resumed
+or redone.
 """
 
 from __future__ import annotations
@@ -61,15 +67,29 @@ class TrainingRun:
     output: StageOutput
     accelerator: Any
     finished: bool  # the output already holds this run (same config and inputs): nothing to do
+    started: bool = False  # :meth:`start` made the output directory
     completed: bool = False  # :meth:`finish` wrote the manifest
 
     @property
     def path(self) -> Path:
         return self.output.path
 
+    def start(self) -> None:
+        """The inputs are read and checked: make the output directory (the main process; ``--overwrite`` of another
+        run removes that first) and record this run's config and inputs in it, which ``--resume`` compares."""
+        out, accelerator = self.output, self.accelerator
+        if accelerator.is_main_process:
+            if out.replace:  # --overwrite of another run
+                shutil.rmtree(out.path)
+            out.record_start()
+        accelerator.wait_for_everyone()
+        self.started = True
+
     def finish(self, run: StageRun) -> None:
         """Mark the run complete (main process): push the model when ``--push-to-hub`` asks, then write the
         manifest, then say so on the console."""
+        if not self.started:
+            raise RuntimeError(f"{self.output.stage}: run.finish(...) before run.start(); the run has no output")
         out, config = self.output, self.output.config
 
         def write() -> None:
@@ -88,8 +108,9 @@ class TrainingRun:
 @contextlib.contextmanager
 def training_run(stage: str, config: TrainOptions, inputs: list) -> Iterator[TrainingRun]:
     """Enter a training stage's run: skip a finished output (``run.finished``), refuse or resume an unfinished one,
-    build the accelerator. The body ends with ``run.finish(StageRun(...))``; the process group is destroyed on the
-    way out, whatever happens."""
+    build the accelerator; nothing is written until the body calls ``run.start()``, once its inputs are read and
+    checked. The body ends with ``run.finish(StageRun(...))``; the process group is destroyed on the way out,
+    whatever happens."""
     from rlhf_pipeline.datasets_io import StageOutput
 
     try:
@@ -97,12 +118,6 @@ def training_run(stage: str, config: TrainOptions, inputs: list) -> Iterator[Tra
         accelerator = make_accelerator(config)
         finished = out.done(resume=config.resume)
         accelerator.wait_for_everyone()  # every process has looked before the main process changes anything
-        if not finished:
-            if accelerator.is_main_process:
-                if out.replace:  # --overwrite of another run
-                    shutil.rmtree(out.path)
-                out.record_start()
-            accelerator.wait_for_everyone()
         run = TrainingRun(out, accelerator, finished)
         yield run
         if not (run.finished or run.completed):

@@ -34,6 +34,7 @@ from rlhf_pipeline.algorithms import AlgoName, get, help_text
 from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.layout import EVAL_RESULTS, SUMMARY, iteration_dir
+from rlhf_pipeline.tiny import TINY_HEAD_DIM
 
 GOLD = "rlhf_pipeline.demo.task:gold_reward"
 
@@ -59,6 +60,14 @@ class DemoConfig:
     )
     seed: int = option(0, help="Seed of the data, the models and the sampling.")
     overwrite: bool = option(False, help="Redo stages whose options changed (otherwise such a change is refused).")
+
+    def __post_init__(self) -> None:
+        for name in ("iterations", "prompts_per_iteration", "n", "max_new_tokens", "eval_prompts", "eval_n",
+                     "num_layers", "sft_epochs", "rm_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.hidden_size < TINY_HEAD_DIM or self.hidden_size % TINY_HEAD_DIM:
+            raise ValueError(f"--hidden-size must be a positive multiple of the tiny kit's head size {TINY_HEAD_DIM}")
 
 
 def plan(config: DemoConfig, run: Path, data: dict[str, Path]):

@@ -39,12 +39,12 @@ from typing import Any, Optional, Sequence
 from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import OutputOptions, option, options_of, override
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES
 from rlhf_pipeline.sampling_options import SamplingOptions
 
 SCORERS = ("reward_model", "reward_fn")
 # What must match for an earlier evaluation's samples to serve as the baseline.
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "limit")
-RESULTS = "results.json"
 
 
 @dataclass(kw_only=True)
@@ -71,6 +71,10 @@ class EvalConfig(SamplingOptions, OutputOptions):
         if self.reward_model is None and self.reward_fn is None:
             raise ValueError("give --reward-model, --reward-fn, or both")
         super().__post_init__()  # the sampling options' checks, the same as rlhf generate's
+        if self.score_batch_size < 1:
+            raise ValueError("--score-batch-size must be at least 1")
+        if self.max_length < 1:
+            raise ValueError("--max-length must be at least 1")
 
 
 def mean_and_stderr(values: Sequence[float]) -> tuple[float, float | None]:
@@ -143,15 +147,25 @@ def _earlier_eval(path: str) -> Path | None:
     raise PipelineError(f"--baseline {path}: holds a {stage} output, not a model or an rlhf eval output")
 
 
-def _baseline_scores(config: EvalConfig, out_dir: Path) -> tuple[dict[str, Path] | None, str | None]:
-    """The baseline's scored samples (None when the baseline is the evaluated model itself) and a description."""
-    if config.baseline is None:
-        return None, None
-    if config.baseline == config.model:
-        return None, "the evaluated model itself"
+def _check_inputs(config: EvalConfig, ref) -> Path | None:
+    """Everything eval reads, checked before it makes its output directory: the models, the reward function, the
+    prompts and the baseline. Returns the earlier evaluation given as ``--baseline`` (None for a model, or none)."""
+    from rlhf_pipeline.generation import select_prompts
+    from rlhf_pipeline.modeling import check_model_ref
+    from rlhf_pipeline.rewards import load_reward_fn
+
+    check_model_ref("--model", config.model)
+    if config.reward_model is not None:
+        check_model_ref("--reward-model", config.reward_model)
+    if config.reward_fn is not None:
+        load_reward_fn(config.reward_fn)
+    select_prompts(ref, limit=config.limit)
+    if config.baseline is None or config.baseline == config.model:
+        return None
     earlier = _earlier_eval(config.baseline)
     if earlier is None:
-        return _sample_and_score(config, config.baseline, out_dir / "baseline"), config.baseline
+        check_model_ref("--baseline", config.baseline, hint="a model, or the output directory of a finished rlhf eval")
+        return None
     previous_config = json.loads((earlier / "manifest.json").read_text())["config"]  # _earlier_eval checked it
     differ = [k for k in SAMPLING_KEYS if previous_config.get(k) != getattr(config, k)]
     if differ:
@@ -160,7 +174,6 @@ def _baseline_scores(config: EvalConfig, out_dir: Path) -> tuple[dict[str, Path]
             + ", ".join(f"--{k.replace('_', '-')} {previous_config.get(k)} vs {getattr(config, k)}" for k in differ)
             + "); a win rate compares like with like, so use the same settings or pass the baseline model"
         )
-    paths = {}
     for name, spec in _scorers(config).items():
         scored = earlier / f"score_{name}"
         previous = json.loads((scored / "manifest.json").read_text()) if (scored / "manifest.json").exists() else None
@@ -169,8 +182,21 @@ def _baseline_scores(config: EvalConfig, out_dir: Path) -> tuple[dict[str, Path]
                 f"--baseline {config.baseline}: that evaluation was not scored with --{name.replace('_', '-')} "
                 f"{spec}; evaluate the baseline with the same scorers, or pass the baseline model instead"
             )
-        paths[name] = scored
-    return paths, f"{previous_config['model']} (samples of {earlier})"
+    return earlier
+
+
+def _baseline_scores(config: EvalConfig, earlier: Path | None, out_dir: Path) -> tuple[dict[str, Path] | None,
+                                                                                         str | None]:
+    """The baseline's scored samples (None when the baseline is the evaluated model itself) and a description:
+    those of the earlier evaluation ``earlier`` (checked by :func:`_check_inputs`), or sampled and scored now."""
+    if config.baseline is None:
+        return None, None
+    if config.baseline == config.model:
+        return None, "the evaluated model itself"
+    if earlier is None:
+        return _sample_and_score(config, config.baseline, out_dir / "baseline"), config.baseline
+    previous_model = json.loads((earlier / "manifest.json").read_text())["config"]["model"]
+    return {name: earlier / f"score_{name}" for name in _scorers(config)}, f"{previous_model} (samples of {earlier})"
 
 
 def _rewards_by_prompt(path: Path) -> tuple[list[str], dict[str, list[float]]]:
@@ -188,11 +214,11 @@ def main(config: EvalConfig) -> Path:
     out = StageOutput("eval", config, inputs=[ref])
     if out.done(resume=True):  # the parts are stage outputs of their own: an unfinished eval continues
         return out.path
+    earlier = _check_inputs(config, ref)  # before the output directory is made: a mistake leaves nothing
     if out.replace:
         shutil.rmtree(out.path)
     out.record_start()
-    # An earlier evaluation given as the baseline is checked before anything is sampled.
-    baseline, baseline_desc = _baseline_scores(config, out.path)
+    baseline, baseline_desc = _baseline_scores(config, earlier, out.path)
     own = _sample_and_score(config, config.model, out.path)
     if config.baseline == config.model:
         baseline = own
@@ -235,13 +261,13 @@ def main(config: EvalConfig) -> Path:
         samples = samples.add_column(name, values)
     from rlhf_pipeline.datasets_io import atomic_directory, push_to_hub, write_text_atomic
 
-    with atomic_directory(out.path / "samples") as tmp:
+    with atomic_directory(out.path / EVAL_SAMPLES) as tmp:
         samples.save_to_disk(str(tmp))
-    write_text_atomic(out.path / RESULTS, json.dumps(results, indent=2) + "\n")
+    write_text_atomic(out.path / EVAL_RESULTS, json.dumps(results, indent=2) + "\n")
     manifest = out.manifest(rows_in=generated.num_rows, rows_out=generated.num_rows, extra={"eval": results})
     if config.push_to_hub:  # before the manifest: a failed upload leaves the evaluation unfinished, to be rerun
-        out.write_manifest(dict(manifest), directory=out.path / "samples")
-        push_to_hub(samples, out.path / "samples" / "manifest.json", config.push_to_hub)
+        out.write_manifest(dict(manifest), directory=out.path / EVAL_SAMPLES)
+        push_to_hub(samples, out.path / EVAL_SAMPLES / "manifest.json", config.push_to_hub)
     out.write_manifest(manifest)
     for name, s in scores.items():
         line = f"[eval] {name}: mean reward {s['mean']:.4f}"

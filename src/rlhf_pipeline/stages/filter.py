@@ -20,8 +20,15 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from rlhf_pipeline.cli import run_stage
-from rlhf_pipeline.config import OutputOptions, option
-from rlhf_pipeline.contracts import CHOSEN_REJECTED_COLUMNS, PER_RESPONSE_COLUMNS, SCORED_COLUMNS, require_columns
+from rlhf_pipeline.config import OutputOptions, check_test_size, option
+from rlhf_pipeline.contracts import (
+    CHOSEN_REJECTED_COLUMNS,
+    PER_RESPONSE_COLUMNS,
+    SCORED_COLUMNS,
+    SCORED_KINDS,
+    require_columns,
+    require_types,
+)
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.selection import LengthLimits, decide_group, decide_pair, split_indices
 
@@ -40,6 +47,14 @@ class FilterConfig(OutputOptions):
     seed: int = option(0, help="Seed of the train/test split.")
     num_proc: int = option(0, help="Worker processes; 0 = one per CPU core for large inputs.", semantic=False)
     trust_remote_code: bool = option(False, help="Allow custom tokenizer code (off by default).")
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens", "max_response_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        check_test_size(self.test_size)
+        if self.num_proc < 0:
+            raise ValueError("--num-proc must be >= 0 (0 = one per CPU core for large inputs)")
 
 
 def _tokenize_missing(batch: dict[str, list], tokenizer: Any, prompt_column: str) -> None:
@@ -132,6 +147,7 @@ def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -
     from rlhf_pipeline.chat import prompt_column
 
     require_columns(ds, SCORED_COLUMNS, source, "filter takes the output of rlhf score")
+    require_types(ds, SCORED_KINDS, source, "filter takes the output of rlhf score")
     if config.mode == "pairs":
         n = sampling["n"] if sampling else min((len(r) for r in ds["rewards"]), default=0)
         if n < 2:
@@ -147,7 +163,9 @@ def main(config: FilterConfig) -> Path:
 
     from rlhf_pipeline.chat import load_tokenizer
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_ref, parse_ref
+    from rlhf_pipeline.modeling import check_model_ref
 
+    check_model_ref("--tokenizer", config.tokenizer, model=False)
     ref = parse_ref(config.input)
     out = StageOutput("filter", config, inputs=[ref])
     if out.done():

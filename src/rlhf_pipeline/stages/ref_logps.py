@@ -40,6 +40,14 @@ class RefLogpsConfig(OutputOptions):
     )
     trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
 
+    def __post_init__(self) -> None:
+        if self.temperature is not None and self.temperature <= 0:
+            raise ValueError("--temperature must be > 0 (log-probs of greedy samples are not defined)")
+        if self.batch_size < 1:
+            raise ValueError("--batch-size must be at least 1")
+        if self.pack_ratio and self.pack_ratio < 1:
+            raise ValueError("--pack-ratio must be 0 (pad) or at least 1")
+
 
 def main(config: RefLogpsConfig) -> Path:
     from accelerate import Accelerator
@@ -47,9 +55,10 @@ def main(config: RefLogpsConfig) -> Path:
     from rlhf_pipeline.algorithms import resolve_temperature
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
-    from rlhf_pipeline.modeling import load_causal_lm
+    from rlhf_pipeline.modeling import check_model_ref, load_causal_lm
     from rlhf_pipeline.pairs import add_ref_columns, check_pairs, compute_ref_logps
 
+    check_model_ref("--model", config.model)
     ref = parse_ref(config.input)
     out = StageOutput("ref-logps", config, inputs=[ref])
     if out.done():

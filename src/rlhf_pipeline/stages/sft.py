@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from rlhf_pipeline.cli import run_stage
-from rlhf_pipeline.config import option
+from rlhf_pipeline.config import check_test_size, option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.trainer import TrainOptions
 
@@ -41,6 +41,12 @@ class SFTConfig(TrainOptions):
     test_size: float = option(
         0.05, help="When the data has no test split: held-out rows (a count, or a fraction below 1; 0 = none)."
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_length < 1:
+            raise ValueError("--max-length must be at least 1")
+        check_test_size(self.test_size)
 
 
 def split_conversation(row: dict[str, Any], row_index: int, source: str) -> tuple[Any, str]:
@@ -143,9 +149,11 @@ def main(config: SFTConfig) -> Path:
 
     from rlhf_pipeline.chat import load_tokenizer, pad_id, stop_token_ids
     from rlhf_pipeline.datasets_io import parse_ref
+    from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.trainer import load_trainable, prepare, train
     from rlhf_pipeline.training_stage import StageRun, train_test_splits, training_run, training_summary
 
+    check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
     with training_run("sft", config, [ref]) as run:
         if run.finished:
@@ -158,6 +166,7 @@ def main(config: SFTConfig) -> Path:
         if data["train"].num_rows == 0:
             raise PipelineError(f"{ref}: no training row fits in --max-length {config.max_length}; raise it")
         model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
+        run.start()  # the data and the model are read and checked: now the output directory is made
         setup = prepare(config, run.accelerator, model, data["train"].num_rows)
         task = SFTTask(pad_id(tokenizer), config.pack_ratio)
         result = train(

@@ -20,7 +20,7 @@ from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.datasets_io import atomic_directory, clean_stale
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.tiny import ChatFormatName
+from rlhf_pipeline.tiny import TINY_HEAD_DIM, ChatFormatName
 
 
 @dataclass(kw_only=True)
@@ -38,6 +38,12 @@ class TinyModelConfig:
         "tiny", help="Tokenizer family: special tokens, chat template and stop tokens (tiny: the kit's own format)."
     )
     overwrite: bool = option(False, help="Replace an existing directory.")
+
+    def __post_init__(self) -> None:
+        if self.hidden_size < TINY_HEAD_DIM or self.hidden_size % TINY_HEAD_DIM:
+            raise ValueError(f"--hidden-size must be a positive multiple of the tiny kit's head size {TINY_HEAD_DIM}")
+        if self.num_layers < 1:
+            raise ValueError("--num-layers must be at least 1")
 
 
 def main(config: TinyModelConfig) -> Path:

@@ -88,6 +88,33 @@ class TrainConfig(TrainOptions):
         get(self.algo)  # an unknown name fails here, with the list of algorithms
         if not 0.0 <= self.discount <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError("--discount and --lam must be in [0, 1]")
+        # The losses check these too (losses.py), but only at the first step, after the model is loaded.
+        if self.eta <= 0:
+            raise ValueError("--eta must be > 0 (REBEL divides the log-ratio gap by it)")
+        if self.beta is not None and self.beta <= 0:
+            raise ValueError("--beta must be > 0")
+        if self.label_smoothing is not None:
+            if not 0 <= self.label_smoothing < 0.5:
+                raise ValueError("--label-smoothing must be in [0, 0.5)")
+            if self.algo == "cdpo" and self.label_smoothing == 0:
+                raise ValueError("--algo cdpo needs --label-smoothing > 0 (e.g. 0.1); with 0 it is --algo dpo")
+            if self.algo != "cdpo" and self.label_smoothing > 0:
+                raise ValueError(
+                    f"--label-smoothing is cDPO's; use --algo cdpo, or leave it out for --algo {self.algo}"
+                )
+        if self.gamma < 0:
+            raise ValueError("--gamma must be >= 0")
+        if self.temperature is not None and self.temperature <= 0:
+            raise ValueError("--temperature must be > 0 (log-probs of greedy samples are not defined)")
+        if self.clip <= 0:
+            raise ValueError("--clip must be > 0")
+        for name in ("kl_coef", "vf_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.critic_learning_rate is not None and self.critic_learning_rate <= 0:
+            raise ValueError("--critic-learning-rate must be > 0")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError("--value-clip must be > 0")
 
     def rl_params(self):
         from rlhf_pipeline.groups import RLParams
@@ -144,10 +171,12 @@ def train_pairs(config: TrainConfig) -> Path:
     from rlhf_pipeline.algorithms import logp_temperature
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
+    from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.pairs import PairTask
     from rlhf_pipeline.trainer import load_trainable, prepare, train
     from rlhf_pipeline.training_stage import StageRun, training_run, training_summary
 
+    check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
     try:
         algo, params = config.loss_params()
@@ -164,6 +193,7 @@ def train_pairs(config: TrainConfig) -> Path:
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)
         model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
+        run.start()  # the data and the model are read and checked: now the output directory is made
         setup = prepare(config, run.accelerator, model, dd["train"].num_rows)
         if algo.needs_reference:
             dd = _reference_columns(
@@ -191,15 +221,16 @@ def train_pairs(config: TrainConfig) -> Path:
 
 def _critic_source(config, ref) -> str:
     from rlhf_pipeline.datasets_io import find_in_lineage
-    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.modeling import check_model_ref
 
     if config.critic_model:
         return config.critic_model
     reward = find_in_lineage([ref], "reward") or {}
     if reward.get("reward_model"):
+        check_model_ref("the critic (the reward model that scored the data)", reward["reward_model"], tokenizer=False)
         return reward["reward_model"]
-    raise PipelineError(f"{config.data}: --algo {config.algo} needs a critic to start from, and the data was not scored with a "
-                        "reward model; pass --critic-model (a reward model directory, e.g. from rlhf train-rm)")
+    raise PipelineError(f"{config.data}: --algo {config.algo} needs a critic to start from, and the data was not scored "
+                        "with a reward model; pass --critic-model (a reward model directory, e.g. from rlhf train-rm)")
 
 
 def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, output: Path):
@@ -245,9 +276,15 @@ def train_groups(config: TrainConfig) -> Path:
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.distributed import on_main_process
     from rlhf_pipeline.groups import GroupTask, check_groups, policy_and_critic
+    from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.trainer import load_trainable, prepare, train
     from rlhf_pipeline.training_stage import StageRun, training_run, training_summary
 
+    check_model_ref("--model", config.model)
+    if config.ref_model:
+        check_model_ref("--ref-model", config.ref_model, tokenizer=False)
+    if config.critic_model:
+        check_model_ref("--critic-model", config.critic_model, tokenizer=False)
     ref = parse_ref(config.data)
     with training_run("train", config, [ref]) as run:
         if run.finished:
@@ -279,6 +316,7 @@ def train_groups(config: TrainConfig) -> Path:
             return policy_and_critic(policy, critic)
 
         model = load_trainable(config, loader)
+        run.start()  # the data and the models are read and checked: now the output directory is made
         num_train = sum(len(r) for r in dd["train"]["rewards"])
         critic_lr = config.learning_rate if config.critic_learning_rate is None else config.critic_learning_rate
         setup = prepare(config, run.accelerator, model, num_train,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rlhf_pipeline.cli import run_stage
-from rlhf_pipeline.config import option
+from rlhf_pipeline.config import check_test_size, option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.trainer import TrainOptions
 
@@ -40,6 +40,12 @@ class TrainRMConfig(TrainOptions):
     test_size: float = option(
         0.05, help="When the data has no test split: held-out pairs (a count, or a fraction below 1; 0 = none)."
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_length < 1:
+            raise ValueError("--max-length must be at least 1")
+        check_test_size(self.test_size)
 
 
 def expand_pairs(row: dict[str, Any], row_index: int, source: str) -> list[tuple[Any, Any, Any]]:
@@ -148,10 +154,12 @@ def load_reward_model_for_training(path: str, trust_remote_code: bool = False):
 def main(config: TrainRMConfig) -> Path:
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import parse_ref
+    from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.rewards import prepare_reward_model
     from rlhf_pipeline.trainer import load_trainable, prepare, train
     from rlhf_pipeline.training_stage import StageRun, train_test_splits, training_run, training_summary
 
+    check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
     with training_run("train-rm", config, [ref]) as run:
         if run.finished:
@@ -165,6 +173,7 @@ def main(config: TrainRMConfig) -> Path:
         pad = pad_id(tokenizer)
         model = load_trainable(config, load_reward_model_for_training)
         prepare_reward_model(model, pad)
+        run.start()  # the data and the model are read and checked: now the output directory is made
         setup = prepare(config, run.accelerator, model, data["train"].num_rows)
         result = train(
             config, run.accelerator, setup, tokenizer, RewardTask(pad), data["train"], data.get("test"),

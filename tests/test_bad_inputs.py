@@ -1,0 +1,414 @@
+"""Bad inputs, as a new user types them, across every stage: each ends with exit status 1, exactly one ``error:``
+line that names what is wrong, no traceback, and nothing written: the ``--output`` path (and any hidden temporary
+sibling) does not exist afterwards.
+
+A user's own code that raises (a ``--reward-fn``) is the exception: its traceback is the user's to read, so it is
+printed from the user's first frame, and the one ``error:`` line comes last, naming the stage, the function and the
+rows it was given.
+
+Regression tests for the issue "five of twenty-two bad inputs still end badly": ``rlhf generate --model nomodel``
+(four chained tracebacks about connecting to huggingface.co), ``rlhf filter --tokenizer nomodel`` (the same),
+``--max-new-tokens -3`` (a GenerationConfig traceback), ``rlhf eval --temperature 0 --n 2`` (a traceback and
+``run_started.json`` left behind), ``rlhf train --algo dpo --data <generations>`` (the right line, but an output
+directory left holding ``run_started.json``), and a raising ``--reward-fn`` (no line naming the rows).
+
+The cases run in-process (``conftest.run``, stderr captured), except a few that run ``python -m rlhf_pipeline.cli``
+as a user would, to check what a real process prints.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from conftest import run, write_jsonl
+
+REWARDS = '''
+def good(prompts, responses, **columns):
+    return [float(len(r)) for r in responses]
+
+
+def _length_ratio(response):
+    return len(response) / (len(response) - len(response))
+
+
+def boom(prompts, responses, **columns):
+    return [_length_ratio(r) for r in responses]
+
+
+def nan(prompts, responses, **columns):
+    return [float("nan")] * len(responses)
+
+
+def short(prompts, responses, **columns):
+    return [0.0]
+
+
+def words(prompts, responses, **columns):
+    return ["high"] * len(responses)
+'''
+
+ITERATE_YAML = """model: {policy}
+prompts: {prompts}
+reward_fn: {rewards}:good
+iterations: 1
+"""
+
+
+class Case(NamedTuple):
+    id: str
+    args: list  # the command after ``rlhf``; "{name}" is a path of the kit, "{out}" the output
+    expect: str  # a part of the error line
+    user_code: str | None = None  # the user's file the traceback must show (a reward function that raised)
+    subprocess: bool = False  # run as ``python -m rlhf_pipeline.cli``
+    kept: bool = False  # the output stays, unfinished and resumable (no manifest.json): see the eval case
+
+
+GEN_ROWS = [
+    {"prompt_id": "p0", "prompt": "Name a colour.", "responses": ["Blue.", "Red, I think."],
+     "finish_reasons": ["stop", "stop"], "label": 1},
+    {"prompt_id": "p1", "prompt": "Name a fruit.", "responses": ["A pear.", "Plums"],
+     "finish_reasons": ["stop", "length"], "label": 0},
+]
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
+    """Small inputs for every case, written once: good ones to combine with one bad option each, and bad ones."""
+    d = tmp_path_factory.mktemp("bad_inputs")
+    k = {"policy": tiny_policy, "rm": tiny_rm, "dir": str(d), "missing": str(d / "missing.jsonl")}
+    k["prompts"] = write_jsonl(d / "prompts.jsonl", [{"prompt": f"Say something about the number {i}."}
+                                                     for i in range(4)])
+    k["questions"] = write_jsonl(d / "questions.jsonl", [{"question": "Why?"}, {"question": "How?"}])
+    k["int_prompts"] = write_jsonl(d / "int_prompts.jsonl", [{"prompt": "Fine."}, {"prompt": 7}])
+    k["gen"] = write_jsonl(d / "gen.jsonl", GEN_ROWS)
+    k["gen_text_responses"] = write_jsonl(d / "gen_text.jsonl", [{"prompt_id": "p0", "prompt": "Hi.",
+                                                                  "responses": "Hello there."}])
+    k["scored"] = write_jsonl(d / "scored.jsonl", [dict(r, rewards=[1.0, 0.0]) for r in GEN_ROWS])
+    k["scored_text_rewards"] = write_jsonl(d / "scored_text.jsonl", [dict(r, rewards=["1", "0"]) for r in GEN_ROWS])
+    k["pairs"] = write_jsonl(d / "pairs.jsonl", [
+        {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "chosen_token_ids": [7, 8, 2],
+         "rejected_token_ids": [9, 2], "chosen_reward": 1.0, "rejected_reward": 0.0} for i in range(6)])
+    good_sft = [{"prompt": f"Review the park number {i}.", "answer": "The trees were lovely."} for i in range(20)]
+    k["sft_bad_row"] = write_jsonl(d / "sft.jsonl", good_sft[:10] + [{"prompt": "Review the lake."}] + good_sft[10:])
+    k["sft_good"] = write_jsonl(d / "sft_good.jsonl", good_sft)
+    good_rm = [{"prompt": f"Review the park number {i}.", "chosen": "Lovely.", "rejected": "Dull."} for i in range(20)]
+    k["rm_bad_row"] = write_jsonl(d / "rm.jsonl", good_rm[:10] + [{"prompt": "The lake.", "chosen": "Fine."}]
+                                  + good_rm[10:])
+    k["rm_good"] = write_jsonl(d / "rm_good.jsonl", good_rm)
+    (d / "rewards.py").write_text(REWARDS)
+    k["rewards"] = str(d / "rewards.py")
+    (d / "broken_rewards.py").write_text("def reward(prompts, responses, **columns)\n    return [0.0]\n")
+    k["broken_rewards"] = str(d / "broken_rewards.py")
+    yamls = {
+        "yaml_invalid": "model: [unclosed\n",
+        "yaml_unknown": "temprature: 0.7\n",
+        "yaml_type": "n: five\n",
+        "yaml_choice": "engine: tpu\n",
+        "yaml_tiny_choice": "chat_format: klingon\n",
+        "iterate_reserved": ITERATE_YAML.format(**k) + "train: {model: other}\n",
+        "iterate_misspelt": ITERATE_YAML.format(**k) + "train: {learning_rat: 0.001}\n",
+        "iterate_range": ITERATE_YAML.format(**k) + "generate: {max_new_tokens: 0}\n",
+        "iterate_zero": ITERATE_YAML.format(**k) + "prompts_per_iteration: 0\n",
+    }
+    for name, text in yamls.items():
+        (d / f"{name}.yaml").write_text(text)
+        k[name] = str(d / f"{name}.yaml")
+    (d / "empty_run").mkdir()
+    k["empty_run"] = str(d / "empty_run")
+
+    # Real generate outputs: two shards of one run, and a second shard 1 sampled with another --n.
+    sample = ["--model", tiny_policy, "--prompts", k["prompts"], "--max-new-tokens", 2, "--engine", "hf"]
+    for name, extra in [("shard0", ["--shard", "0/2", "--n", 1]), ("shard1_other_n", ["--shard", "1/2", "--n", 2])]:
+        assert run("generate", *sample, *extra, "--output", d / name) == 0
+        k[name] = str(d / name)
+    return k
+
+
+CASES = [
+    # generate: models, prompts, ranges, shards, YAML
+    Case("generate-model-not-found-offline", ["generate", "--model", "nomodel", "--prompts", "{prompts}"],
+         "--model nomodel: not found locally; with HF_HUB_OFFLINE set, Hub ids are not fetched", subprocess=True),
+    Case("generate-model-path-missing", ["generate", "--model", "{dir}/models/policy-v2", "--prompts", "{prompts}"],
+         "no such directory"),
+    Case("generate-model-is-a-dataset", ["generate", "--model", "{shard0}", "--prompts", "{prompts}"],
+         "a directory without config.json, so not a model"),
+    Case("generate-max-new-tokens-negative",
+         ["generate", "--model", "{policy}", "--prompts", "{prompts}", "--max-new-tokens", "-3"],
+         "rlhf generate: --max-new-tokens must be at least 1"),
+    Case("generate-temperature-nan", ["generate", "--model", "{policy}", "--prompts", "{prompts}",
+                                      "--temperature", "nan"], "--temperature must be a finite number"),
+    Case("generate-prompts-missing", ["generate", "--model", "{policy}", "--prompts", "{missing}"], "no such file"),
+    Case("generate-prompts-wrong-column", ["generate", "--model", "{policy}", "--prompts", "{questions}"],
+         "has neither a 'prompt' nor a 'messages' column"),
+    Case("generate-prompt-wrong-type", ["generate", "--model", "{policy}", "--prompts", "{int_prompts}"],
+         "row 1: 'prompt' is int, not text"),
+    Case("generate-prompts-already-generated", ["generate", "--model", "{policy}", "--prompts", "{shard0}"],
+         "already has column(s) prompt_token_ids"),
+    Case("generate-shard-out-of-range", ["generate", "--model", "{policy}", "--prompts", "{prompts}",
+                                         "--shard", "3/2"], "--shard '3/2': need 0 <= i < N"),
+    Case("generate-shard-malformed", ["generate", "--model", "{policy}", "--prompts", "{prompts}",
+                                      "--shard", "half"], "--shard 'half': expected i/N"),
+    Case("generate-offset-past-the-end", ["generate", "--model", "{policy}", "--prompts", "{prompts}",
+                                          "--offset", "10"], "--offset 10 skips all of its 4 prompts"),
+    Case("yaml-not-valid", ["generate", "--config", "{yaml_invalid}", "--model", "{policy}", "--prompts",
+                            "{prompts}"], "not valid YAML"),
+    Case("yaml-unknown-key", ["generate", "--config", "{yaml_unknown}", "--model", "{policy}", "--prompts",
+                              "{prompts}"], "unknown option 'temprature'"),
+    Case("yaml-wrong-type", ["generate", "--config", "{yaml_type}", "--model", "{policy}", "--prompts", "{prompts}"],
+         "n: expected a whole number, got 'five'"),
+    Case("yaml-not-a-choice", ["generate", "--config", "{yaml_choice}", "--model", "{policy}", "--prompts",
+                               "{prompts}"], "engine: 'tpu' is not one of the choices (auto, hf, vllm)"),
+    Case("yaml-file-missing", ["generate", "--config", "{dir}/run.yaml", "--model", "{policy}", "--prompts",
+                               "{prompts}"], "run.yaml: no such file"),
+    # merge: shards that do not fit together
+    Case("merge-shards-with-other-settings", ["merge", "--inputs", "{shard0}", "{shard1_other_n}"],
+         "made with other settings than"),
+    Case("merge-shard-missing", ["merge", "--inputs", "{shard0}"], "do not cover shards 0..1 once each; missing [1]"),
+    Case("merge-shard-repeated", ["merge", "--inputs", "{shard0}", "{shard0}"], "repeated [0]"),
+    Case("merge-not-a-shard", ["merge", "--inputs", "{gen}"], "not a shard written by rlhf generate --shard i/N"),
+    # score: inputs, reward functions, reward models
+    Case("score-input-is-prompts", ["score", "--input", "{prompts}", "--reward-fn", "{rewards}:good"],
+         "missing column(s) prompt_id, responses; score takes the output of rlhf generate"),
+    Case("score-responses-not-a-list", ["score", "--input", "{gen_text_responses}", "--reward-fn", "{rewards}:good"],
+         "column 'responses' holds text, not list of text"),
+    Case("score-already-scored", ["score", "--input", "{scored}", "--reward-fn", "{rewards}:good"],
+         "already has a 'rewards' column"),
+    Case("score-reward-fn-file-missing", ["score", "--input", "{gen}", "--reward-fn", "{dir}/rewardz.py:good"],
+         "no such file"),
+    Case("score-reward-fn-function-missing", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:reward"],
+         "has no function 'reward'"),
+    Case("score-reward-fn-raises", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:boom"],
+         "rlhf score: the reward function {rewards}:boom raised on rows 0..1 (batch of 4 responses): "
+         "ZeroDivisionError: division by zero", user_code="{rewards}"),
+    Case("score-reward-fn-raises-in-a-process", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:boom",
+                                                 "--batch-size", "3"],
+         "rlhf score: the reward function {rewards}:boom raised on rows 0..1 (batch of 3 responses)",
+         user_code="{rewards}", subprocess=True),
+    Case("score-reward-fn-does-not-import", ["score", "--input", "{gen}", "--reward-fn", "{broken_rewards}:reward"],
+         "importing {broken_rewards} raised SyntaxError", user_code="{broken_rewards}"),
+    Case("score-reward-fn-nan", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:nan"],
+         "row 0 (prompt_id p0), response 0: the reward function {rewards}:nan returned nan; rewards must be finite"),
+    Case("score-reward-fn-wrong-count", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:short"],
+         "returned 1 rewards for 4 responses on rows 0..1"),
+    Case("score-reward-fn-not-numbers", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:words"],
+         "returned something that is not a list of numbers"),
+    Case("score-reward-model-not-found", ["score", "--input", "{gen}", "--reward-model", "org/reward-model"],
+         "--reward-model org/reward-model: not found locally"),
+    Case("score-two-reward-sources", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good",
+                                      "--reward-model", "{rm}"], "give exactly one of --reward-model and --reward-fn"),
+    Case("score-batch-size-zero", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good", "--batch-size", "0"],
+         "--batch-size must be at least 1"),
+    # filter
+    Case("filter-tokenizer-not-found", ["filter", "--input", "{scored}", "--tokenizer", "nomodel"],
+         "--tokenizer nomodel: not found locally; with HF_HUB_OFFLINE set, Hub ids are not fetched"),
+    Case("filter-input-not-scored", ["filter", "--input", "{gen}", "--tokenizer", "{policy}"],
+         "missing column(s) rewards; filter takes the output of rlhf score"),
+    Case("filter-rewards-are-text", ["filter", "--input", "{scored_text_rewards}", "--tokenizer", "{policy}"],
+         "column 'rewards' holds list of text, not list of number"),
+    Case("filter-test-size-negative", ["filter", "--input", "{scored}", "--tokenizer", "{policy}",
+                                       "--test-size", "-1"], "--test-size must be >= 0"),
+    Case("filter-max-response-tokens-zero", ["filter", "--input", "{scored}", "--tokenizer", "{policy}",
+                                             "--max-response-tokens", "0"], "--max-response-tokens must be at least 1"),
+    Case("filter-test-split-takes-everything", ["filter", "--input", "{scored}", "--tokenizer", "{policy}",
+                                                "--test-size", "5"], "cannot be split from them"),
+    # ref-logps
+    Case("ref-logps-on-generations", ["ref-logps", "--model", "{policy}", "--input", "{shard0}"],
+         "missing column(s) chosen_token_ids, rejected_token_ids; pass pairs made by rlhf filter --mode pairs"),
+    Case("ref-logps-model-not-found", ["ref-logps", "--model", "nomodel", "--input", "{pairs}"],
+         "--model nomodel: not found locally"),
+    Case("ref-logps-temperature-zero", ["ref-logps", "--model", "{policy}", "--input", "{pairs}",
+                                        "--temperature", "0"], "--temperature must be > 0"),
+    Case("ref-logps-no-sampling-temperature", ["ref-logps", "--model", "{policy}", "--input", "{pairs}"],
+         "no sampling temperature recorded upstream"),
+    # train
+    Case("train-dpo-on-generations", ["train", "--algo", "dpo", "--model", "{policy}", "--data", "{shard0}"],
+         "missing column(s) chosen_token_ids, rejected_token_ids; pass pairs made by rlhf filter --mode pairs"),
+    Case("train-grpo-on-pairs", ["train", "--algo", "grpo", "--model", "{policy}", "--data", "{pairs}"],
+         "missing column(s) response_token_ids, rewards; the PPO family trains on groups"),
+    Case("train-rebel-without-sampling-temperature", ["train", "--model", "{policy}", "--data", "{pairs}"],
+         "no sampling temperature recorded upstream"),
+    Case("train-learning-rate-zero", ["train", "--model", "{policy}", "--data", "{pairs}", "--learning-rate", "0"],
+         "--learning-rate must be > 0"),
+    Case("train-eta-zero", ["train", "--model", "{policy}", "--data", "{pairs}", "--eta", "0"],
+         "--eta must be > 0"),
+    Case("train-label-smoothing-without-cdpo", ["train", "--algo", "dpo", "--model", "{policy}", "--data", "{pairs}",
+                                                "--label-smoothing", "0.1"], "--label-smoothing is cDPO's"),
+    Case("train-ref-model-not-found", ["train", "--algo", "grpo", "--model", "{policy}", "--data", "{pairs}",
+                                       "--ref-model", "{dir}/sft_policy"], "--ref-model"),
+    Case("train-critic-model-not-found", ["train", "--algo", "ppo", "--model", "{policy}", "--data", "{pairs}",
+                                          "--critic-model", "nomodel"], "--critic-model nomodel: not found locally"),
+    Case("train-model-is-a-dataset", ["train", "--model", "{shard0}", "--data", "{pairs}"],
+         "--model {shard0}: a directory without config.json"),
+    # sft and train-rm
+    Case("sft-bad-row", ["sft", "--model", "{policy}", "--data", "{sft_bad_row}", "--test-size", "0"],
+         "sft.jsonl: row 10 has neither 'prompt' and 'answer' nor 'messages'"),
+    Case("sft-nothing-fits", ["sft", "--model", "{policy}", "--data", "{sft_good}", "--max-length", "3"],
+         "no training row fits in --max-length 3"),
+    Case("sft-data-missing", ["sft", "--model", "{policy}", "--data", "{missing}"], "no such file"),
+    Case("sft-test-size-not-whole", ["sft", "--model", "{policy}", "--data", "{sft_good}", "--test-size", "2.5"],
+         "--test-size 2.5: use a fraction below 1 or a whole number of rows"),
+    Case("train-rm-bad-row", ["train-rm", "--model", "{policy}", "--data", "{rm_bad_row}", "--test-size", "0"],
+         "rm.jsonl: row 10 has no 'chosen'/'rejected'"),
+    Case("train-rm-test-split-takes-everything", ["train-rm", "--model", "{policy}", "--data", "{rm_good}",
+                                                  "--test-size", "20"], "leaves none to train on"),
+    Case("train-rm-model-not-found", ["train-rm", "--model", "nomodel", "--data", "{rm_good}"],
+         "--model nomodel: not found locally"),
+    # eval
+    Case("eval-greedy-with-several-samples", ["eval", "--model", "{policy}", "--prompts", "{prompts}", "--reward-fn",
+                                              "{rewards}:good", "--temperature", "0", "--n", "2"],
+         "--temperature 0 (greedy) gives n identical samples"),
+    Case("eval-model-not-found", ["eval", "--model", "nomodel", "--prompts", "{prompts}", "--reward-fn",
+                                  "{rewards}:good"], "--model nomodel: not found locally"),
+    Case("eval-baseline-not-found", ["eval", "--model", "{policy}", "--prompts", "{prompts}", "--reward-fn",
+                                     "{rewards}:good", "--baseline", "{dir}/runs/iter_0/eval"], "--baseline"),
+    Case("eval-reward-model-not-found", ["eval", "--model", "{policy}", "--prompts", "{prompts}",
+                                         "--reward-model", "nomodel"], "--reward-model nomodel: not found locally"),
+    Case("eval-reward-fn-file-missing", ["eval", "--model", "{policy}", "--prompts", "{prompts}", "--reward-fn",
+                                         "{dir}/rewardz.py:good"], "no such file"),
+    Case("eval-prompts-wrong-column", ["eval", "--model", "{policy}", "--prompts", "{questions}", "--reward-fn",
+                                       "{rewards}:good"], "has neither a 'prompt' nor a 'messages' column"),
+    Case("eval-no-scorer", ["eval", "--model", "{policy}", "--prompts", "{prompts}"],
+         "give --reward-model, --reward-fn, or both"),
+    Case("eval-reward-fn-raises", ["eval", "--model", "{policy}", "--prompts", "{prompts}", "--reward-fn",
+                                   "{rewards}:boom", "--max-new-tokens", "2", "--limit", "2", "--engine", "hf"],
+         "rlhf eval: the reward function {rewards}:boom raised on rows 0..1 (batch of 2 responses): "
+         "ZeroDivisionError", user_code="{rewards}", kept=True),
+    # iterate, report, tiny-model
+    Case("iterate-section-sets-what-iterate-sets", ["iterate", "--config", "{iterate_reserved}"],
+         "the train section sets model"),
+    Case("iterate-misspelt-stage-option", ["iterate", "--config", "{iterate_misspelt}"],
+         "unrecognized arguments: --learning-rat"),
+    Case("iterate-stage-option-out-of-range", ["iterate", "--config", "{iterate_range}"],
+         "--max-new-tokens must be at least 1"),
+    Case("iterate-prompts-per-iteration-zero", ["iterate", "--config", "{iterate_zero}"],
+         "prompts_per_iteration must be at least 1"),
+    Case("iterate-model-not-found", ["iterate", "--config", "{iterate_reserved}", "--model", "nomodel"],
+         "--model nomodel: not found locally"),
+    Case("iterate-prompts-missing", ["iterate", "--config", "{iterate_reserved}", "--prompts", "{missing}"],
+         "no such file"),
+    Case("report-run-dir-missing", ["report", "{dir}/no_run"], "no such directory"),
+    Case("report-run-dir-empty", ["report", "{empty_run}"], "no run data"),
+    Case("tiny-model-hidden-size", ["tiny-model", "--hidden-size", "48"],
+         "--hidden-size must be a positive multiple of the tiny kit's head size 32"),
+    Case("tiny-model-layers-zero", ["tiny-model", "--num-layers", "0"], "--num-layers must be at least 1"),
+    Case("tiny-model-yaml-choice", ["tiny-model", "--config", "{yaml_tiny_choice}"],
+         "chat_format: 'klingon' is not one of the choices"),
+]
+
+TRAINING = {"train", "sft", "train-rm"}
+
+
+def command(case: Case, kit: dict[str, str], out: Path) -> list[str]:
+    args = [str(a).format(**kit, out=out) for a in case.args]
+    stage = args[0]
+    if stage == "report":
+        return [*args, "--output", str(out)]
+    args += ["--output", str(out)]
+    if stage in TRAINING:
+        args += ["--report-to", "none"]
+    return args
+
+
+def run_cli(args: list[str], in_process: bool, capsys) -> tuple[int, str]:
+    if in_process:
+        capsys.readouterr()
+        rc = run(*args)
+        return rc, capsys.readouterr().err
+    env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.pop("RLHF_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli", *args], capture_output=True, text=True, env=env)
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_error_line_and_leaves_nothing(case, kit, tmp_path, capsys, fresh_accelerate_state):
+    out = tmp_path / "out"
+    rc, err = run_cli(command(case, kit, out), not case.subprocess, capsys)
+    lines = err.rstrip("\n").splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert rc == 1, err
+    assert len(errors) == 1, err
+    assert case.expect.format(**kit) in errors[0], err
+    if case.user_code is None:
+        assert "Traceback" not in err, err
+    else:  # the user's traceback (from the user's own frames), then the one line, last
+        assert lines[-1] == errors[0], err
+        frames = [line for line in lines if line.startswith('  File "')]
+        assert f'  File "{case.user_code.format(**kit)}"' in "\n".join(frames), err
+        assert not [f for f in frames if "/rlhf_pipeline/" in f], err
+    if case.kept:  # an evaluation is filled in place and resumable: unfinished, never complete-looking
+        assert not (out / "manifest.json").exists() and not (out / "results.json").exists()
+    else:
+        assert not out.exists(), sorted(p.name for p in out.iterdir())
+    assert not list(tmp_path.glob(".out*")), list(tmp_path.glob(".out*"))
+
+
+def test_there_are_enough_cases_and_every_stage_has_some():
+    from rlhf_pipeline.cli import STAGES
+
+    assert len(CASES) >= 30
+    covered = {c.args[0] for c in CASES}
+    assert set(STAGES) - covered == {"demo", "bench"}
+
+
+def test_a_raising_reward_function_shows_only_the_users_frames(kit, tmp_path, capsys):
+    rc, err = run_cli(["score", "--input", kit["gen"], "--reward-fn", f"{kit['rewards']}:boom", "--output",
+                       str(tmp_path / "out")], True, capsys)
+    assert rc == 1
+    traceback_text = err[err.index("Traceback (most recent call last)"): err.rindex("error:")]
+    assert f'File "{kit["rewards"]}", line' in traceback_text
+    assert "in boom" in traceback_text and "in _length_ratio" in traceback_text
+    assert "rlhf_pipeline" not in traceback_text  # the pipeline's frames above the user's are left out
+    assert traceback_text.rstrip().endswith("ZeroDivisionError: division by zero")
+
+
+def test_online_a_missing_hub_id_is_one_line_that_says_what_was_tried(monkeypatch):
+    """With the Hub reachable (here: asked through a stand-in), a reference that is neither a directory nor a Hub
+    model is named as such, not reported as a network problem."""
+    import huggingface_hub
+
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.modeling import check_model_ref
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "repo_exists", lambda repo_id, repo_type=None: False)
+    with pytest.raises(PipelineError, match=r"^--model nomodel: not a local directory; tried as a Hub id and the Hub "
+                                            r"has no such model"):
+        check_model_ref("--model", "nomodel")
+
+    def unreachable(repo_id, repo_type=None):
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(huggingface_hub, "repo_exists", unreachable)
+    with pytest.raises(PipelineError, match=r"tried as a Hub id and the Hub could not be reached \(OSError\)"):
+        check_model_ref("--model", "org/model")
+    monkeypatch.setattr(huggingface_hub, "repo_exists", lambda repo_id, repo_type=None: True)
+    check_model_ref("--model", "org/model")  # exists: loading it is transformers' job
+
+
+def test_transformers_offline_is_named_when_it_is_the_one_set(monkeypatch):
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.modeling import check_model_ref
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    with pytest.raises(PipelineError, match="with TRANSFORMERS_OFFLINE set, Hub ids are not fetched"):
+        check_model_ref("--tokenizer", "org/tok", model=False)
+
+
+def test_a_model_directory_without_a_tokenizer_is_named(tiny_policy, tmp_path):
+    import shutil
+
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.modeling import TOKENIZER_FILES, check_model_ref
+
+    model_only = tmp_path / "model_only"
+    shutil.copytree(tiny_policy, model_only, ignore=shutil.ignore_patterns(*TOKENIZER_FILES, "special_tokens_map.json"))
+    check_model_ref("--critic-model", str(model_only), tokenizer=False)
+    with pytest.raises(PipelineError, match="holds a model but no tokenizer"):
+        check_model_ref("--model", str(model_only))
