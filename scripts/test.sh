@@ -12,23 +12,44 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 WITH_VLLM=${RLHF_TEST_VLLM:-1}
+vllm_failed=0
 
 bash scripts/install.sh dev
 if [ "$WITH_VLLM" != 0 ]; then
-  VENV=$VLLM_VENV bash scripts/install.sh vllm
-  "$VLLM_VENV/bin/pip" install -q --disable-pip-version-check "pytest>=8"
-  export RLHF_VLLM_PYTHON="$PWD/$VLLM_VENV/bin/python"
+  # A vLLM environment that cannot be built fails the run, after the main suite has still run.
+  if VENV=$VLLM_VENV bash scripts/install.sh vllm; then
+    "$VLLM_VENV/bin/pip" install -q --disable-pip-version-check "pytest>=8"
+    case "$VLLM_VENV" in
+      /*) export RLHF_VLLM_PYTHON="$VLLM_VENV/bin/python" ;;
+      *) export RLHF_VLLM_PYTHON="$PWD/$VLLM_VENV/bin/python" ;;
+    esac
+  else
+    echo "error: the vLLM environment ($VLLM_VENV) did not install; its tests are not run" >&2
+    WITH_VLLM=0 vllm_failed=1
+  fi
 fi
 
 export TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-main_paths=0 vllm_paths=0
+# Split the arguments: test paths go to the suite they belong to, everything else to both.
+opts=() main_args=() vllm_args=()
 for arg in "$@"; do
-  case "$arg" in
-    tests/vllm_env*) vllm_paths=1 ;;
-    tests/*) main_paths=1 ;;
+  path=${arg#"$PWD"/}  # tests/x, ./tests/x and /abs/repo/tests/x name the same file
+  path=${path#./}
+  case "$path" in
+    tests/vllm_env|tests/vllm_env/*|tests/vllm_env::*) vllm_args+=("$arg") ;;
+    tests|tests/) main_args+=("$arg"); vllm_args+=(tests/vllm_env) ;;
+    tests/*) main_args+=("$arg") ;;
+    *) opts+=("$arg") ;;
   esac
 done
+if [ ${#main_args[@]} -eq 0 ] && [ ${#vllm_args[@]} -eq 0 ]; then
+  main_args=(tests) vllm_args=(tests/vllm_env)
+fi
+if [ "$WITH_VLLM" = 0 ] && [ ${#vllm_args[@]} -gt 0 ] && [ ${#main_args[@]} -eq 0 ]; then
+  echo "error: RLHF_TEST_VLLM=0 skips the vLLM environment, so tests/vllm_env cannot run; unset it" >&2
+  exit 1
+fi
 
 pytest_in() {  # pytest_in PYTHON ARGS...: pytest's status, with 5 (no tests collected) counted as success
   set +e
@@ -43,14 +64,11 @@ pytest_in() {  # pytest_in PYTHON ARGS...: pytest's status, with 5 (no tests col
 }
 
 rc=0
-if [ "$vllm_paths" -eq 0 ] || [ "$main_paths" -eq 1 ]; then
-  pytest_in "$VENV/bin/python" "$@" || rc=$?
+if [ ${#main_args[@]} -gt 0 ]; then
+  pytest_in "$VENV/bin/python" "${opts[@]}" "${main_args[@]}" || rc=$?
 fi
-if [ "$WITH_VLLM" != 0 ] && { [ "$main_paths" -eq 0 ] || [ "$vllm_paths" -eq 1 ]; }; then
-  if [ "$vllm_paths" -eq 1 ]; then
-    pytest_in "$VLLM_VENV/bin/python" "$@" || rc=$?
-  else
-    pytest_in "$VLLM_VENV/bin/python" tests/vllm_env "$@" || rc=$?
-  fi
+if [ "$WITH_VLLM" != 0 ] && [ ${#vllm_args[@]} -gt 0 ]; then
+  pytest_in "$VLLM_VENV/bin/python" "${opts[@]}" "${vllm_args[@]}" || rc=$?
 fi
+[ "$vllm_failed" -eq 0 ] || rc=1
 exit "$rc"

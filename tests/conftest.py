@@ -127,6 +127,19 @@ def stop_prone_policy(tmp_path_factory) -> str:
     return str(path)
 
 
+class _KeptOpen:
+    """An engine whose ``close`` (what a stage calls when it is done with it) leaves it running for the next test."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def close(self) -> None:
+        pass
+
+
 @pytest.fixture(scope="session")
 def shared_vllm_engines():
     """One vLLM engine per (model, dtype, context length) for a whole session of the real-vLLM suite (tests/vllm_env).
@@ -146,7 +159,7 @@ def shared_vllm_engines():
         key = (str(Path(model).resolve()), kwargs.get("dtype", "auto"), kwargs.get("max_model_len"))
         if key not in cache:
             cache[key] = real(name, model, tokenizer, **kwargs)
-        return cache[key]
+        return _KeptOpen(cache[key])
 
     patch = pytest.MonkeyPatch()
     patch.setattr(engines, "load_engine", load_engine)

@@ -145,6 +145,28 @@ def test_shards_merge_into_the_whole(tiny_policy, bundled_prompts, tmp_path):
     assert not (tmp_path / "m2").exists()
 
 
+def test_generate_closes_its_engine_even_when_sampling_fails(tiny_policy, small_prompts, tmp_path, monkeypatch):
+    """A stage frees its engine when done (eval goes on to score, or to start a baseline's engine), and on failure."""
+    import rlhf_pipeline.engines as engines
+
+    real, closed = engines.load_engine, []
+
+    def load_engine(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        close = engine.close
+        monkeypatch.setattr(engine, "close", lambda: (closed.append(engine.name), close()))
+        return engine
+
+    monkeypatch.setattr(engines, "load_engine", load_engine)
+    args = ["--model", tiny_policy, "--prompts", small_prompts, "--n", 2, "--max-new-tokens", 4, "--engine", "hf"]
+    assert run("generate", *args, "--output", tmp_path / "ok") == 0
+    assert closed == ["hf"]
+    monkeypatch.setattr("rlhf_pipeline.engines.hf.HFEngine.generate", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        run("generate", *args, "--output", tmp_path / "failed")
+    assert closed == ["hf", "hf"] and not (tmp_path / "failed").exists()
+
+
 def _fails(capsys, *args, output: Path, expect: list[str]):
     capsys.readouterr()
     assert run(*args, "--output", output) == 1

@@ -125,7 +125,10 @@ def main(config: GenerateConfig) -> Path:
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_model_len=config.max_model_len,
     )
-    completions = engine.generate(prompt_ids, [request_seed(config.seed, r) for r in rows], sampling)
+    try:
+        completions = engine.generate(prompt_ids, [request_seed(config.seed, r) for r in rows], sampling)
+    finally:
+        engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
 
     if "prompt_id" in ds.column_names:
         ids = [str(x) for x in ds["prompt_id"]]

@@ -194,10 +194,17 @@ class RewardModelScorer:
 
             from rlhf_pipeline.engines.vllm import VLLMRewardModel
 
-            pad = model_pad_id(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+            model_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            pad = model_pad_id(model_config)
             self.pooling_pad = self.pad_id if pad is None else pad  # as prepare_reward_model sets it
+            # vLLM refuses a max_model_len over the model's context; sequences are cut at the shorter of the two
+            context = getattr(model_config, "max_position_embeddings", None)
+            if context is not None and context < max_length:
+                log.info("--max-length %d is over the reward model's context (%d): sequences are cut at %d",
+                         max_length, context, context)
+                self.max_length = context
             self.vllm = VLLMRewardModel(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                        max_model_len=max_length)
+                                        max_model_len=self.max_length)
             return
         from rlhf_pipeline.modeling import load_reward_model
 

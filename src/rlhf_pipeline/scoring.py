@@ -48,6 +48,7 @@ class ScoreConfig(OutputOptions):
         "hf",
         help="Reward model engine: hf (transformers, length-sorted batches) or vllm (vLLM's pooling runner; needs "
         "the vLLM environment and a model vLLM supports as a sequence classifier).",
+        semantic=False,  # the same rewards either way (measured within 1e-7): a scored output is reused across engines
     )
     trust_remote_code: bool = option(False, help="Allow custom model code (needed for ArmoRM); off by default.")
 

@@ -44,6 +44,10 @@ class Engine(Protocol):
         """Sample ``sampling.n`` responses for each prompt (token ids); ``seeds`` has one seed per prompt."""
         ...
 
+    def close(self) -> None:
+        """Free the engine now (vLLM's engine core and its memory), not at interpreter exit."""
+        ...
+
 
 def vllm_available() -> bool:
     if importlib.util.find_spec("vllm") is None:

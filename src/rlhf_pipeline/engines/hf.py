@@ -170,6 +170,9 @@ class HFEngine:
         self.pad_id = pad_id(tokenizer)
         self.share_prefill: bool | None = None  # decided by a probe on the first request with n > 1
 
+    def close(self) -> None:
+        self.model = None  # the weights go with the last reference
+
     def _generation_config(self, sampling: SamplingSettings, num_return_sequences: int | None = None):
         from transformers import GenerationConfig
 

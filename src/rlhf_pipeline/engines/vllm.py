@@ -101,7 +101,9 @@ def start_llm(model: str, *, dtype: str, trust_remote_code: bool, gpu_memory_uti
     from vllm import LLM
     from vllm.platforms import current_platform
 
-    from rlhf_pipeline.modeling import default_device, resolve_dtype
+    import torch
+
+    from rlhf_pipeline.modeling import resolve_dtype
 
     on_cpu = current_platform.is_cpu()
     if on_cpu and seeded_sampling:
@@ -114,9 +116,10 @@ def start_llm(model: str, *, dtype: str, trust_remote_code: bool, gpu_memory_uti
         return LLM(
             model=model,
             tokenizer=model,
-            # "auto" means what it means for the hf engine (float32 on a CPU, bfloat16 on a GPU that has it), not
-            # vLLM's auto (bfloat16 on its CPU backend), so both engines run the same weights.
-            dtype=str(resolve_dtype(dtype, default_device())).removeprefix("torch."),
+            # On a CPU "auto" means what it means for the hf engine (float32), not vLLM's auto (bfloat16 on its CPU
+            # backend), so both engines run the same weights. On a GPU vLLM's own auto is kept: the model's dtype,
+            # float16 on a GPU without bfloat16 (asking torch here would also initialise CUDA before vLLM forks).
+            dtype=str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.") if on_cpu else dtype,
             trust_remote_code=trust_remote_code,
             **engine_memory_args(gpu_memory_utilization, on_cpu, dict(os.environ)),
             **kwargs,
