@@ -53,3 +53,61 @@ def test_load_reward_fn_from_file_and_module(tmp_path):
 def test_reward_fn_wrong_length_is_an_error():
     with pytest.raises(PipelineError, match="returned 1 rewards for 2 responses"):
         call_reward_fn(lambda p, r, **c: [1.0], ["a", "b"], ["x", "y"], {})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Several reward sources: "normalise, then sum" (issue 14, item 4)
+
+
+def test_combine_rewards_by_hand():
+    """Source a = [1, 3, 5, 7]: mean 4, population variance (9 + 1 + 1 + 9) / 4 = 5, std sqrt(5).
+    Source b = [0, 0, 1, 1]: mean 0.5, std 0.5. Weights (1, 2):
+    response 0: (1 - 4)/sqrt5 + 2 (0 - 0.5)/0.5 = -3/sqrt5 - 2 = -3.341641, response 1: -1/sqrt5 - 2 = -2.447214,
+    response 2: +1/sqrt5 + 2 = 2.447214, response 3: 3/sqrt5 + 2 = 3.341641 (eps = 1e-6 moves them by ~3e-6)."""
+    from rlhf_pipeline.rewards import combine_rewards
+
+    combined, stats = combine_rewards([[1.0, 3.0, 5.0, 7.0], [0.0, 0.0, 1.0, 1.0]], [1.0, 2.0])
+    assert combined == pytest.approx([-3.341641, -2.447214, 2.447214, 3.341641], abs=1e-5)
+    assert (stats[0].mean, stats[0].std, stats[0].constant) == (4.0, pytest.approx(5 ** 0.5, abs=1e-15), False)
+    assert (stats[1].mean, stats[1].std) == (0.5, 0.5)
+    # a scale change of one source changes nothing once it is standardised (what summing raw rewards lacks)
+    rescaled, _ = combine_rewards([[100.0, 300.0, 500.0, 700.0], [0.0, 0.0, 1.0, 1.0]], [1.0, 2.0])
+    assert rescaled == pytest.approx(combined, abs=1e-5)
+    # negative weights penalise; given statistics (eval's baseline) are used as they are
+    from rlhf_pipeline.rewards import SourceStats
+
+    fixed = [SourceStats(mean=0.0, std=2.0, constant=False), SourceStats(mean=1.0, std=1.0, constant=False)]
+    combined, used = combine_rewards([[2.0, 4.0], [1.0, 3.0]], [1.0, -0.5], fixed, eps=0.0)
+    assert combined == [1.0 - 0.0, 2.0 - 1.0] and used == fixed  # 2/2 - 0.5*0/1, 4/2 - 0.5*2/1
+
+
+def test_a_constant_source_adds_exactly_zero():
+    """0.1 ten times: fsum/10 rounds, so (v - mean) may be ~1e-17, which / eps would add ~1e-11 noise and break
+    the ties the filter relies on. A constant source is detected on the values (max == min) and skipped."""
+    from rlhf_pipeline.rewards import combine_rewards, source_stats
+
+    a = [float(i) for i in range(10)]
+    alone, _ = combine_rewards([a], [1.0])
+    with_constant, stats = combine_rewards([a, [0.1] * 10], [1.0, 5.0])
+    assert with_constant == alone  # exactly
+    assert stats[1].constant and stats[1].std == 0.0 and stats[1].mean == pytest.approx(0.1)
+    assert source_stats([3.0]).constant  # one value is constant too
+    with pytest.raises(ValueError, match="2 reward sources but 1 weights"):
+        combine_rewards([a, a], [1.0])
+
+
+def test_reward_source_keys_and_columns():
+    from rlhf_pipeline.scoring import reward_sources
+
+    # the only source of its kind is keyed by its kind: the columns rlhf eval has always written
+    assert [(s.key, s.column) for s in reward_sources("runs/rm", "r.py:length")] == [
+        ("reward_model", "rewards_reward_model"), ("reward_fn", "rewards_reward_fn")]
+    # several of a kind: the model's directory / repo name, the function's name, made of [A-Za-z0-9_]
+    sources = reward_sources(["runs/rm/", "RLHFlow/ArmoRM-Llama3-8B-v0.1"], ["a.py:format", "pkg.mod:length"])
+    assert [s.key for s in sources] == ["reward_model_rm", "reward_model_ArmoRM_Llama3_8B_v0_1",
+                                        "reward_fn_format", "reward_fn_length"]
+    # the same name twice: _2, _3 in the order given (models first, then functions: the order of the weights)
+    sources = reward_sources(None, ["a.py:reward", "b.py:reward", "c.py:reward"])
+    assert [s.column for s in sources] == ["rewards_reward_fn_reward", "rewards_reward_fn_reward_2",
+                                           "rewards_reward_fn_reward_3"]
+    assert [s.kind for s in reward_sources(["m1", "m2"], "f.py:g")] == ["reward_model", "reward_model", "reward_fn"]

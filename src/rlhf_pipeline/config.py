@@ -144,6 +144,7 @@ def build_parser(cls: type, prog: str, description: str | None = None) -> argpar
         elif typing.get_origin(tp) in (list, Sequence):
             (item,) = typing.get_args(tp)
             kwargs["nargs"] = "+"
+            kwargs["action"] = _RepeatableList
             kwargs["type"] = item
             kwargs["metavar"] = f.name.upper().rstrip("S")
         elif tp is dict or typing.get_origin(tp) is dict:
@@ -156,6 +157,18 @@ def build_parser(cls: type, prog: str, description: str | None = None) -> argpar
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported option type {tp!r}")
         groups[section(f)].add_argument(_flag(f.name), **kwargs)
     return parser
+
+
+class _RepeatableList(argparse.Action):
+    """A list option: ``--reward-fn a b`` and ``--reward-fn a --reward-fn b`` both give ``[a, b]`` (argparse's
+    ``nargs="+"`` alone keeps only the last use, silently). The first use on the command line replaces the default
+    (or the YAML value: ``set_defaults`` makes it the default), so flags still win over the YAML file; argparse's own
+    ``extend`` would add to it instead."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        # the namespace starts with the default object itself: while it is still there, this is the first use
+        setattr(namespace, self.dest, list(values) if current is self.default else [*current, *values])
 
 
 def _mapping(text: str) -> dict[str, Any]:

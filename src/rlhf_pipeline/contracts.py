@@ -7,12 +7,20 @@ columns are always allowed: stages carry them through.
 - prompts: one of ``PROMPT_COLUMNS``; read by generate and eval (``chat.prompt_column``).
 - generations: the prompt columns, ``prompt_id`` and ``GENERATED_COLUMNS``; written by generate and merge, read by
   score, which needs ``GENERATIONS_COLUMNS``.
-- scored: generations + ``rewards``; written by score, read by filter, which needs ``SCORED_COLUMNS``.
+- scored: generations + ``rewards``; written by score, read by filter, which needs ``SCORED_COLUMNS``. Scored with
+  several reward sources it also holds each source's raw rewards, ``rewards_<key>`` (``SOURCE_REWARDS_PREFIX``; one
+  float per response, like ``rewards``), which later stages carry as extra columns and never train on.
 - pairs: ``prompt_id``, ``prompt_token_ids`` and ``CHOSEN_REJECTED_COLUMNS``; written by filter --mode pairs, read
   by ref-logps and train, which need ``PAIR_TOKEN_COLUMNS``.
 - reference log-probs: pairs + ``REF_LOGP_COLUMNS``; written by ref-logps (or train itself), read by train.
 - groups: ``prompt_id``, ``prompt_token_ids`` and ``PER_RESPONSE_COLUMNS``; written by filter --mode groups, read by
   train (PPO family), which needs ``GROUP_COLUMNS``.
+- unpaired: ``prompt_id``, ``prompt_token_ids``, ``response_index`` and ``UNPAIRED_COLUMNS``, one row per labelled
+  response; written by filter --mode unpaired, read by ref-logps and train (KTO), which need
+  ``UNPAIRED_TOKEN_COLUMNS``; ref-logps adds ``UNPAIRED_REF_LOGP_COLUMNS``.
+- best responses: ``prompt_id``, ``prompt_token_ids``, ``completion``, ``completion_token_ids``, ``reward``,
+  ``finish_reason``, one row per prompt (its best response); written by filter --mode best, read by sft and train
+  --algo raft, which need ``SFT_TOKEN_COLUMNS``.
 - SFT rows: ``prompt``/``answer``, or ``messages`` ending with the assistant turn the loss is on; read by sft.
 - reward-model pairs: ``chosen``/``rejected`` (texts, or conversations ending with the assistant turn) with a
   ``prompt``, or ReaL's ``pos_answers``/``neg_answers`` lists; read by train-rm.
@@ -42,6 +50,8 @@ SCORED_COLUMNS = ("prompt_id", "responses", "rewards")
 # What the per-response columns of scored generations hold (checked where present).
 SCORED_KINDS = {"responses": "list of text", "rewards": "list of number", "prompt_token_ids": "list of int",
                 "response_token_ids": "list of list of int", "finish_reasons": "list of text"}
+# Each reward source's own rewards, when rlhf score combines several: ``rewards_<key>`` (scoring.reward_sources).
+SOURCE_REWARDS_PREFIX = "rewards_"
 # Scored columns that hold one entry per response (n per prompt): pairs mode replaces them, groups mode keeps them.
 PER_RESPONSE_COLUMNS = ("responses", "response_token_ids", "rewards", "finish_reasons")
 
@@ -56,6 +66,21 @@ REF_LOGP_COLUMNS = ("chosen_ref_logp", "rejected_ref_logp")
 
 # What the PPO family trains on (rlhf filter --mode groups): every response of a prompt, with its reward.
 GROUP_COLUMNS = ("prompt_token_ids", "response_token_ids", "rewards")
+
+# What supervised training reads as token ids (rlhf filter --mode best writes it: each prompt's best response):
+# trained on as they are, nothing re-rendered (rlhf sft, rlhf train --algo raft).
+SFT_TOKEN_COLUMNS = ("prompt_token_ids", "completion_token_ids")
+
+# What KTO trains on (rlhf filter --mode unpaired): one row per labelled response, its text, token ids, reward, label
+# (``desirable``: above the prompt's mean reward) and, for KTO's reference point, the mismatched response (the
+# completion of a row of another prompt, ``kl_prompt_id``'s) that is scored after this row's prompt.
+UNPAIRED_COLUMNS = (
+    "completion", "completion_token_ids", "reward", "desirable", "kl_completion_token_ids", "kl_prompt_id"
+)
+# The token ids and label that training on unpaired responses (and its reference pass) reads.
+UNPAIRED_TOKEN_COLUMNS = ("prompt_token_ids", "completion_token_ids", "kl_completion_token_ids", "desirable")
+# Sequence log-probs of the completion and of the mismatched pair under the reference, added by rlhf ref-logps.
+UNPAIRED_REF_LOGP_COLUMNS = ("completion_ref_logp", "kl_ref_logp")
 
 
 def require_columns(ds: Dataset, columns: Sequence[str], source: str, hint: str) -> None:

@@ -10,6 +10,14 @@ others from ``.logits``.
 Python function: ``module:function`` or ``path/to/file.py:function`` with the signature
 ``reward(prompts: list[str], responses: list[str], **columns) -> list[float]``; ``columns`` holds the dataset's
 extra columns (``label``, ``prompt_id``, ...) and ``finish_reasons``, each aligned with ``responses``.
+
+Several sources (reward models and functions) combine by "normalise, then sum" (:func:`combine_rewards`): each
+source is standardised on its own, ``(r_k - mean_k) / (std_k + eps)``, and the standardised rewards are summed with
+weights. Summing raw rewards would let the source with the largest scale decide alone (a reward model's logits
+spread over several units, a 0/1 format check over one); standardising each first is GDPO's remedy (Liu et al. 2026,
+"GDPO: Group reward-Decoupled Normalization Policy Optimization", arXiv:2601.05242, which normalises each reward
+within its group before summing; here the statistics are over the whole dataset, and the group algorithms then
+normalise the sum per group as they would a single reward).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import importlib
 import importlib.util
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
@@ -110,6 +119,68 @@ def first_non_finite(values: Sequence[float]) -> int | None:
         if not math.isfinite(v):
             return i
     return None
+
+
+# Added to each source's standard deviation before dividing (a guard; a source whose rewards are all equal is not
+# divided at all, see combine_rewards).
+STANDARDIZE_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class SourceStats:
+    """One reward source's statistics over every response of a dataset: the mean, the population standard
+    deviation (divided by the count, as a z-score's), and whether all the values are equal (max == min)."""
+
+    mean: float
+    std: float
+    constant: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean, "std": self.std, "constant": self.constant}
+
+
+def source_stats(values: Sequence[float]) -> SourceStats:
+    """The :class:`SourceStats` of ``values`` (at least one value). ``constant`` is decided on the values themselves,
+    not on a standard deviation that rounding may leave at 1e-17 for equal values."""
+    if not values:
+        raise ValueError("source_stats: no values")
+    count = len(values)
+    mean = math.fsum(values) / count
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / count)
+    constant = max(values) == min(values)
+    return SourceStats(mean=mean, std=0.0 if constant else std, constant=constant)
+
+
+def combine_rewards(
+    per_source: Sequence[Sequence[float]],
+    weights: Sequence[float],
+    stats: Sequence[SourceStats] | None = None,
+    eps: float = STANDARDIZE_EPS,
+) -> tuple[list[float], list[SourceStats]]:
+    """``sum_k w_k (r_k - mean_k) / (std_k + eps)`` for every response, and the statistics used.
+
+    ``per_source[k][i]`` is source k's reward of response i (every source scores the same responses, in the same
+    order). ``stats`` (one per source) defaults to each source's own :func:`source_stats` over ``per_source[k]``;
+    ``rlhf eval`` passes the baseline's, so that a policy and its baseline are measured on one scale. A source whose
+    rewards are all equal (``constant``) carries no information about which response is better and contributes 0 to
+    every response, exactly (its residuals, rounded, divided by eps would otherwise add noise of order 1e-10 that
+    breaks the ties the filter relies on); the stage warns about it and records it in the manifest.
+    """
+    if len(per_source) != len(weights):
+        raise ValueError(f"{len(per_source)} reward sources but {len(weights)} weights")
+    if stats is None:
+        stats = [source_stats(values) for values in per_source]
+    count = len(per_source[0]) if per_source else 0
+    if any(len(values) != count for values in per_source):
+        raise ValueError("every reward source must score the same responses")
+    combined = [0.0] * count
+    for values, weight, st in zip(per_source, weights, stats):
+        if st.constant or weight == 0:
+            continue
+        scale = weight / (st.std + eps)
+        for i, v in enumerate(values):
+            combined[i] += (v - st.mean) * scale
+    return combined, list(stats)
 
 
 def reward_from_output(output: Any):
@@ -292,6 +363,13 @@ class RewardModelScorer:
 
     def score(self, prompts: list, responses: list[str]) -> list[float]:
         return self.score_ids(self.encode(prompts, responses))
+
+    def close(self) -> None:
+        """Free the model (vLLM's engine is shut down), so that the next reward source of a stage has the memory."""
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
+        self.model = None
 
 
 def supports_fast_path(model) -> bool:

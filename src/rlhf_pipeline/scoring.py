@@ -8,36 +8,153 @@
 Adds ``rewards`` (one float per response) to the generations. A NaN or infinite reward stops the stage with an
 error naming the row; nothing is written then. See ``rlhf_pipeline.rewards`` for the truncation rule and the
 reward-function signature.
+
+Several reward sources (``--reward-model`` and ``--reward-fn`` each take one or more; repeat the flag, or give a
+YAML list) are combined by "normalise, then sum" (``rewards.combine_rewards``)::
+
+    rlhf score --input out/gen --output out/scored --reward-model runs/rm \
+        --reward-fn checks.py:format --reward-fn checks.py:length --reward-weights 1 0.5 -0.2
+
+Each source's raw rewards go in a column of their own, ``rewards_<key>`` (:func:`reward_sources` names them), and
+``rewards`` is ``sum_k w_k (r_k - mean_k) / (std_k + 1e-6)``, the statistics taken over every response of the
+dataset; the manifest records each source's spec, column, weight and statistics. One source alone is not
+standardised: ``rewards`` is its raw reward, as it always was.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
+import re
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, NamedTuple, Optional, Sequence
 
 from tqdm.auto import tqdm
 
 from rlhf_pipeline.config import OutputOptions, option
-from rlhf_pipeline.contracts import GENERATED_COLUMNS, GENERATIONS_COLUMNS, require_columns, require_types
+from rlhf_pipeline.contracts import (
+    GENERATED_COLUMNS,
+    GENERATIONS_COLUMNS,
+    SOURCE_REWARDS_PREFIX,
+    require_columns,
+    require_types,
+)
 from rlhf_pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
 
 # Columns of the generations contract that a reward function does not receive as extra columns.
 NOT_PASSED = ("prompt", *GENERATED_COLUMNS, "rewards")
+# The two kinds of reward source, as their options are named (--reward-model, --reward-fn).
+SOURCE_KINDS = ("reward_model", "reward_fn")
+
+
+class RewardSource(NamedTuple):
+    """One reward source: ``kind`` (``reward_model`` or ``reward_fn``), its ``spec`` (a model, or
+    ``module:function``) and its ``key``, which names its column (``rewards_<key>``), its ``rlhf eval`` scorer and
+    its part of ``rlhf eval``'s output."""
+
+    kind: str
+    spec: str
+    key: str
+
+    @property
+    def column(self) -> str:
+        return SOURCE_REWARDS_PREFIX + self.key
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.kind.replace("_", "-")
+
+
+def as_list(value: str | Sequence[str] | None) -> list[str]:
+    """A ``--reward-model`` / ``--reward-fn`` value as a list (a config holds one source as a plain string)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def one_or_list(value: str | Sequence[str] | None) -> str | list[str] | None:
+    """What a config keeps of a reward option: None, one source as its string (so that a one-source config, its
+    manifest and the reuse check read exactly as before several sources existed), or a list of two or more."""
+    values = as_list(value)
+    return None if not values else values[0] if len(values) == 1 else values
+
+
+def _source_name(kind: str, spec: str) -> str:
+    """A model's directory (or Hub repo) name, a function's name; made of letters, digits and ``_``."""
+    raw = Path(spec.rstrip("/\\")).name if kind == "reward_model" else spec.rpartition(":")[2]
+    return re.sub(r"[^0-9A-Za-z_]+", "_", raw).strip("_") or "source"
+
+
+def reward_sources(reward_model: str | Sequence[str] | None, reward_fn: str | Sequence[str] | None) -> list[RewardSource]:
+    """The reward sources in their fixed order, the reward models then the functions, each in the order given (the
+    order of ``--reward-weights``), with their keys: the kind alone (``reward_model``, ``reward_fn``) for the only
+    source of its kind, else ``<kind>_<name>`` with the name of :func:`_source_name`
+    (``reward_fn_format``); a name taken already gets ``_2``, ``_3``, ... in order. So one reward model and one
+    function give ``rewards_reward_model`` and ``rewards_reward_fn``, the columns ``rlhf eval`` has always written."""
+    sources: list[RewardSource] = []
+    taken: set[str] = set()
+    for kind, specs in (("reward_model", as_list(reward_model)), ("reward_fn", as_list(reward_fn))):
+        for spec in specs:
+            key = kind if len(specs) == 1 else f"{kind}_{_source_name(kind, spec)}"
+            base, k = key, 2
+            while key in taken:
+                key, k = f"{base}_{k}", k + 1
+            taken.add(key)
+            sources.append(RewardSource(kind, spec, key))
+    return sources
+
+
+def check_reward_options(reward_model, reward_fn, reward_weights, *, exactly_one_kind: bool = False) -> None:
+    """The checks shared by rlhf score and rlhf eval (ValueErrors, one line each): at least one source, no source
+    twice, and ``reward_weights`` one finite number per source, not all 0, given only with several sources."""
+    models, fns = as_list(reward_model), as_list(reward_fn)
+    if not models and not fns:
+        raise ValueError("give a reward source: --reward-model, --reward-fn, or several of them")
+    for flag, specs in (("--reward-model", models), ("--reward-fn", fns)):
+        twice = sorted({s for s in specs if specs.count(s) > 1})
+        if twice:
+            raise ValueError(f"{flag} {twice[0]} is given twice; give each reward source once (weigh it with "
+                             "--reward-weights)")
+    count = len(models) + len(fns)
+    if reward_weights is None:
+        return
+    if count == 1:
+        raise ValueError("--reward-weights weighs several reward sources; with one source the rewards are its own, "
+                         "unscaled, so drop --reward-weights")
+    if len(reward_weights) != count:
+        order = ", ".join(f"{s.flag} {s.spec}" for s in reward_sources(models, fns))
+        raise ValueError(f"--reward-weights has {len(reward_weights)} value(s) for {count} reward sources; give one "
+                         f"per source, in this order: {order}")
+    bad = [w for w in reward_weights if not math.isfinite(w)]
+    if bad:
+        raise ValueError(f"--reward-weights must be finite numbers, got {bad[0]}")
+    if all(w == 0 for w in reward_weights):
+        raise ValueError("--reward-weights are all 0, which makes every reward 0; give at least one source a weight")
 
 
 @dataclass(kw_only=True)
 class ScoreConfig(OutputOptions):
-    """Score every response with a reward model or a python reward function."""
+    """Score every response with a reward model or a python reward function (or several, combined)."""
 
     input: str = option(help="Generations dataset (the output of rlhf generate or rlhf merge).", semantic=False)
-    reward_model: Optional[str] = option(
-        None, help="Sequence-classification reward model (local directory or Hub id)."
+    # One source is kept as a plain string (one_or_list), as it was before several existed: its manifest and the
+    # reuse check of existing outputs are unchanged.
+    reward_model: Optional[list[str]] = option(
+        None, help="Sequence-classification reward model (local directory or Hub id); several combine (repeat the "
+        "flag, or a YAML list)."
     )
-    reward_fn: Optional[str] = option(
-        None, help="Python reward function as module:function or path/to/file.py:function."
+    reward_fn: Optional[list[str]] = option(
+        None, help="Python reward function as module:function or path/to/file.py:function; several combine."
+    )
+    reward_weights: Optional[list[float]] = option(
+        None, help="With several reward sources: one weight per source, the reward models first, then the functions, "
+        "each in the order given (default 1 each). rewards = sum of weight * (r - mean) / (std + 1e-6) per source, "
+        "the statistics over every response of the dataset; each source's raw rewards go in rewards_<key>."
     )
     batch_size: int = option(16, help="Sequences per reward-model forward; responses per reward-function call.")
     max_length: int = option(4096, help="Reward model: conversations longer than this keep their first tokens.")
@@ -53,8 +170,11 @@ class ScoreConfig(OutputOptions):
     trust_remote_code: bool = option(False, help="Allow custom model code (needed for ArmoRM); off by default.")
 
     def __post_init__(self) -> None:
-        if (self.reward_model is None) == (self.reward_fn is None):
-            raise ValueError("give exactly one of --reward-model and --reward-fn")
+        self.reward_model = one_or_list(self.reward_model)
+        self.reward_fn = one_or_list(self.reward_fn)
+        if self.reward_weights is not None:
+            self.reward_weights = [float(w) for w in self.reward_weights]
+        check_reward_options(self.reward_model, self.reward_fn, self.reward_weights)
         if self.engine == "vllm" and self.reward_model is None:
             raise ValueError("--engine vllm scores with a --reward-model; a --reward-fn runs in python")
         if self.batch_size < 1:
@@ -62,19 +182,97 @@ class ScoreConfig(OutputOptions):
         if self.max_length < 1:
             raise ValueError("--max-length must be at least 1")
 
+    @property
+    def sources(self) -> list[RewardSource]:
+        return reward_sources(self.reward_model, self.reward_fn)
 
-def _check_generations(ds, source: str) -> str:
+    @property
+    def weights(self) -> list[float]:
+        return list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.sources)
+
+
+def _check_generations(ds, source: str, sources: Sequence[RewardSource] = ()) -> str:
     from rlhf_pipeline.chat import prompt_column
 
     require_columns(ds, GENERATIONS_COLUMNS, source, "score takes the output of rlhf generate")
     require_types(ds, {"responses": "list of text"}, source, "score takes the output of rlhf generate")
     if "rewards" in ds.column_names:
         raise PipelineError(f"{source}: already has a 'rewards' column (already scored?)")
+    if len(sources) > 1:
+        taken = [s.column for s in sources if s.column in ds.column_names]
+        if taken:
+            raise PipelineError(f"{source}: already has a '{taken[0]}' column, where rlhf score would put the rewards "
+                                "of a source (already scored?); remove or rename that column")
     return prompt_column(ds, source)
+
+
+def _check_not_a_shard(ref) -> None:
+    """Several sources are standardised with statistics over the whole dataset: a shard's statistics are not the
+    whole run's, so separately scored shards would each be on a scale of their own. Refused; merge first."""
+    from rlhf_pipeline.datasets_io import read_manifest
+
+    shard = ((read_manifest(ref) or {}).get("shard") or {}).get("spec")
+    if shard:
+        raise PipelineError(
+            f"{ref.name}: is shard {shard} of a generate run; several reward sources are standardised with "
+            "statistics over the whole dataset, which one shard does not have: rlhf merge the shards, then score the "
+            "merged output"
+        )
 
 
 def _rows_text(first: int, last: int) -> str:
     return f"row {first}" if first == last else f"rows {first}..{last}"
+
+
+def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations, prompts, responses
+                  ) -> tuple[list[float], dict[str, Any]]:
+    """One source's reward of every response (flattened as ``locations``), and what the manifest says of it."""
+    if source.kind == "reward_model":
+        from rlhf_pipeline.rewards import RewardModelScorer
+
+        scorer = RewardModelScorer(
+            source.spec,
+            dtype=config.dtype,
+            trust_remote_code=config.trust_remote_code,
+            batch_size=config.batch_size,
+            max_length=config.max_length,
+            engine=config.engine,
+        )
+        try:
+            flat = scorer.score(prompts, responses)
+        finally:
+            scorer.close()  # before the next source loads its model
+        return flat, {"reward_model": source.spec, "engine": config.engine, "truncated_sequences": scorer.truncated}
+
+    from rlhf_pipeline.chat import as_text
+    from rlhf_pipeline.rewards import call_reward_fn
+
+    passed = [c for c in ds.column_names if c not in NOT_PASSED]
+    per_row = {c: ds[c][:] for c in passed}
+    finish = ds["finish_reasons"][:] if "finish_reasons" in ds.column_names else None
+    flat = []
+    for start in tqdm(range(0, len(locations), config.batch_size), desc="score (fn)", unit="batch"):
+        chunk = locations[start : start + config.batch_size]
+        batch = f"{_rows_text(chunk[0][0], chunk[-1][0])} (batch of {len(chunk)} response{'s' * (len(chunk) > 1)})"
+        columns = {c: [values[row] for row, _ in chunk] for c, values in per_row.items()}
+        if finish is not None:
+            columns["finish_reasons"] = [finish[row][j] for row, j in chunk]
+        flat += call_reward_fn(
+            fn,
+            [as_text(prompts[start + k]) for k in range(len(chunk))],
+            responses[start : start + len(chunk)],
+            columns,
+            name=source.spec,
+            where=batch,
+        )
+    return flat, {"reward_fn": source.spec}
+
+
+def _per_row(flat: list[float], locations: list[tuple[int, int]], num_rows: int) -> list[list[float]]:
+    rows: list[list[float]] = [[] for _ in range(num_rows)]
+    for (row, _), value in zip(locations, flat):
+        rows[row].append(value)
+    return rows
 
 
 def main(config: ScoreConfig) -> Path:
@@ -82,20 +280,24 @@ def main(config: ScoreConfig) -> Path:
 
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_ref, parse_ref
     from rlhf_pipeline.modeling import check_model_ref
-    from rlhf_pipeline.rewards import RewardModelScorer, call_reward_fn, first_non_finite, load_reward_fn
+    from rlhf_pipeline.rewards import STANDARDIZE_EPS, combine_rewards, first_non_finite, load_reward_fn
 
-    # The reward source first: a mistyped model or function fails before the data is read.
-    if config.reward_model is not None:
-        check_model_ref("--reward-model", config.reward_model)
-        fn = None
-    else:
-        fn = load_reward_fn(config.reward_fn)
+    # The reward sources first: a mistyped model or function fails before the data is read.
+    sources = config.sources
+    fns = {}
+    for source in sources:
+        if source.kind == "reward_model":
+            check_model_ref(source.flag, source.spec)
+        else:
+            fns[source.key] = load_reward_fn(source.spec)
     ref = parse_ref(config.input)
+    if len(sources) > 1:
+        _check_not_a_shard(ref)
     out = StageOutput("score", config, inputs=[ref])
     if out.done():
         return out.path
     ds = load_dataset_ref(ref)
-    column = _check_generations(ds, ref.name)
+    column = _check_generations(ds, ref.name, sources)
 
     # Flatten to one entry per response; (row, j) locates each. Columns are read into python lists once: indexing
     # a datasets Column row by row decodes one Arrow row per access (~90 us each, seconds at 10^4 responses).
@@ -105,59 +307,48 @@ def main(config: ScoreConfig) -> Path:
     prompt_values = ds[column][:]
     prompts = [prompt_values[row] for row, _ in locations]
 
-    extra = {}
-    if config.reward_model is not None:
-        scorer = RewardModelScorer(
-            config.reward_model,
-            dtype=config.dtype,
-            trust_remote_code=config.trust_remote_code,
-            batch_size=config.batch_size,
-            max_length=config.max_length,
-            engine=config.engine,
-        )
-        flat = scorer.score(prompts, responses)
-        extra["reward"] = {"reward_model": config.reward_model, "engine": config.engine,
-                           "truncated_sequences": scorer.truncated}
-        source = f"reward model {config.reward_model}"
-    else:
-        from rlhf_pipeline.chat import as_text
-
-        passed = [c for c in ds.column_names if c not in NOT_PASSED]
-        per_row = {c: ds[c][:] for c in passed}
-        finish = ds["finish_reasons"][:] if "finish_reasons" in ds.column_names else None
-        flat = []
-        for start in tqdm(range(0, len(locations), config.batch_size), desc="score (fn)", unit="batch"):
-            chunk = locations[start : start + config.batch_size]
-            batch = f"{_rows_text(chunk[0][0], chunk[-1][0])} (batch of {len(chunk)} response{'s' * (len(chunk) > 1)})"
-            columns = {c: [values[row] for row, _ in chunk] for c, values in per_row.items()}
-            if finish is not None:
-                columns["finish_reasons"] = [finish[row][j] for row, j in chunk]
-            flat += call_reward_fn(
-                fn,
-                [as_text(prompts[start + k]) for k in range(len(chunk))],
-                responses[start : start + len(chunk)],
-                columns,
-                name=config.reward_fn,
-                where=batch,
+    per_source, records = [], []
+    for source in sources:
+        flat, record = _score_source(source, fns.get(source.key), config, ds, locations, prompts, responses)
+        bad = first_non_finite(flat)
+        if bad is not None:
+            row, j = locations[bad]
+            what = "reward model" if source.kind == "reward_model" else "reward function"
+            raise PipelineError(
+                f"{ref.name}: row {row} (prompt_id {ds[row]['prompt_id']}), response {j}: the {what} {source.spec} "
+                f"returned {flat[bad]}; rewards must be finite numbers, so fix the reward (nothing was written)"
             )
-        extra["reward"] = {"reward_fn": config.reward_fn}
-        source = f"reward function {config.reward_fn}"
+        per_source.append(flat)
+        records.append(record)
 
-    bad = first_non_finite(flat)
-    if bad is not None:
-        row, j = locations[bad]
-        raise PipelineError(
-            f"{ref.name}: row {row} (prompt_id {ds[row]['prompt_id']}), response {j}: the {source} returned "
-            f"{flat[bad]}; rewards must be finite numbers, so fix the reward (nothing was written)"
-        )
-    rewards: list[list[float]] = [[] for _ in range(ds.num_rows)]
-    for (row, _), value in zip(locations, flat):
-        rewards[row].append(value)
     # An explicit fingerprint (from the input's and the rewards' bytes): datasets would otherwise hash the whole
     # reward list with dill, which takes longer than writing it.
     digest = hashlib.sha256(f"{ds._fingerprint}:rewards:".encode())
+    feature = List(Value("float64"))
+    if len(sources) == 1:  # the raw rewards, not standardised: one source scores as it always has
+        (flat,), (reward,) = per_source, records
+        result = ds
+    else:
+        flat, stats = combine_rewards(per_source, config.weights)
+        reward = {"sources": [], "combination": "sum_k weight_k * (r_k - mean_k) / (std_k + eps)",
+                  "eps": STANDARDIZE_EPS}
+        result = ds
+        for source, values, record, weight, st in zip(sources, per_source, records, config.weights, stats):
+            digest.update(f"{source.column}:{weight!r}:".encode())
+            digest.update(array("d", values).tobytes())
+            result = result.add_column(source.column, _per_row(values, locations, ds.num_rows), feature=feature,
+                                       new_fingerprint=digest.copy().hexdigest()[:32])
+            reward["sources"].append({"key": source.key, "column": source.column, **record, "weight": weight,
+                                      **st.as_dict()})
+            line = f"[score] {source.column} ({source.spec}): weight {weight:g}, mean {st.mean:.4g}, std {st.std:.4g}"
+            print(line + (" (all equal: it adds 0 to every reward)" if st.constant else ""))
+            if st.constant:
+                log.warning("%s %s gave every response %r: it carries no preference, and adds 0 to every reward",
+                            source.flag, source.spec, values[0])
+        digest.update(b"combined:")
     digest.update(array("d", flat).tobytes())
-    result = ds.add_column("rewards", rewards, feature=List(Value("float64")), new_fingerprint=digest.hexdigest()[:32])
+    result = result.add_column("rewards", _per_row(flat, locations, ds.num_rows), feature=feature,
+                               new_fingerprint=digest.hexdigest()[:32])
     sampling = find_in_lineage([ref], "sampling")
-    out.save(result, rows_in=ds.num_rows, extra={**extra, "sampling": sampling})
+    out.save(result, rows_in=ds.num_rows, extra={"reward": reward, "sampling": sampling})
     return out.path

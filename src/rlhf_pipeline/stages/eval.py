@@ -12,6 +12,17 @@ in the results). Per scorer:
 - with ``--baseline``, ``win_rate``: response j of the policy against response j of the baseline on the same
   prompt, for every prompt and j < n, a win counting 1 and a tie 1/2.
 
+Several reward models or functions (``--reward-model``/``--reward-fn`` take several, as in ``rlhf score``) are
+each a scorer, keyed as ``rlhf score`` keys them (``scoring.reward_sources``: ``reward_model`` and ``reward_fn``
+for the only one of their kind, else ``reward_fn_<name>``). With two or more and ``--reward-weights``,
+``results.json`` also has ``combined``: the same numbers for ``rlhf score``'s combination,
+``sum_k w_k (r_k - mean_k) / (std_k + eps)`` (without weights each source is reported on its own: a gold function
+evaluated beside a reward model, as the demo does, is not a combination anyone trains on). Its statistics are the *baseline's* (the mean and standard deviation of each source over
+the baseline's responses), so the policy and the baseline are put on one scale, the baseline's combined mean is 0,
+and evaluations against one baseline (every iteration of ``rlhf iterate``) are comparable; without a baseline they
+are the evaluated samples' own, and the combined mean is 0 by construction (its win rate and per-source numbers are
+what to read then). The statistics used are in ``combined.statistics``.
+
 ``--baseline`` is a model (sampled here with the same settings and seed) or the output directory of an earlier
 ``rlhf eval`` on the same prompts, whose scored samples are reused instead of generated again (``rlhf iterate``
 compares every iteration with ``RUN/iter_0/eval`` this way).
@@ -20,6 +31,7 @@ Output, filled in place and resumable (each part is a stage output that a rerun 
 
     OUTPUT/generate/               the policy's samples (rlhf generate)
     OUTPUT/score_reward_model/     ... scored by the reward model (rlhf score); score_reward_fn/ for the function
+                                   (score_<key>/ for each of several)
     OUTPUT/baseline/...            the same for a baseline model
     OUTPUT/samples/                one dataset: prompt, responses, the rewards of every scorer (and the baseline's)
     OUTPUT/results.json            the numbers above (``rlhf report`` plots them)
@@ -41,8 +53,8 @@ from rlhf_pipeline.config import OutputOptions, option, options_of, override
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES
 from rlhf_pipeline.sampling_options import SamplingOptions
+from rlhf_pipeline.scoring import RewardSource, check_reward_options, one_or_list, reward_sources
 
-SCORERS = ("reward_model", "reward_fn")
 # What must match for an earlier evaluation's samples to serve as the baseline.
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "limit")
 
@@ -56,8 +68,17 @@ class EvalConfig(SamplingOptions, OutputOptions):
     model: str = option(help="Policy to evaluate: a local directory or a Hub model id.")
     prompts: str = option(help="Held-out prompt dataset (directory, .json/.jsonl/.parquet file, or Hub id).",
                           semantic=False)
-    reward_model: Optional[str] = option(None, help="Score with this sequence-classification reward model.")
-    reward_fn: Optional[str] = option(None, help="Score with this python function (module:function or file.py:function).")
+    # One scorer of a kind is kept as a plain string, as before several existed (see scoring.ScoreConfig).
+    reward_model: Optional[list[str]] = option(
+        None, help="Score with this sequence-classification reward model (several: repeat the flag, or a YAML list)."
+    )
+    reward_fn: Optional[list[str]] = option(
+        None, help="Score with this python function (module:function or file.py:function); several allowed."
+    )
+    reward_weights: Optional[list[float]] = option(
+        None, help="With two or more scorers: report their combination as 'combined', with these weights, as "
+        "rlhf score's --reward-weights (reward models first, then functions); without it, each scorer on its own."
+    )
     baseline: Optional[str] = option(
         None, help="Compare with this model, or with the output directory of an earlier rlhf eval on the same prompts."
     )
@@ -68,8 +89,13 @@ class EvalConfig(SamplingOptions, OutputOptions):
     max_length: int = option(4096, help="Reward model: conversations longer than this keep their first tokens.")
 
     def __post_init__(self) -> None:
+        self.reward_model = one_or_list(self.reward_model)
+        self.reward_fn = one_or_list(self.reward_fn)
+        if self.reward_weights is not None:
+            self.reward_weights = [float(w) for w in self.reward_weights]
         if self.reward_model is None and self.reward_fn is None:
             raise ValueError("give --reward-model, --reward-fn, or both")
+        check_reward_options(self.reward_model, self.reward_fn, self.reward_weights)
         super().__post_init__()  # the sampling options' checks, the same as rlhf generate's
         if self.score_batch_size < 1:
             raise ValueError("--score-batch-size must be at least 1")
@@ -111,8 +137,35 @@ def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[fl
     return result
 
 
-def _scorers(config: EvalConfig) -> dict[str, str]:
-    return {name: getattr(config, name) for name in SCORERS if getattr(config, name) is not None}
+def _scorers(config: EvalConfig) -> list[RewardSource]:
+    return reward_sources(config.reward_model, config.reward_fn)
+
+
+def combined_summary(sources: list[RewardSource], weights: Sequence[float], ours: dict[str, list[list[float]]],
+                     theirs: dict[str, list[list[float]]] | None) -> dict[str, Any]:
+    """The numbers of :func:`summarize` for the weighted combination of several scorers, every source standardised
+    with the baseline's statistics (``theirs``: per source key, the baseline's rewards per prompt), or with the
+    evaluated samples' own (``ours``) when there is no baseline."""
+    from rlhf_pipeline.rewards import combine_rewards, source_stats
+
+    reference = theirs if theirs is not None else ours
+    stats = [source_stats([r for rs in reference[s.key] for r in rs]) for s in sources]
+
+    def combine(by_key: dict[str, list[list[float]]]) -> list[list[float]]:
+        flat, _ = combine_rewards([[r for rs in by_key[s.key] for r in rs] for s in sources], weights, stats)
+        sizes, rows, at = [len(rs) for rs in by_key[sources[0].key]], [], 0
+        for size in sizes:
+            rows.append(flat[at : at + size])
+            at += size
+        return rows
+
+    summary = summarize(combine(ours), combine(theirs) if theirs is not None else None)
+    return {
+        "weights": {s.key: w for s, w in zip(sources, weights)},
+        "statistics_from": "baseline" if theirs is not None else "evaluated samples",
+        "statistics": {s.key: st.as_dict() for s, st in zip(sources, stats)},
+        **summary,
+    }
 
 
 def _sample_and_score(config: EvalConfig, model: str, directory: Path) -> dict[str, Path]:
@@ -124,11 +177,11 @@ def _sample_and_score(config: EvalConfig, model: str, directory: Path) -> dict[s
         **options_of(config, SamplingOptions),
     )
     paths = {"generate": generation.main(gen)}
-    for name, spec in _scorers(config).items():
-        paths[name] = scoring.main(scoring.ScoreConfig(
-            output=str(directory / f"score_{name}"), input=str(paths["generate"]), batch_size=config.score_batch_size,
-            max_length=config.max_length, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
-            **{name: spec},
+    for source in _scorers(config):  # each scored alone (raw rewards): the combination is made in main
+        paths[source.key] = scoring.main(scoring.ScoreConfig(
+            output=str(directory / f"score_{source.key}"), input=str(paths["generate"]),
+            batch_size=config.score_batch_size, max_length=config.max_length, dtype=config.dtype,
+            trust_remote_code=config.trust_remote_code, **{source.kind: source.spec},
         ))
     return paths
 
@@ -155,10 +208,11 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     from rlhf_pipeline.rewards import load_reward_fn
 
     check_model_ref("--model", config.model)
-    if config.reward_model is not None:
-        check_model_ref("--reward-model", config.reward_model)
-    if config.reward_fn is not None:
-        load_reward_fn(config.reward_fn)
+    for source in _scorers(config):
+        if source.kind == "reward_model":
+            check_model_ref(source.flag, source.spec)
+        else:
+            load_reward_fn(source.spec)
     select_prompts(ref, limit=config.limit)
     if config.baseline is None or config.baseline == config.model:
         return None
@@ -174,13 +228,13 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
             + ", ".join(f"--{k.replace('_', '-')} {previous_config.get(k)} vs {getattr(config, k)}" for k in differ)
             + "); a win rate compares like with like, so use the same settings or pass the baseline model"
         )
-    for name, spec in _scorers(config).items():
-        scored = earlier / f"score_{name}"
+    for source in _scorers(config):
+        scored = earlier / f"score_{source.key}"
         previous = json.loads((scored / "manifest.json").read_text()) if (scored / "manifest.json").exists() else None
-        if previous is None or previous["config"].get(name) != spec:
+        if previous is None or previous["config"].get(source.kind) != source.spec:
             raise PipelineError(
-                f"--baseline {config.baseline}: that evaluation was not scored with --{name.replace('_', '-')} "
-                f"{spec}; evaluate the baseline with the same scorers, or pass the baseline model instead"
+                f"--baseline {config.baseline}: that evaluation was not scored with {source.flag} "
+                f"{source.spec}; evaluate the baseline with the same scorers, or pass the baseline model instead"
             )
     return earlier
 
@@ -196,7 +250,8 @@ def _baseline_scores(config: EvalConfig, earlier: Path | None, out_dir: Path) ->
     if earlier is None:
         return _sample_and_score(config, config.baseline, out_dir / "baseline"), config.baseline
     previous_model = json.loads((earlier / "manifest.json").read_text())["config"]["model"]
-    return {name: earlier / f"score_{name}" for name in _scorers(config)}, f"{previous_model} (samples of {earlier})"
+    return ({s.key: earlier / f"score_{s.key}" for s in _scorers(config)},
+            f"{previous_model} (samples of {earlier})")
 
 
 def _rewards_by_prompt(path: Path) -> tuple[list[str], dict[str, list[float]]]:
@@ -226,8 +281,10 @@ def main(config: EvalConfig) -> Path:
     from datasets import load_from_disk
 
     generated = load_from_disk(str(own["generate"]))
-    scores, columns = {}, {}
-    for name, spec in _scorers(config).items():
+    scores, columns, ours_by_key, theirs_by_key = {}, {}, {}, {}
+    sources = _scorers(config)
+    for source in sources:
+        name = source.key
         ids, ours = _rewards_by_prompt(own[name])
         theirs = None
         if baseline is not None:
@@ -240,8 +297,9 @@ def main(config: EvalConfig) -> Path:
                 )
             theirs = [base[i] for i in ids]
             columns[f"baseline_rewards_{name}"] = theirs
-        scores[name] = {"scorer": spec, **summarize([ours[i] for i in ids], theirs)}
-        columns[f"rewards_{name}"] = [ours[i] for i in ids]
+            theirs_by_key[name] = theirs
+        scores[name] = {"scorer": source.spec, **summarize([ours[i] for i in ids], theirs)}
+        columns[f"rewards_{name}"] = ours_by_key[name] = [ours[i] for i in ids]
 
     lengths = [len(t) for row in generated["response_token_ids"] for t in row]
     reasons = [r for row in generated["finish_reasons"] for r in row]
@@ -254,6 +312,10 @@ def main(config: EvalConfig) -> Path:
         "stop_fraction": reasons.count("stop") / max(len(reasons), 1),
         "scores": scores,
     }
+    if len(sources) > 1 and config.reward_weights:  # beside "scores", the scorers (rlhf report plots each of them)
+        weights = config.reward_weights or [1.0] * len(sources)
+        results["combined"] = combined_summary(sources, weights, ours_by_key,
+                                               theirs_by_key if baseline is not None else None)
     samples = generated.select_columns(
         [c for c in generated.column_names if c not in ("prompt_token_ids", "response_token_ids")]
     )
@@ -269,7 +331,8 @@ def main(config: EvalConfig) -> Path:
         out.write_manifest(dict(manifest), directory=out.path / EVAL_SAMPLES)
         push_to_hub(samples, out.path / EVAL_SAMPLES / "manifest.json", config.push_to_hub)
     out.write_manifest(manifest)
-    for name, s in scores.items():
+    shown = dict(scores, **({"combined": results["combined"]} if "combined" in results else {}))
+    for name, s in shown.items():
         line = f"[eval] {name}: mean reward {s['mean']:.4f}"
         line += f" ± {s['stderr']:.4f}" if s["stderr"] is not None else ""
         if s["win_rate"] is not None:

@@ -3,6 +3,8 @@
     rlhf score --input runs/iter_0/generate --output runs/iter_0/score \\
         --reward-model RLHFlow/ArmoRM-Llama3-8B-v0.1 --trust-remote-code --batch-size 16
     rlhf score --input out/gen --output out/scored --reward-fn my_rewards.py:reward
+    rlhf score --input out/gen --output out/scored --reward-model runs/rm --reward-fn checks.py:format \\
+        --reward-weights 1 0.5      # several sources: rewards_<key> each, rewards = their standardised weighted sum
 
 What is added and how: ``rlhf_pipeline.scoring`` (the reward sources are ``rlhf_pipeline.rewards``).
 """
