@@ -22,7 +22,7 @@ def test_stage_choices_are_the_registry():
     for config in (TrainConfig, IterateConfig, DemoConfig):
         assert typing.get_args(typing.get_type_hints(config)["algo"]) == tuple(ALGORITHMS), config.__name__
     assert names(PAIRS) == ("rebel", "dpo", "cdpo", "ipo", "simpo")
-    assert names(GROUPS) == ("ppo", "grpo", "rloo", "reinforce_pp")
+    assert names(GROUPS) == ("ppo", "grpo", "rloo", "reinforce_pp", "dapo", "dr_grpo", "gspo")
     assert {a.name for a in ALGORITHMS.values() if a.uses_critic} == {"ppo"}
     assert all(a.demo for a in ALGORITHMS.values())  # rlhf demo has settings for every algorithm
 
@@ -59,7 +59,7 @@ def toy_advantages(token_rewards, mask, values, params):
     return torch.where(mask, token_rewards.sum(dim=1, keepdim=True), 0.0), None
 
 
-def toy_baseline(rewards):
+def toy_baseline(rewards, params):
     return rewards - rewards.mean(dim=-1, keepdim=True)
 
 

@@ -87,11 +87,18 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     k["gen"] = write_jsonl(d / "gen.jsonl", GEN_ROWS)
     k["gen_text_responses"] = write_jsonl(d / "gen_text.jsonl", [{"prompt_id": "p0", "prompt": "Hi.",
                                                                   "responses": "Hello there."}])
+    k["gen_with_source_column"] = write_jsonl(d / "gen_source_column.jsonl",
+                                              [dict(r, rewards_reward_fn=[0.0, 0.0]) for r in GEN_ROWS])
     k["scored"] = write_jsonl(d / "scored.jsonl", [dict(r, rewards=[1.0, 0.0]) for r in GEN_ROWS])
     k["scored_text_rewards"] = write_jsonl(d / "scored_text.jsonl", [dict(r, rewards=["1", "0"]) for r in GEN_ROWS])
     k["pairs"] = write_jsonl(d / "pairs.jsonl", [
         {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "chosen_token_ids": [7, 8, 2],
          "rejected_token_ids": [9, 2], "chosen_reward": 1.0, "rejected_reward": 0.0} for i in range(6)])
+    unpaired = [{"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "completion_token_ids": [7, 8, 2],
+                 "kl_completion_token_ids": [9, 2], "desirable": i % 2 == 0, "reward": float(i % 2)} for i in range(6)]
+    k["unpaired"] = write_jsonl(d / "unpaired.jsonl", unpaired)
+    k["unpaired_no_kl"] = write_jsonl(d / "unpaired_no_kl.jsonl", [
+        {c: v for c, v in r.items() if c != "kl_completion_token_ids"} for r in unpaired])
     good_sft = [{"prompt": f"Review the park number {i}.", "answer": "The trees were lovely."} for i in range(20)]
     k["sft_bad_row"] = write_jsonl(d / "sft.jsonl", good_sft[:10] + [{"prompt": "Review the lake."}] + good_sft[10:])
     k["sft_good"] = write_jsonl(d / "sft_good.jsonl", good_sft)
@@ -113,6 +120,7 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
         "iterate_misspelt": ITERATE_YAML.format(**k) + "train: {learning_rat: 0.001}\n",
         "iterate_range": ITERATE_YAML.format(**k) + "generate: {max_new_tokens: 0}\n",
         "iterate_zero": ITERATE_YAML.format(**k) + "prompts_per_iteration: 0\n",
+        "yaml_weights": f"reward_fn: [{k['rewards']}:good, {k['rewards']}:nan]\nreward_weights: [1, 2, 3]\n",
     }
     for name, text in yamls.items():
         (d / f"{name}.yaml").write_text(text)
@@ -198,8 +206,34 @@ CASES = [
          "returned something that is not a list of numbers"),
     Case("score-reward-model-not-found", ["score", "--input", "{gen}", "--reward-model", "org/reward-model"],
          "--reward-model org/reward-model: not found locally"),
-    Case("score-two-reward-sources", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good",
-                                      "--reward-model", "{rm}"], "give exactly one of --reward-model and --reward-fn"),
+    # score: several reward sources (issue 14, item 4)
+    Case("score-no-reward-source", ["score", "--input", "{gen}"], "give a reward source: --reward-model, --reward-fn"),
+    Case("score-reward-weights-count", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good",
+                                        "--reward-model", "{rm}", "--reward-weights", "1"],
+         "--reward-weights has 1 value(s) for 2 reward sources; give one per source, in this order: "
+         "--reward-model {rm}, --reward-fn {rewards}:good"),
+    Case("score-reward-weight-infinite", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good",
+                                          "--reward-model", "{rm}", "--reward-weights", "1", "inf"],
+         "--reward-weights must be finite numbers, got inf"),
+    Case("score-reward-weights-all-zero", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good",
+                                           "--reward-model", "{rm}", "--reward-weights", "0", "0"],
+         "--reward-weights are all 0"),
+    Case("score-reward-weights-one-source", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good",
+                                             "--reward-weights", "2"], "with one source the rewards are its own"),
+    Case("score-reward-source-twice", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good",
+                                       "--reward-fn", "{rewards}:good"], "--reward-fn {rewards}:good is given twice"),
+    Case("score-reward-weights-yaml-count", ["score", "--config", "{yaml_weights}", "--input", "{gen}"],
+         "--reward-weights has 3 value(s) for 2 reward sources"),
+    Case("score-several-sources-on-a-shard", ["score", "--input", "{shard0}", "--reward-fn", "{rewards}:good",
+                                              "--reward-model", "{rm}"],
+         "is shard 0/2 of a generate run; several reward sources are standardised with statistics over the whole "
+         "dataset"),
+    Case("score-source-column-taken", ["score", "--input", "{gen_with_source_column}", "--reward-fn",
+                                       "{rewards}:good", "--reward-model", "{rm}"],
+         "already has a 'rewards_reward_fn' column"),
+    Case("score-second-source-nan", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good",
+                                     "--reward-fn", "{rewards}:nan"],
+         "row 0 (prompt_id p0), response 0: the reward function {rewards}:nan returned nan"),
     Case("score-batch-size-zero", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good", "--batch-size", "0"],
          "--batch-size must be at least 1"),
     # filter
@@ -215,6 +249,9 @@ CASES = [
                                              "--max-response-tokens", "0"], "--max-response-tokens must be at least 1"),
     Case("filter-test-split-takes-everything", ["filter", "--input", "{scored}", "--tokenizer", "{policy}",
                                                 "--test-size", "5"], "cannot be split from them"),
+    Case("filter-unpaired-one-prompt-in-a-split", ["filter", "--input", "{scored}", "--tokenizer", "{policy}",
+                                                   "--mode", "unpaired", "--test-size", "1"],
+         "the train split holds the responses of only one prompt"),
     # ref-logps
     Case("ref-logps-on-generations", ["ref-logps", "--model", "{policy}", "--input", "{shard0}"],
          "missing column(s) chosen_token_ids, rejected_token_ids; pass pairs made by rlhf filter --mode pairs"),
@@ -224,11 +261,28 @@ CASES = [
                                         "--temperature", "0"], "--temperature must be > 0"),
     Case("ref-logps-no-sampling-temperature", ["ref-logps", "--model", "{policy}", "--input", "{pairs}"],
          "no sampling temperature recorded upstream"),
+    Case("ref-logps-unpaired-without-mismatched-pairs", ["ref-logps", "--model", "{policy}", "--input",
+                                                         "{unpaired_no_kl}", "--temperature", "1"],
+         "missing column(s) kl_completion_token_ids; pass data made by rlhf filter --mode unpaired"),
     # train
     Case("train-dpo-on-generations", ["train", "--algo", "dpo", "--model", "{policy}", "--data", "{shard0}"],
          "missing column(s) chosen_token_ids, rejected_token_ids; pass pairs made by rlhf filter --mode pairs"),
     Case("train-grpo-on-pairs", ["train", "--algo", "grpo", "--model", "{policy}", "--data", "{pairs}"],
          "missing column(s) response_token_ids, rewards; the PPO family trains on groups"),
+    Case("train-kto-on-pairs", ["train", "--algo", "kto", "--model", "{policy}", "--data", "{pairs}"],
+         "missing column(s) completion_token_ids, kl_completion_token_ids, desirable; pass data made by rlhf filter "
+         "--mode unpaired"),
+    Case("train-dpo-on-unpaired", ["train", "--algo", "dpo", "--model", "{policy}", "--data", "{unpaired}"],
+         "missing column(s) chosen_token_ids, rejected_token_ids; pass pairs made by rlhf filter --mode pairs"),
+    Case("train-kto-negative-weight", ["train", "--algo", "kto", "--model", "{policy}", "--data", "{unpaired}",
+                                       "--undesirable-weight", "-1"], "--undesirable-weight must be >= 0"),
+    Case("train-kto-both-weights-zero", ["train", "--algo", "kto", "--model", "{policy}", "--data", "{unpaired}",
+                                         "--desirable-weight", "0", "--undesirable-weight", "0"],
+         "--desirable-weight and --undesirable-weight are both 0"),
+    Case("train-kto-weight-without-kto", ["train", "--algo", "dpo", "--model", "{policy}", "--data", "{pairs}",
+                                          "--desirable-weight", "2"], "--desirable-weight is KTO's (--algo kto)"),
+    Case("train-kto-beta-zero", ["train", "--algo", "kto", "--model", "{policy}", "--data", "{unpaired}",
+                                 "--beta", "0"], "--beta must be > 0"),
     Case("train-rebel-without-sampling-temperature", ["train", "--model", "{policy}", "--data", "{pairs}"],
          "no sampling temperature recorded upstream"),
     Case("train-learning-rate-zero", ["train", "--model", "{policy}", "--data", "{pairs}", "--learning-rate", "0"],
@@ -273,6 +327,12 @@ CASES = [
                                        "{rewards}:good"], "has neither a 'prompt' nor a 'messages' column"),
     Case("eval-no-scorer", ["eval", "--model", "{policy}", "--prompts", "{prompts}"],
          "give --reward-model, --reward-fn, or both"),
+    Case("eval-reward-weights-count", ["eval", "--model", "{policy}", "--prompts", "{prompts}", "--reward-fn",
+                                       "{rewards}:good", "--reward-fn", "{rewards}:nan", "--reward-weights", "1", "2",
+                                       "3"], "--reward-weights has 3 value(s) for 2 reward sources"),
+    Case("eval-reward-weight-nan", ["eval", "--model", "{policy}", "--prompts", "{prompts}", "--reward-fn",
+                                    "{rewards}:good", "--reward-model", "{rm}", "--reward-weights", "nan", "1"],
+         "--reward-weights must be finite numbers, got nan"),
     Case("eval-reward-fn-raises", ["eval", "--model", "{policy}", "--prompts", "{prompts}", "--reward-fn",
                                    "{rewards}:boom", "--max-new-tokens", "2", "--limit", "2", "--engine", "hf"],
          "rlhf eval: the reward function {rewards}:boom raised on rows 0..1 (batch of 2 responses): "

@@ -680,3 +680,114 @@ def test_kl_estimate_rejects_unknown_kind_and_shapes():
         kl_estimate(t(0.0), t(0.0), kind="k4")
     with pytest.raises(ValueError, match="ref_logp has shape"):
         kl_k3(torch.zeros(2, 3), torch.zeros(3))
+
+
+# ---------------------------------------------------------------------------------------------------- KTO (unpaired)
+
+from rlhf_pipeline.algorithms import UNPAIRED, compute_unpaired_loss  # noqa: E402
+from rlhf_pipeline.losses import UnpairedLossParams, kto_loss, kto_reference_point  # noqa: E402
+
+
+def _kto_hand_inputs():
+    """β = 0.5. Mismatched pairs: logπθ = (−4.0, −5.0), logπref = (−4.2, −5.4) → (0.2, 0.4), mean 0.3 = z0.
+    Row 0 desirable:   π = −1, ref = −1.5 → r = 0.5;  β(r − z0) = 0.5·0.2 = 0.1.
+    Row 1 undesirable: π = −3, ref = −2   → r = −1;   β(z0 − r) = 0.5·1.3 = 0.65.
+    Row 2 desirable:   π = −2, ref = −2   → r = 0;    β(r − z0) = 0.5·(−0.3) = −0.15.
+    """
+    z0 = kto_reference_point(t(-4.0, -5.0), t(-4.2, -5.4))
+    return t(-1.0, -3.0, -2.0), t(-1.5, -2.0, -2.0), torch.tensor([True, False, True]), z0
+
+
+def test_kto_reference_point_hand_values():
+    """Mean of (0.2, 0.4) = 0.3; a negative mean, (−5 − (−4) + 0)/2 = −0.5, is clamped to 0."""
+    assert kto_reference_point(t(-4.0, -5.0), t(-4.2, -5.4)).item() == pytest.approx(0.3, abs=1e-12)
+    assert kto_reference_point(t(-5.0, -1.0), t(-4.0, -1.0)).item() == 0.0
+    with pytest.raises(ValueError, match="non-empty"):
+        kto_reference_point(t(), t())
+
+
+def test_kto_loss_hand_values():
+    """1 − σ(x) = 1/(1 + e^x):
+    Row 0: 1/(1 + e^0.1)   = 1/(1 + 1.105170918) = 1/2.105170918 = 0.475020813.
+    Row 1: 1/(1 + e^0.65)  = 1/(1 + 1.915540829) = 1/2.915540829 = 0.342989...  (0.3429895)
+    Row 2: 1/(1 + e^−0.15) = 1/(1 + 0.860707976) = 1/1.860707976 = 0.537429845.
+    With λ_D = 2, λ_U = 0.5: (0.950041626, 0.171494766, 1.074859690).
+    """
+    pol, ref, desirable, z0 = _kto_hand_inputs()
+    close(kto_loss(pol, ref, desirable, z0, beta=0.5), [0.475020813, 0.342989531, 0.537429845])
+    close(kto_loss(pol, ref, desirable, z0, beta=0.5, desirable_weight=2.0, undesirable_weight=0.5),
+          [0.950041626, 0.171494766, 1.074859690])
+
+
+def test_kto_matches_trl_formula_on_random_tensors():
+    """TRL's ``KTOTrainer._compute_loss`` (trl/trainer/kto_trainer.py, commit f2cd577; before June 2026 the method
+    ``KTOTrainer.kto_loss``), transcribed: chosen and rejected split by label, kl = mean over the KL pairs, clamped,
+    detached; losses = cat(λ_D·(1 − σ(β(r_c − kl))), λ_U·(1 − σ(β(kl − r_r)))), loss = losses.nanmean()."""
+    def trl(policy_chosen, policy_rejected, policy_kl, ref_chosen, ref_rejected, ref_kl, beta, dw, uw):
+        kl = (policy_kl - ref_kl).mean().detach().clamp(min=0)
+        chosen_losses = 1 - torch.sigmoid(beta * ((policy_chosen - ref_chosen) - kl))
+        rejected_losses = 1 - torch.sigmoid(beta * (kl - (policy_rejected - ref_rejected)))
+        return torch.cat((dw * chosen_losses, uw * rejected_losses), 0).nanmean(), kl
+
+    g = torch.Generator().manual_seed(0)
+    for beta, dw, uw, shift in [(0.1, 1.0, 1.0, 0.0), (0.5, 1.33, 1.0, 3.0), (2.0, 1.0, 0.7, -3.0)]:
+        pol = -torch.rand(32, generator=g, dtype=torch.float64) * 40
+        ref = pol + torch.randn(32, generator=g, dtype=torch.float64) * 2
+        kl_pol = -torch.rand(32, generator=g, dtype=torch.float64) * 40
+        kl_ref = kl_pol - torch.randn(32, generator=g, dtype=torch.float64) - shift  # z0 > 0, clamped, or near 0
+        desirable = torch.rand(32, generator=g) < 0.4
+        ours = kto_loss(pol, ref, desirable, kto_reference_point(kl_pol, kl_ref), beta, dw, uw)
+        expected, kl = trl(pol[desirable], pol[~desirable], kl_pol, ref[desirable], ref[~desirable], kl_ref,
+                           beta, dw, uw)
+        assert ours.mean().item() == pytest.approx(expected.item(), abs=1e-12)
+        assert kto_reference_point(kl_pol, kl_ref).item() == pytest.approx(kl.item(), abs=1e-12)
+
+
+def test_kto_gradient_direction_and_size():
+    """On-policy-ish check of the sign: minimising raises a desirable response's log-prob and lowers an undesirable
+    one's; size: |∂loss/∂logπ| = λ·β·σ(x)(1 − σ(x)) at the x of each row (row 0: x = 0.1, σ = 0.524979, β·σ(1−σ) =
+    0.5·0.249376 = 0.124688). Nothing reaches the reference, the mismatched pairs or z0."""
+    pol, ref, desirable, _ = _kto_hand_inputs()
+    pol.requires_grad_(True)
+    ref.requires_grad_(True)
+    kl_pol = t(-4.0, -5.0).requires_grad_(True)
+    z0 = kto_reference_point(kl_pol, t(-4.2, -5.4))
+    kto_loss(pol, ref, desirable, z0, beta=0.5, undesirable_weight=2.0).sum().backward()
+    assert pol.grad[0] < 0 and pol.grad[2] < 0 and pol.grad[1] > 0
+    x = torch.tensor([0.1, 0.65, -0.15], dtype=torch.float64)
+    expected = torch.tensor([-1.0, 2.0, -1.0], dtype=torch.float64) * 0.5 * torch.sigmoid(x) * (1 - torch.sigmoid(x))
+    close(pol.grad, expected, abs_tol=1e-12)
+    close(pol.grad[:1], [-0.124688], abs_tol=1e-6)
+    assert ref.grad is None and kl_pol.grad is None and not z0.requires_grad
+
+
+def test_kto_reference_point_moves_the_classes_apart():
+    """A larger z0 asks more of a desirable response (its loss rises) and less of an undesirable one (it falls)."""
+    pol, ref, desirable, _ = _kto_hand_inputs()
+    low, high = (kto_loss(pol, ref, desirable, torch.tensor(z, dtype=torch.float64), 0.5) for z in (0.0, 1.0))
+    assert (high[desirable] > low[desirable]).all() and (high[~desirable] < low[~desirable]).all()
+
+
+def test_kto_dispatch_metrics_and_bad_arguments():
+    """Through the registry: the margin is β(r − z0) signed by the label (row 0: +0.1, row 1: −0.5·(−1.3) = +0.65,
+    row 2: −0.15), accuracy its sign, kl the z0 each row was trained against."""
+    pol, ref, desirable, z0 = _kto_hand_inputs()
+    loss, metrics = compute_unpaired_loss("kto", UnpairedLossParams(beta=0.5), pol, ref, desirable, z0)
+    close(loss, kto_loss(pol, ref, desirable, z0, 0.5))
+    close(metrics["margin"], [0.1, 0.65, -0.15], abs_tol=1e-12)
+    close(metrics["accuracy"], [1.0, 1.0, 0.0])
+    close(metrics["kl"], [0.3, 0.3, 0.3], abs_tol=1e-12)
+    close(metrics["logratio"], [0.5, -1.0, 0.0])
+    assert names(UNPAIRED) == ("kto",) and ALGORITHMS["kto"].needs_reference
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        kto_loss(pol, ref, desirable, z0, beta=0.0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        kto_loss(pol, ref, desirable, z0, beta=0.1, undesirable_weight=-1.0)
+    with pytest.raises(ValueError, match="scalar"):
+        kto_loss(pol, ref, desirable, t(0.1, 0.2, 0.3), beta=0.1)
+    with pytest.raises(ValueError, match="trains on pairs and has no unpaired loss"):
+        compute_unpaired_loss("dpo", UnpairedLossParams(), pol, ref, desirable, z0)
+    with pytest.raises(ValueError, match="trains on unpaired and has no pair loss"):
+        compute_pair_loss("kto", PairLossParams(), pol, pol, ref, ref)
+    with pytest.raises(ValueError, match="desirable must be 1-D"):
+        compute_unpaired_loss("kto", UnpairedLossParams(), pol, ref, desirable[:2], z0)

@@ -133,6 +133,25 @@ def test_second_identical_run_is_skipped(pipeline, tiny_policy, capsys):
     assert manifest(pipeline / "pairs")["output_id"] == before["pairs"]
 
 
+def test_an_output_from_before_an_option_existed_is_reused_while_the_option_keeps_its_default(
+        pipeline, tiny_policy, tmp_path, capsys):
+    """An output whose manifest predates an option (no key for it) is the same run as long as the option is left at
+    its default; set to something else, the run differs and is refused."""
+    import shutil
+
+    out = tmp_path / "pairs"
+    shutil.copytree(pipeline / "pairs", out)
+    recorded = manifest(out)
+    for key in ("overlong_buffer", "overlong_penalty", "drop_uniform_groups"):
+        del recorded["config"][key]
+    (out / "manifest.json").write_text(json.dumps(recorded))
+    args = ["filter", "--input", pipeline / "scored_rm", "--output", out, "--tokenizer", tiny_policy, "--test-size", 5]
+    capsys.readouterr()
+    assert run(*args) == 0 and "nothing to do" in capsys.readouterr().out
+    assert run(*args, "--overlong-buffer", 4) == 1
+    assert "overlong_buffer None -> 4" in capsys.readouterr().err
+
+
 def test_shards_merge_into_the_whole(tiny_policy, bundled_prompts, tmp_path):
     common = ["--model", tiny_policy, "--prompts", bundled_prompts, "--n", 2, "--max-new-tokens", 4, "--limit", 7]
     for i in range(3):

@@ -214,3 +214,44 @@ def test_dropout_is_disabled_for_training(tiny_policy):
     disable_dropout(model)
     assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in model.modules())
     assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+
+
+def test_rebel_reward_gap_scale_is_eta_over_the_gap_rms(pairs, tiny_policy, tmp_path):
+    """--reward-gap-scale rms divides the reward gaps by their RMS r over the train split. REBEL backpropagates
+    (Δlogratio − eta·Δr)² (its code's form), so eta 1 on scaled gaps takes the very steps of eta 1/r on raw gaps, and
+    logs the paper's loss (Δlogratio/eta − Δr)², r² times smaller."""
+    import math
+
+    train = load_from_disk(str(pairs / "ref"))["train"]
+    gaps = [c - r for c, r in zip(train["chosen_reward"], train["rejected_reward"])]
+    rms = math.sqrt(sum(g * g for g in gaps) / len(gaps))
+    assert abs(rms - 1) > 0.1  # far enough from 1 for the two runs to differ if the scale were not applied
+    common = ["--max-steps", 3, "--learning-rate", 1e-4, "--max-grad-norm", 0, "--batch-size", 4]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "scaled", *common, "--reward-gap-scale", "rms")) == 0
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "raw", *common, "--eta", 1 / rms)) == 0
+    assert max_weight_diff(tmp_path / "scaled", tmp_path / "raw") < 1e-6
+    assert [x * rms**2 for x in logged(tmp_path / "scaled")] == pytest.approx(logged(tmp_path / "raw"), rel=1e-4)
+    record = json.loads((tmp_path / "scaled" / "manifest.json").read_text())["training"]["reward_gap_scale"]
+    assert record == {"mode": "rms", "rms": pytest.approx(rms)}
+    assert json.loads((tmp_path / "raw" / "manifest.json").read_text())["training"]["reward_gap_scale"] is None
+
+
+def test_divergence_is_said_once():
+    watch = trainer.DivergenceWatch()
+    assert watch.check(1, 0.7, 34.0) is None and watch.check(2, 0.9, 300.0) is None  # 9-fold: ordinary
+    warning = watch.check(12, 0.8, 2800.0)
+    assert "gradient norm went from 34 to 2800 (82-fold)" in warning and "--learning-rate" in warning
+    assert watch.check(13, 0.8, 5000.0) is None  # once
+    learning = trainer.DivergenceWatch()  # gradients that grow while the loss falls: a reward model finding margins
+    assert learning.check(1, 0.69, 0.32) is None and learning.check(42, 0.45, 9.9) is None
+    loss = trainer.DivergenceWatch()
+    assert loss.check(1, 0.01, None) is None and loss.check(2, 2.9, None) is None  # under 30 x the 0.1 floor
+    assert "loss went from 0.01 at the first step to 3.5" in loss.check(3, 3.5, None)
+    assert "loss is nan" in trainer.DivergenceWatch(first_loss=0.7).check(5, float("nan"), None)
+
+
+def test_reward_gap_scale_is_rebels():
+    from rlhf_pipeline.stages.train import TrainConfig
+
+    with pytest.raises(ValueError, match="--reward-gap-scale is for the algorithms that regress on reward gaps"):
+        TrainConfig(model="m", data="d", output="o", algo="dpo", reward_gap_scale="rms")

@@ -19,7 +19,7 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from rlhf_pipeline import groups as rl, trainer
+from rlhf_pipeline import algorithms, groups as rl, trainer
 from conftest import LENGTH_REWARD, free_port, logged, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 REPO = Path(__file__).resolve().parents[1]
 
 
-GROUP_ALGOS = ("grpo", "rloo", "reinforce_pp", "ppo")
+GROUP_ALGOS = ("grpo", "rloo", "reinforce_pp", "ppo", "dapo", "dr_grpo", "gspo")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -237,34 +237,48 @@ def test_gamma_does_not_discount_grpo_advantages():
 
 
 def _reference_loss(policy, critic, rows, params, temperature):
-    """Per sample: the clipped surrogate (and KL, value terms) by hand, mean over tokens, then over samples."""
+    """Per sample: the clipped surrogate (and KL, value terms) by hand, aggregated as ``params.loss_aggregation``
+    says: mean over tokens then over samples (sequence), mean over all tokens (token), or each sample's token sum
+    over ``params.max_tokens``, then the mean (sequence_sum_norm). The value loss is a per-sample mean always."""
     policy_terms, kl_terms, value_terms, clipped = [], [], [], 0
+    low, high = params.clip, params.clip if params.clip_high is None else params.clip_high
     for r in rows:
         lp = naive_logps(policy, r["prompt_token_ids"], r["response_token_ids"], temperature)
         old, adv = torch.tensor(r["old_logps"], dtype=lp.dtype), torch.tensor(r["advantages"], dtype=lp.dtype)
-        ratio = torch.exp(lp - old)
-        kept = ratio.clamp(1 - params.clip, 1 + params.clip)
+        if params.importance == "sequence":  # GSPO: one ratio, exp of the mean log-ratio, on every token
+            ratio = torch.exp((lp - old).mean()).expand_as(lp)
+        else:
+            ratio = torch.exp(lp - old)
+        kept = ratio.clamp(1 - low, 1 + high)
         clipped += int(((-adv * kept) > (-adv * ratio)).sum())
-        policy_terms.append(torch.maximum(-adv * ratio, -adv * kept).mean())
+        policy_terms.append(torch.maximum(-adv * ratio, -adv * kept))
         if params.kl_mode == "loss":
             d = torch.tensor(r["ref_logps"], dtype=lp.dtype) - lp  # log(ref/π)
-            kl = {"k1": -d, "k2": d**2 / 2, "k3": torch.exp(d) - 1 - d}[params.kl_estimator]
-            kl_terms.append(kl.mean())
+            kl_terms.append({"k1": -d, "k2": d**2 / 2, "k3": torch.exp(d) - 1 - d}[params.kl_estimator])
         if critic is not None:
             v = naive_values(critic, r["prompt_token_ids"], r["response_token_ids"])
             v_old, ret = torch.tensor(r["old_values"], dtype=v.dtype), torch.tensor(r["returns"], dtype=v.dtype)
             v_clip = v_old + (v - v_old).clamp(-params.value_clip, params.value_clip)
             value_terms.append(0.5 * torch.maximum((v - ret) ** 2, (v_clip - ret) ** 2).mean())
-    loss = torch.stack(policy_terms).mean()
+
+    def aggregate(per_sample):
+        if params.loss_aggregation == "token":
+            return torch.cat(per_sample).sum() / sum(len(x) for x in per_sample)
+        if params.loss_aggregation == "sequence_sum_norm":
+            return torch.stack([x.sum() / params.max_tokens for x in per_sample]).mean()
+        return torch.stack([x.mean() for x in per_sample]).mean()
+
+    loss = aggregate(policy_terms)
     if kl_terms:
-        loss = loss + params.kl_coef * torch.stack(kl_terms).mean()
+        loss = loss + params.kl_coef * aggregate(kl_terms)
     if value_terms:
         loss = loss + params.vf_coef * torch.stack(value_terms).mean()
     return loss, clipped
 
 
 @pytest.mark.parametrize("algo, kl_mode, estimator", [("grpo", "loss", "k3"), ("ppo", "loss", "k2"),
-                                                      ("rloo", "reward", "k1")])
+                                                      ("rloo", "reward", "k1"), ("dapo", "loss", "k3"),
+                                                      ("dr_grpo", "loss", "k3"), ("gspo", "loss", "k1")])
 def test_group_task_loss_and_gradient_equal_a_naive_per_sample_reference(data, tiny_policy, tiny_rm, algo, kl_mode,
                                                                          estimator):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -297,8 +311,13 @@ def test_group_task_loss_and_gradient_equal_a_naive_per_sample_reference(data, t
                 v = naive_values(critic, r["prompt_token_ids"], r["response_token_ids"])
                 r["old_values"] = (v + 0.3 * torch.randn(n, generator=gen, dtype=v.dtype)).tolist()
                 r["returns"] = torch.randn(n, generator=gen, dtype=v.dtype).tolist()
-    params = rl.RLParams(algo=algo, clip=0.2, kl_coef=0.1, kl_mode=kl_mode, kl_estimator=estimator, vf_coef=0.5,
-                         value_clip=0.2)
+    # the algorithm's own options (DAPO: clip-higher, token mean; Dr. GRPO: token sums over 16; GSPO: sequence ratios,
+    # with a clip wide enough to leave some sequences unclipped)
+    params = algorithms.group_params(algorithms.get(algo), kl_coef=0.1, kl_mode=kl_mode, kl_estimator=estimator,
+                                     vf_coef=0.5, value_clip=0.2, **({"clip": 0.05, "clip_high": 0.08}
+                                                                      if algo == "gspo" else {}))
+    if params.loss_aggregation == "sequence_sum_norm":
+        params.max_tokens = 16
     parameters = [p for p in model.parameters() if p.requires_grad]
 
     expected, clipped = _reference_loss(policy, critic, rows, params, temperature)
@@ -367,7 +386,9 @@ def test_each_algo_trains_every_parameter_and_saves_loadable_outputs(algo, data,
     manifest = json.loads((out / "manifest.json").read_text())
     training = manifest["training"]
     assert training["algo"] == algo and training["steps"] == steps
-    assert training["rl_params"]["algo"] == algo and training["rl_params"]["kl_coef"] == 0.05
+    # the KL weight: 0.05 by default, DAPO's and GSPO's own 0 (their defaults fill the options left unset)
+    assert training["rl_params"]["algo"] == algo
+    assert training["rl_params"]["kl_coef"] == (0.0 if algo in ("dapo", "gspo") else 0.05)
     assert training["logp_temperature"] == 0.8  # the sampling temperature, read from the lineage
     assert training["ref_model"] == tiny_policy
     assert training["critic_model"] == critic
@@ -400,14 +421,16 @@ def test_each_algo_trains_every_parameter_and_saves_loadable_outputs(algo, data,
             adv, old = torch.tensor(s["advantages"]), torch.tensor(s["old_logps"])
             improvement.append(float((adv * (new - old)).mean()))
     assert statistics.fmean(improvement) > 0, "training moved the policy against the advantages"
-    if algo in ("grpo", "rloo"):  # ref == old, so no KL in the rewards: the group score on every token
+    if algo not in ("ppo", "reinforce_pp"):  # ref == old, so no KL in the rewards: the group score on every token
         by_group: dict[int, list[float]] = {}
         for s in train_rollout:
             by_group.setdefault(s["group"], []).append(s["reward"])
         for s in train_rollout:
             rs = by_group[s["group"]]
-            if algo == "grpo":
+            if algo in ("grpo", "dapo", "gspo"):
                 score = (s["reward"] - statistics.fmean(rs)) / (statistics.stdev(rs) + 1e-4)
+            elif algo == "dr_grpo":
+                score = s["reward"] - statistics.fmean(rs)
             else:
                 score = s["reward"] - (sum(rs) - s["reward"]) / (len(rs) - 1)
             assert s["advantages"] == pytest.approx([score] * len(s["advantages"]), abs=1e-6)
@@ -476,6 +499,97 @@ def test_a_separate_reference_puts_its_k1_kl_into_reinforce_pp_rewards(data, tin
         assert s["advantages"] == pytest.approx([next(w) for _ in rtg], abs=1e-6)
 
 
+# ---------------------------------------------------------------------------------------------------- DAPO, Dr. GRPO, GSPO
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory, stop_prone_policy, bundled_prompts) -> Path:
+    """Groups of responses of uneven lengths (the stop-prone policy stops anywhere within 16 tokens), where a token
+    mean and a per-sequence mean differ, and the overlong penalty reaches some responses and not others."""
+    d = tmp_path_factory.mktemp("uneven")
+    (d / "reward.py").write_text(LENGTH_REWARD)
+    assert run("generate", "--model", stop_prone_policy, "--prompts", bundled_prompts, "--output", d / "gen",
+               "--n", 4, "--max-new-tokens", 16, "--limit", 24) == 0
+    assert run("score", "--input", d / "gen", "--output", d / "scored", "--reward-fn", f"{d}/reward.py:reward") == 0
+    assert run("filter", "--input", d / "scored", "--output", d / "groups", "--tokenizer", stop_prone_policy,
+               "--mode", "groups", "--test-size", 4) == 0
+    lengths = {len(r) for rs in load_from_disk(str(d / "groups"))["train"]["response_token_ids"] for r in rs}
+    assert len(lengths) > 5 and max(lengths) == 16
+    return d
+
+
+def test_dapo_token_mean_is_over_the_whole_step_whatever_the_accumulation(uneven, stop_prone_policy, tmp_path,
+                                                                         monkeypatch):
+    """DAPO's loss is the mean over every token of the optimizer step: batch 8 x accumulation 1 and batch 2 x
+    accumulation 4 give the same losses and weights. A token mean within each micro-batch (the step's token count
+    not passed to the task) would not: its micro-batches hold different numbers of tokens."""
+    common = ["--max-steps", 3, "--learning-rate", 1e-3]
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "b8", "dapo", *common, "--batch-size", 8)) == 0
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "b2", "dapo", *common, "--batch-size", 2,
+                           "--gradient-accumulation-steps", 4, "--eval-batch-size", 3)) == 0
+    assert logged(tmp_path / "b2") == pytest.approx(logged(tmp_path / "b8"), abs=1e-5)
+    # the held-out loss is the token mean over the whole test split too, whatever the evaluation batches
+    assert logged(tmp_path / "b2", "loss/eval") == pytest.approx(logged(tmp_path / "b8", "loss/eval"), abs=1e-6)
+    assert max_weight_diff(tmp_path / "b2", tmp_path / "b8") < 1e-4
+    training = json.loads((tmp_path / "b8" / "manifest.json").read_text())["training"]["rl_params"]
+    assert (training["clip_high"], training["loss_aggregation"]) == (0.28, "token")
+
+    # the check can fail: with each micro-batch normalised by its own tokens the two runs part
+    monkeypatch.setattr(rl.GroupTask, "begin_step", lambda self, *a: setattr(self, "totals", None))
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "b2_local", "dapo", *common, "--batch-size", 2,
+                           "--gradient-accumulation-steps", 4)) == 0
+    local, whole = logged(tmp_path / "b2_local"), logged(tmp_path / "b8")
+    assert max(abs(a - b) for a, b in zip(local, whole)) > 1e-3
+
+
+@pytest.mark.parametrize("algo", ["dr_grpo", "gspo"])
+def test_batch_times_accumulation_is_invariant_for_the_sequence_level_options(algo, uneven, stop_prone_policy,
+                                                                            tmp_path):
+    """Dr. GRPO's token sums over a fixed length and GSPO's per-sequence ratios are per-sample quantities: batch 8 x
+    accumulation 1 and batch 2 x accumulation 4 give the same run."""
+    common = ["--max-steps", 3, "--learning-rate", 1e-3]
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "b8", algo, *common, "--batch-size", 8)) == 0
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "b2", algo, *common, "--batch-size", 2,
+                           "--gradient-accumulation-steps", 4)) == 0
+    assert logged(tmp_path / "b2") == pytest.approx(logged(tmp_path / "b8"), abs=1e-5)
+    assert max_weight_diff(tmp_path / "b2", tmp_path / "b8") < 1e-4
+
+
+def test_filter_drops_groups_of_equal_rewards_and_shapes_overlong_rewards(uneven, stop_prone_policy, tmp_path):
+    """A reward fn that gives every response of half the prompts the same reward: --drop-uniform-groups drops exactly
+    those prompts and counts them; --overlong-buffer 4 lowers the reward of responses longer than 16 - 4 tokens by
+    (12 - |y|) / 4, recorded in the manifest."""
+    (tmp_path / "flat.py").write_text(
+        "def reward(prompts, responses, prompt_id, **columns):\n"
+        "    return [0.5 if sum(map(ord, p)) % 2 else float(len(r)) for p, r in zip(prompt_id, responses)]\n")
+    assert run("score", "--input", uneven / "gen", "--output", tmp_path / "scored", "--reward-fn",
+               f"{tmp_path}/flat.py:reward") == 0
+    scored = load_from_disk(str(tmp_path / "scored"))
+    uniform = sum(len(set(r)) == 1 for r in scored["rewards"])
+    assert 0 < uniform < scored.num_rows
+    assert run("filter", "--input", tmp_path / "scored", "--output", tmp_path / "groups", "--tokenizer", stop_prone_policy,
+               "--mode", "groups", "--test-size", 0, "--drop-uniform-groups", "--overlong-buffer", 4) == 0
+    manifest = json.loads((tmp_path / "groups" / "manifest.json").read_text())
+    kept = load_from_disk(str(tmp_path / "groups"))["train"]
+    penalty = manifest["reward_shaping"]["overlong_penalty"]
+    assert (penalty["max_tokens"], penalty["buffer"], penalty["factor"]) == (16, 4, 1.0)
+    by_id = {row["prompt_id"]: row for row in scored}
+    shaped_count = 0
+    for row in kept:
+        raw = by_id[row["prompt_id"]]["rewards"]
+        lengths = [len(ids) for ids in row["response_token_ids"]]
+        expected = [r + min(0.0, (12 - n) / 4) for r, n in zip(raw, lengths)]
+        assert row["rewards"] == pytest.approx(expected)
+        assert len(set(row["rewards"])) > 1
+        shaped_count += sum(n > 12 for n in lengths)
+    assert penalty["penalised_responses"] >= shaped_count > 0
+    # a uniform group whose lengths differ is no longer uniform once shaped: only the rest are dropped
+    still_uniform = sum(len({r + min(0.0, (12 - len(ids)) / 4) for r, ids in zip(s["rewards"], s["response_token_ids"])})
+                        == 1 for s in scored)
+    assert manifest["dropped"].get("uniform_rewards", 0) == still_uniform
+    assert kept.num_rows == scored.num_rows - still_uniform
+
+
 # ---------------------------------------------------------------------------------------------------- resume
 
 
@@ -518,6 +632,30 @@ def test_interrupted_ppo_run_resumed_equals_uninterrupted_and_reuses_the_rollout
     assert max_weight_diff(tmp_path / "cut" / "critic", tmp_path / "full" / "critic") < 1e-5
 
 
+@pytest.mark.parametrize("algo", ["dapo", "dr_grpo", "gspo"])
+def test_the_new_group_options_resume_to_the_uninterrupted_run(algo, uneven, stop_prone_policy, tmp_path,
+                                                                monkeypatch):
+    """DAPO's step token count, Dr. GRPO's fixed length and GSPO's sequence ratios hold no state across steps that a
+    checkpoint could miss: a run cut after its step-4 checkpoint and resumed equals the uninterrupted one."""
+    common = ["--max-steps", 6, "--batch-size", 4, "--save-every", 2, "--learning-rate", 1e-3]
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "full", algo, *common)) == 0
+    real_save = trainer.save_checkpoint
+
+    def save_then_crash(accelerator, model, tokenizer, output, state, **kwargs):
+        path = real_save(accelerator, model, tokenizer, output, state, **kwargs)
+        if state["step"] == 4:
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_crash)
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "cut", algo, *common)) == 130
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "cut", algo, *common, "--resume")) == 0
+    assert logged(tmp_path / "cut") == pytest.approx(logged(tmp_path / "full"), abs=1e-6)
+    assert len(logged(tmp_path / "cut")) == 6
+    assert max_weight_diff(tmp_path / "cut", tmp_path / "full") < 1e-5
+
+
 def test_push_to_hub_leaves_the_rollout_cache_out(data, tiny_policy, tmp_path, monkeypatch):
     uploads = []
 
@@ -547,10 +685,13 @@ def test_simpo_margin_keeps_its_default():
 # ---------------------------------------------------------------------------------------------------- ZeRO-3
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_two_process_zero3_equals_one_process(algo, data, tiny_policy, tiny_rm, tmp_path):
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo", "gspo"])
+def test_two_process_zero3_equals_one_process(algo, data, tiny_policy, tiny_rm, tmp_path, request):
     """2 processes x batch 4 under DeepSpeed ZeRO-3 (CPU, gloo) against 1 process x batch 4 x accumulation 2; for
-    PPO the critic is partitioned too (policy and critic are one module, one engine)."""
+    PPO the critic is partitioned too (policy and critic are one module, one engine). DAPO runs on responses of
+    uneven lengths, so that its token mean over the whole step is tested across processes."""
+    if algo in ("dapo", "gspo"):
+        data, tiny_policy = request.getfixturevalue("uneven"), request.getfixturevalue("stop_prone_policy")
     critic = tiny_rm if algo == "ppo" else None
     common = ["--max-steps", 3, "--learning-rate", 1e-3, "--batch-size", 4]
     assert run(*train_args(data, tiny_policy, tmp_path / "single", algo, *common, "--gradient-accumulation-steps", 2,

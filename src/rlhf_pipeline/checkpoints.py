@@ -68,7 +68,8 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
 
 def load_checkpoint(accelerator, checkpoint: Path) -> dict[str, Any]:
     """Restore the optimizer, scheduler and RNG state that :func:`save_checkpoint` saved; returns its trainer state
-    (``step``, ``epoch``, ``first_loss``, ``real_tokens``, ``all_tokens``, ``seconds``)."""
+    (``step``, ``epoch``, ``first_loss``, ``first_grad_norm`` and ``divergence_warned`` for the divergence warning,
+    ``real_tokens``, ``all_tokens``, ``seconds``)."""
     accelerator.load_state(str(checkpoint / "state"))
     return json.loads((checkpoint / TRAINER_STATE).read_text())
 

@@ -234,6 +234,17 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _field_defaults(config: Any) -> dict[str, Any]:
+    """The JSON form of each config field's default (fields without one are left out)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = json.loads(json.dumps(f.default, default=str))
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = json.loads(json.dumps(f.default_factory(), default=str))
+    return out
+
+
 def clean_stale(path: Path) -> None:
     """Remove temporary siblings that a killed run (SIGKILL, power loss) left next to ``path``: the new version
     being written, and the old one being replaced (killed between :func:`atomic_directory`'s two renames)."""
@@ -269,7 +280,10 @@ class StageOutput:
         if manifest.get("stage") != self.stage:
             diffs.append(f"stage {manifest.get('stage')!r} -> {self.stage!r}")
         old = manifest.get("config", {})
+        defaults = _field_defaults(self.config)
         for key, value in json.loads(json.dumps(semantic_dict(self.config))).items():
+            if key not in old and key in defaults and value == defaults[key]:
+                continue  # an option added since that run, left at its default: the same run
             if old.get(key) != value:
                 diffs.append(f"{key} {old.get(key)!r} -> {value!r}")
         if [i["fingerprint"] for i in manifest.get("inputs", [])] != [i["fingerprint"] for i in self.input_records]:

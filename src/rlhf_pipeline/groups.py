@@ -22,15 +22,19 @@ ppo            token rewards = r on the last token − β·KL_t on every token; 
 grpo           (r − group mean) / group std on every token (minus the KL returns-to-go with --kl-mode reward).
 rloo           r − mean of the other samples of its group on every token (likewise).
 reinforce_pp   token rewards = r on the last token − β·KL_t; returns-to-go (γ); whitened over the batch.
+dapo           as grpo (clip-higher, the token mean over the step, no KL; the filter drops equal-reward groups).
+dr_grpo        (r − group mean) on every token, no std (token sums over the generation's token limit).
+gspo           as grpo (one clipped ratio per sample, its tokens' mean log-ratio; no KL).
 =============  ==========================================================================================
 
 KL control: ``--kl-mode reward`` puts ``−β·KL_t`` (estimator ``--kl-estimator``, k1 by default) into the token
 rewards before the advantages; ``--kl-mode loss`` adds ``β·mean KL_t`` (k3 by default, as GRPO does) to the loss,
 computed with the current policy. These inputs are kept in ``OUTPUT/rollout`` so a resumed run uses the same ones.
 
-Loss per sample: the clipped surrogate (``losses.ppo_policy_loss``) averaged over the sample's tokens, plus the KL
-term, plus for PPO ``vf_coef ×`` the clipped value loss; averaged over the samples of a minibatch. Per-sample means
-make a micro-batch split (or a process split) give the same update as one big batch.
+Loss: the clipped surrogate (``losses.ppo_policy_loss``) plus the KL term, aggregated over tokens as
+``--loss-aggregation`` says (by default averaged over each sample's tokens, then over the samples; see
+:class:`GroupTask`), plus for PPO ``vf_coef ×`` the clipped value loss averaged per sample. Every aggregation gives
+the same update for any micro-batch or process split of an optimizer step.
 """
 
 from __future__ import annotations
@@ -56,6 +60,11 @@ class RLParams:
     vf_coef: float = 0.5
     value_clip: float | None = 0.2
     normalize_rewards: bool = False
+    clip_high: float | None = None  # ε_high of the ratio clip (None: ``clip``); DAPO's clip-higher
+    importance: str = "token"  # token | sequence (GSPO)
+    loss_aggregation: str = "sequence"  # sequence | token | sequence_sum_norm (see GroupTask)
+    max_tokens: int | None = None  # sequence_sum_norm's constant: the generation's token limit
+    group_std: bool = True  # GRPO's group baseline divides by the group's std (False: Dr. GRPO)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -190,7 +199,7 @@ def compute_advantages(samples: dict[str, list], params: RLParams) -> dict[str, 
             if int(where.sum()) < 2:
                 scores[where] = 0.0  # a lone sample has no baseline: it teaches nothing
                 continue
-            scores[where] = baseline(rewards[where].unsqueeze(0)).squeeze(0)
+            scores[where] = baseline(rewards[where].unsqueeze(0), params).squeeze(0)
     else:
         scores = rewards
     old, mask = padded(samples["old_logps"])
@@ -217,11 +226,50 @@ def compute_advantages(samples: dict[str, list], params: RLParams) -> dict[str, 
 # The loss
 
 
+LOSS_AGGREGATIONS = ("sequence", "token", "sequence_sum_norm")
+
+
 class GroupTask:
-    """A micro-batch of samples: clipped surrogate + KL term (+ value loss for PPO), per-sample means."""
+    """A micro-batch of samples: clipped surrogate + KL term (+ value loss for PPO).
+
+    How the policy loss and a KL term in the loss are aggregated over tokens (``params.loss_aggregation``):
+
+    - ``sequence`` (default): the mean over each sample's tokens, then over the samples (the GRPO paper; TRL
+      ``loss_type="grpo"``). Every sample weighs the same, so a long response's tokens weigh less each.
+    - ``token``: the mean over every real token of the optimizer step, across micro-batches and processes (DAPO's
+      token-level loss, §3.3; TRL ``loss_type="dapo"``, which normalises by the accumulated batch's token count).
+      The step's token count comes from ``begin_step``; each micro-batch's sum is scaled so that the accumulated,
+      process-averaged gradient is that of the step's token mean, whatever the batch size and accumulation.
+    - ``sequence_sum_norm``: each sample's token sum over the constant ``params.max_tokens``, then the mean over the
+      samples (Dr. GRPO, §3.1; TRL ``loss_type="dr_grpo"``): no length normalisation bias.
+
+    The value loss (PPO) stays a per-sample mean.
+    """
 
     def __init__(self, params: RLParams, temperature: float, pad_id: int, pack_ratio: float):
         self.params, self.temperature, self.pad_id, self.pack_ratio = params, temperature, pad_id, pack_ratio
+        if params.loss_aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {params.loss_aggregation!r}")
+        # "token": (samples, response tokens) of what the mean is over, the optimizer step or the evaluated split
+        self.totals: tuple[int, int] | None = None
+
+    def begin_step(self, accelerator, model, rows, micro_batches: int) -> None:
+        """Before each optimizer step (``trainer.TrainTask``): the step's samples and tokens, for ``token``."""
+        self.totals = None if rows is None else _totals(rows)
+
+    def begin_eval(self, ds) -> None:
+        """Before an evaluation (``trainer.evaluate``): the split's samples and tokens, for ``token``."""
+        self.totals = _totals(ds)
+
+    def token_scale(self, batch_rows: int, mask) -> float:
+        """What a batch's token sum is multiplied by so that the trainer's example-weighted mean of the batches'
+        losses (and its average of gradients over micro-batches and processes) is the mean over all N samples' T
+        tokens: N / (batch rows · T). In training every micro-batch has the same rows, so this is (micro-batches per
+        step) / T. Without totals, the batch's own token mean."""
+        if self.totals is None:
+            return 1.0 / float(mask.sum().clamp(min=1))
+        samples, tokens = self.totals
+        return samples / (batch_rows * max(tokens, 1))
 
     def lengths(self, ds) -> list[int]:
         return sample_lengths(ds)
@@ -255,12 +303,26 @@ class GroupTask:
 
         logp = rollout_layout(logps, seq)
         advantages, _ = column("advantages")
-        loss, metrics = ppo_policy_loss(logp, old, advantages, mask, clip=p.clip, reduction="sequence")
+        aggregation = p.loss_aggregation
+        if aggregation == "token":
+            scale, reduction = self.token_scale(len(rows), mask), "sum"
+        else:
+            scale, reduction = 1.0, aggregation
+        loss, metrics = ppo_policy_loss(logp, old, advantages, mask, clip=p.clip, clip_high=p.clip_high,
+                                        importance=p.importance, reduction=reduction, max_tokens=p.max_tokens)
+        loss = loss * scale
         per_sample_count = mask.sum(dim=1).clamp(min=1)
         out = {"policy_loss": loss.detach().expand(len(rows))}
         if p.kl_mode == "loss" and p.kl_coef:
-            kl = (torch.where(mask, kl_estimate(logp, ref, kind=p.kl_estimator), 0).sum(dim=1) / per_sample_count)
-            loss = loss + p.kl_coef * kl.mean()
+            per_token_kl = torch.where(mask, kl_estimate(logp, ref, kind=p.kl_estimator), 0)
+            kl = per_token_kl.sum(dim=1) / per_sample_count
+            if aggregation == "sequence":
+                kl_term = kl.mean()
+            elif aggregation == "token":
+                kl_term = per_token_kl.sum() * scale
+            else:
+                kl_term = (per_token_kl.sum(dim=1) / p.max_tokens).mean()
+            loss = loss + p.kl_coef * kl_term
             out["kl"] = kl.detach()
         if critic is not None:
             vals, vseq = token_values(critic, batch)
@@ -275,6 +337,10 @@ class GroupTask:
             for k, v in metrics.items():
                 out[k] = v.expand(len(rows))
         return loss, out, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
+
+
+def _totals(rows) -> tuple[int, int]:
+    return rows.num_rows, sum(len(ids) for ids in rows["response_token_ids"])
 
 
 def _positions(seq_index):

@@ -53,9 +53,9 @@ def step_name(t: int, stage: str) -> str:
 
 # The group of each metric a training task reports; any other metric goes in the split's own group.
 METRIC_GROUPS = {
-    "policy_loss": "loss", "value_loss": "loss",
+    "policy_loss": "loss", "value_loss": "loss", "nll": "loss",
     "margin": "reward", "accuracy": "reward", "chosen_reward": "reward", "rejected_reward": "reward",
-    "chosen_logratio": "logp", "rejected_logratio": "logp",
+    "chosen_logratio": "logp", "rejected_logratio": "logp", "logratio": "logp",
     "kl": "kl", "kl_to_ref": "kl", "approx_kl": "kl",
     "clip_frac": "ppo", "ratio_mean": "ppo",
 }

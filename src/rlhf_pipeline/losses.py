@@ -1,4 +1,5 @@
-"""Pairwise preference losses (REBEL, DPO, cDPO, IPO, SimPO) as pure functions of tensors. Imports torch only.
+"""Pairwise preference losses (REBEL, DPO, cDPO, IPO, SimPO) and KTO's unpaired loss as pure functions of tensors.
+Imports torch only.
 
 Conventions shared by every function here:
 
@@ -99,6 +100,7 @@ class PairLossParams:
     beta: float = 0.1  # DPO/cDPO/IPO/SimPO β
     label_smoothing: float = 0.0  # cDPO ε in (0, 0.5); must be 0 for plain DPO
     gamma: float = 0.5  # SimPO target margin γ
+    nll_coef: float = 0.0  # DPO family: α of the NLL term on the chosen response (RPO); 0 = none
 
 
 # The pair terms: (params, policy_chosen, policy_rejected, **the inputs the algorithm needs) -> (loss (B,), margin (B,),
@@ -144,6 +146,77 @@ def simpo_terms(p, pc, pr, chosen_lengths, rejected_lengths):
     return simpo_loss(pc, pr, chosen_lengths, rejected_lengths, p.beta, p.gamma), p.beta * (c - r), c, r
 
 
+# ---------------------------------------------------------------------------------------------------- KTO (unpaired)
+#
+# KTO trains on single responses, each labelled desirable or undesirable (``rlhf filter --mode unpaired``), not on
+# pairs. Inputs are sequence log-probs (B,) as above, a bool ``desirable`` (B,), and the reference point z0, a scalar
+# computed by :func:`kto_reference_point` over the mismatched (prompt, response) pairs of the whole optimizer step.
+
+
+@dataclass(frozen=True)
+class UnpairedLossParams:
+    """Hyperparameters of the unpaired losses (``algorithms.compute_unpaired_loss``)."""
+
+    beta: float = 0.1  # KTO β (TRL's default)
+    desirable_weight: float = 1.0  # λ_D
+    undesirable_weight: float = 1.0  # λ_U
+
+
+def kto_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
+    """KTO's reference point z0 (Ethayarajh et al. 2024, §4.1): ``max(0, mean_j(logπθ(y'_j|x_j) − logπref(y'_j|x_j)))``
+    over mismatched pairs (x_j, y'_j), the response y'_j sampled for another prompt; a 0-dim tensor, detached.
+
+    The paper's estimate of KL(πθ ‖ πref) on the batch, clamped at 0 and not backpropagated through; TRL computes the
+    same (``trl/trainer/kto_trainer.py``, ``KTOTrainer._compute_loss``: ``(KL_logps − ref_KL_logps).mean()``,
+    averaged over processes, ``.clamp(min=0)``, detached). Where TRL averages over each process's micro-batch, the
+    caller here passes every mismatched pair of the optimizer step (``unpaired.UnpairedTask.begin_step``), so z0
+    does not depend on how the step is cut into micro-batches or processes.
+    """
+    if policy_kl_logps.shape != ref_kl_logps.shape or policy_kl_logps.dim() != 1 or policy_kl_logps.numel() == 0:
+        raise ValueError(f"policy_kl_logps {tuple(policy_kl_logps.shape)} and ref_kl_logps "
+                         f"{tuple(ref_kl_logps.shape)} must be the same non-empty (N,) sequence log-probs")
+    return (policy_kl_logps.detach() - ref_kl_logps.detach()).mean().clamp(min=0)
+
+
+def kto_loss(policy_logps, ref_logps, desirable, reference_point, beta: float, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0) -> torch.Tensor:
+    """KTO (Ethayarajh et al. 2024, eq. 7-8) per response (B,), with r = logπθ(y|x) − logπref(y|x) and z0 given::
+
+        desirable:    λ_D · (1 − σ(β·(r − z0)))
+        undesirable:  λ_U · (1 − σ(β·(z0 − r)))
+
+    the paper's ``λ_y − v(x, y)`` and TRL's per-example losses (``trl/trainer/kto_trainer.py``,
+    ``KTOTrainer._compute_loss``, ``loss_type="kto"``; up to TRL 0.2x the method ``KTOTrainer.kto_loss``), whose mean
+    over the batch, both classes together, is the loss (TRL's ``losses.nanmean()``). ``1 − σ(x)`` is computed as
+    ``σ(−x)``, the same number without the cancellation near 1. z0 (``reference_point``, from
+    :func:`kto_reference_point`) is a constant: no gradient flows through it or the reference log-probs.
+    """
+    _positive("beta", beta)
+    if desirable_weight < 0 or undesirable_weight < 0:
+        raise ValueError(f"desirable_weight and undesirable_weight must be >= 0, got {desirable_weight} and "
+                         f"{undesirable_weight}")
+    if desirable.shape != policy_logps.shape or ref_logps.shape != policy_logps.shape:
+        raise ValueError(f"desirable {tuple(desirable.shape)} and ref_logps {tuple(ref_logps.shape)} must have the "
+                         f"shape of policy_logps {tuple(policy_logps.shape)}")
+    logratio = policy_logps - ref_logps.detach()
+    z0 = torch.as_tensor(reference_point, dtype=logratio.dtype, device=logratio.device).detach()
+    if z0.dim() != 0:
+        raise ValueError(f"reference_point must be a scalar (one z0 per optimizer step), got shape {tuple(z0.shape)}")
+    chosen = desirable_weight * torch.sigmoid(-beta * (logratio - z0))
+    rejected = undesirable_weight * torch.sigmoid(-beta * (z0 - logratio))
+    return torch.where(desirable.bool(), chosen, rejected)
+
+
+# The unpaired terms: (params, policy_logps, ref_logps, desirable, reference_point) -> (loss (B,), margin (B,),
+# log-ratio (B,)); the margin is β·(r − z0) on the side the label asks for (> 0: the response is where KTO wants it).
+def kto_terms(p, policy_logps, ref_logps, desirable, reference_point):
+    loss = kto_loss(policy_logps, ref_logps, desirable, reference_point, p.beta, p.desirable_weight,
+                    p.undesirable_weight)
+    logratio = policy_logps - ref_logps.detach()
+    sign = torch.where(desirable.bool(), 1.0, -1.0).to(logratio.dtype)
+    return loss, sign * p.beta * (logratio - reference_point), logratio
+
+
 # ---------------------------------------------------------------------------------------------------- PPO family
 #
 # Conventions for this section (they differ from the pairwise losses above):
@@ -159,10 +232,12 @@ def simpo_terms(p, pc, pr, chosen_lengths, rejected_lengths):
 #   sequences (the GRPO paper's 1/G Σ_i 1/|o_i| Σ_t; TRL ``loss_type="grpo"``, OpenRLHF ``token_level_loss=False``);
 #   (B, T) only. Sequences with no real token are left out of that mean (TRL counts them as 0-loss rows). An
 #   all-masked batch gives loss 0, not NaN.
+#   ``"sequence_sum_norm"`` (Dr. GRPO) and ``"sum"`` (for a caller's own normaliser): see ``ppo_policy_loss``.
 # - Old log-probs, advantages, old values, returns and reference log-probs are constants: detached here.
 
 
-_REDUCTIONS = ("token", "sequence")
+_REDUCTIONS = ("token", "sequence", "sequence_sum_norm", "sum")
+_IMPORTANCE_LEVELS = ("token", "sequence")
 
 
 def _ppo_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -183,38 +258,68 @@ def _masked_mean(x: torch.Tensor, m: torch.Tensor, dim: int | None = None) -> to
     return torch.where(m, x, 0).sum(dim=dim) / m.sum(dim=dim).clamp(min=1)
 
 
-def _reduce(per_token: torch.Tensor, m: torch.Tensor, reduction: str) -> torch.Tensor:
+def _reduce(per_token: torch.Tensor, m: torch.Tensor, reduction: str, max_tokens: int | None = None) -> torch.Tensor:
     if reduction == "token":
         return _masked_mean(per_token, m)
-    if reduction == "sequence":
+    if reduction == "sum":
+        return torch.where(m, per_token, 0).sum()
+    if reduction in ("sequence", "sequence_sum_norm"):
         if per_token.dim() != 2:
-            raise ValueError(f"reduction='sequence' needs (B, T) inputs, got shape {tuple(per_token.shape)}; "
+            raise ValueError(f"reduction={reduction!r} needs (B, T) inputs, got shape {tuple(per_token.shape)}; "
                              "use reduction='token' for flat (N,) tokens")
-        per_sequence = _masked_mean(per_token, m, dim=-1)  # (B,)
+        if reduction == "sequence":
+            per_sequence = _masked_mean(per_token, m, dim=-1)  # (B,)
+        else:
+            if max_tokens is None or max_tokens < 1:
+                raise ValueError(f"reduction='sequence_sum_norm' needs max_tokens >= 1, got {max_tokens}")
+            per_sequence = torch.where(m, per_token, 0).sum(dim=-1) / max_tokens
         has_tokens = m.any(dim=-1)  # (B,)
         return _masked_mean(per_sequence, has_tokens)
     raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                    clip: float, reduction: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise; used by PPO, GRPO, RLOO, REINFORCE++.
+                    clip: float, reduction: str = "token", *, clip_high: float | None = None,
+                    importance: str = "token", max_tokens: int | None = None,
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise; used by PPO, GRPO, RLOO,
+    REINFORCE++, and with the options below by DAPO, Dr. GRPO and GSPO.
 
-    Per token, with ``ρ = exp(logp − old_logp)``: ``max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε))``, then reduced over the real
-    tokens (see the section conventions: ``"token"`` mean by default, ``"sequence"`` for the GRPO paper's per-sequence
-    mean). ``logp`` (B, T) or (N,) are the current policy's token log-probs (the gradient flows into them);
-    ``old_logp`` are the sampling policy's, same shape; ``advantages`` are per token, same shape, or per sequence
-    (B,) for (B, T) inputs (GRPO/RLOO), broadcast over the tokens. ``clip`` is ε.
+    Per token, with ``ρ = exp(logp − old_logp)``: ``max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))``, then reduced over
+    the real tokens. ``clip`` is ε_low; ``clip_high`` is ε_high (default ``clip``: symmetric). DAPO's clip-higher
+    (Yu et al. 2025, §3.1) raises ε_high (0.28 against ε_low 0.2) so that low-probability tokens with A > 0 can grow;
+    as TRL's ``epsilon``/``epsilon_high`` (``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._compute_loss``) and
+    OpenRLHF's ``PolicyLoss(clip_eps_low, clip_eps_high)`` (``openrlhf/models/loss.py``).
 
-    Where the clipped branch is strictly larger (A > 0 and ρ > 1+ε, or A < 0 and ρ < 1−ε) the token's gradient is 0.
-    On-policy (ρ = 1) the gradient is ``−A·∇logp`` per token (over the token count for ``"token"``). Same formula
-    as OpenRLHF's ``PolicyLoss`` and TRL's PPO/GRPO (``epsilon_low = epsilon_high = ε``).
+    ``importance="sequence"`` is GSPO (Zheng et al. 2025, eq. 5-7): one ratio per sequence,
+    ``s = exp(mean_t(logp − old_logp))`` over its real tokens, clipped as above and given to every token of the
+    sequence (its gradient spreads 1/|y| over the tokens' log-probs). Same as TRL's
+    ``importance_sampling_level="sequence"`` (a (B, 1) log-weight broadcast over the tokens); (B, T) only.
+
+    Reductions (see the section conventions): ``"token"`` mean over the real tokens of the input; ``"sequence"``
+    mean over each sequence's tokens, then over the sequences (the GRPO paper; TRL ``loss_type="grpo"``);
+    ``"sequence_sum_norm"`` each sequence's token sum over the constant ``max_tokens`` (the generation's token limit),
+    then the mean over the sequences: Dr. GRPO (Liu et al. 2025, §3.1), TRL ``loss_type="dr_grpo"``, which divides
+    the batch's token sum by ``B · max_completion_length``; ``"sum"`` the plain token sum, for a caller that
+    divides by a count over more than this input (DAPO's token mean over the whole step, TRL ``loss_type="dapo"``).
+
+    ``logp`` (B, T) or (N,) are the current policy's token log-probs (the gradient flows into them); ``old_logp``
+    are the sampling policy's, same shape; ``advantages`` are per token, same shape, or per sequence (B,) for (B, T)
+    inputs (GRPO/RLOO), broadcast over the tokens.
+
+    Where the clipped branch is strictly larger (A > 0 and ρ > 1+ε_high, or A < 0 and ρ < 1−ε_low) the token's
+    gradient is 0. On-policy (ρ = 1) the gradient is ``−A·∇logp`` per token (over the token count for ``"token"``).
 
     Metrics (detached scalars, means over real tokens): ``clip_frac``, the fraction of tokens where the clipped
     branch is strictly larger (TRL's ``clip_ratio/region_mean``; OpenRLHF's ``surr2 < surr1``); ``approx_kl``, the
-    k3 estimate of KL(old ‖ new) from the sampled tokens, ``ρ − 1 − log ρ`` (≥ 0; see ``kl_k3``); ``ratio_mean``.
+    k3 estimate of KL(old ‖ new) from the sampled tokens' own ratios, ``ρ − 1 − log ρ`` (≥ 0; see ``kl_k3``);
+    ``ratio_mean``, the mean of the ratio the loss used (per sequence for GSPO, counted once per token).
     """
     _positive("clip", clip)
+    clip_high = clip if clip_high is None else clip_high
+    _positive("clip_high", clip_high)
+    if importance not in _IMPORTANCE_LEVELS:
+        raise ValueError(f"importance must be one of {_IMPORTANCE_LEVELS}, got {importance!r}")
     m = _ppo_mask(mask, logp)
     _same_shape(logp, old_logp=old_logp)
     advantages = advantages.detach()
@@ -224,17 +329,24 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
         else:
             raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected per-token "
                              f"{tuple(logp.shape)} or, for (B, T) inputs, per-sequence ({logp.shape[0]},)")
-    log_ratio = torch.where(m, logp - old_logp.detach(), 0)  # padding → ρ = 1, finite whatever it held
+    token_log_ratio = torch.where(m, logp - old_logp.detach(), 0)  # padding → ρ = 1, finite whatever it held
+    if importance == "sequence":
+        if logp.dim() != 2:
+            raise ValueError(f"importance='sequence' needs (B, T) inputs, got shape {tuple(logp.shape)}")
+        log_ratio = _masked_mean(token_log_ratio, m, dim=-1).unsqueeze(-1).expand_as(logp)
+    else:
+        log_ratio = token_log_ratio
     adv = torch.where(m, advantages, 0)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip, 1.0 + clip)
+    clipped = -adv * ratio.clamp(1.0 - clip, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    loss = _reduce(per_token, m, reduction)
+    loss = _reduce(per_token, m, reduction, max_tokens)
     with torch.no_grad():
         metrics = {
             "clip_frac": _masked_mean((clipped > unclipped).to(per_token.dtype), m),
-            "approx_kl": _masked_mean(torch.expm1(log_ratio) - log_ratio, m),  # k3 of KL(old‖new): ρ − 1 − log ρ
+            # k3 of KL(old‖new) per token: ρ − 1 − log ρ
+            "approx_kl": _masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, m),
             "ratio_mean": _masked_mean(ratio, m),
         }
     return loss, metrics

@@ -68,6 +68,29 @@ def add_ref_columns(dd, values: dict[str, tuple[list, list]]):
     return type(dd)(out)
 
 
+def scale_reward_gaps(dd, source: str):
+    """REBEL's ``--reward-gap-scale rms``: every split's ``chosen_reward`` and ``rejected_reward`` divided by the root
+    mean square of the train split's gaps (chosen − rejected), so the gaps REBEL regresses onto have RMS 1 whatever
+    the reward's scale, and ``--eta`` means the same on every task. The gaps are divided, never centred: their sign is
+    the preference. Returns the scaled splits and the RMS (recorded in the manifest)."""
+    import math
+
+    from rlhf_pipeline.errors import PipelineError
+
+    train = dd["train"]
+    gaps = [c - r for c, r in zip(train["chosen_reward"], train["rejected_reward"])]
+    rms = math.sqrt(sum(g * g for g in gaps) / max(len(gaps), 1))
+    if not rms > 0:
+        raise PipelineError(f"{source}: every pair has chosen_reward == rejected_reward, so there is no reward gap to "
+                            "scale; leave out --reward-gap-scale")
+
+    def scale(batch):
+        return {"chosen_reward": [x / rms for x in batch["chosen_reward"]],
+                "rejected_reward": [x / rms for x in batch["rejected_reward"]]}
+
+    return dd.map(scale, batched=True, keep_in_memory=True, desc="scale reward gaps"), rms
+
+
 class PairTask:
     """Chosen and rejected of a micro-batch in one forward; the loss from ``algorithms.compute_pair_loss``."""
 

@@ -12,13 +12,13 @@ Layout of the run directory (``output``)::
     RUN/iter_0/eval/                 the starting policy evaluated (when eval_prompts is set)
     RUN/iter_<t>/generate|score|filter|train|eval/    t = 1..T
 
-Iteration t samples with policy t-1 (``model`` for t = 1, else ``RUN/iter_<t-1>/train``), scores the samples,
-builds pairs (or, for the PPO family, groups) with policy t-1's tokenizer, trains policy t from policy t-1 (the PPO
-family with its KL to ``model`` by default, PPO with the critic of iteration t-1) and, when ``eval_prompts`` is
-set, evaluates policy t against the starting policy (``rlhf eval --baseline RUN/iter_0/eval``). Prompts: every
-iteration uses all of ``prompts``, or with ``prompts_per_iteration: k`` iteration t takes the k rows starting at
-row ``(t-1)*k`` (modulo the number of rows; a chunk stops at the last row). Generation seed of iteration t:
-``generate.seed + t - 1``, so iterations do not repeat each other's samples.
+Iteration t samples with policy t-1 (``model`` for t = 1, else ``RUN/iter_<t-1>/train``), scores the samples, builds
+pairs (or, for the PPO family, groups; for KTO, unpaired responses) with policy t-1's tokenizer, trains policy t
+from policy t-1 (the PPO family with its KL to ``model`` by default, PPO with the critic of iteration t-1) and, when
+``eval_prompts`` is set, evaluates policy t against the starting policy (``rlhf eval --baseline RUN/iter_0/eval``).
+Prompts: every iteration uses all of ``prompts``, or with ``prompts_per_iteration: k`` iteration t takes the k rows
+starting at row ``(t-1)*k`` (modulo the number of rows; a chunk stops at the last row). Generation seed of iteration
+t: ``generate.seed + t - 1``, so iterations do not repeat each other's samples.
 
 Each stage runs as its own process, ``LAUNCHER -m rlhf_pipeline.stages.<stage> ARGS``, where the launcher is a
 command prefix that behaves like ``python``: the current interpreter by default, or per stage for example
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from rlhf_pipeline.algorithms import GROUPS, AlgoName, get, help_text
+from rlhf_pipeline.algorithms import GROUPS, PAIRS, AlgoName, get, help_text
 from rlhf_pipeline.cli import STAGES
 from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.errors import PipelineError
@@ -85,9 +85,10 @@ class IterateConfig(OutputOptions):
         None, help="Iteration t takes this many prompts starting at row (t-1)*k (wrapping); default: all of them."
     )
     algo: AlgoName = option(
-        "rebel", help=f"The training algorithm (rlhf train --algo): {help_text()}. Algorithms on groups get filter "
-        "mode groups and their KL reference defaults to `model`; a critic (PPO's) starts from the reward model and "
-        "carries over from one iteration to the next."
+        "rebel", help=f"The training algorithm (rlhf train --algo): {help_text()}. The filter mode is the "
+        "algorithm's kind of data (plus the filter options it asks for, such as DAPO's); the PPO family's KL "
+        "reference defaults to `model`; a critic (PPO's) starts from the reward model and carries over from one "
+        "iteration to the next."
     )
     reward_model: Optional[str] = option(None, help="Reward model that scores the samples.")
     reward_fn: Optional[str] = option(None, help="Or a python reward function (module:function or file.py:function).")
@@ -221,12 +222,15 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
     policy = config.model
     base_seed = int(sections["generate"].pop("seed", 0))
     algorithm = get(config.algo)
-    if algorithm.data == GROUPS:
-        if sections["filter"].get("mode", "groups") != "groups":
-            raise PipelineError(f"run config: --algo {config.algo} trains on groups; remove filter mode "
+    if algorithm.data != PAIRS:  # groups, unpaired (KTO): the filter mode is the algorithm's kind of data
+        if sections["filter"].get("mode", algorithm.data) != algorithm.data:
+            raise PipelineError(f"run config: --algo {config.algo} trains on {algorithm.data}; remove filter mode "
                                 f"{sections['filter']['mode']!r}")
-        sections["filter"]["mode"] = "groups"
+        sections["filter"]["mode"] = algorithm.data
+    if algorithm.data == GROUPS:
         sections["train"].setdefault("ref_model", config.model)
+    for key, value in algorithm.filter.items():  # the algorithm's filter options (DAPO's), unless set in the config
+        sections["filter"].setdefault(key, value)
     critic = sections["train"].pop("critic_model", None) or config.reward_model
     for t in range(1, config.iterations + 1):
         it = iteration_dir(run, t)

@@ -119,6 +119,17 @@ class TrainTask(Protocol):
         ...
 
 
+# A task may also define ``begin_step(accelerator, model, rows, micro_batches)``, which the loop calls on every
+# process before each optimizer step with the step's whole global batch (``rows``, a Dataset; every process gets
+# all of it) and the number of micro-batches it is cut into over all processes (accumulation x processes): what a
+# loss normalised over the global batch needs (a token mean over all the step's tokens, say). Gradients are
+# averaged over those micro-batches, so a micro-batch's loss ``micro_batches * (its part of the sum) / (global
+# normaliser)`` adds up to the global mean. Any forward pass in it must run on every process together (ZeRO-3).
+# Evaluation calls it with ``rows=None`` and ``micro_batches=1`` (normalise within each batch), then, where the
+# task defines it, ``begin_eval(ds)`` with the split evaluated (a token mean over the whole split, say): evaluation
+# batches differ in size and are weighted by their examples.
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Batching
 
@@ -204,6 +215,44 @@ class Metrics:
         self.accelerator.log(values, step=step)
 
 
+@dataclass
+class DivergenceWatch:
+    """Says once when a run looks like it is diverging: the step's gradient norm (before clipping) has grown
+    ``factor``-fold over the first step's while the loss has not fallen below the first step's (a reward model whose
+    margins grow has growing gradients and a falling loss: that is learning), or the loss's magnitude has grown
+    ``factor``-fold over the first step's (taken as at least ``loss_floor``, so that a loss that starts near 0, as the
+    PPO family's does, is not flagged for ordinary moves), or the loss is not finite. The usual causes: a learning rate too high for the model, and for REBEL an
+    ``--eta`` too small for the scale of the reward gaps (``--reward-gap-scale rms`` removes that scale)."""
+
+    factor: float = 30.0
+    loss_floor: float = 0.1
+    first_loss: float | None = None
+    first_grad_norm: float | None = None
+    warned: bool = False
+
+    def check(self, step: int, loss: float, grad_norm: float | None) -> str | None:
+        if self.first_loss is None:
+            self.first_loss = loss
+        if grad_norm is not None and self.first_grad_norm is None:
+            self.first_grad_norm = grad_norm
+        if self.warned:
+            return None
+        grew = []
+        if not math.isfinite(loss):
+            grew.append(f"the loss is {loss}")
+        elif abs(loss) > self.factor * max(abs(self.first_loss), self.loss_floor):
+            grew.append(f"the loss went from {self.first_loss:.4g} at the first step to {loss:.4g}")
+        if (grad_norm is not None and self.first_grad_norm and grad_norm > self.factor * self.first_grad_norm
+                and loss >= self.first_loss):
+            grew.append(f"the gradient norm went from {self.first_grad_norm:.4g} to {grad_norm:.4g} "
+                        f"({grad_norm / self.first_grad_norm:.0f}-fold)")
+        if not grew:
+            return None
+        self.warned = True
+        return (f"step {step}: {'; '.join(grew)}: the run may be diverging; lower --learning-rate (for REBEL, raise "
+                "--eta or pass --reward-gap-scale rms)")
+
+
 def add_to_sums(sums: dict[str, float], loss, metrics: dict[str, Any], n: int, weight: float = 1.0) -> None:
     """Accumulate a micro-batch's mean loss and per-example metrics as sums over examples (``_n`` counts them)."""
     sums["loss"] = sums.get("loss", 0.0) + weight * float(loss.detach()) * n
@@ -219,6 +268,10 @@ def evaluate(accelerator, model, task: TrainTask, ds, batch_size: int) -> dict[s
     if ds is None or ds.num_rows == 0:
         return {}
     model.eval()
+    if hasattr(task, "begin_step"):
+        task.begin_step(accelerator, model, None, 1)
+    if hasattr(task, "begin_eval"):
+        task.begin_eval(ds)
     sums: dict[str, float] = {}
     lengths = task.lengths(ds)
     with torch.no_grad():
@@ -343,12 +396,16 @@ def train(
     all_tokens = totals_so_far.get("all_tokens", 0)
     started = time.time() - totals_so_far.get("seconds", 0.0)
     total_steps = setup.total_steps
+    watch = DivergenceWatch(first_loss=first_loss, first_grad_norm=totals_so_far.get("first_grad_norm"),
+                            warned=totals_so_far.get("divergence_warned", False))
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=quiet(accelerator))
     while step < total_steps:
         epoch, position = divmod(step, setup.steps_per_epoch)
         batch_ids = global_batches(train_ds.num_rows, setup.global_size, config.seed, epoch)[position]
         t0 = time.time()
         sums: dict[str, float] = {}
+        if hasattr(task, "begin_step"):
+            task.begin_step(accelerator, model, train_ds.select(batch_ids), len(batch_ids) // config.batch_size)
         for ids in micro_batches(batch_ids, lengths, config.batch_size, world, config.gradient_accumulation_steps, rank):
             batch = task.collate(train_ds.select(ids).to_list())
             with accelerator.accumulate(model), accelerator.autocast():
@@ -374,6 +431,9 @@ def train(
         step_loss = totals["loss"] / n
         first_loss = step_loss if first_loss is None else first_loss
         last_loss = step_loss
+        warning = watch.check(step, step_loss, totals.get("grad_norm"))
+        if warning is not None and accelerator.is_main_process:
+            log.warning(warning)
         if step % config.logging_steps == 0 or step == total_steps:
             values = metric_names({k: v / n for k, v in totals.items() if k != "grad_norm"}, "train")
             if "grad_norm" in totals:
@@ -387,7 +447,9 @@ def train(
         if config.eval_every and step % config.eval_every == 0 and step < total_steps:
             metrics.log(step, metric_names(evaluate(accelerator, model, task, eval_ds, config.eval_batch_size), "eval"))
         if config.save_every and step % config.save_every == 0 and step < total_steps:
-            state = {"step": step, "epoch": epoch, "first_loss": first_loss, "real_tokens": real_tokens,
+            state = {"step": step, "epoch": epoch, "first_loss": first_loss, "first_grad_norm": watch.first_grad_norm,
+                     "divergence_warned": watch.warned,
+                     "real_tokens": real_tokens,
                      "all_tokens": all_tokens, "seconds": time.time() - started}
             save_checkpoint(accelerator, model, tokenizer, output, state, keep=config.save_total_limit)
     bar.close()

@@ -3,15 +3,18 @@
     rlhf filter --input runs/iter_0/score --output runs/iter_0/filter --tokenizer meta-llama/Meta-Llama-3-8B-Instruct \\
         --mode pairs --max-prompt-tokens 1024 --max-response-tokens 2048 --test-size 1000
     rlhf filter --input out/scored --output out/groups --tokenizer models/tiny-policy --mode groups --test-size 0.1
+    rlhf filter --input out/scored --output out/unpaired --tokenizer models/tiny-policy --mode unpaired  # KTO
 
 Lengths are measured on the token ids the engine saw and sampled, so nothing is re-tokenized. Scored data from
 elsewhere without token ids is tokenized here once (prompt with the chat template, each response followed by
 EOS). Rows dropped per reason go in the manifest. The work runs as one batched ``datasets.map`` over
-``--num-proc`` processes. Output: ``train`` and ``test`` splits of the pairs or groups contract.
+``--num-proc`` processes. Output: ``train`` and ``test`` splits of the pairs, groups or unpaired contract
+(``rlhf_pipeline.contracts``; unpaired mode: see ``filter_unpaired``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections import Counter
@@ -25,12 +28,14 @@ from rlhf_pipeline.contracts import (
     CHOSEN_REJECTED_COLUMNS,
     PER_RESPONSE_COLUMNS,
     SCORED_COLUMNS,
+    UNPAIRED_COLUMNS,
     SCORED_KINDS,
     require_columns,
     require_types,
 )
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.selection import LengthLimits, decide_group, decide_pair, split_indices
+from rlhf_pipeline.selection import LengthLimits, OverlongPenalty, decide_group, decide_pair, split_indices
+from rlhf_pipeline.selection import decide_unpaired, mismatched_partners
 
 
 @dataclass(kw_only=True)
@@ -39,13 +44,26 @@ class FilterConfig(OutputOptions):
 
     input: str = option(help="Scored dataset (the output of rlhf score).", semantic=False)
     tokenizer: str = option(help="The policy's tokenizer (checks token ids; tokenizes data that has none).")
-    mode: Literal["pairs", "groups"] = option("pairs", help="pairs: best vs worst response; groups: all n.")
+    mode: Literal["pairs", "groups", "unpaired", "best"] = option(
+        "pairs", help="pairs: best vs worst response; groups: all n; unpaired (KTO): one row per response, desirable "
+        "above its prompt's mean reward, undesirable below it (--test-size then counts prompts); best (rejection "
+        "sampling, RAFT): each prompt's best response, as SFT data on its sampled token ids."
+    )
     max_prompt_tokens: int = option(1024, help="Drop prompts longer than this many tokens.")
     max_response_tokens: int = option(2048, help="Leave out responses longer than this many tokens.")
     drop_truncated: bool = option(False, help="Leave out responses that hit the token limit (finish 'length').")
     test_size: float = option(1000, help="Test split: a row count, or a fraction when below 1.")
     seed: int = option(0, help="Seed of the train/test split.")
     num_proc: int = option(0, help="Worker processes; 0 = one per CPU core for large inputs.", semantic=False)
+    drop_uniform_groups: bool = option(
+        False, help="groups: leave out prompts whose rewards are all equal (their group advantages are all 0; "
+        "DAPO's dynamic sampling). Counted in the manifest as uniform_rewards."
+    )
+    overlong_buffer: int = option(
+        0, help="DAPO's soft overlong penalty: over the last N tokens before the generation's --max-new-tokens, "
+        "a response's reward falls linearly by up to --overlong-penalty (0 = off)."
+    )
+    overlong_penalty: float = option(1.0, help="The overlong penalty at the token limit (see --overlong-buffer).")
     trust_remote_code: bool = option(False, help="Allow custom tokenizer code (off by default).")
 
     def __post_init__(self) -> None:
@@ -55,6 +73,15 @@ class FilterConfig(OutputOptions):
         check_test_size(self.test_size)
         if self.num_proc < 0:
             raise ValueError("--num-proc must be >= 0 (0 = one per CPU core for large inputs)")
+        if self.drop_uniform_groups and self.mode != "groups":
+            raise ValueError("--drop-uniform-groups is for --mode groups (pairs mode already drops prompts whose "
+                             "rewards are all equal)")
+        if self.overlong_buffer < 0:
+            raise ValueError("--overlong-buffer must be >= 0 (0 = no overlong penalty)")
+        if self.overlong_penalty < 0:
+            raise ValueError("--overlong-penalty must be >= 0")
+        if self.overlong_penalty != 1.0 and not self.overlong_buffer:
+            raise ValueError("--overlong-penalty is the penalty over --overlong-buffer's last tokens; give the buffer")
 
 
 def _tokenize_missing(batch: dict[str, list], tokenizer: Any, prompt_column: str) -> None:
@@ -79,11 +106,19 @@ def _check_vocab(batch: dict[str, list], indices: list[int], vocab_size: int, so
             )
 
 
+# What best mode writes (rejection sampling / RAFT): each prompt's best response, SFT data on its sampled token ids
+# (the contract rlhf sft and rlhf train --algo raft read: prompt_token_ids + completion_token_ids).
+BEST_COLUMNS = ("completion", "completion_token_ids", "reward", "finish_reason")
+
+# Columns build_rows adds for the counts in the manifest; removed from the output.
+_WORK_COLUMNS = ("_drop", "_response_too_long", "_response_truncated", "_penalised")
+
+
 def rename_clashes(ds, mode: str):
     """Input columns that carry an output column's name (UltraFeedback's own ``chosen``/``rejected``, say) are kept
     as ``source_<name>``. Returns the dataset and the renames."""
-    taken = set(CHOSEN_REJECTED_COLUMNS if mode == "pairs" else ())
-    taken |= {"_drop", "_response_too_long", "_response_truncated"}
+    taken = set({"pairs": CHOSEN_REJECTED_COLUMNS, "unpaired": UNPAIRED_OUTPUT, "best": BEST_COLUMNS}.get(mode, ()))
+    taken |= set(_WORK_COLUMNS)
     renames = {c: f"source_{c}" for c in ds.column_names if c in taken}
     return (ds.rename_columns(renames) if renames else ds), renames
 
@@ -97,17 +132,20 @@ def build_rows(
     tokenizer: Any,
     prompt_column: str,
     source: str,
+    penalty: OverlongPenalty | None = None,
+    uniform_dropped: bool = False,
 ) -> dict[str, list]:
-    """The batched map function: one output row per input row, with ``_drop`` set on rows to leave out."""
+    """The batched map function: one output row per input row, with ``_drop`` set on rows to leave out. With
+    ``penalty`` the rewards are shaped by length first (the output's rewards are the shaped ones)."""
     if "response_token_ids" not in batch:
         _tokenize_missing(batch, tokenizer, prompt_column)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
     carried = [c for c in batch if c not in PER_RESPONSE_COLUMNS and c != "prompt_token_ids"]
     out: dict[str, list] = {c: [] for c in carried}
-    out.update({"prompt_token_ids": [], "_drop": [], "_response_too_long": [], "_response_truncated": []})
-    if mode == "pairs":
-        for key in CHOSEN_REJECTED_COLUMNS:  # pairs mode replaces the per-response columns by these
+    out.update({"prompt_token_ids": [], **{c: [] for c in _WORK_COLUMNS}})
+    if mode in ("pairs", "best"):
+        for key in CHOSEN_REJECTED_COLUMNS if mode == "pairs" else BEST_COLUMNS:  # replace the per-response columns
             out[key] = []
     else:
         for key in PER_RESPONSE_COLUMNS:
@@ -115,17 +153,29 @@ def build_rows(
 
     for k in range(len(batch["prompt_token_ids"])):
         ids, rewards = batch["response_token_ids"][k], batch["rewards"][k]
+        shaped = [penalty(len(x)) for x in ids] if penalty is not None else []
+        out["_penalised"].append(sum(p < 0 for p in shaped))
+        if shaped:
+            rewards = [r + p for r, p in zip(rewards, shaped)]
         fr = finish[k] if finish is not None else None
         prompt_length = len(batch["prompt_token_ids"][k])
         for c in carried:
             out[c].append(batch[c][k])
         out["prompt_token_ids"].append(batch["prompt_token_ids"][k])
-        if mode == "pairs":
+        if mode in ("pairs", "best"):
+            # best mode keeps the pair's chosen response: the same choice, and the same prompts dropped (no response
+            # better than another: nothing to select)
             decision = decide_pair(prompt_length, ids, rewards, fr, limits)
             out["_drop"].append(decision.reason or "")
             out["_response_too_long"].append(decision.response_problems.get("response_too_long", 0))
             out["_response_truncated"].append(decision.response_problems.get("response_truncated", 0))
             best, worst = decision.pair or (0, 0)
+            if mode == "best":
+                out["completion"].append(batch["responses"][k][best])
+                out["completion_token_ids"].append(ids[best])
+                out["reward"].append(float(rewards[best]))
+                out["finish_reason"].append(fr[best] if fr is not None else "stop")
+                continue
             out["chosen"].append(batch["responses"][k][best])
             out["rejected"].append(batch["responses"][k][worst])
             out["chosen_token_ids"].append(ids[best])
@@ -133,7 +183,7 @@ def build_rows(
             out["chosen_reward"].append(float(rewards[best]))
             out["rejected_reward"].append(float(rewards[worst]))
         else:
-            out["_drop"].append(decide_group(prompt_length, ids, fr, limits) or "")
+            out["_drop"].append(decide_group(prompt_length, ids, fr, limits, rewards, uniform_dropped) or "")
             out["_response_too_long"].append(0)
             out["_response_truncated"].append(0)
             out["responses"].append(batch["responses"][k])
@@ -143,16 +193,30 @@ def build_rows(
     return out
 
 
+def _overlong_penalty(config: FilterConfig, sampling: dict | None, source: str) -> OverlongPenalty | None:
+    """``--overlong-buffer``'s penalty, its token limit read from the generation's manifest."""
+    if not config.overlong_buffer:
+        return None
+    limit = (sampling or {}).get("max_new_tokens")
+    if not limit:
+        raise PipelineError(f"{source}: --overlong-buffer needs the generation's token limit, and no generate "
+                            "manifest is in the data's lineage; filter the output of rlhf score on rlhf generate")
+    if config.overlong_buffer > limit:
+        raise PipelineError(f"--overlong-buffer {config.overlong_buffer} is longer than the generation's token limit "
+                            f"(--max-new-tokens {limit}); pass at most {limit}")
+    return OverlongPenalty(int(limit), config.overlong_buffer, config.overlong_penalty)
+
+
 def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -> str:
     from rlhf_pipeline.chat import prompt_column
 
     require_columns(ds, SCORED_COLUMNS, source, "filter takes the output of rlhf score")
     require_types(ds, SCORED_KINDS, source, "filter takes the output of rlhf score")
-    if config.mode == "pairs":
+    if config.mode in ("pairs", "unpaired", "best"):
         n = sampling["n"] if sampling else min((len(r) for r in ds["rewards"]), default=0)
         if n < 2:
             raise PipelineError(
-                f"{source}: --mode pairs needs at least 2 responses per prompt, but the data has {n} "
+                f"{source}: --mode {config.mode} needs at least 2 responses per prompt, but the data has {n} "
                 f"(generated with --n {n}); regenerate with --n 2 or more, or use --mode groups"
             )
     return prompt_column(ds, source)
@@ -176,7 +240,11 @@ def main(config: FilterConfig) -> Path:
     ds, renamed = rename_clashes(ds, config.mode)
     tokenizer = load_tokenizer(config.tokenizer, config.trust_remote_code)
     limits = LengthLimits(config.max_prompt_tokens, config.max_response_tokens, config.drop_truncated)
+    penalty = _overlong_penalty(config, sampling, ref.name)
     num_proc = config.num_proc or (min(os.cpu_count() or 1, 8) if ds.num_rows >= 20_000 else None)
+    if config.mode == "unpaired":  # KTO: one row per labelled response, split by prompt (filter_unpaired)
+        return filter_unpaired(out, ds, config, ref.name, column, tokenizer, limits, penalty, num_proc, sampling,
+                               renamed, find_in_lineage([ref], "reward"))
 
     built = ds.map(
         build_rows,
@@ -191,6 +259,8 @@ def main(config: FilterConfig) -> Path:
             "tokenizer": tokenizer,
             "prompt_column": column,
             "source": ref.name,
+            "penalty": penalty,
+            "uniform_dropped": config.drop_uniform_groups,
         },
         desc=f"filter ({config.mode})",
     )
@@ -200,12 +270,9 @@ def main(config: FilterConfig) -> Path:
         "response_too_long": sum(built["_response_too_long"]),
         "response_truncated": sum(built["_response_truncated"]),
     }
-    kept = built.select([i for i, r in enumerate(reasons) if not r]).remove_columns(
-        ["_drop", "_response_too_long", "_response_truncated"]
-    )
-    token_columns = ["prompt_token_ids"] + (
-        ["chosen_token_ids", "rejected_token_ids"] if config.mode == "pairs" else ["response_token_ids"]
-    )
+    kept = built.select([i for i, r in enumerate(reasons) if not r]).remove_columns(list(_WORK_COLUMNS))
+    token_columns = ["prompt_token_ids"] + {"pairs": ["chosen_token_ids", "rejected_token_ids"],
+                                            "best": ["completion_token_ids"]}.get(config.mode, ["response_token_ids"])
     for name in token_columns:
         feature = List(Value("int32")) if name != "response_token_ids" else List(List(Value("int32")))
         kept = kept.cast_column(name, feature)
@@ -221,13 +288,160 @@ def main(config: FilterConfig) -> Path:
             f"{ref.name}: {kept.num_rows} rows survive the filters, and --test-size {config.test_size:g} "
             f"cannot be split from them ({e}); pass a smaller --test-size, e.g. 0.1 for 10%"
         ) from None
-    result = DatasetDict({"train": kept.select(train_rows), "test": kept.select(test_rows)})
+    # --test-size 0: no test split at all (datasets cannot read back a split saved with no rows)
+    result = DatasetDict({"train": kept.select(train_rows), **({"test": kept.select(test_rows)} if test_rows else {})})
     extra: dict[str, Any] = {"mode": config.mode, "sampling": sampling, "renamed_columns": renamed,
                              "reward": find_in_lineage([ref], "reward")}  # how it was scored (PPO's critic reads it)
-    if config.mode == "pairs":
+    if config.mode in ("pairs", "best"):
         extra["responses_left_out"] = responses_left_out
+    if penalty is not None:
+        extra["reward_shaping"] = {"overlong_penalty": {**dataclasses.asdict(penalty),
+                                                        "penalised_responses": sum(built["_penalised"])}}
     out.save(result, rows_in=ds.num_rows, dropped=dict(dropped), extra=extra)
     return out.path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Unpaired mode (KTO): one row per labelled response (selection.decide_unpaired), the split made by prompt
+
+# What unpaired mode writes besides the carried columns (an input column of one of these names is renamed).
+UNPAIRED_OUTPUT = ("response_index", "finish_reason", *UNPAIRED_COLUMNS)
+# Work columns of build_unpaired_rows: the input row (the prompt), why it was dropped, the responses left out.
+_UNPAIRED_WORK = ("_prompt_row", "_drop", "_response_too_long", "_response_truncated", "_response_at_mean",
+                  "_penalised")
+
+
+def build_unpaired_rows(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    limits: LengthLimits,
+    tokenizer: Any,
+    prompt_column: str,
+    source: str,
+    penalty: OverlongPenalty | None = None,
+) -> dict[str, list]:
+    """The batched map function of unpaired mode: a row per kept response (carrying the prompt's columns), and one
+    row with ``_drop`` set for a dropped prompt; a prompt's counts of left-out responses ride on its first row."""
+    from rlhf_pipeline.selection import REWARD_AT_MEAN, RESPONSE_TOO_LONG, RESPONSE_TRUNCATED
+
+    if "response_token_ids" not in batch:
+        batch = dict(batch)  # a copy: datasets would keep columns added to its own batch, with the input's length
+        _tokenize_missing(batch, tokenizer, prompt_column)
+    _check_vocab(batch, indices, len(tokenizer), source)
+    finish = batch.get("finish_reasons")
+    carried = [c for c in batch if c not in PER_RESPONSE_COLUMNS and c != "prompt_token_ids"]
+    columns = [*carried, "prompt_token_ids", "response_index", "completion", "completion_token_ids", "reward",
+               "desirable", "finish_reason", *_UNPAIRED_WORK]
+    out: dict[str, list] = {c: [] for c in columns}
+    for k, row in enumerate(indices):
+        ids, rewards = batch["response_token_ids"][k], batch["rewards"][k]
+        shaped = [penalty(len(x)) for x in ids] if penalty is not None else []
+        if shaped:
+            rewards = [r + p for r, p in zip(rewards, shaped)]
+        fr = finish[k] if finish is not None else None
+        decision = decide_unpaired(len(batch["prompt_token_ids"][k]), ids, rewards, fr, limits)
+        counts = {"_response_too_long": decision.response_problems.get(RESPONSE_TOO_LONG, 0),
+                  "_response_truncated": decision.response_problems.get(RESPONSE_TRUNCATED, 0),
+                  "_response_at_mean": decision.response_problems.get(REWARD_AT_MEAN, 0),
+                  "_penalised": sum(p < 0 for p in shaped)}
+        for n, (j, desirable) in enumerate(decision.labels or [(0, False)]):  # a dropped prompt: one marker row
+            for c in carried:
+                out[c].append(batch[c][k])
+            out["prompt_token_ids"].append(batch["prompt_token_ids"][k])
+            out["response_index"].append(j)
+            out["completion"].append(batch["responses"][k][j])
+            out["completion_token_ids"].append(ids[j])
+            out["reward"].append(float(rewards[j]))
+            out["desirable"].append(desirable)
+            out["finish_reason"].append(fr[j] if fr is not None else "stop")
+            out["_prompt_row"].append(row)
+            out["_drop"].append(decision.reason or "")
+            for c, v in counts.items():
+                out[c].append(v if n == 0 else 0)
+    return out
+
+
+def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tokenizer, limits: LengthLimits,
+                    penalty: OverlongPenalty | None, num_proc: int | None, sampling: dict | None,
+                    renamed: dict, reward: dict | None) -> Path:
+    """``rlhf filter --mode unpaired``: label, split the prompts into train and test (``--test-size`` counts
+    prompts, so no prompt has responses on both sides), pair each row with a response of another prompt of its
+    split (``selection.mismatched_partners``), write the splits and the manifest.
+
+    Manifest: ``dropped`` counts prompts per reason (``equal_rewards``: all usable rewards equal, no signal) and the
+    responses whose reward is exactly their prompt's mean (``response_at_mean``); ``responses_left_out`` the
+    responses the length filters left out; ``unpaired`` the rule and each split's prompts and class counts."""
+    from datasets import DatasetDict, List, Value
+
+    built = ds.map(
+        build_unpaired_rows,
+        batched=True,
+        batch_size=1000,
+        with_indices=True,
+        num_proc=num_proc,
+        remove_columns=ds.column_names,
+        fn_kwargs={"limits": limits, "tokenizer": tokenizer, "prompt_column": column, "source": source,
+                   "penalty": penalty},
+        desc="filter (unpaired)",
+    )
+    reasons, prompt_rows = built["_drop"], built["_prompt_row"]
+    dropped = Counter(r for r, first in zip(reasons, _first_of_prompt(prompt_rows)) if r and first)
+    dropped["response_at_mean"] = sum(built["_response_at_mean"])
+    kept = built.select([i for i, r in enumerate(reasons) if not r])
+    if kept.num_rows == 0:
+        raise PipelineError(
+            f"{source}: no rows survive the filters (dropped: {dict(dropped)}); "
+            "raise --max-prompt-tokens / --max-response-tokens or drop --drop-truncated"
+        )
+    prompts = list(dict.fromkeys(kept["_prompt_row"]))
+    try:
+        train_prompts, test_prompts = split_indices(len(prompts), config.test_size, config.seed)
+    except ValueError as e:
+        raise PipelineError(
+            f"{source}: {len(prompts)} prompts survive the filters, and --test-size {config.test_size:g} "
+            f"cannot be split from them ({e}); pass a smaller --test-size, e.g. 0.1 for 10%"
+        ) from None
+    splits = {"train": {prompts[i] for i in train_prompts}, "test": {prompts[i] for i in test_prompts}}
+    result, counts = {}, {}
+    for split, chosen in splits.items():
+        if not chosen:  # --test-size 0: no test split (datasets cannot read back a split saved with no rows)
+            continue
+        part = kept.select([i for i, p in enumerate(kept["_prompt_row"]) if p in chosen])
+        try:
+            partners = mismatched_partners(part["_prompt_row"], config.seed)
+        except ValueError:
+            raise PipelineError(
+                f"{source}: the {split} split holds the responses of only one prompt, and KTO pairs each response "
+                f"with one of another prompt; --test-size {config.test_size:g} leaves {len(splits['train'])} "
+                f"prompt(s) to train and {len(splits['test'])} to test: give each split at least 2 (--test-size 0: "
+                "no test split)"
+            ) from None
+        completions, prompt_ids = part["completion_token_ids"], part["prompt_id"]
+        part = part.add_column("kl_completion_token_ids", [completions[j] for j in partners])
+        part = part.add_column("kl_prompt_id", [prompt_ids[j] for j in partners])
+        part = part.remove_columns(list(_UNPAIRED_WORK))
+        for name in ("prompt_token_ids", "completion_token_ids", "kl_completion_token_ids"):
+            part = part.cast_column(name, List(Value("int32")))
+        desirable = sum(part["desirable"])
+        counts[split] = {"prompts": len(chosen), "desirable": desirable, "undesirable": part.num_rows - desirable}
+        result[split] = part
+    extra: dict[str, Any] = {
+        "mode": "unpaired", "sampling": sampling, "renamed_columns": renamed, "reward": reward,
+        "responses_left_out": {"response_too_long": sum(built["_response_too_long"]),
+                               "response_truncated": sum(built["_response_truncated"])},
+        "unpaired": {"rule": "desirable above the prompt's mean reward, undesirable below it, at it left out",
+                     **counts},
+    }
+    if penalty is not None:
+        extra["reward_shaping"] = {"overlong_penalty": {**dataclasses.asdict(penalty),
+                                                        "penalised_responses": sum(built["_penalised"])}}
+    out.save(DatasetDict(result), rows_in=ds.num_rows, dropped=dict(dropped), extra=extra)
+    return out.path
+
+
+def _first_of_prompt(prompt_rows: list[int]) -> list[bool]:
+    return [i == 0 or prompt_rows[i - 1] != p for i, p in enumerate(prompt_rows)]
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

@@ -4,7 +4,8 @@
     accelerate launch --num_processes 8 -m rlhf_pipeline.stages.ref_logps --model M --input PAIRS --output DIR
 
 Adds ``chosen_ref_logp`` and ``rejected_ref_logp`` (sums over response tokens) to both splits, so training needs
-no second model in memory. The temperature defaults to the one the data was sampled at (read from the generate
+no second model in memory; on unpaired data (``rlhf filter --mode unpaired``, KTO) ``completion_ref_logp`` and
+``kl_ref_logp``, the latter of each row's mismatched (prompt, response) pair. The temperature defaults to the one the data was sampled at (read from the generate
 stage's manifest through the inputs' lineage) and is recorded in this output's manifest; ``rlhf train`` checks
 that it computes the policy's log-probs at the same temperature. ``rlhf train`` runs this pass itself when the
 columns are missing. One batched pass, sequences sorted by length; under ``accelerate launch`` the batches are
@@ -56,7 +57,8 @@ def main(config: RefLogpsConfig) -> Path:
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.modeling import check_model_ref, load_causal_lm
-    from rlhf_pipeline.pairs import add_ref_columns, check_pairs, compute_ref_logps
+    import rlhf_pipeline.pairs as pairs
+    import rlhf_pipeline.unpaired as unpaired
 
     check_model_ref("--model", config.model)
     ref = parse_ref(config.input)
@@ -64,8 +66,9 @@ def main(config: RefLogpsConfig) -> Path:
     if out.done():
         return out.path
     dd = load_dataset_dict(ref, required=("train",))
+    data = unpaired if unpaired.is_unpaired(dd["train"]) else pairs  # KTO's responses, or pairs
     for split, ds in dd.items():
-        check_pairs(ds, f"{ref}:{split}")
+        (unpaired.check_unpaired if data is unpaired else pairs.check_pairs)(ds, f"{ref}:{split}")
     sampling = find_in_lineage([ref], "sampling")
     temperature = resolve_temperature(config.temperature, sampling, str(ref), None)
 
@@ -75,14 +78,14 @@ def main(config: RefLogpsConfig) -> Path:
         config.model, dtype=config.dtype, trust_remote_code=config.trust_remote_code, device=accelerator.device
     )
     values = {
-        split: compute_ref_logps(
+        split: data.compute_ref_logps(
             accelerator, model, ds, pad_id(tokenizer), temperature, config.batch_size, config.pack_ratio
         )
         for split, ds in dd.items()
     }
     if accelerator.is_main_process:
         out.save(
-            add_ref_columns(dd, values),
+            data.add_ref_columns(dd, values),
             rows_in=sum(ds.num_rows for ds in dd.values()),
             extra={"sampling": sampling, "ref_logps": {"model": config.model, "temperature": temperature}},
         )

@@ -4,8 +4,10 @@
     accelerate launch --config_file accelerate_cfgs/zero3.yaml -m rlhf_pipeline.stages.sft \\
         --model meta-llama/Meta-Llama-3-8B --data ORG/demos --output runs/sft --bf16 --learning-rate 1e-5
 
-Rows are ``prompt``/``answer`` (ReaL's and OpenRLHF's format) or ``messages`` (a conversation that ends with an
-assistant turn; the loss is on that last turn, the earlier turns are the prompt). Each row is rendered with the
+Rows are ``prompt``/``answer`` (ReaL's and OpenRLHF's format), ``messages`` (a conversation that ends with an
+assistant turn; the loss is on that last turn, the earlier turns are the prompt), or token ids
+(``prompt_token_ids``/``completion_token_ids``, what ``rlhf filter --mode best`` writes: rejection sampling), which
+are trained on as they are (``rlhf_pipeline.supervised``). Each row is rendered with the
 model's chat template exactly as ``rlhf generate`` renders a prompt, so the policy learns the ids it will later be
 fed: the prompt is the template with the generation prompt, the answer is what the template puts after it (the
 answer text and the turn's end token, which is what generation stops on), up to that stop token: what a template
@@ -29,6 +31,7 @@ from typing import Any, Iterable, Sequence
 from rlhf_pipeline.cli import run_stage
 from rlhf_pipeline.config import check_test_size, option
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.supervised import SFTTask, has_token_ids, sampled_rows
 from rlhf_pipeline.trainer import TrainOptions
 
 
@@ -98,31 +101,6 @@ def encode_answers(
     return prompt_ids, answer_ids, fallbacks
 
 
-class SFTTask:
-    """Per-example mean NLL of the answer tokens, through ``logprobs.sequence_logps``."""
-
-    def __init__(self, pad_id: int, pack_ratio: float = 0.0):
-        self.pad_id, self.pack_ratio = pad_id, pack_ratio
-
-    def lengths(self, ds) -> list[int]:
-        return ds["num_tokens"]
-
-    def collate(self, rows: list[dict[str, Any]]):
-        from rlhf_pipeline.logprobs import build_batch
-
-        return build_batch(
-            [r["prompt_token_ids"] for r in rows], [r["answer_token_ids"] for r in rows], self.pad_id, self.pack_ratio
-        )
-
-    def loss(self, model, batch):
-        from rlhf_pipeline.logprobs import response_lengths, sequence_logps
-
-        batch = batch.to(next(model.parameters()).device)
-        nll = -sequence_logps(model, batch)  # (B,) summed over each answer's tokens
-        per_example = nll / response_lengths(batch).to(nll.dtype).clamp(min=1)
-        return per_example.mean(), {}, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
-
-
 def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int] = ()):
     """Add ``prompt_token_ids``, ``answer_token_ids`` and ``num_tokens``; drop rows over ``max_length``."""
     counts = {"fallback": 0}
@@ -161,8 +139,11 @@ def main(config: SFTConfig) -> Path:
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         dd = train_test_splits(ref, config.test_size, config.seed)
         rows_in = sum(ds.num_rows for ds in dd.values())
-        stops = stop_token_ids(tokenizer, config.model, config.trust_remote_code)
-        data, dropped, fallbacks = tokenize(dd, tokenizer, config.max_length, str(ref), stops)
+        if has_token_ids(dd["train"]):  # sampled token ids (rlhf filter --mode best): trained on as they are
+            (data, dropped), fallbacks = sampled_rows(dd, config.max_length, str(ref)), 0
+        else:
+            stops = stop_token_ids(tokenizer, config.model, config.trust_remote_code)
+            data, dropped, fallbacks = tokenize(dd, tokenizer, config.max_length, str(ref), stops)
         if data["train"].num_rows == 0:
             raise PipelineError(f"{ref}: no training row fits in --max-length {config.max_length}; raise it")
         model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
