@@ -167,3 +167,11 @@ def shared_vllm_engines():
     patch.undo()
     for engine in cache.values():  # now, while pytest's output streams are open (vLLM logs its shutdown)
         engine.close()
+
+
+def launch_failure(res) -> str:
+    """What a failed ``accelerate launch`` said: the end of its output (where a run got to) and of its errors, with
+    the stderr lines that are only deprecation noise left out."""
+    noise = ("FutureWarning", "return func(*args, **kwargs)")
+    errors = "\n".join(line for line in res.stderr.splitlines() if not any(n in line for n in noise))
+    return f"exit status {res.returncode}\n--- stdout (end) ---\n{res.stdout[-3000:]}\n--- stderr ---\n{errors[-6000:]}"

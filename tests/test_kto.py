@@ -24,7 +24,7 @@ from rlhf_pipeline.selection import (
     decide_unpaired,
     mismatched_partners,
 )
-from conftest import LENGTH_REWARD, free_port, logged, max_weight_diff, run, write_jsonl
+from conftest import LENGTH_REWARD, free_port, launch_failure, logged, max_weight_diff, run, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 LIMITS = LengthLimits(max_prompt_tokens=10, max_response_tokens=3)
@@ -246,7 +246,7 @@ def test_kto_two_process_zero3_equals_one_process(unpaired, tiny_policy, tmp_pat
                                 split="shifted")[1:])]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-8000:]
+    assert res.returncode == 0, launch_failure(res)
     for key in ("loss/train", "kl/train_kl", "loss/eval"):
         assert logged(tmp_path / "zero3", key) == pytest.approx(logged(tmp_path / "single", key), abs=1e-5), key
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4

@@ -12,7 +12,7 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 
 from rlhf_pipeline import trainer
-from conftest import LENGTH_REWARD, free_port, logged, max_weight_diff, run
+from conftest import LENGTH_REWARD, free_port, launch_failure, logged, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
@@ -196,7 +196,7 @@ def test_two_process_zero3_equals_one_process(pairs, tiny_policy, tmp_path):
            *map(str, train_args(pairs, tiny_policy, tmp_path / "zero3", *common, "--batch-size", 2)[1:])]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-8000:]
+    assert res.returncode == 0, launch_failure(res)
     assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
     assert logged(tmp_path / "zero3", "loss/eval") == pytest.approx(logged(tmp_path / "single", "loss/eval"), abs=1e-5)
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4

@@ -20,7 +20,7 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 
 from rlhf_pipeline import algorithms, groups as rl, trainer
-from conftest import LENGTH_REWARD, free_port, logged, max_weight_diff, run
+from conftest import LENGTH_REWARD, free_port, launch_failure, logged, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
@@ -702,7 +702,7 @@ def test_two_process_zero3_equals_one_process(algo, data, tiny_policy, tiny_rm, 
            *map(str, train_args(data, tiny_policy, tmp_path / "zero3", algo, *common, critic=critic)[1:])]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-8000:]
+    assert res.returncode == 0, launch_failure(res)
     for key in ("loss/train", "loss/eval", "loss/train_policy_loss"):
         assert len(logged(tmp_path / "zero3", key)) == len(logged(tmp_path / "single", key)) > 0
         assert logged(tmp_path / "zero3", key) == pytest.approx(logged(tmp_path / "single", key), abs=1e-5), key

@@ -122,6 +122,9 @@ def training_run(stage: str, config: TrainOptions, inputs: list) -> Iterator[Tra
         yield run
         if not (run.finished or run.completed):
             raise RuntimeError(f"{stage}: the training run ended without run.finish(...); it has no manifest")
+        # every process is done before any tears its group down (a gloo group destroyed under a process still
+        # talking to it can abort that process); on an error the others may never come, so only on success
+        accelerator.wait_for_everyone()
     finally:
         finish_distributed()
 
