@@ -104,7 +104,7 @@ def test_bench_names_the_missed_targets_after_writing_everything(tmp_path, monke
 
 
 def test_bench_options_are_checked():
-    with pytest.raises(ValueError, match="--only must be one of trainer, stages"):
+    with pytest.raises(ValueError, match="--only must be one of trainer, lora, stages"):
         run.BenchConfig(output="x", only="score")
     with pytest.raises(ValueError, match="--rounds"):
         run.BenchConfig(output="x", rounds=0)

@@ -58,6 +58,19 @@ def test_plan_chains_policies_prompts_and_seeds(tmp_path):
     assert by_name["iter_1/generate"].command[:3] == [sys.executable, "-m", "rlhf_pipeline.stages.generate"]
 
 
+def test_lora_options_reach_every_iterations_training(tmp_path):
+    """iterate passes the train section's LoRA options through, and they parse as rlhf train's own."""
+    from rlhf_pipeline.runs import _stage_config
+
+    steps = plan(config(tmp_path, iterations=2, train={"lora_rank": 16, "lora_target_modules": ["q_proj", "v_proj"]}))
+    trains = [s for s in steps if s.stage == "train"]
+    assert len(trains) == 2
+    for step in trains:
+        parsed = _stage_config(step)
+        assert parsed.lora_rank == 16 and parsed.lora_target_modules == ["q_proj", "v_proj"]
+        assert parsed.lora_scale == 2.0  # alpha defaults to twice the rank
+
+
 def test_push_to_hub_prefix_names_every_output(tmp_path):
     steps = plan(config(tmp_path, iterations=1, push_to_hub="me/run"))
     pushed = [s.args[s.args.index("--push-to-hub") + 1] for s in steps]

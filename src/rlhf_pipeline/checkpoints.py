@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline import lora
 from rlhf_pipeline.distributed import on_main_process, unwrap
 from rlhf_pipeline.layout import CHECKPOINTS
 
@@ -27,11 +28,16 @@ TRAINER_STATE = "trainer_state.json"
 
 
 def save_model(accelerator, model, tokenizer, path: Path) -> None:
-    """A full save_pretrained directory (safetensors); under ZeRO-3 the shards are gathered first."""
+    """A full save_pretrained directory (safetensors); under ZeRO-3 the shards are gathered first. With LoRA, the
+    merged model and the adapters (``rlhf_pipeline.lora``)."""
     state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3: every process calls it
 
     def write() -> None:
-        unwrap(model).save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+        inner = unwrap(model)
+        if lora.parts(inner):  # LoRA: the merged model, what the next stage loads, and the adapters beside it
+            lora.save_merged(inner, path, state_dict)
+        else:
+            inner.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(path)
 
     on_main_process(accelerator, write)

@@ -46,6 +46,7 @@ from typing import Any, Sequence
 
 from rlhf_pipeline.contracts import GROUP_COLUMNS, SCORED_KINDS, require_columns, require_types
 from rlhf_pipeline.layout import CRITIC
+from rlhf_pipeline.lora import peel
 
 
 @dataclass
@@ -91,7 +92,7 @@ def policy_and_critic(policy, critic):
             for name, module, where in (("policy", self.policy, Path(path)), ("critic", self.critic,
                                                                                 Path(path) / CRITIC)):
                 part = {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
-                module.save_pretrained(where, state_dict=part, safe_serialization=safe_serialization)
+                peel(module).save_pretrained(where, state_dict=part, safe_serialization=safe_serialization)
 
     return PolicyAndCritic(policy, critic)
 

@@ -73,6 +73,8 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
+from rlhf_pipeline.lora import peel
+
 log = logging.getLogger(__name__)
 
 
@@ -241,7 +243,8 @@ def _unwrap(model):
     # driven by hooks on the parameters and by ``engine.backward``, not by ``engine.forward``. (Inferred from
     # DeepSpeed's design, not run here: skipping ``engine.forward`` also skips its autocast context and the prefetch
     # trace of the root module, which costs ZeRO-3 prefetch efficiency, not correctness.)
-    return getattr(model, "module", model)
+    # A peft model (LoRA) is peeled to the transformers model whose layers carry the adapters.
+    return peel(getattr(model, "module", model))
 
 
 def _decoder_body(model):
@@ -254,6 +257,23 @@ def _decoder_body(model):
     if hasattr(model, "get_decoder"):
         return model.get_decoder()
     return model.model
+
+
+def _recomputable(head):
+    """The LM head as the checkpointed chunks can call it again in backward. A frozen head (LoRA) partitioned by
+    ZeRO-3 cannot be: ZeRO-3 gathers a frozen module's weight for its forward but not for a recomputation inside
+    backward (checked: torch's checkpoint then finds a 0-element weight where the forward had the full one). So such a
+    head's weight is gathered once here, on every process (the body's forward just before is collective too), and
+    held, without gradient, until the step's backward is done: one head's worth of memory, not the logits'."""
+    weight = getattr(head, "weight", None)
+    if any(p.requires_grad for p in head.parameters()) or not hasattr(weight, "ds_id"):
+        return head
+    import deepspeed
+
+    params = [p for p in (weight, getattr(head, "bias", None)) if p is not None]
+    with deepspeed.zero.GatheredParameters(params):
+        held = [p.detach().clone() for p in params]
+    return lambda hidden: torch.nn.functional.linear(hidden, *held)
 
 
 def _chunk_logps(head, hidden: Tensor, targets: Tensor, softcap: float | None, temperature: float) -> Tensor:
@@ -326,6 +346,8 @@ def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int =
 
     rows, targets, seq_index = _response_rows(inner, body, batch)
     checkpoint = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in head.parameters()))
+    if checkpoint:
+        head = _recomputable(head)
     pieces = []
     for start in range(0, rows.shape[0], chunk_size):
         args = (head, rows[start : start + chunk_size], targets[start : start + chunk_size], softcap, temperature)

@@ -32,12 +32,13 @@ from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import METRICS
+from rlhf_pipeline.lora import LoraOptions, add_adapters, load_kwargs
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
-class TrainOptions(OutputOptions):
+class TrainOptions(OutputOptions, LoraOptions):
     """Options every training stage shares."""
 
     model: str = option(help="Model to start from: a local directory or a Hub model id.")
@@ -79,6 +80,7 @@ class TrainOptions(OutputOptions):
     trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
 
     def __post_init__(self) -> None:
+        self.check_lora()
         for name in ("epochs", "batch_size", "gradient_accumulation_steps", "eval_batch_size", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -164,17 +166,19 @@ def warmup_cosine(step: int, warmup: int, total: int) -> float:
 
 
 def load_trainable(config: TrainOptions, loader: Callable[..., Any]):
-    """A model in float32 master weights (mixed precision and DeepSpeed cast as configured). Seeded first: weights
-    the checkpoint does not have (a reward model's new score head) are initialised from the seed."""
+    """A model in float32 master weights (mixed precision and DeepSpeed cast as configured), with LoRA adapters when
+    ``--lora-rank`` asks (``rlhf_pipeline.lora``). Seeded first: weights the checkpoint does not have (a reward
+    model's new score head, the adapters) are initialised from the seed. ``loader(path, trust_remote_code=...,
+    **kwargs)`` loads the model (``kwargs``: QLoRA's quantization config, when asked)."""
     import torch
 
     torch.manual_seed(config.seed)
-    model = loader(config.model, trust_remote_code=config.trust_remote_code)
+    model = loader(config.model, trust_remote_code=config.trust_remote_code, **load_kwargs(config))
     model.config.use_cache = False
-    disable_dropout(model)
+    disable_dropout(model)  # before the adapters: --lora-dropout is theirs
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    return add_adapters(model, config)
 
 
 def disable_dropout(model: Any) -> None:

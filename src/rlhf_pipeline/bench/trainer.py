@@ -44,7 +44,8 @@ def sizes(quick: bool) -> dict[str, int]:
         "pairs": 192, "batch_size": 4, "accumulation": 4}
 
 
-def make_model(path: Path, seed: int = 0) -> None:
+def make_model(path: Path, seed: int = 0, hidden_size: int = 256, intermediate_size: int = 768, num_layers: int = 4,
+               heads: int = 4) -> None:
     """A Llama with a vocabulary of 8,192 (the tiny BPE tokenizer covers its first ids; the data are ids anyway)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -53,8 +54,8 @@ def make_model(path: Path, seed: int = 0) -> None:
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
+        vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
@@ -62,9 +63,11 @@ def make_model(path: Path, seed: int = 0) -> None:
     tokenizer.save_pretrained(path)
 
 
-def make_pairs(path: Path, num_pairs: int, eos_id: int, seed: int = 0) -> int:
-    """Pairs with prompts of 16-256 tokens and responses of 16-512 (each ending in EOS), saved as a ``train`` split
-    in the pairs contract of ``rlhf filter``. Returns the number of real tokens one epoch processes."""
+def make_pairs(path: Path, num_pairs: int, eos_id: int, seed: int = 0, prompt: tuple[int, int] = (16, 256),
+               response: tuple[int, int] = (16, 512)) -> int:
+    """Pairs with prompts of 16-256 tokens and responses of 16-512 (each ending in EOS; other ``prompt`` and
+    ``response`` ranges on request), saved as a ``train`` split in the pairs contract of ``rlhf filter``. Returns the
+    number of real tokens one epoch processes."""
     import datasets
     import numpy as np
 
@@ -77,9 +80,9 @@ def make_pairs(path: Path, num_pairs: int, eos_id: int, seed: int = 0) -> int:
     rows: dict[str, list] = {k: [] for k in ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids",
                                              "chosen_reward", "rejected_reward")}
     for _ in range(num_pairs):
-        rows["prompt_token_ids"].append(ids(int(rng.integers(16, 257))))
-        rows["chosen_token_ids"].append(ids(int(rng.integers(15, 512))) + [eos_id])
-        rows["rejected_token_ids"].append(ids(int(rng.integers(15, 512))) + [eos_id])
+        rows["prompt_token_ids"].append(ids(int(rng.integers(prompt[0], prompt[1] + 1))))
+        rows["chosen_token_ids"].append(ids(int(rng.integers(response[0] - 1, response[1]))) + [eos_id])
+        rows["rejected_token_ids"].append(ids(int(rng.integers(response[0] - 1, response[1]))) + [eos_id])
         rows["chosen_reward"].append(1.0)
         rows["rejected_reward"].append(0.0)
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(path))
@@ -91,14 +94,14 @@ def make_pairs(path: Path, num_pairs: int, eos_id: int, seed: int = 0) -> int:
 # The two sides, each run in its own process
 
 
-def run_ours(model: str, data: str, output: str, batch_size: int, accumulation: int) -> dict[str, Any]:
+def run_ours(model: str, data: str, output: str, batch_size: int, accumulation: int, **options) -> dict[str, Any]:
     from rlhf_pipeline.stages.train import TrainConfig, main
 
-    config = TrainConfig(
-        algo="dpo", model=model, data=data, output=output, batch_size=batch_size,
-        gradient_accumulation_steps=accumulation, learning_rate=LR, beta=BETA, temperature=1.0,
-        report_to="none", overwrite=True, max_grad_norm=1.0, warmup_ratio=0.1,
-    )
+    config = TrainConfig(**{
+        "algo": "dpo", "model": model, "data": data, "output": output, "batch_size": batch_size,
+        "gradient_accumulation_steps": accumulation, "learning_rate": LR, "beta": BETA, "temperature": 1.0,
+        "report_to": "none", "overwrite": True, "max_grad_norm": 1.0, "warmup_ratio": 0.1, **options,
+    })
     main(config)
     manifest = json.loads((Path(output) / "manifest.json").read_text())["training"]
     first = json.loads((Path(output) / "metrics.jsonl").read_text().splitlines()[0])
@@ -169,10 +172,11 @@ def worker(argv: list[str]) -> None:
     print("RESULT " + json.dumps({"side": a.worker, "seconds": seconds, "peak_rss_mib": peak, **info}))
 
 
-def spawn(side: str, model: Path, data: Path, output: Path, size: dict[str, int]) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "rlhf_pipeline.bench.trainer", "--worker", side, "--model", str(model),
-           "--data", str(data), "--output", str(output), "--batch-size", str(size["batch_size"]),
-           "--accumulation", str(size["accumulation"])]
+def spawn(argv: list[str], output: Path) -> dict[str, Any]:
+    """``python -m argv...`` (a benchmark worker) in a fresh process, writing ``output``; what it printed after
+    ``RESULT``."""
+    cmd = [sys.executable, "-m", *argv]
+    side = " ".join(argv[:2])
     shutil.rmtree(output, ignore_errors=True)  # a finished output would be reused, not retrained
     env = {**os.environ, "TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -250,7 +254,10 @@ def run(config, workdir: Path) -> tuple[list[Entry], list[dict]]:
     for r in range(config.num_rounds):
         order = SIDES[r % len(SIDES):] + SIDES[: r % len(SIDES)]
         for side in order:
-            result = spawn(side, model, data, workdir / f"out_{side}", size)
+            output = workdir / f"out_{side}"
+            result = spawn([__name__, "--worker", side, "--model", str(model), "--data", str(data), "--output",
+                            str(output), "--batch-size", str(size["batch_size"]), "--accumulation",
+                            str(size["accumulation"])], output)
             runs[side].append(result)
             print(f"[bench trainer] round {r + 1} {side}: {result['seconds']:.1f} s, "
                   f"peak {result['peak_rss_mib']:.0f} MiB")

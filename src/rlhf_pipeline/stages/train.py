@@ -486,12 +486,12 @@ def train_groups(config: TrainConfig) -> Path:
         pad = pad_id(tokenizer)
         critic_path = _critic_source(config, ref) if config.algorithm.uses_critic else None
 
-        def loader(path, trust_remote_code):
-            policy = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code)
+        def loader(path, trust_remote_code, **kwargs):
+            policy = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
             if critic_path is None:
                 return policy
             critic = AutoModelForSequenceClassification.from_pretrained(critic_path, num_labels=1,
-                                                                        trust_remote_code=trust_remote_code)
+                                                                        trust_remote_code=trust_remote_code, **kwargs)
             if critic.config.vocab_size < policy.config.vocab_size:
                 raise PipelineError(
                     f"critic {critic_path} has a vocabulary of {critic.config.vocab_size}, the policy "

@@ -145,10 +145,11 @@ class RewardTask:
         return losses.mean(), metrics, (real, attention_mask.numel())
 
 
-def load_reward_model_for_training(path: str, trust_remote_code: bool = False):
+def load_reward_model_for_training(path: str, trust_remote_code: bool = False, **kwargs):
     from transformers import AutoModelForSequenceClassification
 
-    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
+    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code,
+                                                              **kwargs)
 
 
 def main(config: TrainRMConfig) -> Path:

@@ -1,0 +1,199 @@
+"""LoRA in every training stage (rlhf_pipeline.lora): the merge against peft's own, and for REBEL, DPO, GRPO, PPO (its
+critic too), SFT and the reward model a run that trains only adapters, resumes to the uninterrupted result and saves
+a merged model that loads without peft and computes what the trained adapters computed."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import LENGTH_REWARD, free_port, launch_failure, logged, max_weight_diff, run, write_jsonl
+from rlhf_pipeline import lora, trainer
+
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
+REPO = Path(__file__).resolve().parents[1]
+RANK = 4
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tiny_policy, bundled_prompts) -> Path:
+    """generate -> score -> filter as pairs and as groups, plus SFT demonstrations and preference pairs as JSONL."""
+    d = tmp_path_factory.mktemp("lora_data")
+    (d / "reward.py").write_text(LENGTH_REWARD)
+    assert run("generate", "--model", tiny_policy, "--prompts", bundled_prompts, "--output", d / "gen", "--n", 4,
+               "--max-new-tokens", 12, "--limit", 24) == 0
+    assert run("score", "--input", d / "gen", "--output", d / "scored", "--reward-fn", f"{d}/reward.py:reward") == 0
+    for mode in ("pairs", "groups"):
+        assert run("filter", "--input", d / "scored", "--output", d / mode, "--tokenizer", tiny_policy,
+                   "--mode", mode, "--test-size", 4) == 0
+    write_jsonl(d / "sft.jsonl", [{"prompt": f"Review the park number {i}.", "answer": "The trees were lovely."
+                                   if i % 2 else "Loud, dirty and dull."} for i in range(24)])
+    write_jsonl(d / "prefs.jsonl", [{"prompt": f"Review the hotel number {i}.", "chosen": "Lovely rooms, kind staff.",
+                                     "rejected": "Dirty and loud."} for i in range(24)])
+    return d
+
+
+# stage, its arguments, the model directories it writes (the policy's; PPO's critic too), learning rate
+CASES = {
+    "rebel": (["train", "--algo", "rebel", "--data", "{d}/pairs"], [""], 1e-2),
+    "dpo": (["train", "--algo", "dpo", "--data", "{d}/pairs"], [""], 1e-2),
+    "grpo": (["train", "--algo", "grpo", "--data", "{d}/groups"], [""], 1e-2),
+    "ppo": (["train", "--algo", "ppo", "--data", "{d}/groups", "--critic-model", "{rm}"], ["", "critic"], 1e-2),
+    "sft": (["sft", "--data", "{d}/sft.jsonl", "--test-size", 4], [""], 1e-2),
+    "rm": (["train-rm", "--data", "{d}/prefs.jsonl", "--test-size", 4], [""], 1e-2),
+}
+
+
+def args_for(case: str, data: Path, policy: str, rm: str, out: Path, *extra) -> list:
+    stage_args, _, lr = CASES[case]
+    filled = [str(a).format(d=data, rm=rm) for a in stage_args]
+    return [*filled, "--model", policy, "--output", out, "--report-to", "none", "--learning-rate", lr,
+            "--warmup-ratio", 0.0, "--batch-size", 2, "--lora-rank", RANK, *extra]
+
+
+def starting_model(case: str, part: str, policy: str, rm: str) -> str:
+    return rm if part == "critic" else policy
+
+
+def load_plain(path: Path, classifier: bool):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if classifier:
+        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lora_trains_adapters_only_resumes_and_saves_a_merged_model(case, data, tiny_policy, tiny_rm, tmp_path,
+                                                                     monkeypatch):
+    common = ["--max-steps", 4, "--save-every", 2]
+    assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "full", *common)) == 0
+
+    # Cut after the step-2 checkpoint, resumed: the same losses and the same merged weights.
+    real_save = trainer.save_checkpoint
+
+    def save_then_crash(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt  # as if Ctrl-C came right after the step-2 checkpoint
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_crash)
+    assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "cut", *common)) == 130
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "cut", *common, "--resume")) == 0
+    assert logged(tmp_path / "cut") == pytest.approx(logged(tmp_path / "full"), abs=1e-6)
+    assert max_weight_diff(tmp_path / "cut", tmp_path / "full") < 1e-6
+
+    out = tmp_path / "full"
+    for part in CASES[case][1]:
+        where = out / part
+        classifier = case == "rm" or part == "critic"
+        start = starting_model(case, part, tiny_policy, tiny_rm)
+        before, after = load_file(Path(start) / "model.safetensors"), load_file(where / "model.safetensors")
+        assert after.keys() <= before.keys() | {"score.weight"}, "the merged model has peft's names in it"
+        changed = {k for k in after if k in before and not torch.equal(before[k], after[k])}
+        # Only the adapted linear layers (and a classifier's head, trained whole) move; embeddings and norms do not.
+        assert changed and all(k.endswith("proj.weight") or k == "score.weight" for k in changed), changed
+        assert any("layers.0.self_attn.q_proj" in k for k in changed) and any("mlp.down_proj" in k for k in changed)
+        for k in changed - {"score.weight"}:  # each update is B A: rank <= R (up to float32 rounding of W + BA)
+            assert torch.linalg.matrix_rank((after[k] - before[k]).double(), rtol=1e-4).item() <= RANK, k
+
+        # The merged model (no peft) computes what the starting model with the saved adapter computes.
+        merged = load_plain(where, classifier)
+        adapted = peft.PeftModel.from_pretrained(load_plain(Path(start), classifier), str(where / "adapter")).eval()
+        ids = torch.tensor([[1, 5, 9, 23, 7, 2, 11]])
+        with torch.no_grad():
+            assert merged(ids).logits == pytest.approx(adapted(ids).logits, abs=1e-5)
+
+    steps = json.loads((out / "manifest.json").read_text())["training"]["steps"]
+    assert steps == 4
+    # Only the adapters (and a trained-whole head) were in the optimizer: the checkpoint's optimizer state is small.
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if "loss/train" in l]
+    assert len(records) == 4
+
+
+def test_merge_equals_peffts_merge_and_unload(tiny_policy, tiny_rm):
+    """merge_state_dict (W + alpha/r B A on the gathered state dict) against peft's merge_and_unload, for a causal
+    LM and for a classifier (whose score head peft trains whole), with non-zero B and a non-default alpha."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    for path, cls in ((tiny_policy, AutoModelForCausalLM), (tiny_rm, AutoModelForSequenceClassification)):
+        options = lora.LoraOptions(lora_rank=4, lora_alpha=3.0)
+        torch.manual_seed(0)
+        model = lora.add_adapters(cls.from_pretrained(path), options)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name or "modules_to_save" in name:
+                    p.normal_(0, 0.05)
+        merged = lora.merge_state_dict(model.state_dict(), options.lora_scale)
+        expected = model.merge_and_unload().state_dict()
+        assert merged.keys() == expected.keys()
+        for k in expected:
+            assert merged[k] == pytest.approx(expected[k], abs=1e-6), k
+
+
+def test_lora_options_are_checked(tiny_policy, tmp_path, capsys):
+    base = ["sft", "--model", tiny_policy, "--data", tmp_path / "x.jsonl", "--output", tmp_path / "o"]
+    for extra, message in (
+        (["--lora-alpha", 8], "--lora-alpha configure LoRA adapters; pass --lora-rank R"),
+        (["--load-in-4bit"], "--load-in-4bit configure LoRA adapters"),
+        (["--lora-rank", -1], "--lora-rank must be >= 0"),
+        (["--lora-rank", 4, "--lora-dropout", 1.0], "--lora-dropout must be in [0, 1)"),
+    ):
+        assert run(*base, *extra) != 0
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_qlora_on_a_cpu_is_one_line_and_writes_nothing(data, tiny_policy, tmp_path, capsys):
+    assert run(*args_for("sft", data, tiny_policy, "", tmp_path / "q", "--load-in-4bit")) == 1
+    err = capsys.readouterr().err
+    assert "--load-in-4bit: bitsandbytes' 4-bit weights need a CUDA GPU" in err and "Traceback" not in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_target_that_matches_nothing_names_the_linear_layers(data, tiny_policy, tmp_path, capsys):
+    assert run(*args_for("sft", data, tiny_policy, "", tmp_path / "t", "--lora-target-modules", "qkv")) == 1
+    err = capsys.readouterr().err
+    assert "--lora-target-modules qkv:" in err and "q_proj" in err and "down_proj" in err
+    assert not (tmp_path / "t").exists()
+
+
+def test_lora_batch_times_accumulation_is_invariant(data, tiny_policy, tiny_rm, tmp_path):
+    common = ["--max-steps", 3]
+    assert run(*args_for("dpo", data, tiny_policy, tiny_rm, tmp_path / "b4", *common, "--batch-size", 4)) == 0
+    assert run(*args_for("dpo", data, tiny_policy, tiny_rm, tmp_path / "b1", *common, "--batch-size", 1,
+                         "--gradient-accumulation-steps", 4)) == 0
+    assert logged(tmp_path / "b4") == pytest.approx(logged(tmp_path / "b1"), abs=1e-5)
+    assert max_weight_diff(tmp_path / "b4", tmp_path / "b1") < 1e-5
+
+
+@pytest.mark.parametrize("case", ["dpo", "ppo"])
+def test_lora_two_process_zero3_equals_one_process(case, data, tiny_policy, tiny_rm, tmp_path):
+    """2 processes x batch 1 under DeepSpeed ZeRO-3 (CPU, gloo) against 1 process x batch 1 x accumulation 2: the
+    adapters' (and PPO's critic's) updates, and the merged models gathered from the shards, agree."""
+    common = ["--max-steps", 3, "--batch-size", 1]
+    assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "single", *common,
+                         "--gradient-accumulation-steps", 2)) == 0
+    stage = "rlhf_pipeline.stages." + {"sft": "sft", "rm": "train_rm"}.get(case, "train")
+    accelerate = Path(sys.executable).parent / "accelerate"
+    cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
+           "--main_process_port", str(free_port()), "-m", stage,
+           *map(str, args_for(case, data, tiny_policy, tiny_rm, tmp_path / "zero3", *common)[1:])]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, launch_failure(res)
+    assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
+    for part in CASES[case][1]:
+        assert max_weight_diff(tmp_path / "zero3" / part, tmp_path / "single" / part) < 1e-5
+        adapter = "adapter/adapter_model.safetensors"
+        a, b = load_file(tmp_path / "zero3" / part / adapter), load_file(tmp_path / "single" / part / adapter)
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
