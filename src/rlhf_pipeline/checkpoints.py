@@ -55,7 +55,7 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     save_model(accelerator, model, tokenizer, tmp)
-    accelerator.save_state(str(tmp / "state"))
+    accelerator.save_state(str(tmp / "state"), **_state_options(accelerator, model)[0])
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
@@ -72,12 +72,33 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
     return final
 
 
-def load_checkpoint(accelerator, checkpoint: Path) -> dict[str, Any]:
-    """Restore the optimizer, scheduler and RNG state that :func:`save_checkpoint` saved; returns its trainer state
-    (``step``, ``epoch``, ``first_loss``, ``first_grad_norm`` and ``divergence_warned`` for the divergence warning,
-    ``real_tokens``, ``all_tokens``, ``seconds``)."""
-    accelerator.load_state(str(checkpoint / "state"))
+def load_checkpoint(accelerator, model, checkpoint: Path) -> dict[str, Any]:
+    """Restore the weights, optimizer, scheduler and RNG state that :func:`save_checkpoint` saved; returns its trainer
+    state (``step``, ``epoch``, ``first_loss``, ``first_grad_norm`` and ``divergence_warned`` for the divergence
+    warning, ``real_tokens``, ``all_tokens``, ``seconds``)."""
+    accelerator.load_state(str(checkpoint / "state"), **_state_options(accelerator, model)[1])
     return json.loads((checkpoint / TRAINER_STATE).read_text())
+
+
+def _state_options(accelerator, model) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Options of ``accelerator.save_state`` and ``load_state``. With LoRA the state holds only the weights that
+    train (the adapters, a score head trained whole), not the frozen model, which a resumed run loads again from
+    its starting point (for an 8B model: megabytes per checkpoint instead of gigabytes; and QLoRA's 4-bit weights
+    could not be loaded back as saved anyway)."""
+    if not lora.parts(unwrap(model)):
+        return {}, {}
+    if accelerator.state.deepspeed_plugin is not None:
+        return {"exclude_frozen_parameters": True}, {"load_module_strict": False}
+    if not getattr(accelerator, "_rlhf_frozen_out", False):
+        def drop_frozen(models, weights, output_dir):
+            for m, state in zip(models, weights):
+                trainable = {name for name, p in m.named_parameters() if p.requires_grad}
+                for key in [k for k in state if k not in trainable]:
+                    del state[key]
+
+        accelerator.register_save_state_pre_hook(drop_frozen)
+        accelerator._rlhf_frozen_out = True
+    return {}, {"strict": False}
 
 
 def list_checkpoints(output: Path) -> list[Path]:

@@ -16,13 +16,14 @@ What a run saves (the final model and every checkpoint's)::
     OUTPUT/critic/adapter/   PPO: the critic's
 
 The merge works on the full state dict that ``accelerator.get_state_dict`` gathers (also under ZeRO-3), so it needs
-no second copy of the model. With ``--load-in-4bit`` (QLoRA, bitsandbytes, CUDA only) the frozen weights are
-4-bit; the merged model is then made by loading the starting model again in 16 bits and merging the saved adapter
-into it (:func:`merge_by_reloading`).
+no second copy of the model. With ``--load-in-4bit`` (QLoRA, bitsandbytes) the frozen weights are 4-bit NF4; the
+merged model is then made by loading the starting model again at its own precision and merging the saved adapter
+into it (:func:`merge_by_reloading`): merging into the 4-bit weights would round the update away.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional
@@ -58,7 +59,7 @@ class LoraOptions:
         f"(peft's {ALL_LINEAR}, whatever the architecture)."
     )
     load_in_4bit: bool = option(
-        False, help="QLoRA: keep the frozen weights in 4-bit NF4 (bitsandbytes; needs a CUDA GPU and --lora-rank)."
+        False, help="QLoRA: keep the frozen weights in 4-bit NF4 (bitsandbytes; with --lora-rank)."
     )
 
     def check_lora(self) -> None:
@@ -108,23 +109,28 @@ def _is_classifier(model: Any) -> bool:
 
 
 def load_kwargs(options: LoraOptions) -> dict[str, Any]:
-    """What ``from_pretrained`` needs for QLoRA's 4-bit weights ({} otherwise)."""
+    """What ``from_pretrained`` needs for QLoRA's 4-bit weights ({} otherwise): NF4 with double quantization, computed
+    in bfloat16 on a GPU that has it (float16 on one that does not) and in float32 on a CPU."""
     if not options.load_in_4bit:
         return {}
     import torch
 
-    if not torch.cuda.is_available():
-        raise PipelineError("--load-in-4bit: bitsandbytes' 4-bit weights need a CUDA GPU and none is visible; drop "
-                            "--load-in-4bit (plain --lora-rank runs anywhere)")
     try:
         from transformers import BitsAndBytesConfig
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise PipelineError("--load-in-4bit needs bitsandbytes: pip install bitsandbytes") from None
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        raise PipelineError("--load-in-4bit needs bitsandbytes: pip install 'rlhf-pipeline[qlora]'") from None
+    if torch.cuda.is_available():
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    else:
+        dtype = torch.float32
+    # ZeRO-3 shards parameters of one float dtype, so there the 4-bit codes are stored packed in it; elsewhere bytes
+    # (float storage on one process changes what a state_dict() call leaves behind: checked on a CPU, the forward after
+    # one differed by 5e-4)
+    sharded = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     return {"quantization_config": BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
-        bnb_4bit_quant_storage=dtype,  # what ZeRO-3 needs to shard 4-bit weights
+        bnb_4bit_quant_storage=dtype if sharded else torch.uint8,
     )}
 
 
@@ -143,6 +149,13 @@ def add_adapters(model: Any, options: LoraOptions) -> Any:
         raise PipelineError(f"--lora-rank needs peft: {_INSTALL}") from None
     if options.load_in_4bit:
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        for module in model.modules():
+            # bitsandbytes' CPU fast path (with AVX512-BF16) repacks a frozen 4-bit weight at its first forward, and
+            # state_dict() unpacks it again with different scales (checked with 0.50.2: the forward after a
+            # state_dict() call moved by up to 2e-3), so every checkpoint would change the run. The plain path
+            # dequantizes at each call instead. GPUs are not affected.
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
     targets = options.lora_target_modules or ALL_LINEAR
     config = peft.LoraConfig(
         r=options.lora_rank, lora_alpha=options.lora_rank * options.lora_scale, lora_dropout=options.lora_dropout,
@@ -224,17 +237,15 @@ def save_merged(model: Any, path: Path, state_dict: dict[str, Any]) -> None:
 
 
 def merge_by_reloading(model: Any, path: Path) -> None:
-    """QLoRA: load each part's starting model again in 16 bits, merge its saved adapter into it (peft's
+    """QLoRA: load each part's starting model again at its own precision, merge its saved adapter into it (peft's
     ``merge_and_unload``) and save it; the 4-bit weights themselves are never written."""
-    import torch
     from peft import PeftModel
     from rlhf_pipeline.layout import CRITIC
 
     for prefix, part in parts(model).items():
         base = peel(part)
         where = path / (CRITIC if prefix == "critic." else "")
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         labels = {"num_labels": base.config.num_labels} if _is_classifier(base) else {}
-        fresh = type(base).from_pretrained(part.peft_config[_ADAPTER].base_model_name_or_path, dtype=dtype, **labels)
+        fresh = type(base).from_pretrained(part.peft_config[_ADAPTER].base_model_name_or_path, dtype="auto", **labels)
         merged = PeftModel.from_pretrained(fresh, str(where / ADAPTER_DIR)).merge_and_unload()
         merged.save_pretrained(str(where), safe_serialization=True)

@@ -384,7 +384,7 @@ def train(
     model.train()
 
     checkpoint = latest_checkpoint(output) if config.resume else None
-    totals_so_far = load_checkpoint(accelerator, checkpoint) if checkpoint is not None else {}
+    totals_so_far = load_checkpoint(accelerator, model, checkpoint) if checkpoint is not None else {}
     step = totals_so_far.get("step", 0)
     if checkpoint is not None:
         accelerator.print(f"resuming from {checkpoint} (step {step})")
