@@ -12,7 +12,12 @@ materialises ``(2, 3072, 128_256)`` logits and then a ``log_softmax`` of the sam
 (2 × 3072 × 128k × 4 bytes), most of it for prompt and pad positions whose log-probs are thrown away. Here the
 decoder body runs once, the hidden states of the positions that predict a response token are gathered into an
 ``(N, H)`` matrix (N = number of response tokens in the batch), and the LM head plus the softmax run on that matrix
-``chunk_size`` rows at a time. Peak logits memory is ``chunk_size × V`` instead of ``B × T × V``.
+``chunk_size`` rows at a time. Peak logits memory is ``chunk_size × V`` instead of ``B × T × V``. By default a chunk
+holds at most ``LOGITS_CHUNK_ELEMENTS`` logits (2^25: 128 MiB in fp32): 4,096 rows up to a 8,192-id vocabulary, 261 at
+Llama-3's 128,256. A fixed row count would not bound anything at a real vocabulary size: 4,096 rows of 128k fp32
+logits are 2 GiB, and the softmax and its backward hold two or three tensors that size (``rlhf bench``'s
+``memory_peak_vs_trl_large_vocab`` measured 3.9 GiB peak against TRL's 2.7 GiB before the bound, on 2 pairs of
+~1,000-token responses).
 
 With gradients enabled each chunk runs under non-reentrant activation checkpointing: autograd keeps only the chunk's
 hidden rows (already alive) and its ``(chunk,)`` log-probs, and recomputes the chunk's logits in backward. Without
@@ -76,6 +81,15 @@ from torch import Tensor
 from rlhf_pipeline.lora import peel
 
 log = logging.getLogger(__name__)
+
+
+LOGITS_CHUNK_ELEMENTS = 2**25  # logits per LM-head chunk by default (see the module docstring)
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    """Rows per LM-head chunk so that a chunk's logits stay within ``LOGITS_CHUNK_ELEMENTS`` (at most 4,096 rows,
+    at least one)."""
+    return max(1, min(4096, LOGITS_CHUNK_ELEMENTS // max(1, vocab_size)))
 
 
 @dataclass
@@ -318,7 +332,7 @@ def _response_rows(inner, body, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
     return hidden[row, pos], batch.input_ids[row, pos + 1], seq_index
 
 
-def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int = 4096) -> tuple[Tensor, Tensor]:
+def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of every response token in ``batch``.
 
     Runs the decoder body once over (B, T), keeps the hidden states at positions t whose next token (t + 1) is a
@@ -329,7 +343,8 @@ def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int =
             ``config.final_logit_softcapping``), possibly wrapped by a DeepSpeed engine (``.module``).
         batch: from :func:`build_batch`, on the model's device.
         temperature: log-probs are of ``softmax(logits / temperature)``; use the sampling temperature to match REBEL.
-        chunk_size: rows of the LM head computed at once; bounds logits memory at ``chunk_size × V``.
+        chunk_size: rows of the LM head computed at once; bounds logits memory at ``chunk_size × V``. Default:
+            :func:`default_chunk_rows` of the head's vocabulary.
 
     Returns:
         ``(logps, seq_index)``: logps (N,) in float32 (float64 for a float64 model), ordered by sequence then position;
@@ -337,11 +352,15 @@ def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int =
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}; greedy decoding has no log-probs to match")
-    if chunk_size < 1:
+    if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     inner = _unwrap(model)
     body = _decoder_body(inner)
     head = inner.get_output_embeddings()
+    if chunk_size is None:
+        # out_features, not weight.shape: under ZeRO-3 the weight outside a forward is an empty partition.
+        vocab = getattr(head, "out_features", None) or getattr(getattr(inner, "config", None), "vocab_size", 0)
+        chunk_size = default_chunk_rows(vocab)
     softcap = getattr(getattr(inner, "config", None), "final_logit_softcapping", None)
 
     rows, targets, seq_index = _response_rows(inner, body, batch)
@@ -362,7 +381,7 @@ def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int =
     return logps, seq_index
 
 
-def sequence_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int = 4096) -> Tensor:
+def sequence_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int | None = None) -> Tensor:
     """(S,) sum of the response tokens' log-probs per sequence, float32 (float64 for a float64 model).
 
     This is REBEL's sequence log-prob: the sum over the response tokens, the final EOS included when it is part of
