@@ -125,6 +125,47 @@ def test_trainer_bench_pairs_have_the_promised_length_spread(tmp_path):
     assert all(16 <= t < bench_trainer.VOCAB for p in prompts for t in p)
 
 
+def test_large_vocab_bench_pairs_have_long_responses_over_the_whole_vocabulary(tmp_path):
+    from datasets import load_from_disk
+
+    t = bench_trainer
+    real = t.make_pairs(tmp_path / "pairs", 6, eos_id=2, seed=0, vocab=t.LARGE_VOCAB, prompt_lengths=t.LARGE_PROMPTS,
+                        response_lengths=t.LARGE_RESPONSES)
+    ds = load_from_disk(str(tmp_path / "pairs"))["train"]
+    responses = list(ds["chosen_token_ids"]) + list(ds["rejected_token_ids"])
+    assert t.LARGE_RESPONSES == (768, 1024) and t.LARGE_VOCAB == 128_256
+    assert all(768 <= len(r) <= 1024 and r[-1] == 2 for r in responses)
+    assert all(16 <= len(p) <= 128 for p in ds["prompt_token_ids"])
+    ids = [i for r in responses for i in r[:-1]]
+    assert min(ids) >= 16 and max(ids) < t.LARGE_VOCAB and max(ids) > 120_000  # the whole 128k range is used
+    assert real == sum(2 * len(p) + len(c) + len(r) for p, c, r in
+                       zip(ds["prompt_token_ids"], ds["chosen_token_ids"], ds["rejected_token_ids"]))
+
+
+def test_the_full_logits_dpo_loss_is_the_formula(tiny_policy):
+    """The reference behind memory_peak_vs_trl_large_vocab's exact check: one pair, by hand from full logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float64).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float64).eval()
+    with torch.no_grad():
+        reference.lm_head.weight.mul_(1.5)
+        row = {"prompt_token_ids": [5, 6, 7], "chosen_token_ids": [8, 9], "rejected_token_ids": [10]}
+
+        def logp(model, ids, first):  # sum of log p(ids[t] | ids[:t]) for t >= first
+            lp = model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+            return sum(float(lp[t - 1, ids[t]]) for t in range(first, len(ids)))
+
+        chosen, rejected = [5, 6, 7, 8, 9], [5, 6, 7, 10]
+        margin = (logp(policy, chosen, 3) - logp(policy, rejected, 3)) - (
+            logp(reference, chosen, 3) - logp(reference, rejected, 3))
+        expected = math.log1p(math.exp(-0.1 * margin))  # -log sigmoid(beta * margin)
+        got = bench_trainer.full_logits_dpo_loss(policy, reference, [row], beta=0.1)
+    assert abs(margin) > 1e-3  # a reference that differs: not the trivial log 2
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
 def test_rebel_fixed_padding_fraction_is_real_tokens_over_the_fixed_grid(tmp_path):
     from datasets import Dataset, DatasetDict
 

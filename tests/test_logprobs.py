@@ -141,6 +141,34 @@ def test_chunk_size_does_not_change_the_result(model64, pairs, chunk_size):
     torch.testing.assert_close(small, large, rtol=0, atol=1e-12)
 
 
+def test_default_chunk_rows_bound_the_logits_not_the_rows():
+    from rlhf_pipeline.logprobs import LOGITS_CHUNK_ELEMENTS, default_chunk_rows
+
+    assert LOGITS_CHUNK_ELEMENTS == 2**25
+    assert default_chunk_rows(1024) == default_chunk_rows(8192) == 4096  # small vocabularies: 4,096 rows as before
+    assert default_chunk_rows(128_256) == 261  # Llama-3: 2**25 // 128,256 rows, 128 MiB of fp32 logits
+    assert default_chunk_rows(152_064) == 220  # Qwen2
+    assert default_chunk_rows(2**26) == 1 and default_chunk_rows(0) == 4096  # never 0 rows; unknown vocab: the cap
+
+
+def test_the_default_chunk_follows_the_heads_vocabulary(model32, pairs, monkeypatch):
+    """Without chunk_size, token_logps feeds the head default_chunk_rows(out_features) rows at a time."""
+    from rlhf_pipeline import logprobs
+
+    vocab = model32.get_output_embeddings().out_features
+    monkeypatch.setattr(logprobs, "LOGITS_CHUNK_ELEMENTS", 5 * vocab + 3)  # 5 rows per chunk
+    batch = build_batch(*pairs, pad_id=0)
+    shapes = []
+    handle = model32.get_output_embeddings().register_forward_hook(lambda m, i, o: shapes.append(i[0].shape[0]))
+    try:
+        with torch.no_grad():
+            token_logps(model32, batch)
+    finally:
+        handle.remove()
+    n = sum(RESPONSE_LENS)
+    assert shapes == [5] * (n // 5) + ([n % 5] if n % 5 else [])
+
+
 def _grads(model):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 

@@ -1,7 +1,8 @@
 """LoRA against full fine-tuning in our trainer: peak memory and step time, side by side.
 
-Setup (both sides): the same random-initialised Llama (8 layers, hidden 768, vocab 8,192, about 75M parameters, float32,
-CPU), the same DPO pairs (prompts 16-64 tokens, responses 16-128), the same global batch and steps, AdamW, the
+Setup (both sides): the same random-initialised Llama (12 layers, hidden 1,024, MLP 3,072, vocab 8,192, about 180M
+parameters, float32, CPU), the same DPO pairs (prompts 16-32 tokens, responses 16-64: short, so that the weights and
+their optimizer state, not the activations, are what memory holds), the same global batch and steps, AdamW, the
 reference log-probs in our one pass before training. The sides differ only in ``--lora-rank`` (16, alpha 32, every
 linear layer of the decoder, peft's default set). Each run is a fresh subprocess, so its peak resident memory is its
 own; the sides alternate round by round.
@@ -38,7 +39,7 @@ def sizes(quick: bool) -> dict[str, int]:
 def make_model(path: Path) -> None:
     from rlhf_pipeline.bench.trainer import make_model as make_llama
 
-    make_llama(path, hidden_size=1024, intermediate_size=2816, num_layers=12, heads=16)
+    make_llama(path, hidden=1024, layers=12)
 
 
 def run_side(side: str, model: str, data: str, output: str, size: dict[str, int]) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def worker(argv: list[str]) -> None:
 
 
 def run(config, workdir: Path) -> tuple[list[Entry], list[dict]]:
-    from rlhf_pipeline.bench.trainer import make_pairs, spawn
+    from rlhf_pipeline.bench.trainer import make_pairs, run_worker
     from rlhf_pipeline.chat import load_tokenizer
 
     try:
@@ -75,14 +76,14 @@ def run(config, workdir: Path) -> tuple[list[Entry], list[dict]]:
     model, data = workdir / "model", workdir / "pairs"
     if not (model / "config.json").exists():
         make_model(model)
-    make_pairs(data, size["pairs"], load_tokenizer(str(model)).eos_token_id, prompt=PROMPT, response=RESPONSE)
+    make_pairs(data, size["pairs"], load_tokenizer(str(model)).eos_token_id, prompt_lengths=PROMPT, response_lengths=RESPONSE)
     print(f"[bench lora] {size['pairs']} pairs, {size['max_steps']} steps of {size['batch_size']} x "
           f"{size['accumulation']}; {config.num_rounds} rounds x {len(SIDES)} sides")
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     for r in range(config.num_rounds):
         for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
-            result = spawn([__name__, side, str(model), str(data), str(workdir / f"out_{side}"), json.dumps(size)],
-                           workdir / f"out_{side}")
+            result = run_worker([__name__, side, str(model), str(data), str(workdir / f"out_{side}"),
+                                 json.dumps(size)], workdir / f"out_{side}")
             runs[side].append(result)
             print(f"[bench lora] round {r + 1} {side}: {result['train_seconds']:.1f} s training, "
                   f"peak {result['peak_rss_mib']:.0f} MiB")
@@ -92,9 +93,10 @@ def run(config, workdir: Path) -> tuple[list[Entry], list[dict]]:
 
     step = {side: median(side, "train_seconds") / size["max_steps"] for side in SIDES}
     peak = {side: median(side, "peak_rss_mib") for side in SIDES}
-    common = (f"DPO, Llama 8 layers x 768 hidden, vocab {VOCAB}, float32 on CPU; LoRA rank {RANK} on every linear "
+    common = (f"DPO, Llama 12 layers x 1,024 hidden, vocab {VOCAB}, float32 on CPU; LoRA rank {RANK} on every linear "
               f"layer of the decoder against full fine-tuning; {size['max_steps']} steps of {size['batch_size']} x "
-              f"{size['accumulation']} pairs (prompts 16-64 tokens, responses 16-128); {config.num_rounds} "
+              f"{size['accumulation']} pairs (prompts {PROMPT[0]}-{PROMPT[1]} tokens, responses {RESPONSE[0]}-{RESPONSE[1]}); "
+              f"{config.num_rounds} "
               "alternating rounds of fresh processes, median.")
     details = {side: {"train_seconds": [round(x["train_seconds"], 2) for x in runs[side]],
                       "peak_rss_mib": [round(x["peak_rss_mib"]) for x in runs[side]],

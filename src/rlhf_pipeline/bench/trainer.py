@@ -44,9 +44,9 @@ def sizes(quick: bool) -> dict[str, int]:
         "pairs": 192, "batch_size": 4, "accumulation": 4}
 
 
-def make_model(path: Path, seed: int = 0, hidden_size: int = 256, intermediate_size: int = 768, num_layers: int = 4,
-               heads: int = 4) -> None:
-    """A Llama with a vocabulary of 8,192 (the tiny BPE tokenizer covers its first ids; the data are ids anyway)."""
+def make_model(path: Path, seed: int = 0, vocab: int = VOCAB, hidden: int = 256, layers: int = 4) -> None:
+    """A Llama with ``vocab`` ids (the tiny BPE tokenizer covers its first ids; the data are ids anyway), ``layers``
+    layers of width ``hidden`` (4 heads, MLP 3 x hidden), untied input and output embeddings."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,20 +54,21 @@ def make_model(path: Path, seed: int = 0, hidden_size: int = 256, intermediate_s
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
 
 
-def make_pairs(path: Path, num_pairs: int, eos_id: int, seed: int = 0, prompt: tuple[int, int] = (16, 256),
-               response: tuple[int, int] = (16, 512)) -> int:
-    """Pairs with prompts of 16-256 tokens and responses of 16-512 (each ending in EOS; other ``prompt`` and
-    ``response`` ranges on request), saved as a ``train`` split in the pairs contract of ``rlhf filter``. Returns the
-    number of real tokens one epoch processes."""
+def make_pairs(path: Path, num_pairs: int, eos_id: int, seed: int = 0, vocab: int = VOCAB,
+               prompt_lengths: tuple[int, int] = (16, 256), response_lengths: tuple[int, int] = (16, 512)) -> int:
+    """Pairs of random ids below ``vocab``, prompts of ``prompt_lengths`` tokens and responses of ``response_lengths``
+    (both inclusive and uniform; each response ends in EOS), saved as a ``train`` split in the pairs contract of
+    ``rlhf filter``. Returns the number of real tokens one epoch processes."""
     import datasets
     import numpy as np
 
@@ -75,14 +76,14 @@ def make_pairs(path: Path, num_pairs: int, eos_id: int, seed: int = 0, prompt: t
     low = 16  # ids below the tokenizer's special tokens are avoided
 
     def ids(n: int) -> list[int]:
-        return rng.integers(low, VOCAB, n).tolist()
+        return rng.integers(low, vocab, n).tolist()
 
     rows: dict[str, list] = {k: [] for k in ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids",
                                              "chosen_reward", "rejected_reward")}
     for _ in range(num_pairs):
-        rows["prompt_token_ids"].append(ids(int(rng.integers(prompt[0], prompt[1] + 1))))
-        rows["chosen_token_ids"].append(ids(int(rng.integers(response[0] - 1, response[1]))) + [eos_id])
-        rows["rejected_token_ids"].append(ids(int(rng.integers(response[0] - 1, response[1]))) + [eos_id])
+        rows["prompt_token_ids"].append(ids(int(rng.integers(prompt_lengths[0], prompt_lengths[1] + 1))))
+        for key in ("chosen_token_ids", "rejected_token_ids"):
+            rows[key].append(ids(int(rng.integers(response_lengths[0] - 1, response_lengths[1]))) + [eos_id])
         rows["chosen_reward"].append(1.0)
         rows["rejected_reward"].append(0.0)
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(path))
@@ -95,6 +96,7 @@ def make_pairs(path: Path, num_pairs: int, eos_id: int, seed: int = 0, prompt: t
 
 
 def run_ours(model: str, data: str, output: str, batch_size: int, accumulation: int, **options) -> dict[str, Any]:
+    """``rlhf train --algo dpo`` with the benchmark's settings (``options`` override or add rlhf train options)."""
     from rlhf_pipeline.stages.train import TrainConfig, main
 
     config = TrainConfig(**{
@@ -172,29 +174,51 @@ def worker(argv: list[str]) -> None:
     print("RESULT " + json.dumps({"side": a.worker, "seconds": seconds, "peak_rss_mib": peak, **info}))
 
 
-def spawn(argv: list[str], output: Path) -> dict[str, Any]:
-    """``python -m argv...`` (a benchmark worker) in a fresh process, writing ``output``; what it printed after
+def spawn(side: str, model: Path, data: Path, output: Path, size: dict[str, int]) -> dict[str, Any]:
+    return run_worker([__name__, "--worker", side, "--model", str(model), "--data", str(data), "--output",
+                       str(output), "--batch-size", str(size["batch_size"]), "--accumulation",
+                       str(size["accumulation"])], output)
+
+
+def run_worker(argv: list[str], output: Path) -> dict[str, Any]:
+    """``python -m argv...``, a benchmark worker, in a fresh process writing ``output``: what it printed after
     ``RESULT``."""
-    cmd = [sys.executable, "-m", *argv]
-    side = " ".join(argv[:2])
     shutil.rmtree(output, ignore_errors=True)  # a finished output would be reused, not retrained
     env = {**os.environ, "TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"benchmark worker {side} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"benchmark worker {' '.join(argv[:3])} failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def spawn_rounds(sides: tuple[str, ...], rounds: int, model: Path, data: Path, workdir: Path, size: dict[str, int],
+                 tag: str = "trainer") -> dict[str, list[dict]]:
+    """``rounds`` rounds of one fresh run per side, the order rotating every round (a, b, c; b, c, a; ...)."""
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for r in range(rounds):
+        for side in sides[r % len(sides):] + sides[: r % len(sides)]:
+            result = spawn(side, model, data, workdir / f"out_{side}", size)
+            runs[side].append(result)
+            print(f"[bench {tag}] round {r + 1} {side}: {result['seconds']:.1f} s, "
+                  f"peak {result['peak_rss_mib']:.0f} MiB")
+    return runs
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The fixed-batch loss check
 
 
-def loss_agreement(model_path: Path, data: Path, rows: int = 8, dtype: str = "float64") -> dict[str, float]:
+def loss_agreement(model_path: Path, data: Path, rows: int = 8, dtype: str = "float64",
+                   exact: bool = False) -> dict[str, float]:
     """DPO loss of our PairTask and of TRL's ``_compute_loss`` on the same batch, against a reference model that
     differs from the policy (its weights perturbed), so the loss is not the trivial log 2 of step 0. In float64 ours is
     exact and TRL's fused LM head still returns float32 log-probs (measured difference ~4e-6); in float32 both
-    round sums of hundreds of token log-probs, in different layouts (packed against padded)."""
+    round sums of hundreds of token log-probs, in different layouts (packed against padded). With ``exact``, also
+    the loss from each sequence's full logits and log_softmax in ``dtype`` (``"exact"``, ``"ours_vs_exact"``): at a
+    128k vocabulary and ~1,000-token responses TRL's float32 log-probs drift further than 1e-5, so ours is held to
+    this reference instead."""
     import copy
 
     import torch
@@ -227,7 +251,30 @@ def loss_agreement(model_path: Path, data: Path, rows: int = 8, dtype: str = "fl
         )
         trainer.model.eval()
         theirs = trainer._compute_loss(trainer.model, inputs, return_outputs=False)
-    return {"ours": float(ours), "trl": float(theirs), "abs_diff": abs(float(ours) - float(theirs))}
+        result = {"ours": float(ours), "trl": float(theirs), "abs_diff": abs(float(ours) - float(theirs))}
+        if exact:
+            result["exact"] = full_logits_dpo_loss(policy, reference, batch, BETA)
+            result["ours_vs_exact"] = abs(result["ours"] - result["exact"])
+    return result
+
+
+def full_logits_dpo_loss(policy, reference, rows: list[dict], beta: float) -> float:
+    """The DPO loss the textbook way, one sequence at a time: full (T, V) logits, log_softmax, the response tokens'
+    log-probs summed, ``-logsigmoid(beta * (policy log-ratio - reference log-ratio))`` averaged over the pairs."""
+    import torch
+
+    def logp(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prompt + response])
+        logprobs = model(input_ids=ids).logits[0, :-1].log_softmax(-1)  # (T-1, V): position t predicts t+1
+        targets = ids[0, 1:]
+        return logprobs.gather(-1, targets[:, None])[len(prompt) - 1:].sum()
+
+    losses = []
+    for row in rows:
+        p, c, r = row["prompt_token_ids"], row["chosen_token_ids"], row["rejected_token_ids"]
+        margin = (logp(policy, p, c) - logp(policy, p, r)) - (logp(reference, p, c) - logp(reference, p, r))
+        losses.append(-torch.nn.functional.logsigmoid(beta * margin))
+    return float(torch.stack(losses).mean())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,17 +297,7 @@ def run(config, workdir: Path) -> tuple[list[Entry], list[dict]]:
     print(f"[bench trainer] {size['pairs']} pairs, {real_tokens} real tokens, global batch "
           f"{size['batch_size'] * size['accumulation']}; {config.num_rounds} rounds x {len(SIDES)} sides")
 
-    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
-    for r in range(config.num_rounds):
-        order = SIDES[r % len(SIDES):] + SIDES[: r % len(SIDES)]
-        for side in order:
-            output = workdir / f"out_{side}"
-            result = spawn([__name__, "--worker", side, "--model", str(model), "--data", str(data), "--output",
-                            str(output), "--batch-size", str(size["batch_size"]), "--accumulation",
-                            str(size["accumulation"])], output)
-            runs[side].append(result)
-            print(f"[bench trainer] round {r + 1} {side}: {result['seconds']:.1f} s, "
-                  f"peak {result['peak_rss_mib']:.0f} MiB")
+    runs = spawn_rounds(SIDES, config.num_rounds, model, data, workdir, size)
     check = loss_agreement(model, data)
     check32 = loss_agreement(model, data, dtype="float32")
 
@@ -305,7 +342,90 @@ def run(config, workdir: Path) -> tuple[list[Entry], list[dict]]:
     if check["abs_diff"] > 1e-5 or abs(first["ours"] - first["trl_precomputed"]) > 1e-5:
         entries[1].notes += " LOSS MISMATCH."
         entries[1].ratio = 0.0  # a wrong loss is not a speed-up
+    entries.append(large_vocab_entry(config, workdir / "large_vocab"))
     return entries, []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Peak memory at a real vocabulary size
+#
+# The model's vocabulary is Llama-3's 128,256 ids while its tokenizer stays the tiny kit's 1,024-id BPE: the data are
+# token ids sampled over the whole vocabulary, handed to both trainers as ids, so the tokenizer never runs, and what
+# a 128k vocabulary costs in memory (the embedding and LM-head matrices, their gradients and optimizer state, and
+# above all the (tokens x vocabulary) logits) depends only on the model's vocab_size. A real 128k tokenizer would
+# change the text, not one tensor shape. The hidden size is small so that the logits dominate, as they do at 8B
+# once the weights are sharded or adapted (issue 15), and a step fits a 2-core CPU.
+
+LARGE_VOCAB = 128_256  # Llama-3's vocabulary
+LARGE_MODEL = {"vocab": LARGE_VOCAB, "hidden": 64, "layers": 2}
+LARGE_PROMPTS, LARGE_RESPONSES = (16, 128), (768, 1024)  # token counts, inclusive
+LARGE_SIDES_QUICK, LARGE_SIDES_FULL = ("ours", "trl"), SIDES
+# float32 sums of ~1,000 log-probs near -log(128,256) = -11.8 are ~12,000 in size, where float32 ids are 2^-10
+# apart: each sequence log-prob can round by ~1e-3 and the step-0 DPO loss moves by beta * sigmoid(0) = 0.05 per unit
+# of log-ratio, over 4 sums: at most ~2e-4 between two correct float32 implementations in different layouts.
+LARGE_FLOAT32_LOSS_TOLERANCE = 2e-4  # TRL's fused LM head returns float32 log-probs even for a float64 model
+
+
+def large_vocab_sizes(quick: bool) -> dict[str, int]:
+    # The micro-batch (2 pairs: 4 sequences of up to 1,152 tokens) sets the peak; full mode adds steps and rounds.
+    return {"pairs": 2, "batch_size": 2, "accumulation": 1} if quick else {
+        "pairs": 8, "batch_size": 2, "accumulation": 2}
+
+
+def large_vocab_entry(config, workdir: Path) -> Entry:
+    """``memory_peak_vs_trl_large_vocab``: TRL's peak resident memory over ours, DPO at a 128k vocabulary."""
+    from rlhf_pipeline.chat import load_tokenizer
+
+    size = large_vocab_sizes(config.quick)
+    sides = LARGE_SIDES_QUICK if config.quick else LARGE_SIDES_FULL
+    workdir.mkdir(parents=True, exist_ok=True)
+    model, data = workdir / "model", workdir / "pairs"
+    if not (model / "config.json").exists():
+        make_model(model, **LARGE_MODEL)
+    real_tokens = make_pairs(data, size["pairs"], load_tokenizer(str(model)).eos_token_id, vocab=LARGE_VOCAB,
+                             prompt_lengths=LARGE_PROMPTS, response_lengths=LARGE_RESPONSES)
+    print(f"[bench large vocab] vocab {LARGE_VOCAB:,}, {size['pairs']} pairs, {real_tokens} real tokens; "
+          f"{config.num_rounds} rounds x {len(sides)} sides")
+    started = time.perf_counter()
+    runs = spawn_rounds(sides, config.num_rounds, model, data, workdir, size, tag="large vocab")
+    check = loss_agreement(model, data, rows=1, exact=True)
+    wall = time.perf_counter() - started
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(x[key] for x in runs[side])
+
+    peaks = {side: [round(x["peak_rss_mib"]) for x in runs[side]] for side in sides}
+    ours, trl = median("ours", "peak_rss_mib"), median("trl", "peak_rss_mib")
+    first = {side: runs[side][0]["first_loss"] for side in sides}
+    first_diff = abs(first["ours"] - first["trl"])
+    precomputed = (f" TRL precomputed (precompute_ref_log_probs=True): {median('trl_precomputed', 'peak_rss_mib'):.0f}"
+                   " MiB." if "trl_precomputed" in sides else "")
+    entry = Entry(
+        "memory_peak_vs_trl_large_vocab", ours, trl, "MiB peak RSS", trl / ours, 2.0,
+        f"DPO at Llama-3's vocabulary: Llama {LARGE_MODEL['layers']} layers x {LARGE_MODEL['hidden']} hidden, vocab "
+        f"{LARGE_VOCAB:,} (untied; the tiny kit's tokenizer, ids sampled over the whole vocabulary), float32 on CPU; "
+        f"{size['pairs']} pairs (prompts {LARGE_PROMPTS[0]}-{LARGE_PROMPTS[1]} tokens, responses "
+        f"{LARGE_RESPONSES[0]}-{LARGE_RESPONSES[1]}), micro-batch {size['batch_size']} pairs x accumulation "
+        f"{size['accumulation']}, one epoch; {config.num_rounds} alternating rounds of fresh processes, median peak "
+        f"resident memory (ru_maxrss): ours {ours:.0f} MiB, TRL default {trl:.0f} MiB (reference model in memory)."
+        f"{precomputed} Per round: {peaks}. Ours runs the LM head on response positions only, in chunks of at most "
+        f"2^25 logits; TRL 1.16's fused LM head tiles 4,096 positions x 32,768 ids, on a CPU over every position "
+        f"(prompt and padding included). Step-0 loss: ours {first['ours']:.8f}, TRL {first['trl']:.8f}, |diff| "
+        f"{first_diff:.1e} (float32 sums of ~1,000 log-probs; must be <= {LARGE_FLOAT32_LOSS_TOLERANCE:g}). On a fixed "
+        f"pair against a perturbed reference, float64 model: ours {check['ours']:.10f}, full-logits reference "
+        f"{check['exact']:.10f} (|diff| {check['ours_vs_exact']:.1e}, must be <= 1e-8), TRL {check['trl']:.10f} "
+        f"(|diff| {check['abs_diff']:.1e}, must be <= {LARGE_FLOAT32_LOSS_TOLERANCE:g}: its fused head keeps float32 "
+        f"log-probs). Wall time {wall:.0f} s.",
+        {"peak_rss_mib": peaks, "seconds": {side: [round(x["seconds"], 1) for x in runs[side]] for side in sides},
+         "model": LARGE_MODEL, "prompt_tokens": list(LARGE_PROMPTS), "response_tokens": list(LARGE_RESPONSES),
+         "size": size, "real_tokens": real_tokens, "first_loss": first, "fixed_batch_loss_float64": check,
+         "wall_seconds": round(wall, 1)},
+    )
+    if (check["ours_vs_exact"] > 1e-8 or check["abs_diff"] > LARGE_FLOAT32_LOSS_TOLERANCE
+            or first_diff > LARGE_FLOAT32_LOSS_TOLERANCE):
+        entry.notes += " LOSS MISMATCH."
+        entry.ratio = 0.0  # a saving on a different computation is no saving
+    return entry
 
 
 def rebel_fixed_padding_fraction(data: Path) -> float:
