@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from rlhf_pipeline import algorithms
 from rlhf_pipeline.config import parse_config
-from rlhf_pipeline.errors import PipelineError, UserCodeError
+from rlhf_pipeline.errors import FailedElsewhere, PipelineError, UserCodeError
 
 C = TypeVar("C")
 
@@ -70,6 +70,10 @@ def run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv:
     try:
         config = parse_config(config_cls, argv, prog)
         main_fn(config)
+    except FailedElsewhere:  # another process of the launch failed, and the main process says why
+        if os.environ.get("RLHF_DEBUG"):
+            raise
+        return 1
     except UserCodeError as e:
         if os.environ.get("RLHF_DEBUG"):
             raise

@@ -1,6 +1,12 @@
 """Running on one or many processes: the accelerator, inference shared over the processes, and the collectives the
 training loop needs.
 
+Inference stages (``rlhf score``, ``rlhf ref-logps``, ``rlhf eval``) run plain data parallelism under
+``accelerate launch --num_processes N`` (``--multi_gpu``): every process holds the whole model, takes its share of
+the length-sorted batches, and the main process gathers the results in the original order and writes the output
+(:func:`inference_accelerator`, :func:`gather_guarded`); outside ``accelerate launch`` they run in one process, as
+they always have.
+
 The same code runs single-process on a CPU and under ``accelerate launch --config_file accelerate_cfgs/zero3.yaml``
 on many GPUs (or, in the tests, ``accelerate_cfgs/cpu_zero3.yaml`` on CPUs with gloo). Under DeepSpeed ZeRO-3 every
 forward is collective (each process holds a shard of the weights), so every process must run the same number of
@@ -12,10 +18,12 @@ from __future__ import annotations
 
 import math
 import os
+import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import FailedElsewhere, PipelineError, ProcessFailed, UserCodeError, one_line
 
 if TYPE_CHECKING:
     from rlhf_pipeline.trainer import TrainOptions
@@ -83,6 +91,9 @@ def finish_distributed() -> None:
 
 def on_main_process(accelerator, fn: Callable[[], Any]) -> None:
     """Run ``fn`` on the main process only; if it fails, every process raises instead of waiting forever."""
+    if accelerator is None:  # one process, without accelerate (an inference stage)
+        fn()
+        return
     from accelerate.utils import broadcast_object_list
 
     error = None
@@ -95,7 +106,7 @@ def on_main_process(accelerator, fn: Callable[[], Any]) -> None:
         flag = [None if error is None else f"{type(error).__name__}: {error}"]
         broadcast_object_list(flag)
         if flag[0] is not None and error is None:
-            raise RuntimeError(f"the main process failed: {flag[0]}")
+            raise FailedElsewhere(f"the main process failed: {flag[0]}")
     if error is not None:
         raise error
 
@@ -160,3 +171,118 @@ def sharded_inference(accelerator, model, lengths: Sequence[int], batch_size: in
     for i, value in results:
         out[i] = value
     return out
+
+
+# How long a process waits for the others at a collective (the default is 10 minutes with NCCL, 30 with gloo): the
+# other processes of an inference stage wait while the main one writes the output, or, in rlhf eval, samples. A
+# process that dies is noticed by the launcher (torchrun stops the others), not by this timeout.
+COLLECTIVE_TIMEOUT = timedelta(hours=6)
+
+
+def launched() -> bool:
+    """Whether this process is one of several started by ``accelerate launch`` (torchrun sets WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def inference_accelerator(prog: str):
+    """The Accelerator of an inference stage under ``accelerate launch --num_processes N``, or None in a single
+    process (the stage then runs exactly as it does without accelerate).
+
+    Plain data parallelism: each process loads the whole model on its own device (``accelerator.device``) and runs
+    its own forwards. A DeepSpeed launch is refused: a stage would load the whole model in every process anyway (only
+    ``deepspeed.initialize`` shards it), so ZeRO-3 would promise a memory saving it does not give; a model too large
+    for one device is beyond these stages. On machines without a GPU the processes talk over gloo (what the tests do,
+    ``accelerate launch --multi_gpu --num_processes 2`` on CPUs).
+    """
+    if not launched():
+        return None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        message = (f"{prog} runs data-parallel, each process holding the whole model, and does not run under "
+                   "DeepSpeed: launch it with accelerate launch --multi_gpu --num_processes N (no DeepSpeed "
+                   "--config_file such as accelerate_cfgs/zero3.yaml)")
+        if int(os.environ.get("RANK", "0")) != 0:  # every process refuses; the main one says why
+            raise FailedElsewhere(message)
+        raise PipelineError(message)
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return Accelerator(cpu=not torch.cuda.is_available(),
+                       kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)])
+
+
+def world_and_rank(accelerator) -> tuple[int, int]:
+    """(number of processes, this process's index); (1, 0) without an accelerator."""
+    return (1, 0) if accelerator is None else (accelerator.num_processes, accelerator.process_index)
+
+
+def is_main(accelerator) -> bool:
+    return accelerator is None or accelerator.is_main_process
+
+
+def _failure(error: BaseException, rank: int, world: int) -> tuple[str, str]:
+    """(message, traceback text) of a process's failure, as the main process reports it."""
+    where = f"process {rank} of {world}"
+    if isinstance(error, UserCodeError):
+        return f"{where}: {error}", error.user_traceback()
+    if isinstance(error, PipelineError):
+        return f"{where}: {error}", ""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return f"{where} failed: {one_line(error)}", text
+
+
+def gather_guarded(accelerator, fn: Callable[[], Any]) -> list[Any]:
+    """``fn()`` on every process, then every process's value, in process order (``[fn()]`` without an accelerator).
+
+    If ``fn`` raised on any process, every process raises instead of waiting for the others at a later collective:
+    the main process its own error, or, when it succeeded, a :class:`ProcessFailed` naming the first process that
+    failed with its error (and the user's traceback, when a reward function raised there); the other processes a
+    :class:`FailedElsewhere`, which ``rlhf`` exits on without a word. So a stage that fails on one rank ends the
+    launch with one error, printed by the main process.
+    """
+    return _exchange(accelerator, fn, gather=True)
+
+
+def guarded(accelerator, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every process, returning this process's own value; a failure anywhere fails every process, as in
+    :func:`gather_guarded` (only the errors travel between the processes)."""
+    return _exchange(accelerator, fn, gather=False)
+
+
+def _exchange(accelerator, fn: Callable[[], Any], gather: bool) -> Any:
+    if accelerator is None or accelerator.num_processes == 1:
+        value = fn()
+        return [value] if gather else value
+    from accelerate.utils import gather_object
+
+    error, value = None, None
+    try:
+        value = fn()
+    except Exception as e:  # every process learns of it at the gather below
+        error = e
+    world, rank = accelerator.num_processes, accelerator.process_index
+    report = None if error is None else _failure(error, rank, world)
+    gathered = gather_object([(report, value if gather and error is None else None)])
+    failed = [rep for rep, _ in gathered if rep is not None]
+    if failed:
+        if error is not None and accelerator.is_main_process:
+            raise error
+        if not accelerator.is_main_process:
+            raise FailedElsewhere(failed[0][0])
+        raise ProcessFailed(*failed[0])
+    return [v for _, v in gathered] if gather else value
+
+
+def run_inference(prog: str, body: Callable[[Any], Any]) -> Any:
+    """``body(accelerator)`` with :func:`inference_accelerator`'s accelerator (None in one process). At the end, on
+    success, every process waits for the others (a gloo group destroyed under a process still talking to it can
+    abort that process), then the process group is destroyed, whatever happened."""
+    accelerator = inference_accelerator(prog)
+    if accelerator is None:
+        return body(None)
+    try:
+        result = body(accelerator)
+        accelerator.wait_for_everyone()
+        return result
+    finally:
+        finish_distributed()

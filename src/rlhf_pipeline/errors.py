@@ -35,6 +35,25 @@ class UserCodeError(PipelineError):
         return "".join(traceback.format_exception(type(self.cause), self.cause, tb))
 
 
+class ProcessFailed(UserCodeError):
+    """A failure on another process of an ``accelerate launch``, reported by the main process: the message names the
+    process and its error; ``traceback_text`` is what that process had to show (the user's traceback when a reward
+    function raised there, the whole traceback of an unexpected error; empty for a PipelineError)."""
+
+    def __init__(self, message: str, traceback_text: str = ""):
+        PipelineError.__init__(self, message)
+        self.cause = None
+        self.traceback_text = traceback_text
+
+    def user_traceback(self) -> str:
+        return self.traceback_text
+
+
+class FailedElsewhere(PipelineError):
+    """Raised on the other processes of a launch when one process failed: the main process reports the error, so
+    ``cli.run_stage`` exits on this one with status 1 and prints nothing."""
+
+
 def _ours(filename: str) -> bool:
     if filename.startswith("<frozen importlib"):
         return True

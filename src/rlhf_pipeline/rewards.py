@@ -249,6 +249,7 @@ class RewardModelScorer:
         batch_size: int = 16,
         max_length: int = 4096,
         engine: str = "hf",
+        device=None,
     ):
         from rlhf_pipeline.chat import load_tokenizer, pad_id
 
@@ -279,7 +280,7 @@ class RewardModelScorer:
             return
         from rlhf_pipeline.modeling import load_reward_model
 
-        self.model = load_reward_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.model = load_reward_model(path, dtype=dtype, trust_remote_code=trust_remote_code, device=device)
         prepare_reward_model(self.model, self.pad_id)
         # How batches are scored: "last_token" (the fast path) or "forward" (the model's own forward); decided on the
         # first batch (see the class docstring).
@@ -343,26 +344,32 @@ class RewardModelScorer:
         log.warning("reward model %s: scoring with the model's own forward", name)
         return "forward"
 
-    def score_ids(self, sequences: list[list[int]]) -> list[float]:
+    def score_ids(self, sequences: list[list[int]], world: int = 1, rank: int = 0) -> list[float | None]:
+        """The reward of every sequence, in length-sorted batches of ``batch_size``. Under ``accelerate launch`` the
+        batches are dealt out over ``world`` processes (``distributed.sharded_batches``: the same batches as one
+        process makes, so the same rewards) and this process, ``rank``, scores its own: the others' entries are
+        None, filled in when the results are gathered."""
+        from rlhf_pipeline.distributed import sharded_batches
+        from rlhf_pipeline.progress import bars_disabled
+
         if self.vllm is not None:  # vLLM schedules and batches the sequences itself
             return self.vllm.rewards([s[: pooled_index(s, self.pooling_pad) + 1] for s in sequences])
-        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
-        rewards = [0.0] * len(sequences)
+        rewards: list[float | None] = [None if world > 1 else 0.0] * len(sequences)
         if not sequences:
             return rewards
-        if self.mode is None:
+        if self.mode is None:  # decided on every process alike (on the longest sequence of all)
             self.mode = self._choose_mode(sequences)
         run = self.forward_rewards if self.mode == "forward" else self.fast_rewards
-        with tqdm(total=len(sequences), desc="score", unit="seq") as bar:
-            for start in range(0, len(order), self.batch_size):
-                batch = order[start : start + self.batch_size]
+        batches = [b for b in sharded_batches([len(s) for s in sequences], self.batch_size, world, rank) if b]
+        with tqdm(total=sum(map(len, batches)), desc="score", unit="seq", disable=rank != 0 or bars_disabled()) as bar:
+            for batch in batches:
                 for i, value in zip(batch, run([sequences[i] for i in batch])):
                     rewards[i] = value
                 bar.update(len(batch))
         return rewards
 
-    def score(self, prompts: list, responses: list[str]) -> list[float]:
-        return self.score_ids(self.encode(prompts, responses))
+    def score(self, prompts: list, responses: list[str], world: int = 1, rank: int = 0) -> list[float | None]:
+        return self.score_ids(self.encode(prompts, responses), world, rank)
 
     def close(self) -> None:
         """Free the model (vLLM's engine is shut down), so that the next reward source of a stage has the memory."""

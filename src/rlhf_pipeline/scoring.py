@@ -224,9 +224,13 @@ def _rows_text(first: int, last: int) -> str:
     return f"row {first}" if first == last else f"rows {first}..{last}"
 
 
-def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations, prompts, responses
-                  ) -> tuple[list[float], dict[str, Any]]:
-    """One source's reward of every response (flattened as ``locations``), and what the manifest says of it."""
+def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations, prompts, responses,
+                  accelerator=None) -> tuple[list[float | None], dict[str, Any]]:
+    """One source's reward of every response (flattened as ``locations``), and what the manifest says of it. Under
+    ``accelerate launch`` this process scores its share only (see :func:`main`); the other entries are None."""
+    from rlhf_pipeline.distributed import world_and_rank
+
+    world, rank = world_and_rank(accelerator)
     if source.kind == "reward_model":
         from rlhf_pipeline.rewards import RewardModelScorer
 
@@ -237,27 +241,32 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations, 
             batch_size=config.batch_size,
             max_length=config.max_length,
             engine=config.engine,
+            device=None if accelerator is None else accelerator.device,
         )
         try:
-            flat = scorer.score(prompts, responses)
+            flat = scorer.score(prompts, responses, world, rank)
         finally:
             scorer.close()  # before the next source loads its model
         return flat, {"reward_model": source.spec, "engine": config.engine, "truncated_sequences": scorer.truncated}
 
     from rlhf_pipeline.chat import as_text
+    from rlhf_pipeline.progress import bars_disabled
     from rlhf_pipeline.rewards import call_reward_fn
 
     passed = [c for c in ds.column_names if c not in NOT_PASSED]
     per_row = {c: ds[c][:] for c in passed}
     finish = ds["finish_reasons"][:] if "finish_reasons" in ds.column_names else None
-    flat = []
-    for start in tqdm(range(0, len(locations), config.batch_size), desc="score (fn)", unit="batch"):
+    flat: list[float | None] = [None] * len(locations)
+    # The batches of one process, dealt out in turn over the processes: each call sees the responses it would see in
+    # one process, so a function of the whole batch gives the same rewards however many processes run.
+    starts = list(range(0, len(locations), config.batch_size))[rank::world]
+    for start in tqdm(starts, desc="score (fn)", unit="batch", disable=rank != 0 or bars_disabled()):
         chunk = locations[start : start + config.batch_size]
         batch = f"{_rows_text(chunk[0][0], chunk[-1][0])} (batch of {len(chunk)} response{'s' * (len(chunk) > 1)})"
         columns = {c: [values[row] for row, _ in chunk] for c, values in per_row.items()}
         if finish is not None:
             columns["finish_reasons"] = [finish[row][j] for row, j in chunk]
-        flat += call_reward_fn(
+        flat[start : start + len(chunk)] = call_reward_fn(
             fn,
             [as_text(prompts[start + k]) for k in range(len(chunk))],
             responses[start : start + len(chunk)],
@@ -268,6 +277,15 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations, 
     return flat, {"reward_fn": source.spec}
 
 
+def _merge_shares(shares: list[list[tuple[int, float]]], count: int) -> list[float]:
+    """The ``count`` rewards in their original order, from each process's ``(index, reward)`` pairs."""
+    merged: list[float] = [math.nan] * count
+    for share in shares:
+        for i, value in share:
+            merged[i] = value
+    return merged
+
+
 def _per_row(flat: list[float], locations: list[tuple[int, int]], num_rows: int) -> list[list[float]]:
     rows: list[list[float]] = [[] for _ in range(num_rows)]
     for (row, _), value in zip(locations, flat):
@@ -275,12 +293,26 @@ def _per_row(flat: list[float], locations: list[tuple[int, int]], num_rows: int)
     return rows
 
 
-def main(config: ScoreConfig) -> Path:
-    from datasets import List, Value
+class _Work(NamedTuple):
+    """What every process of a scoring run reads before it scores: the output, the data, the flattened responses."""
 
-    from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_ref, parse_ref
+    out: Any
+    ref: Any
+    ds: Any
+    fns: dict[str, Any]
+    locations: list[tuple[int, int]]
+    prompts: list
+    responses: list[str]
+
+
+def _read(config: ScoreConfig, processes: int) -> _Work | None:
+    """Check the sources and the input, and read the responses; None when the output holds this run already."""
+    if config.engine == "vllm" and processes > 1:
+        raise PipelineError("rlhf score --engine vllm runs in one process (vLLM batches and schedules the sequences "
+                            "itself); run it without accelerate launch, or score with --engine hf")
+    from rlhf_pipeline.datasets_io import StageOutput, load_dataset_ref, parse_ref
     from rlhf_pipeline.modeling import check_model_ref
-    from rlhf_pipeline.rewards import STANDARDIZE_EPS, combine_rewards, first_non_finite, load_reward_fn
+    from rlhf_pipeline.rewards import load_reward_fn
 
     # The reward sources first: a mistyped model or function fails before the data is read.
     sources = config.sources
@@ -295,7 +327,7 @@ def main(config: ScoreConfig) -> Path:
         _check_not_a_shard(ref)
     out = StageOutput("score", config, inputs=[ref])
     if out.done():
-        return out.path
+        return None
     ds = load_dataset_ref(ref)
     column = _check_generations(ds, ref.name, sources)
 
@@ -306,10 +338,60 @@ def main(config: ScoreConfig) -> Path:
     responses = [r for rs in responses_per_row for r in rs]
     prompt_values = ds[column][:]
     prompts = [prompt_values[row] for row, _ in locations]
+    return _Work(out, ref, ds, fns, locations, prompts, responses)
 
-    per_source, records = [], []
-    for source in sources:
-        flat, record = _score_source(source, fns.get(source.key), config, ds, locations, prompts, responses)
+
+def main(config: ScoreConfig) -> Path:
+    """``rlhf score``: in one process, or under ``accelerate launch --num_processes N`` (see :func:`score`)."""
+    from rlhf_pipeline.distributed import run_inference
+
+    return run_inference("rlhf score", lambda accelerator: score(config, accelerator))
+
+
+def score(config: ScoreConfig, accelerator=None) -> Path:
+    """Score and write the output. With an ``accelerator`` of several processes (``rlhf score`` under
+    ``accelerate launch``, or ``rlhf eval``'s scoring there) every process reads the input, scores its share of the
+    batches (length-sorted for a reward model, in order for a function; the same batches as one process makes),
+    the shares are gathered in the original order, and the main process checks and writes the output alone; a
+    failure on any process fails them all, with one error from the main process. The manifest records the number
+    of processes, which does not change the rewards (a rerun with another number reuses the output)."""
+    from rlhf_pipeline.distributed import gather_guarded, guarded, on_main_process, world_and_rank
+
+    world, _ = world_and_rank(accelerator)
+    work = guarded(accelerator, lambda: _read(config, world))
+    if work is None:
+        return Path(config.output).expanduser()
+    sources = config.sources
+
+    def my_share() -> list[tuple[list[tuple[int, float]], dict[str, Any]]]:
+        share = []
+        for source in sources:
+            flat, record = _score_source(source, work.fns.get(source.key), config, work.ds, work.locations,
+                                         work.prompts, work.responses, accelerator)
+            share.append(([(i, v) for i, v in enumerate(flat) if v is not None], record))
+        return share
+
+    shares = gather_guarded(accelerator, my_share)  # per process, per source: (its (index, reward) pairs, record)
+
+    def write() -> None:
+        per_source = [_merge_shares([share[k][0] for share in shares], len(work.locations))
+                      for k in range(len(sources))]
+        _write(config, work, per_source, [record for _, record in shares[0]], world)
+
+    on_main_process(accelerator, write)  # the others wait, and fail with the main process if it fails
+    return work.out.path
+
+
+def _write(config: ScoreConfig, work: _Work, per_source: list[list[float]], records: list[dict[str, Any]],
+           processes: int) -> None:
+    """Check every reward, combine several sources, and write the scored dataset (the main process only)."""
+    from datasets import List, Value
+
+    from rlhf_pipeline.datasets_io import find_in_lineage
+    from rlhf_pipeline.rewards import STANDARDIZE_EPS, combine_rewards, first_non_finite
+
+    sources, ds, ref, locations = config.sources, work.ds, work.ref, work.locations
+    for source, flat in zip(sources, per_source):
         bad = first_non_finite(flat)
         if bad is not None:
             row, j = locations[bad]
@@ -318,9 +400,6 @@ def main(config: ScoreConfig) -> Path:
                 f"{ref.name}: row {row} (prompt_id {ds[row]['prompt_id']}), response {j}: the {what} {source.spec} "
                 f"returned {flat[bad]}; rewards must be finite numbers, so fix the reward (nothing was written)"
             )
-        per_source.append(flat)
-        records.append(record)
-
     # An explicit fingerprint (from the input's and the rewards' bytes): datasets would otherwise hash the whole
     # reward list with dill, which takes longer than writing it.
     digest = hashlib.sha256(f"{ds._fingerprint}:rewards:".encode())
@@ -350,5 +429,4 @@ def main(config: ScoreConfig) -> Path:
     result = result.add_column("rewards", _per_row(flat, locations, ds.num_rows), feature=feature,
                                new_fingerprint=digest.hexdigest()[:32])
     sampling = find_in_lineage([ref], "sampling")
-    out.save(result, rows_in=ds.num_rows, extra={"reward": reward, "sampling": sampling})
-    return out.path
+    work.out.save(result, rows_in=ds.num_rows, extra={"reward": reward, "sampling": sampling, "processes": processes})

@@ -1,0 +1,112 @@
+"""score, ref-logps and eval under ``accelerate launch --multi_gpu --num_processes 2`` on CPUs (gloo): the output of
+2 processes equals the output of 1 (exactly for a reward function; within float tolerance for models), only the
+main process writes, and a failure on one process is one error from the main process. One launch per case (each
+costs ~10-15 s on 2 cores), on one small shared dataset."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from datasets import load_from_disk
+
+from conftest import bundled_path, free_port, launch_failure, run
+
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+
+# A reward of the whole batch (each response's length against its batch's mean) and of a passed column: equal rewards
+# under 2 processes mean every call saw the very batch it sees in one process.
+BATCH_REWARD = '''
+def reward(prompts, responses, **columns):
+    mean = sum(map(len, responses)) / len(responses)
+    return [len(r) - mean + 0.01 * len(p) + 0.001 * len(i) for r, p, i in
+            zip(responses, prompts, columns["prompt_id"])]
+'''
+
+# Raises on the second process only (its rank comes from torchrun).
+RAISES_ON_RANK_1 = '''
+import os
+
+def reward(prompts, responses, **columns):
+    if os.environ.get("RANK") == "1":
+        raise ValueError("a failure on the second process")
+    return [0.0] * len(responses)
+'''
+
+
+def launch(stage_module: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``accelerate launch --multi_gpu --num_processes 2 -m MODULE ARGS`` on CPUs (the stages use gloo there)."""
+    cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+           "-m", stage_module, *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory, tiny_policy) -> Path:
+    """11 prompts x 2 responses (an odd count, so the processes' shares differ in size) and the reward functions."""
+    d = tmp_path_factory.mktemp("distributed")
+    (d / "batch_reward.py").write_text(BATCH_REWARD)
+    (d / "raises.py").write_text(RAISES_ON_RANK_1)
+    assert run("generate", "--model", tiny_policy, "--prompts", bundled_path("prompts.jsonl"), "--output", d / "gen",
+               "--n", 2, "--max-new-tokens", 8, "--limit", 11, "--engine", "hf") == 0
+    return d
+
+
+def column(path: Path, name: str) -> list:
+    return load_from_disk(str(path))[name]
+
+
+def test_score_on_two_processes_equals_one_process(shared, tiny_rm, tmp_path, capsys):
+    """A reward model and a batch-dependent reward function, combined: batch size 3 over 22 responses makes 8
+    batches, dealt out 4 and 4 (the model's length-sorted, the function's in order)."""
+    args = ["--input", shared / "gen", "--reward-model", tiny_rm, "--reward-fn", f"{shared}/batch_reward.py:reward",
+            "--batch-size", 3]
+    assert run("score", *args, "--output", tmp_path / "one") == 0
+    res = launch("rlhf_pipeline.stages.score", *args, "--output", tmp_path / "two")
+    assert res.returncode == 0, launch_failure(res)
+    assert res.stdout.count("[score] wrote") == 1  # the main process alone writes
+    assert column(tmp_path / "two", "rewards_reward_fn") == column(tmp_path / "one", "rewards_reward_fn")
+    for name in ("rewards_reward_model", "rewards"):
+        two, one = column(tmp_path / "two", name), column(tmp_path / "one", name)
+        assert [pytest.approx(r, abs=1e-6) for r in one] == two
+    assert column(tmp_path / "two", "prompt_id") == column(tmp_path / "one", "prompt_id")
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert manifest["processes"] == 2
+    assert json.loads((tmp_path / "one" / "manifest.json").read_text())["processes"] == 1
+    # the number of processes does not change the output: one process reuses the 2-process output
+    capsys.readouterr()
+    assert run("score", *args, "--output", tmp_path / "two") == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_a_failure_on_one_process_is_one_error_from_the_main_process(shared, tmp_path):
+    res = launch("rlhf_pipeline.stages.score", "--input", shared / "gen", "--output", tmp_path / "out",
+                 "--reward-fn", f"{shared}/raises.py:reward", "--batch-size", 3)
+    assert res.returncode != 0
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rlhf score: process 1 of 2: the reward function "
+                      f"{shared}/raises.py:reward raised on rows 1..2 (batch of 3 responses): ValueError: a failure "
+                      "on the second process"], launch_failure(res)
+    assert 'raise ValueError("a failure on the second process")' in res.stderr  # the user's traceback, once
+    assert res.stderr.count("Traceback (most recent call last):\n  File \"" + str(shared)) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_deepspeed_launch_is_refused(monkeypatch):
+    from rlhf_pipeline.distributed import inference_accelerator
+    from rlhf_pipeline.errors import FailedElsewhere, PipelineError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(PipelineError, match=r"rlhf score runs data-parallel.*--multi_gpu --num_processes N"):
+        inference_accelerator("rlhf score")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(FailedElsewhere):  # the other processes exit without a word
+        inference_accelerator("rlhf score")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert inference_accelerator("rlhf score") is None  # one process: no accelerator, the stage as it always ran
