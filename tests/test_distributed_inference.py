@@ -110,3 +110,23 @@ def test_a_deepspeed_launch_is_refused(monkeypatch):
         inference_accelerator("rlhf score")
     monkeypatch.delenv("WORLD_SIZE")
     assert inference_accelerator("rlhf score") is None  # one process: no accelerator, the stage as it always ran
+
+
+def test_ref_logps_on_two_processes_equals_one_process(shared, tiny_policy, tmp_path):
+    """11 pairs (8 train, 3 test) in batches of 2: 4 + 2 batches, some processes with a stand-in round."""
+    assert run("score", "--input", shared / "gen", "--output", tmp_path / "scored",
+               "--reward-fn", f"{shared}/batch_reward.py:reward") == 0
+    assert run("filter", "--input", tmp_path / "scored", "--output", tmp_path / "pairs", "--tokenizer", tiny_policy,
+               "--test-size", 3) == 0
+    args = ["--model", tiny_policy, "--input", tmp_path / "pairs", "--batch-size", 2]
+    assert run("ref-logps", *args, "--output", tmp_path / "one") == 0
+    res = launch("rlhf_pipeline.stages.ref_logps", *args, "--output", tmp_path / "two")
+    assert res.returncode == 0, launch_failure(res)
+    one, two = load_from_disk(str(tmp_path / "one")), load_from_disk(str(tmp_path / "two"))
+    assert {split: ds.num_rows for split, ds in two.items()} == {"train": 8, "test": 3}
+    for split in ("train", "test"):
+        assert two[split]["prompt_id"] == one[split]["prompt_id"]
+        for name in ("chosen_ref_logp", "rejected_ref_logp"):
+            assert two[split][name] == pytest.approx(one[split][name], abs=1e-5)
+            assert len(set(one[split][name])) == one[split].num_rows  # distinct values: a mix-up would show
+    assert json.loads((tmp_path / "two" / "manifest.json").read_text())["processes"] == 2

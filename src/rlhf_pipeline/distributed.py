@@ -151,22 +151,25 @@ def sharded_inference(accelerator, model, lengths: Sequence[int], batch_size: in
     over the processes, gathered so that every process returns ``results[row]`` for all rows. A process with no
     batch left runs a stand-in on row 0 (discarded), so ZeRO-3's collective forwards stay in step."""
     import torch
-    from accelerate.utils import gather_object
     from tqdm.auto import tqdm
 
     batches = sharded_batches(lengths, batch_size, accelerator.num_processes, accelerator.process_index)
-    results: list[tuple[int, Any]] = []
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for idx in tqdm(batches, desc=desc, unit="batch", disable=quiet(accelerator)):
-            with accelerator.autocast():
-                values = compute(idx if idx is not None else [0])
-            if idx is not None:
-                results += zip(idx, values)
-    model.train(was_training)
-    if accelerator.num_processes > 1:
-        results = gather_object(results)
+
+    def mine() -> list[tuple[int, Any]]:
+        results: list[tuple[int, Any]] = []
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            for idx in tqdm(batches, desc=desc, unit="batch", disable=quiet(accelerator)):
+                with accelerator.autocast():
+                    values = compute(idx if idx is not None else [0])
+                if idx is not None:
+                    results += zip(idx, values)
+        model.train(was_training)
+        return results
+
+    # a process that fails tells the others at the gather, so they fail with it instead of waiting there
+    results = [pair for part in gather_guarded(accelerator, mine) for pair in part]
     out: list[Any] = [None] * len(lengths)
     for i, value in results:
         out[i] = value

@@ -1,7 +1,8 @@
 """Log-probs of chosen and rejected responses under the sampling policy, computed once per dataset.
 
     rlhf ref-logps --model runs/iter_0/policy --input runs/iter_0/filter --output runs/iter_0/ref_logps
-    accelerate launch --num_processes 8 -m rlhf_pipeline.stages.ref_logps --model M --input PAIRS --output DIR
+    accelerate launch --multi_gpu --num_processes 8 -m rlhf_pipeline.stages.ref_logps \\
+        --model runs/iter_0/policy --input runs/iter_0/filter --output runs/iter_0/ref_logps
 
 Adds ``chosen_ref_logp`` and ``rejected_ref_logp`` (sums over response tokens) to both splits, so training needs
 no second model in memory; on unpaired data (``rlhf filter --mode unpaired``, KTO) ``completion_ref_logp`` and
@@ -9,7 +10,9 @@ no second model in memory; on unpaired data (``rlhf filter --mode unpaired``, KT
 stage's manifest through the inputs' lineage) and is recorded in this output's manifest; ``rlhf train`` checks
 that it computes the policy's log-probs at the same temperature. ``rlhf train`` runs this pass itself when the
 columns are missing. One batched pass, sequences sorted by length; under ``accelerate launch`` the batches are
-split over the processes.
+dealt out over the processes (each holds the whole model; DeepSpeed configs are refused), gathered in the original
+order, and the main process writes the output (its manifest records the number of processes, which does not change
+the log-probs beyond float rounding: a rerun with another number reuses the output).
 """
 
 from __future__ import annotations
@@ -51,12 +54,17 @@ class RefLogpsConfig(OutputOptions):
 
 
 def main(config: RefLogpsConfig) -> Path:
-    from accelerate import Accelerator
+    from rlhf_pipeline.distributed import run_inference
 
+    return run_inference("rlhf ref-logps", lambda accelerator: _ref_logps(config, accelerator))
+
+
+def _read(config: RefLogpsConfig):
+    """The output, the data (pairs or unpaired rows, checked) and the temperature; None when the output holds this run
+    already."""
     from rlhf_pipeline.algorithms import resolve_temperature
-    from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
-    from rlhf_pipeline.modeling import check_model_ref, load_causal_lm
+    from rlhf_pipeline.modeling import check_model_ref
     import rlhf_pipeline.pairs as pairs
     import rlhf_pipeline.unpaired as unpaired
 
@@ -64,32 +72,49 @@ def main(config: RefLogpsConfig) -> Path:
     ref = parse_ref(config.input)
     out = StageOutput("ref-logps", config, inputs=[ref])
     if out.done():
-        return out.path
+        return None
     dd = load_dataset_dict(ref, required=("train",))
     data = unpaired if unpaired.is_unpaired(dd["train"]) else pairs  # KTO's responses, or pairs
     for split, ds in dd.items():
         (unpaired.check_unpaired if data is unpaired else pairs.check_pairs)(ds, f"{ref}:{split}")
     sampling = find_in_lineage([ref], "sampling")
     temperature = resolve_temperature(config.temperature, sampling, str(ref), None)
+    return out, dd, data, sampling, temperature
 
-    accelerator = Accelerator()
-    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    model = load_causal_lm(
-        config.model, dtype=config.dtype, trust_remote_code=config.trust_remote_code, device=accelerator.device
-    )
+
+def _ref_logps(config: RefLogpsConfig, accelerator) -> Path:
+    """One process, or every process of ``accelerate launch`` (``accelerator``): each computes its share of the
+    length-sorted batches (``distributed.sharded_inference``, which gathers them in the original order), and the
+    main process writes the output."""
+    from accelerate import Accelerator
+
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.distributed import guarded, on_main_process, world_and_rank
+    from rlhf_pipeline.modeling import load_causal_lm
+
+    read = guarded(accelerator, lambda: _read(config))
+    if read is None:
+        return Path(config.output).expanduser()
+    out, dd, data, sampling, temperature = read
+    processes = world_and_rank(accelerator)[0]
+    accelerator = accelerator or Accelerator()  # one process: the accelerator this stage has always used
+    tokenizer, model = guarded(accelerator, lambda: (
+        load_tokenizer(config.model, config.trust_remote_code),
+        load_causal_lm(config.model, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
+                       device=accelerator.device),
+    ))
     values = {
         split: data.compute_ref_logps(
             accelerator, model, ds, pad_id(tokenizer), temperature, config.batch_size, config.pack_ratio
         )
         for split, ds in dd.items()
     }
-    if accelerator.is_main_process:
-        out.save(
-            data.add_ref_columns(dd, values),
-            rows_in=sum(ds.num_rows for ds in dd.values()),
-            extra={"sampling": sampling, "ref_logps": {"model": config.model, "temperature": temperature}},
-        )
-    accelerator.wait_for_everyone()
+    on_main_process(accelerator, lambda: out.save(
+        data.add_ref_columns(dd, values),
+        rows_in=sum(ds.num_rows for ds in dd.values()),
+        extra={"sampling": sampling, "ref_logps": {"model": config.model, "temperature": temperature},
+               "processes": processes},
+    ))
     return out.path
 
 
