@@ -130,3 +130,23 @@ def test_ref_logps_on_two_processes_equals_one_process(shared, tiny_policy, tmp_
             assert two[split][name] == pytest.approx(one[split][name], abs=1e-5)
             assert len(set(one[split][name])) == one[split].num_rows  # distinct values: a mix-up would show
     assert json.loads((tmp_path / "two" / "manifest.json").read_text())["processes"] == 2
+
+
+def test_eval_on_two_processes_equals_one_process(shared, tiny_policy, tiny_rm, tmp_path):
+    """The main process samples, both score (a reward model and a function), the main process writes the numbers."""
+    args = ["--model", tiny_policy, "--prompts", bundled_path("prompts.jsonl"), "--limit", 7, "--n", 2,
+            "--max-new-tokens", 8, "--engine", "hf", "--reward-model", tiny_rm,
+            "--reward-fn", f"{shared}/batch_reward.py:reward", "--score-batch-size", 3, "--baseline", tiny_policy]
+    assert run("eval", *args, "--output", tmp_path / "one") == 0
+    res = launch("rlhf_pipeline.stages.eval", *args, "--output", tmp_path / "two")
+    assert res.returncode == 0, launch_failure(res)
+    assert res.stdout.count("[generate] wrote") == 1 and res.stdout.count("[eval] reward_fn: mean reward") == 1
+    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    assert two["scores"]["reward_fn"] == one["scores"]["reward_fn"]
+    assert two["scores"]["reward_model"] == pytest.approx(one["scores"]["reward_model"], abs=1e-6)
+    samples_one, samples_two = (load_from_disk(str(tmp_path / d / "samples")) for d in ("one", "two"))
+    assert samples_two["responses"] == samples_one["responses"]
+    assert samples_two["rewards_reward_fn"] == samples_one["rewards_reward_fn"]
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert manifest["processes"] == 2
+    assert json.loads((tmp_path / "two" / "score_reward_model" / "manifest.json").read_text())["processes"] == 2

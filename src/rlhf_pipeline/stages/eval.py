@@ -168,21 +168,24 @@ def combined_summary(sources: list[RewardSource], weights: Sequence[float], ours
     }
 
 
-def _sample_and_score(config: EvalConfig, model: str, directory: Path) -> dict[str, Path]:
-    """Generate with ``model`` into ``directory/generate`` and score it with every scorer."""
+def _sample_and_score(config: EvalConfig, model: str, directory: Path, accelerator=None) -> dict[str, Path]:
+    """Generate with ``model`` into ``directory/generate`` and score it with every scorer. Under ``accelerate
+    launch`` the main process samples (the other processes wait) and every process scores its share."""
     from rlhf_pipeline import generation, scoring
+    from rlhf_pipeline.distributed import on_main_process
 
     gen = generation.GenerateConfig(
         output=str(directory / "generate"), model=model, prompts=config.prompts,
         **options_of(config, SamplingOptions),
     )
-    paths = {"generate": generation.main(gen)}
+    on_main_process(accelerator, lambda: generation.main(gen))
+    paths = {"generate": directory / "generate"}
     for source in _scorers(config):  # each scored alone (raw rewards): the combination is made in main
-        paths[source.key] = scoring.main(scoring.ScoreConfig(
+        paths[source.key] = scoring.score(scoring.ScoreConfig(
             output=str(directory / f"score_{source.key}"), input=str(paths["generate"]),
             batch_size=config.score_batch_size, max_length=config.max_length, dtype=config.dtype,
             trust_remote_code=config.trust_remote_code, **{source.kind: source.spec},
-        ))
+        ), accelerator)
     return paths
 
 
@@ -239,8 +242,8 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     return earlier
 
 
-def _baseline_scores(config: EvalConfig, earlier: Path | None, out_dir: Path) -> tuple[dict[str, Path] | None,
-                                                                                         str | None]:
+def _baseline_scores(config: EvalConfig, earlier: Path | None, out_dir: Path, accelerator=None
+                     ) -> tuple[dict[str, Path] | None, str | None]:
     """The baseline's scored samples (None when the baseline is the evaluated model itself) and a description:
     those of the earlier evaluation ``earlier`` (checked by :func:`_check_inputs`), or sampled and scored now."""
     if config.baseline is None:
@@ -248,7 +251,7 @@ def _baseline_scores(config: EvalConfig, earlier: Path | None, out_dir: Path) ->
     if config.baseline == config.model:
         return None, "the evaluated model itself"
     if earlier is None:
-        return _sample_and_score(config, config.baseline, out_dir / "baseline"), config.baseline
+        return _sample_and_score(config, config.baseline, out_dir / "baseline", accelerator), config.baseline
     previous_model = json.loads((earlier / "manifest.json").read_text())["config"]["model"]
     return ({s.key: earlier / f"score_{s.key}" for s in _scorers(config)},
             f"{previous_model} (samples of {earlier})")
@@ -263,21 +266,47 @@ def _rewards_by_prompt(path: Path) -> tuple[list[str], dict[str, list[float]]]:
 
 
 def main(config: EvalConfig) -> Path:
-    from rlhf_pipeline.datasets_io import StageOutput, parse_ref
+    from rlhf_pipeline.distributed import run_inference
 
-    ref = parse_ref(config.prompts)
-    out = StageOutput("eval", config, inputs=[ref])
-    if out.done(resume=True):  # the parts are stage outputs of their own: an unfinished eval continues
-        return out.path
-    earlier = _check_inputs(config, ref)  # before the output directory is made: a mistake leaves nothing
-    if out.replace:
-        shutil.rmtree(out.path)
-    out.record_start()
-    baseline, baseline_desc = _baseline_scores(config, earlier, out.path)
-    own = _sample_and_score(config, config.model, out.path)
+    return run_inference("rlhf eval", lambda accelerator: _evaluate(config, accelerator))
+
+
+def _evaluate(config: EvalConfig, accelerator) -> Path:
+    """One process, or every process of ``accelerate launch`` (``accelerator``): the main process samples and writes,
+    every process scores its share of the samples (``scoring.score``)."""
+    from rlhf_pipeline.datasets_io import StageOutput, parse_ref
+    from rlhf_pipeline.distributed import guarded, on_main_process, world_and_rank
+
+    def begin():
+        ref = parse_ref(config.prompts)
+        out = StageOutput("eval", config, inputs=[ref])
+        if out.done(resume=True):  # the parts are stage outputs of their own: an unfinished eval continues
+            return None
+        return out, _check_inputs(config, ref)  # before the output directory is made: a mistake leaves nothing
+
+    begun = guarded(accelerator, begin)
+    if begun is None:
+        return Path(config.output).expanduser()
+    out, earlier = begun
+
+    def start() -> None:
+        if out.replace:
+            shutil.rmtree(out.path)
+        out.record_start()
+
+    on_main_process(accelerator, start)
+    baseline, baseline_desc = _baseline_scores(config, earlier, out.path, accelerator)
+    own = _sample_and_score(config, config.model, out.path, accelerator)
     if config.baseline == config.model:
         baseline = own
+    processes = world_and_rank(accelerator)[0]
+    on_main_process(accelerator, lambda: _report(config, out, own, baseline, baseline_desc, processes))
+    return out.path
 
+
+def _report(config: EvalConfig, out, own: dict[str, Path], baseline: dict[str, Path] | None,
+            baseline_desc: str | None, processes: int) -> None:
+    """The numbers, the samples and the manifest (the main process only)."""
     from datasets import load_from_disk
 
     generated = load_from_disk(str(own["generate"]))
@@ -326,7 +355,8 @@ def main(config: EvalConfig) -> Path:
     with atomic_directory(out.path / EVAL_SAMPLES) as tmp:
         samples.save_to_disk(str(tmp))
     write_text_atomic(out.path / EVAL_RESULTS, json.dumps(results, indent=2) + "\n")
-    manifest = out.manifest(rows_in=generated.num_rows, rows_out=generated.num_rows, extra={"eval": results})
+    manifest = out.manifest(rows_in=generated.num_rows, rows_out=generated.num_rows,
+                            extra={"eval": results, "processes": processes})
     if config.push_to_hub:  # before the manifest: a failed upload leaves the evaluation unfinished, to be rerun
         out.write_manifest(dict(manifest), directory=out.path / EVAL_SAMPLES)
         push_to_hub(samples, out.path / EVAL_SAMPLES / "manifest.json", config.push_to_hub)
@@ -338,7 +368,6 @@ def main(config: EvalConfig) -> Path:
         if s["win_rate"] is not None:
             line += f", win rate {s['win_rate']:.3f} against the baseline (mean {s['baseline_mean']:.4f})"
         print(line)
-    return out.path
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
