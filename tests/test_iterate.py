@@ -203,3 +203,19 @@ def test_a_stage_does_not_outlive_a_killed_iterate(tmp_path):
     if still:
         os.kill(pid, signal.SIGKILL)
     assert not still, "the stage kept running after iterate was killed"
+
+
+def test_score_and_eval_take_an_accelerate_launcher(tmp_path):
+    """Data-parallel scoring: the score and eval steps run under their launchers, the other stages under theirs."""
+    launch = "accelerate launch --multi_gpu --num_processes 8"
+    steps = plan(config(tmp_path, iterations=1, eval_prompts="e.jsonl",
+                        launchers={"score": launch, "eval": launch + " --main_process_port 29600"}))
+    by_name = {s.name: s for s in steps}
+    assert by_name["iter_1/score"].command[:7] == [
+        "accelerate", "launch", "--multi_gpu", "--num_processes", "8", "-m", "rlhf_pipeline.stages.score"]
+    assert by_name["iter_1/score"].command[7:9] == ["--input", str(tmp_path / "run" / "iter_1" / "generate")]
+    for name in ("iter_0/eval", "iter_1/eval"):
+        assert by_name[name].command[:9] == [*launch.split(), "--main_process_port", "29600", "-m",
+                                             "rlhf_pipeline.stages.eval"]
+    for name in ("iter_1/generate", "iter_1/filter", "iter_1/train"):
+        assert by_name[name].command[0] == sys.executable

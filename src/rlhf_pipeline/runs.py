@@ -22,8 +22,10 @@ t: ``generate.seed + t - 1``, so iterations do not repeat each other's samples.
 
 Each stage runs as its own process, ``LAUNCHER -m rlhf_pipeline.stages.<stage> ARGS``, where the launcher is a
 command prefix that behaves like ``python``: the current interpreter by default, or per stage for example
-``conda run --no-capture-output -n rlhf-vllm python`` for generate and
-``accelerate launch --config_file accelerate_cfgs/zero3.yaml`` for train.
+``conda run --no-capture-output -n rlhf-vllm python`` for generate,
+``accelerate launch --config_file accelerate_cfgs/zero3.yaml`` for train, and
+``accelerate launch --multi_gpu --num_processes 8`` for score and eval (data parallel, each process the whole reward
+model; no DeepSpeed config there).
 
 Resuming: a stage whose output holds a finished run with the same config and inputs is not launched again (the
 check is the stages' own manifest check), so after a crash or Ctrl-C the same command continues at the first
@@ -98,7 +100,9 @@ class IterateConfig(OutputOptions):
     launchers: dict = option(
         default_factory=dict,
         help="Per-stage command prefix that behaves like python, e.g. {generate: conda run -n rlhf-vllm python, "
-        "train: accelerate launch --config_file accelerate_cfgs/zero3.yaml}; default: this interpreter.",
+        "train: accelerate launch --config_file accelerate_cfgs/zero3.yaml, score: accelerate launch --multi_gpu "
+        "--num_processes 8} (score and eval run data-parallel under accelerate launch, without a DeepSpeed config); "
+        "default: this interpreter.",
     )
     generate: dict = option(default_factory=dict, help="Options of rlhf generate, e.g. {n: 5, temperature: 0.8, engine: vllm}.")
     score: dict = option(default_factory=dict, help="Options of rlhf score, e.g. {batch_size: 8, trust_remote_code: true}.")
