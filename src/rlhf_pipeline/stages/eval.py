@@ -2,6 +2,7 @@
 
     rlhf eval --model runs/iter_3/train --prompts eval_prompts.jsonl --reward-model runs/rm \\
         --baseline runs/sft --output runs/eval_iter_3
+    accelerate launch --multi_gpu --num_processes 8 -m rlhf_pipeline.stages.eval ...   # scoring data-parallel
 
 The policy samples ``--n`` responses per prompt (``rlhf generate``, same engines and options), and every response
 is scored by the reward model and/or the reward function (``rlhf score``; give one or both: each becomes a scorer

@@ -5,6 +5,8 @@
     rlhf score --input out/gen --output out/scored --reward-fn my_rewards.py:reward
     rlhf score --input out/gen --output out/scored --reward-model runs/rm --reward-fn checks.py:format \\
         --reward-weights 1 0.5      # several sources: rewards_<key> each, rewards = their standardised weighted sum
+    accelerate launch --multi_gpu --num_processes 8 -m rlhf_pipeline.stages.score \\
+        --input runs/iter_0/generate --output runs/iter_0/score --reward-model runs/rm   # data parallel
 
 What is added and how: ``rlhf_pipeline.scoring`` (the reward sources are ``rlhf_pipeline.rewards``).
 """
