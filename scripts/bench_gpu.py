@@ -194,17 +194,28 @@ class Clock:
         return time.perf_counter()
 
 
-def run_ours(spec: dict, pairs: list[dict], device, clock: Clock) -> dict[str, Any]:
+def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) -> dict[str, Any]:
     import contextlib
+    from dataclasses import dataclass
 
     import torch
     from transformers import AutoModelForCausalLM
 
     from rlhf_pipeline.losses import PairLossParams
+    from rlhf_pipeline.lora import LoraOptions
     from rlhf_pipeline.pairs import pair_logps
     from rlhf_pipeline.pairs import PairTask
     from rlhf_pipeline.distributed import sharded_batches
-    from rlhf_pipeline.trainer import add_to_sums, disable_dropout, warmup_cosine
+    from rlhf_pipeline.trainer import add_to_sums, load_trainable, warmup_cosine
+
+    @dataclass(kw_only=True)
+    class LoadOptions(LoraOptions):
+        """What ``trainer.load_trainable`` reads of ``rlhf train``'s options (LoRA's through ``LoraOptions``)."""
+
+        model: str
+        seed: int
+        trust_remote_code: bool = False
+        gradient_checkpointing: bool = False
 
     amp = spec["precision"] == "amp"
 
@@ -212,13 +223,15 @@ def run_ours(spec: dict, pairs: list[dict], device, clock: Clock) -> dict[str, A
         return torch.autocast(device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
 
     t0 = clock()
-    torch.manual_seed(spec["seed"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32,
-                                                 attn_implementation=spec["attn"]).to(device)
-    model.config.use_cache = False
-    disable_dropout(model)
-    if spec["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # As rlhf train loads its model: seeded, float32, dropout off, checkpointing as asked, then the adapters
+    # (lora.add_adapters: peft's all-linear, the model frozen) when mode asks for LoRA; the trainer's accelerator
+    # moves it to the device afterwards, as here.
+    options = LoadOptions(model=spec["model_dir"], seed=spec["seed"], lora_rank=mode["lora_rank"],
+                          lora_alpha=mode["lora_alpha"], gradient_checkpointing=spec["gradient_checkpointing"])
+    options.check_lora()
+    model = load_trainable(options, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=spec["attn"], **kw)).to(device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     t_loaded = clock()
 
     # Reference log-probs: one batched no-grad pass, length-sorted (as pairs.compute_ref_logps).
@@ -235,7 +248,7 @@ def run_ours(spec: dict, pairs: list[dict], device, clock: Clock) -> dict[str, A
 
     total, accumulation = spec["total_steps"], spec["accumulation"]
     fused = {"fused": True} if device.type == "cuda" else {}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, **fused)
+    optimizer = torch.optim.AdamW(trainable, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, **fused)
     warmup = int(0.1 * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total))
     task = PairTask("dpo", PairLossParams(beta=BETA), temperature=1.0, pad_id=PAD,
@@ -253,7 +266,7 @@ def run_ours(spec: dict, pairs: list[dict], device, clock: Clock) -> dict[str, A
             add_to_sums(sums, loss, metrics, len(ids))  # float() per micro-batch, as the trainer does
             lens = seq_lengths(rows)
             real, sq, positions = real + n_real, sq + sum(t * t for t in lens), positions + n_total
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, 1.0)))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -261,10 +274,11 @@ def run_ours(spec: dict, pairs: list[dict], device, clock: Clock) -> dict[str, A
         stats.append({"real": real, "sq": sq, "positions": positions})
         step_ends.append(clock())
     return {"t0": t0, "seconds_setup": t_loaded - t0, "seconds_ref": t_ref - t_loaded, "step_ends": step_ends,
-            "step_stats": stats, "first_loss": losses[0], "first_grad_norm": grad_norms[0]}
+            "step_stats": stats, "first_loss": losses[0], "first_grad_norm": grad_norms[0],
+            "trainable_params": sum(p.numel() for p in trainable)}
 
 
-def run_trl(spec: dict, pairs: list[dict], device, clock: Clock, precompute: bool) -> dict[str, Any]:
+def run_trl(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock, precompute: bool) -> dict[str, Any]:
     import dataclasses
 
     from datasets import Dataset
@@ -316,7 +330,7 @@ def run_trl(spec: dict, pairs: list[dict], device, clock: Clock, precompute: boo
     })
     cpu = device.type == "cpu"
     kwargs = dict(
-        output_dir=str(Path(spec["workdir"]) / f"trl_out_{'pre' if precompute else 'default'}"),
+        output_dir=str(Path(spec["workdir"]) / f"trl_out_{'pre' if precompute else 'default'}_{mode['name']}"),
         per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=spec["accumulation"],
         max_steps=spec["total_steps"], num_train_epochs=1, learning_rate=LR, beta=BETA, lr_scheduler_type="cosine",
         weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch" if cpu else "adamw_torch_fused",
@@ -333,10 +347,18 @@ def run_trl(spec: dict, pairs: list[dict], device, clock: Clock, precompute: boo
         print(f"[bench_gpu] this DPOConfig has no {', '.join(dropped)}; left at its default", file=sys.stderr)
     args = DPOConfig(**{k: v for k, v in kwargs.items() if k in fields})
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    peft_config = None
+    if mode["lora_rank"]:  # our LoraOptions' peft config: every linear layer but the LM head, no dropout
+        import peft
+
+        peft_config = peft.LoraConfig(r=mode["lora_rank"], lora_alpha=mode["lora_alpha"], lora_dropout=0.0,
+                                      target_modules="all-linear", bias="none", task_type="CAUSAL_LM")
     t0 = clock()
     trainer = IdsDPOTrainer(model=spec["model_dir"], args=args, train_dataset=ds, processing_class=tokenizer,
-                            callbacks=[StepClock()])
+                            callbacks=[StepClock()], peft_config=peft_config)
     t_init = clock()
+    if mode["lora_rank"] and trainer.ref_model is not None:
+        raise RuntimeError("TRL with a peft_config loaded a reference model; expected the adapter-disabled policy")
     trainer.train()
     if len(step_ends) != spec["total_steps"]:
         raise RuntimeError(f"TRL ran {len(step_ends)} steps, expected {spec['total_steps']}")
@@ -354,10 +376,11 @@ def run_trl(spec: dict, pairs: list[dict], device, clock: Clock, precompute: boo
     logs = [r for r in trainer.state.log_history if "loss" in r]
     return {"t0": t0, "seconds_setup": t_init - t0 - ref_seconds[0], "seconds_ref": ref_seconds[0],
             "step_ends": step_ends, "step_stats": stats, "first_loss": logs[0]["loss"],
-            "first_grad_norm": logs[0].get("grad_norm")}
+            "first_grad_norm": logs[0].get("grad_norm"),
+            "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
 
 
-def worker(side: str, spec_path: str) -> None:
+def worker(side: str, mode_name: str, spec_path: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401  (imports are not timed: the
     # model classes are imported lazily, on first use, so import them here for both sides)
@@ -365,7 +388,10 @@ def worker(side: str, spec_path: str) -> None:
     import rlhf_pipeline.stages.train  # noqa: F401
 
     spec = json.loads(Path(spec_path).read_text())
+    mode = spec["modes"][mode_name]
     pairs = json.loads(Path(spec["pairs_path"]).read_text())
+    if mode["lora_rank"]:
+        import peft  # noqa: F401
     if side != "ours":
         import datasets  # noqa: F401
         import trl  # noqa: F401
@@ -375,10 +401,10 @@ def worker(side: str, spec_path: str) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     clock = Clock(device)
     if side == "ours":
-        out = run_ours(spec, pairs, device, clock)
+        out = run_ours(spec, mode, pairs, device, clock)
     else:
-        out = run_trl(spec, pairs, device, clock, precompute=side == "trl_precomputed")
-    out["side"] = side
+        out = run_trl(spec, mode, pairs, device, clock, precompute=side == "trl_precomputed")
+    out["side"], out["mode"] = side, mode_name
     if device.type == "cuda":
         out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
@@ -390,7 +416,7 @@ def worker(side: str, spec_path: str) -> None:
 # Parent: spawn, compute FLOPs and MFU, report
 
 
-def spawn(side: str, spec_path: Path, timeout: float | None, visible_gpu: str | None,
+def spawn(side: str, mode: str, spec_path: Path, timeout: float | None, visible_gpu: str | None,
           cpu_threads: int | None) -> dict[str, Any]:
     env = {**os.environ, "TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -398,7 +424,8 @@ def spawn(side: str, spec_path: Path, timeout: float | None, visible_gpu: str | 
         env["CUDA_VISIBLE_DEVICES"] = visible_gpu
     if cpu_threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(cpu_threads)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--spec", str(spec_path)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--worker-mode", mode,
+           "--spec", str(spec_path)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -410,30 +437,56 @@ def spawn(side: str, spec_path: Path, timeout: float | None, visible_gpu: str | 
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def flops(lengths_sum: int, sq_sum: int, n: int, layers: int, hidden: int, train: bool) -> float:
-    """PaLM model FLOPs of sequences with Σ T = lengths_sum and Σ T² = sq_sum (see the module docstring)."""
-    return (6 if train else 2) * n * lengths_sum + (12 if train else 4) * layers * hidden * sq_sum
+def flops(lengths_sum: int, sq_sum: int, n: int, layers: int, hidden: int, train: bool, lora_params: int = 0) -> float:
+    """PaLM model FLOPs of sequences with Σ T = lengths_sum and Σ T² = sq_sum (see the module docstring). A LoRA
+    training step (``lora_params`` > 0: the adapters' parameter count) does no weight gradients of the frozen N:
+    4N + 6·lora_params per token instead of 6N; the attention term is the same."""
+    if not train:
+        per_token = 2 * n
+    elif lora_params:
+        per_token = 4 * n + 6 * lora_params
+    else:
+        per_token = 6 * n
+    return per_token * lengths_sum + (12 if train else 4) * layers * hidden * sq_sum
+
+
+def lora_param_count(config, rank: int) -> int:
+    """Parameters of the rank-``rank`` adapters ``rlhf_pipeline.lora.add_adapters`` puts on a model of ``config``
+    (built on the meta device: nothing is allocated): Σ rank · (in + out) over the adapted linear layers."""
+    import torch
+    import transformers
+
+    from rlhf_pipeline.lora import LoraOptions, add_adapters
+
+    with torch.device("meta"):
+        model = add_adapters(transformers.AutoModelForCausalLM.from_config(config), LoraOptions(lora_rank=rank))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def summarise(raw: dict, spec: dict, peak_flops: float | None) -> dict[str, Any]:
     n, layers, hidden = spec["flops_params"], spec["model"]["num_hidden_layers"], spec["model"]["hidden_size"]
+    mode = spec["modes"][raw["mode"]]
+    lora = mode["lora_params"]
     warmup, stats, ends = spec["warmup"], raw["step_stats"], raw["step_ends"]
     window = stats[warmup:]
     w_real = sum(s["real"] for s in window)
     w_sq = sum(s["sq"] for s in window)
     w_seconds = ends[-1] - ends[warmup - 1]
-    w_train = flops(w_real, w_sq, n, layers, hidden, True)
+    w_train = flops(w_real, w_sq, n, layers, hidden, True, lora)
     w_ref = flops(w_real, w_sq, n, layers, hidden, False) if raw["side"] == "trl" else 0.0
     run_seconds = ends[-1] - raw["t0"]
     all_real = sum(s["real"] for s in stats)
     all_sq = sum(s["sq"] for s in stats)
-    run_flops = flops(all_real, all_sq, n, layers, hidden, True) + flops(all_real, all_sq, n, layers, hidden, False)
+    run_flops = (flops(all_real, all_sq, n, layers, hidden, True, lora)
+                 + flops(all_real, all_sq, n, layers, hidden, False))
     step_seconds = [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])]
 
     def mfu(f: float, s: float) -> float | None:
         return f / s / peak_flops if peak_flops else None
 
     out = {
+        "side": raw["side"], "mode": raw["mode"], "lora_rank": mode["lora_rank"], "lora_alpha": mode["lora_alpha"],
+        "trainable_params": raw["trainable_params"],
         "seconds_steps": w_seconds, "steps_timed": len(window), "median_step_seconds": statistics.median(step_seconds),
         "real_tokens_steps": w_real, "tokens_per_s_steps": w_real / w_seconds,
         "seconds_run": run_seconds, "seconds_setup": raw["seconds_setup"], "seconds_ref": raw["seconds_ref"],
@@ -461,7 +514,7 @@ def fmt(v, spec: str = ".2f") -> str:
 
 
 def table(sides: dict[str, dict], mem_key: str) -> str:
-    head = ("| side | steps s | tok/s (steps) | MFU steps | MFU steps+ref | run s (setup / ref) | tok/s (run) | "
+    head = ("| run | trained params | steps s | tok/s (steps) | MFU steps | MFU steps+ref | run s (setup / ref) | tok/s (run) | "
             "MFU run | real-token frac | peak mem GiB | step-1 loss | step-1 grad norm |")
     columns = head.count("|") - 1
     lines = [head, "|" + "---|" * columns]
@@ -472,7 +525,7 @@ def table(sides: dict[str, dict], mem_key: str) -> str:
             continue
         pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
         lines.append(
-            f"| {side} | {s['seconds_steps']:.2f} | {s['tokens_per_s_steps']:,.0f} | {pct(s['mfu_steps'])} | "
+            f"| {side} | {count(s['trainable_params'])} | {s['seconds_steps']:.2f} | {s['tokens_per_s_steps']:,.0f} | {pct(s['mfu_steps'])} | "
             f"{pct(s['mfu_steps_with_ref'])} | {s['seconds_run']:.2f} ({s['seconds_setup']:.2f} / "
             f"{s['seconds_ref']:.2f}) | {s['tokens_per_s_run']:,.0f} | {pct(s['mfu_run'])} | "
             f"{s['real_token_fraction']:.3f} | {fmt(s[mem_key], '.2f')} | {s['first_loss']:.6f} | "
@@ -488,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true",
                    help="hidden 64, 2 layers, vocab 512, few short pairs, float32 (a smoke test)")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
+    p.add_argument("--lora-rank", default="0",
+                   help="comma-separated modes by LoRA rank, each run on every side: 0 = full fine-tuning, R = rank-R "
+                        "adapters on every linear layer but the LM head (e.g. 0,16: full and LoRA side by side)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha (default: 2 x each rank)")
     p.add_argument("--batch-size", type=int, default=None, help="pairs per micro-batch (default 4; tiny 2)")
     p.add_argument("--accumulation", type=int, default=None, help="micro-batches per step (default 4; tiny 2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps after the warmup (default 20; tiny 2)")
@@ -515,10 +572,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-timeout", type=float, default=None, help="seconds per side run")
     p.add_argument("--output", default="gpu_bench.json")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--worker-mode", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        worker(a.worker, a.spec)
+        worker(a.worker, a.worker_mode, a.spec)
         return 0
 
     import torch
@@ -561,6 +619,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in sides if s not in SIDES]
     if unknown:
         raise SystemExit(f"unknown side(s) {unknown}; choose from {SIDES}")
+    try:
+        ranks = [int(r) for r in a.lora_rank.split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"--lora-rank {a.lora_rank}: give comma-separated integers (0 = full fine-tuning), e.g. 0,16")
+    if not ranks or min(ranks) < 0 or len(set(ranks)) != len(ranks):
+        raise SystemExit(f"--lora-rank {a.lora_rank}: give distinct ranks >= 0 (0 = full fine-tuning), e.g. 0,16")
+    if a.lora_alpha is not None and (a.lora_alpha <= 0 or ranks == [0]):
+        raise SystemExit("--lora-alpha must be > 0 and needs a LoRA rank (--lora-rank R or 0,R)")
+    if any(ranks) and importlib.util.find_spec("peft") is None:
+        raise SystemExit("--lora-rank R needs peft: pip install peft (or this project's [lora] extra)")
     trl_missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
     skipped: dict[str, str] = {}
     if trl_missing:
@@ -596,11 +664,19 @@ def main(argv: list[str] | None = None) -> int:
     tied = meta.get_output_embeddings().weight is meta.get_input_embeddings().weight
     flops_params = total_params - (0 if tied else meta.get_input_embeddings().weight.numel())  # the LM head stays
     del meta
+    modes = {}
+    for r in ranks:
+        name = f"lora{r}" if r else "full"
+        modes[name] = {"name": name, "lora_rank": r, "lora_alpha": (a.lora_alpha or 2.0 * r) if r else None,
+                       "lora_params": lora_param_count(config, r) if r else 0}
     real_tokens = sum(pair_lengths(pairs))
     print(f"[bench_gpu] Llama {dims['num_hidden_layers']} layers x {dims['hidden_size']}, vocab {dims['vocab_size']}: "
           f"{count(total_params)} params ({count(flops_params)} in matmuls); {num_pairs} pairs, "
           f"{real_tokens:,} real tokens; global batch {batch_size} x {accumulation}, {a.warmup} warmup + {steps} "
-          f"timed steps; {precision}, attn {a.attn}; setup {time.perf_counter() - t:.1f} s")
+          f"timed steps; {precision}, attn {a.attn}; "
+          + ", ".join(m if not v["lora_rank"] else f"{m} (alpha {v['lora_alpha']:g}, {count(v['lora_params'])} "
+                      "adapter params)" for m, v in modes.items())
+          + f"; setup {time.perf_counter() - t:.1f} s")
 
     spec = {
         "device": device, "model_dir": str(model_dir), "pairs_path": str(workdir / "pairs.json"),
@@ -609,56 +685,80 @@ def main(argv: list[str] | None = None) -> int:
         "total_steps": total_steps, "ref_batch_size": a.ref_batch_size, "pack_ratio": a.pack_ratio,
         "attn": a.attn, "precision": precision, "gradient_checkpointing": a.gradient_checkpointing,
         "trl_order": a.trl_order, "seed": a.seed, "flops_params": flops_params, "cpu_threads": cpu_threads,
+        "modes": modes,
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
 
-    runnable = [s for s in sides if s not in skipped]
-    runs: dict[str, list[dict]] = {s: [] for s in runnable}
+    def run_name(side: str, mode: str) -> str:
+        return side if mode == "full" else f"{side}_{mode}"
+
+    runnable = [(side, mode) for mode in modes for side in sides if side not in skipped]
+    runs: dict[str, list[dict]] = {run_name(*x): [] for x in runnable}
     for r in range(a.rounds):
         order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
-        for side in order:
-            t = time.perf_counter()
-            raw = spawn(side, spec_path, a.worker_timeout, visible_gpu, cpu_threads)
+        for side, mode in order:
+            name, t = run_name(side, mode), time.perf_counter()
+            raw = spawn(side, mode, spec_path, a.worker_timeout, visible_gpu, cpu_threads)
             if "error" in raw:
-                print(f"[bench_gpu] {side} FAILED ({raw['error']}):\n{raw.get('stderr_tail', '')}")
+                print(f"[bench_gpu] {name} FAILED ({raw['error']}):\n{raw.get('stderr_tail', '')}")
             else:
                 s = summarise(raw, spec, peak_tflops * 1e12 if peak_tflops else None)
                 raw["summary"] = s
-                print(f"[bench_gpu] round {r + 1} {side}: {s['tokens_per_s_steps']:,.0f} tok/s over the steps, "
+                print(f"[bench_gpu] round {r + 1} {name}: {s['tokens_per_s_steps']:,.0f} tok/s over the steps, "
                       f"run {s['seconds_run']:.1f} s (process {time.perf_counter() - t:.1f} s)")
-            runs[side].append(raw)
+            runs[name].append(raw)
 
     results: dict[str, dict] = {}
-    for side in sides:
-        if side in skipped:
-            results[side] = {"skipped": skipped[side]}
-            continue
-        ok = [x for x in runs[side] if "error" not in x]
-        if not ok:
-            results[side] = {"error": runs[side][-1]["error"], "stderr_tail": runs[side][-1].get("stderr_tail")}
-            continue
-        ok.sort(key=lambda x: x["summary"]["tokens_per_s_steps"])
-        results[side] = dict(ok[len(ok) // 2]["summary"])
-        if len(ok) > 1:
-            results[side]["tokens_per_s_steps_all_rounds"] = [x["summary"]["tokens_per_s_steps"] for x in ok]
+    for mode in modes:
+        for side in sides:
+            name = run_name(side, mode)
+            if side in skipped:
+                results[name] = {"side": side, "mode": mode, "skipped": skipped[side]}
+                continue
+            ok = [x for x in runs[name] if "error" not in x]
+            if not ok:
+                results[name] = {"side": side, "mode": mode, "error": runs[name][-1]["error"],
+                                 "stderr_tail": runs[name][-1].get("stderr_tail")}
+                continue
+            ok.sort(key=lambda x: x["summary"]["tokens_per_s_steps"])
+            results[name] = dict(ok[len(ok) // 2]["summary"])
+            if len(ok) > 1:
+                results[name]["tokens_per_s_steps_all_rounds"] = [x["summary"]["tokens_per_s_steps"] for x in ok]
 
     mem_key = "peak_memory_gib" if on_cuda else "peak_rss_gib"
+    memory_measure = "torch.cuda.max_memory_allocated" if on_cuda else "peak RSS (CPU)"
+    done = {k: v for k, v in results.items() if "tokens_per_s_steps" in v}
     ratios = {}
-    ours = results.get("ours", {})
-    for other in ("trl", "trl_precomputed"):
-        theirs = results.get(other, {})
-        if "tokens_per_s_steps" in ours and "tokens_per_s_steps" in theirs:
-            ratios[f"ours_vs_{other}"] = {
-                "tokens_per_s_steps": ours["tokens_per_s_steps"] / theirs["tokens_per_s_steps"],
-                "tokens_per_s_run": ours["tokens_per_s_run"] / theirs["tokens_per_s_run"],
-                "peak_memory": ours[mem_key] / theirs[mem_key],
-                "memory_measure": "torch.cuda.max_memory_allocated" if on_cuda else "peak RSS (CPU)",
-                "step1_loss_abs_diff": abs(ours["first_loss"] - theirs["first_loss"]),
-                "step1_grad_norm_rel_diff": (abs(ours["first_grad_norm"] - theirs["first_grad_norm"])
-                                             / max(abs(theirs["first_grad_norm"]), 1e-12)
-                                             if theirs.get("first_grad_norm") is not None else None),
-            }
+    for mode in modes:  # ours vs TRL within a mode: > 1 ours faster, < 1 ours smaller
+        ours = done.get(run_name("ours", mode))
+        for other in ("trl", "trl_precomputed"):
+            theirs = done.get(run_name(other, mode))
+            if ours and theirs:
+                ratios[f"{run_name('ours', mode)}_vs_{run_name(other, mode)}"] = {
+                    "tokens_per_s_steps": ours["tokens_per_s_steps"] / theirs["tokens_per_s_steps"],
+                    "tokens_per_s_run": ours["tokens_per_s_run"] / theirs["tokens_per_s_run"],
+                    "peak_memory": ours[mem_key] / theirs[mem_key],
+                    "memory_measure": memory_measure,
+                    "same_trained_params": ours["trainable_params"] == theirs["trainable_params"],
+                    "step1_loss_abs_diff": abs(ours["first_loss"] - theirs["first_loss"]),
+                    "step1_grad_norm_rel_diff": (abs(ours["first_grad_norm"] - theirs["first_grad_norm"])
+                                                 / max(abs(theirs["first_grad_norm"]), 1e-12)
+                                                 if theirs.get("first_grad_norm") is not None else None),
+                }
+    for mode, m in modes.items():  # LoRA vs full on each side: < 1 LoRA smaller / faster per step
+        for side in sides:
+            lora, full = done.get(run_name(side, mode)), done.get(run_name(side, "full"))
+            if m["lora_rank"] and lora and full:
+                ratios[f"{run_name(side, mode)}_vs_{side}"] = {
+                    "peak_memory": lora[mem_key] / full[mem_key],
+                    "memory_measure": memory_measure,
+                    "step_time": lora["seconds_steps"] / full["seconds_steps"],  # the same steps' mean
+                    "median_step_time": lora["median_step_seconds"] / full["median_step_seconds"],
+                    "tokens_per_s_steps": lora["tokens_per_s_steps"] / full["tokens_per_s_steps"],
+                    "trained_params": lora["trainable_params"] / full["trainable_params"],
+                    "step1_loss_abs_diff": abs(lora["first_loss"] - full["first_loss"]),
+                }
 
     def version(name: str) -> str | None:
         try:
@@ -672,10 +772,12 @@ def main(argv: list[str] | None = None) -> int:
             "device_name": device_name, "peak_tflops_bf16": peak_tflops, "peak_tflops_source": peak_source,
             "total_params": total_params, "real_tokens_all_pairs": real_tokens, "tiny": a.tiny,
             "weights": "float32 master weights" + (" + bf16 autocast" if precision == "amp" else ", no autocast"),
-            "versions": {m: version(m) for m in ("torch", "transformers", "trl", "datasets", "flash_attn")},
-            "flops_formula": ("PaLM: training 6*N*T + 12*L*hidden*T^2 per sequence, reference forward 2*N*T + "
-                              "4*L*hidden*T^2; T = the sequence's real length (prompt + response), summed over "
-                              "chosen and rejected of every pair; N = parameters minus the input embedding"),
+            "versions": {m: version(m) for m in ("torch", "transformers", "trl", "datasets", "peft", "flash_attn")},
+            "flops_formula": ("PaLM: training 6*N*T + 12*L*hidden*T^2 per sequence (LoRA: (4*N + 6*N_lora)*T + "
+                              "12*L*hidden*T^2, no weight gradients of the frozen N; N_lora = the adapters' "
+                              "parameters), reference forward 2*N*T + 4*L*hidden*T^2; T = the sequence's real length "
+                              "(prompt + response), summed over chosen and rejected of every pair; N = parameters "
+                              "minus the input embedding"),
             "mfu_definitions": {
                 "mfu_steps": "training FLOPs of the timed steps / their seconds / peak (reference FLOPs excluded)",
                 "mfu_steps_with_ref": "plus the reference forward FLOPs run inside those steps (TRL default only)",
@@ -697,9 +799,15 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results, mem_key))
     print()
     for name, r in ratios.items():
+        if "step_time" in r:
+            print(f"- {name}: peak memory {r['peak_memory']:.2f}x ({r['memory_measure']}), step time "
+                  f"{r['step_time']:.2f}x (median {r['median_step_time']:.2f}x), trained params "
+                  f"{r['trained_params']:.2%}; step-1 loss |diff| {r['step1_loss_abs_diff']:.2e}")
+            continue
         print(f"- {name}: tokens/s {r['tokens_per_s_steps']:.2f}x over the steps, {r['tokens_per_s_run']:.2f}x "
               f"over the whole run; peak memory {r['peak_memory']:.2f}x ({r['memory_measure']}); step-1 loss "
-              f"|diff| {r['step1_loss_abs_diff']:.2e}, grad norm rel. diff {fmt(r['step1_grad_norm_rel_diff'], '.2e')}")
+              f"|diff| {r['step1_loss_abs_diff']:.2e}, grad norm rel. diff {fmt(r['step1_grad_norm_rel_diff'], '.2e')}"
+              + ("" if r["same_trained_params"] else "; TRAINED PARAMETER COUNTS DIFFER"))
     print(f"\nwritten {a.output}")
     if not a.keep_workdir and not a.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
