@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""DPO training throughput and MFU on one GPU: our trainer's step against TRL's ``DPOTrainer``.
+"""DPO training throughput and MFU on one GPU: our trainer's step against TRL's ``DPOTrainer``, full fine-tuning
+and LoRA.
 
     python scripts/bench_gpu.py                                  # ~0.9B Llama, bf16 autocast, sdpa, on cuda:0
+    python scripts/bench_gpu.py --lora-rank 0,16                 # full fine-tuning and LoRA r16 side by side
     python scripts/bench_gpu.py --attn flash_attention_2         # needs flash-attn installed
     python scripts/bench_gpu.py --device cpu --tiny              # the same code end to end on a CPU, < 1 minute
 
-Standalone: it needs torch, transformers and (for the TRL sides) trl + datasets, and imports ``rlhf_pipeline`` from
-this checkout's ``src/`` (no install needed). Neither ``datasets`` nor ``deepspeed`` is needed for our side; TRL
-imports ``datasets``, so without it the TRL sides are skipped with a message.
+Standalone: it needs torch, transformers, peft (with ``--lora-rank``) and (for the TRL sides) trl + datasets, and
+imports ``rlhf_pipeline`` from this checkout's ``src/`` (no install needed). Neither ``datasets`` nor ``deepspeed``
+is needed for our side; TRL imports ``datasets``, so without it the TRL sides are skipped with a message.
 
 Model and data (identical on every side)
 ----------------------------------------
@@ -43,6 +45,27 @@ Sides, each in a fresh subprocess (so peak memory is its own)
   micro-batch holds the same pairs on all sides (and the step-1 loss and grad norm must agree); ``--trl-order
   random`` uses TRL's default shuffled sampler instead (each pair still seen once, micro-batches not length-sorted).
 
+Full fine-tuning and LoRA (``--lora-rank``)
+-------------------------------------------
+``--lora-rank`` lists the modes, each run on every side: 0 = full fine-tuning (the default, alone), R = rank-R LoRA
+with alpha ``--lora-alpha`` (default 2R), on every linear layer of the decoder but the LM head (peft's
+``all-linear``, our default), no adapter dropout. ``--lora-rank 0,16`` gives full and LoRA side by side in one run
+(runs ``ours``, ``trl``, ..., then ``ours_lora16``, ``trl_lora16``, ...). The same pairs, steps and optimizer
+settings in every mode; AdamW and clipping see only the trained parameters.
+
+* ours: the model is loaded as ``rlhf train --lora-rank R`` loads it, through ``trainer.load_trainable`` with
+  ``lora.LoraOptions`` (seeded, loaded on the CPU, dropout off, then ``lora.add_adapters`` freezes it and adds the
+  adapters), and moved to the device. The reference pass runs that model as ``rlhf train`` does: the adapters' B
+  matrices start at zero, so it is the starting model.
+* TRL: ``peft_config=peft.LoraConfig(...)`` with the same rank, alpha and targets. TRL then holds no second model:
+  with a peft model and no ``ref_model`` its reference is the policy with the adapters disabled, run every step in
+  ``trl`` (a second forward of the one model) and once in the constructor in ``trl_precomputed`` (the same
+  adapter-disabled model; precompute then saves only the per-step reference forward, no memory).
+* The same start: TRL seeds (``set_seed(seed)``) before loading the model and calling peft, as ``load_trainable``
+  does, so the adapters' A matrices are the same draws on every side; B = 0, so the step-1 loss is the full model's.
+  The step-1 grad norm is then over the B matrices alone (A's gradient is zero while B is) and depends on A, so its
+  agreement with TRL checks that both sides built the same adapters; ``same_trained_params`` compares the counts.
+
 What is timed (``torch.cuda.synchronize`` at every clock reading; imports and CUDA context creation are not timed)
 * steps window: from the end of step ``--warmup`` to the end of the last step, i.e. ``--steps`` steady steps.
 * whole run: setup + reference pass + every step (warmup steps included); no save. Setup is the model load for ours
@@ -65,7 +88,18 @@ sequence of T tokens:
 
 summed over the chosen and the rejected sequence (prompt + response) of every pair. T is the sequence's own real
 length: padding and the cross-sequence blocks of a packed row are not model FLOPs, and the attention term is PaLM's
-(no halving for the causal mask), the LM head is counted at every position. FLOPs are counted from the sequences each
+(no halving for the causal mask), the LM head is counted at every position.
+
+A LoRA step computes no weight gradients of the frozen N: per token the forward (2N) and the input gradients (2N)
+remain, plus the adapters' own forward, input- and weight-gradient matmuls (6 per adapter parameter, N_lora =
+Σ rank·(in + out) over the adapted layers); the attention term has no weights and is unchanged:
+
+    LoRA training of one sequence:  (4·N + 6·N_lora)·T + 12·L·hidden·T²
+
+Its MFU uses these FLOPs; the "6N" count would overstate it by about half (6N / 4N at a small rank). 4N slightly
+overcounts: autograd skips the input gradient of the first layer's q/k/v projections, whose input (the frozen
+embedding's output) needs none (about 0.5% of 4N at the default size). The reference forward is counted as the base
+model's (2N + attention) in every mode. FLOPs are counted from the sequences each
 side actually trained on in each step; with ``--trl-order ours`` these are the same pairs on every side, so MFU
 differences are speed differences.
 
@@ -80,7 +114,9 @@ bf16), by default from the device name: H100 SXM / H200 989, H100 NVL 835, H100 
 (and the CPU) get no MFU unless ``--peak-tflops`` is given.
 
 Output: a JSON file (``--output``, default gpu_bench.json) and a markdown table on stdout, with the ratios
-ours / TRL for tokens/s (> 1: ours faster) and peak memory (< 1: ours smaller).
+ours / TRL within each mode for tokens/s (> 1: ours faster) and peak memory (< 1: ours smaller), and LoRA / full on
+each side (``ours_lora16_vs_ours``, ...) for peak memory and step time (the steps window's seconds, the same steps;
+< 1: LoRA smaller / faster).
 """
 
 from __future__ import annotations

@@ -206,3 +206,35 @@ def test_the_gpu_score_script_runs_end_to_end_on_a_cpu(tmp_path):
     assert row["ratio"] > 0 and row["max_relative_reward_difference"] <= 1e-4
     with pytest.raises(SystemExit):
         script.main(["--device", "cpu", "--sizes", "huge"])
+
+
+def _gpu_bench_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_the_gpu_trainer_scripts_flops_full_lora_and_reference_by_hand():
+    """scripts/bench_gpu.py's model FLOPs: two sequences of 3 and 4 tokens (Σ T = 7, Σ T² = 25), N = 1,000, 2 layers
+    of hidden 8, 10 adapter parameters; and the adapters' count on a tiny Llama, worked out layer by layer."""
+    pytest.importorskip("peft")
+    from transformers import LlamaConfig
+
+    script = _gpu_bench_script()
+    attention_train, attention_ref = 12 * 2 * 8 * 25, 4 * 2 * 8 * 25  # 4,800 and 1,600
+    assert script.flops(7, 25, 1000, 2, 8, train=True) == 6 * 1000 * 7 + attention_train == 46_800
+    # LoRA: forward 2N + input gradients 2N, no weight gradients of the frozen N; 6 per adapter parameter
+    assert script.flops(7, 25, 1000, 2, 8, train=True, lora_params=10) == (4000 + 60) * 7 + attention_train == 33_220
+    assert script.flops(7, 25, 1000, 2, 8, train=False) == 2 * 1000 * 7 + attention_ref == 15_600
+    assert script.flops(7, 25, 1000, 2, 8, train=False, lora_params=10) == 15_600  # the reference: the base model's
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=176, vocab_size=512, tie_word_embeddings=False)
+    # rank 4 on q 64->64, k 64->32, v 64->32, o 64->64, gate/up 64->176, down 176->64 of each layer; no LM head
+    per_layer = 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + 3 * (64 + 176))
+    assert script.lora_param_count(config, 4) == 2 * per_layer == 9_344
