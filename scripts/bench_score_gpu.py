@@ -132,7 +132,7 @@ def measure(size: str, args, workdir: Path) -> dict:
         "peer_sequences_per_s": round(sequences / result["peer_median"], 1),
         "ratio": round(result["ratio"], 3), "max_relative_reward_difference": worst,
     }
-    del scorer, peer_model
+    scorer = peer_model = None  # free both models before the next size (not del: the timed lambdas name them)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
