@@ -108,7 +108,7 @@ def test_eval_hands_every_sampling_option_to_generate(monkeypatch, tmp_path):
     config = EvalConfig(model="policy", prompts="p.jsonl", reward_fn="f.py:r", output=str(tmp_path), **values)
     seen = []
     monkeypatch.setattr(generation, "main", lambda c: seen.append(c) or tmp_path / "generate")
-    monkeypatch.setattr(scoring, "main", lambda c: tmp_path / "score")
+    monkeypatch.setattr(scoring, "score", lambda c, accelerator=None: tmp_path / "score")
     eval_stage._sample_and_score(config, "baseline-model", tmp_path / "baseline")
     (gen,) = seen
     assert options_of(gen, SamplingOptions) == values
