@@ -98,6 +98,21 @@ def test_greedy_is_deterministic(tiny_policy):
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
+def test_alone_in_its_batch_a_prompt_is_sampled_from_its_own_seed(tiny_policy):
+    """batch_size=1: a prompt's samples depend on its seed alone, not on the prompts sampled before it (a shard or a
+    Ray replica samples it as the whole run does); with batches of 3 the first prompt's samples change with the
+    others in its batch."""
+    tok, prompts, sampling = _setup(tiny_policy, n=3, max_new_tokens=6)
+    one = HFEngine(tiny_policy, tok, batch_size=1)
+    whole = one.generate(prompts, [11, 12, 13], sampling)
+    assert one.generate(prompts[2:], [13], sampling)[0].token_ids == whole[2].token_ids
+    assert one.generate(prompts[1:], [12, 13], sampling)[0].token_ids == whole[1].token_ids
+    assert one.generate(prompts[2:], [14], sampling)[0].token_ids != whole[2].token_ids  # the seed does matter
+    batched = HFEngine(tiny_policy, tok, batch_size=3)
+    assert batched.generate(prompts, [11, 12, 13], sampling)[0].token_ids != \
+        batched.generate(prompts[:1], [11], sampling)[0].token_ids
+
+
 def _sampling(tok, model, n=3, max_new_tokens=10, seed=3, temperature=0.8, top_p=0.9, top_k=0):
     return SamplingSettings(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                             seed=seed, stop_token_ids=tuple(stop_token_ids(tok, model)))

@@ -6,11 +6,16 @@
 
 Prompts come as ``prompt`` text or ``messages``; the chat template is applied once and the engine receives token
 ids. All n samples of a prompt come from one request (``n=``), not n passes. Each prompt gets its own seed derived
-from ``--seed`` and its row, so with vLLM a prompt's samples do not depend on sharding or batching. The sampling
-and engine options (``sampling_options.SamplingOptions``) are the ones ``rlhf eval`` takes too.
+from ``--seed`` and its row, so with vLLM (and the hf engine at ``--batch-size 1``) a prompt's samples do not depend
+on sharding or batching. The sampling and engine options (``sampling_options.SamplingOptions``) are the ones
+``rlhf eval`` takes too.
 
 Shards: ``--shard i/N`` takes the i-th of N contiguous slices, so N engines can work in parallel; ``rlhf merge``
-joins them. Output columns (the generations contract): ``prompt_id``, the prompt columns and every other input
+joins them. ``--executor ray --replicas N`` does both in one run: N engine replicas on a Ray cluster (local when
+no ``--ray-address`` is given) sample the N shards through :func:`sample`, the same function a local run calls,
+and this process writes the one output, the same as the N shard runs merged (``executors.py``).
+
+    rlhf generate --model models/tiny-policy --prompts prompts.jsonl --output out/gen --executor ray --replicas 2 Output columns (the generations contract): ``prompt_id``, the prompt columns and every other input
 column, ``prompt_token_ids``, ``responses``, ``response_token_ids`` (as sampled, the stop token included when the
 sample stopped), ``finish_reasons`` (``stop`` / ``length``).
 """
@@ -87,14 +92,74 @@ def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | 
     return ds, column, rows, rows_total
 
 
+def sample(config: GenerateConfig, tokenizer, prompt_ids: list[list[int]], seeds: list[int], sampling):
+    """The engine's samples for these prompts (token ids) and seeds: ``(engine name, completions)``. The one path
+    from prompts to samples, for a local run and for each Ray replica alike; the engine is closed when it returns."""
+    from rlhf_pipeline.engines import load_engine
+
+    engine = load_engine(
+        config.engine,
+        config.model,
+        tokenizer,
+        dtype=config.dtype,
+        trust_remote_code=config.trust_remote_code,
+        batch_size=config.batch_size,
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=config.max_model_len,
+    )
+    try:
+        return engine.name, engine.generate(prompt_ids, seeds, sampling)
+    finally:
+        engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
+
+
+def sample_replica(config: GenerateConfig, prompt_ids: list[list[int]], seeds: list[int], sampling):
+    """:func:`sample` in a Ray replica, which loads its own tokenizer (to decode) from the model's path."""
+    from rlhf_pipeline.chat import load_tokenizer
+
+    return sample(config, load_tokenizer(config.model, config.trust_remote_code), prompt_ids, seeds, sampling)
+
+
+def replicas_for(config: GenerateConfig, num_prompts: int) -> int:
+    """Replicas that get prompts: --replicas, or fewer when there are fewer prompts (1 for a local run)."""
+    return min(config.replicas, num_prompts) if config.executor == "ray" else 1
+
+
+def sample_on_ray(config: GenerateConfig, prompt_ids: list[list[int]], seeds: list[int], rows: range, sampling):
+    """:func:`sample` on Ray replicas, replica i on the i-th of N contiguous shards (``sharding.shard_indices``, as
+    ``--shard i/N`` takes them), the samples joined in prompt order: what the N shard runs merged hold."""
+    from rlhf_pipeline.executors import run_on_ray
+
+    count = replicas_for(config, len(rows))
+    parts = [shard_indices(len(rows), i, count) for i in range(count)]
+    results = run_on_ray(
+        sample_replica,
+        [(config, prompt_ids[p.start : p.stop], seeds[p.start : p.stop], sampling) for p in parts],
+        gpus_per_replica=config.gpus_per_replica,
+        address=config.ray_address,
+        describe=lambda i: f"replica {i} (shard {i}/{count}, prompts {rows[parts[i].start]}..{rows[parts[i].stop - 1]})",
+        desc="generate (ray)",
+    )
+    names = {name for name, _ in results}
+    if len(names) > 1:  # --engine auto resolved differently on different nodes
+        raise PipelineError(f"--engine {config.engine}: the replicas ran different engines ({', '.join(sorted(names))}); "
+                            "name one with --engine")
+    return names.pop(), [c for _, completions in results for c in completions]
+
+
 def main(config: GenerateConfig) -> Path:
     from datasets import Dataset, Features, List, Value, concatenate_datasets
 
     from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids
     from rlhf_pipeline.datasets_io import StageOutput, parse_ref
-    from rlhf_pipeline.engines import SamplingSettings, load_engine, resolve_engine_name
+    from rlhf_pipeline.engines import SamplingSettings
     from rlhf_pipeline.modeling import check_model_ref
 
+    if config.executor == "ray":
+        from rlhf_pipeline.executors import check_ray_installed
+
+        check_ray_installed()
     check_model_ref("--model", config.model)
     ref = parse_ref(config.prompts)
     out = StageOutput("generate", config, inputs=[ref])
@@ -114,21 +179,11 @@ def main(config: GenerateConfig) -> Path:
         seed=config.seed,
         stop_token_ids=tuple(stop_token_ids(tokenizer, config.model, config.trust_remote_code)),
     )
-    engine = load_engine(
-        config.engine,
-        config.model,
-        tokenizer,
-        dtype=config.dtype,
-        trust_remote_code=config.trust_remote_code,
-        batch_size=config.batch_size,
-        tensor_parallel_size=config.tensor_parallel_size,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_model_len=config.max_model_len,
-    )
-    try:
-        completions = engine.generate(prompt_ids, [request_seed(config.seed, r) for r in rows], sampling)
-    finally:
-        engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
+    seeds = [request_seed(config.seed, r) for r in rows]
+    if config.executor == "ray":
+        engine_name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
+    else:
+        engine_name, completions = sample(config, tokenizer, prompt_ids, seeds, sampling)
 
     if "prompt_id" in ds.column_names:
         ids = [str(x) for x in ds["prompt_id"]]
@@ -165,10 +220,12 @@ def main(config: GenerateConfig) -> Path:
                 **dataclasses.asdict(sampling),
                 "stop_token_ids": list(sampling.stop_token_ids),
                 "model": config.model,
-                "engine": resolve_engine_name(config.engine),
+                "engine": engine_name,
                 "use_chat_template": config.use_chat_template,
             },
             "shard": {"spec": config.shard, "rows": [rows.start, rows.stop], "rows_total": rows_total},
+            "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),
+                         "gpus_per_replica": config.gpus_per_replica, "ray_address": config.ray_address},
             "responses": {"total": stopped + sum(c.finish_reasons.count("length") for c in completions),
                           "stopped": stopped},
         },

@@ -45,6 +45,27 @@ class SamplingOptions:
     )
     max_model_len: Optional[int] = option(None, help="vllm engine: context length (default: the model's).")
     trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
+    # Where the engines run (executors.py). None of these changes the output: N replicas on N shards write what the
+    # --shard i/N runs merged would, which with per-prompt seeds (vLLM) is what one local engine writes.
+    executor: Literal["local", "ray"] = option(
+        "local",
+        help="local: one engine in this process. ray: --replicas engines on a Ray cluster (pip install "
+        "'rlhf-pipeline[ray]'), each on a contiguous shard of the prompts; one output, as --shard i/N + rlhf merge.",
+        semantic=False,
+    )
+    replicas: int = option(1, help="--executor ray: engine replicas, one shard of the prompts each.", semantic=False)
+    gpus_per_replica: int = option(
+        0,
+        help="--executor ray: GPUs each replica reserves (0: a CPU replica); with the vllm engine also its "
+        "--tensor-parallel-size.",
+        semantic=False,
+    )
+    ray_address: Optional[str] = option(
+        None,
+        help="--executor ray: the cluster to join (as `ray start --address` prints, e.g. HEAD:6379, or auto); "
+        "default: start a local Ray for this run and stop it after.",
+        semantic=False,
+    )
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -69,3 +90,22 @@ class SamplingOptions:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
+        if self.replicas < 1:
+            raise ValueError("--replicas must be at least 1")
+        if self.gpus_per_replica < 0:
+            raise ValueError("--gpus-per-replica must be >= 0 (0: CPU replicas)")
+        if self.executor != "ray":
+            given = [flag for flag, value, default in (("--replicas", self.replicas, 1),
+                                                       ("--gpus-per-replica", self.gpus_per_replica, 0),
+                                                       ("--ray-address", self.ray_address, None)) if value != default]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only with --executor ray (add it, or drop the flag)")
+        elif self.gpus_per_replica > 1:
+            # A replica's K GPUs are its vLLM engine's tensor-parallel group: one flag says it.
+            if self.tensor_parallel_size == 1:
+                self.tensor_parallel_size = self.gpus_per_replica
+            elif self.tensor_parallel_size != self.gpus_per_replica:
+                raise ValueError(
+                    f"--gpus-per-replica {self.gpus_per_replica} is each replica's tensor-parallel size; "
+                    f"--tensor-parallel-size {self.tensor_parallel_size} disagrees: drop it or make it equal"
+                )

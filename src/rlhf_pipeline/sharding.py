@@ -1,8 +1,9 @@
 """Which prompts a ``rlhf generate --shard i/N`` run takes, and the seed of each prompt's request.
 
 ``rlhf generate`` splits its prompts into N contiguous slices; ``rlhf merge`` checks that the shards cover every
-slice once. Each prompt's seed depends only on the run's ``--seed`` and the prompt's row in the full prompt set, so
-with vLLM a prompt's samples do not depend on sharding or batching.
+slice once; ``--executor ray`` gives the same slices to its replicas. Each prompt's seed depends only on the run's
+``--seed`` and the prompt's row in the full prompt set, so with vLLM (and the hf engine at ``--batch-size 1``) a
+prompt's samples do not depend on sharding or batching.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ model's ``generation_config.json`` and then from transformers' global defaults (
 option that shapes the distribution is set here explicitly (top-k off unless asked, no repetition penalty).
 
 Same seed, same prompts, same batch size: same output. Unlike vLLM's per-request seeds, a sample here also depends
-on which prompts share its batch.
+on which prompts share its batch, except with ``batch_size=1``: then each prompt is sampled alone, from its own
+request seed, so its samples do not depend on the other prompts either (a ``--shard i/N`` run or a Ray replica
+samples each of its prompts as the whole run would).
 
 Temperature, top-k and top-p are applied by our own logits processors (:func:`sampling_processors`), in transformers'
 order, instead of ``generate``'s: :class:`TopPLogitsWarper` and :class:`TopKLogitsWarper` below give exactly
@@ -309,6 +311,8 @@ class HFEngine:
                 input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
                 if self.share_prefill is None and sampling.n > 1 and width > 1:
                     self.share_prefill = self._check_shared_prefill(input_ids, attention_mask, sampling)
+                if self.batch_size == 1:  # alone in its batch: its own seed, as vLLM's per-request seeds
+                    torch.manual_seed(seeds[batch[0]])
                 with torch.no_grad():
                     out = self._sample(input_ids, attention_mask, sampling, processors, share=bool(self.share_prefill))
                 new_tokens = out[:, width:].tolist()  # (B * n, T), rows of one prompt are adjacent

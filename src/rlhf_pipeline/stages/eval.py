@@ -206,11 +206,15 @@ def _earlier_eval(path: str) -> Path | None:
 
 def _check_inputs(config: EvalConfig, ref) -> Path | None:
     """Everything eval reads, checked before it makes its output directory: the models, the reward function, the
-    prompts and the baseline. Returns the earlier evaluation given as ``--baseline`` (None for a model, or none)."""
+    prompts and the baseline (and Ray, for --executor ray). Returns the earlier evaluation given as ``--baseline``
+    (None for a model, or none)."""
+    from rlhf_pipeline.executors import check_ray_installed
     from rlhf_pipeline.generation import select_prompts
     from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.rewards import load_reward_fn
 
+    if config.executor == "ray":
+        check_ray_installed()
     check_model_ref("--model", config.model)
     for source in _scorers(config):
         if source.kind == "reward_model":

@@ -1,0 +1,174 @@
+"""Where a stage's engines run: ``--executor local`` (one engine in this process) or ``--executor ray`` (N engine
+replicas on a Ray cluster, each on one contiguous shard of the work). All of the Ray code is here; a stage hands
+:func:`run_on_ray` a function and one argument tuple per replica and gets the results back in shard order.
+
+    rlhf generate ... --executor ray --replicas 2                              # a local Ray, started and stopped
+    ray start --head                                                           # or a cluster: on the head node,
+    ray start --address HEAD:6379                                              # on every other node,
+    rlhf generate ... --executor ray --ray-address HEAD:6379 --replicas 8 --gpus-per-replica 2   # anywhere
+
+Why Ray and not our own process management: the replicas of a dense model are independent engines (vLLM's offline
+``LLM`` is data-parallel only for MoE models), and Ray already places them on nodes with free GPUs, ships their
+arguments and results, notices a dead worker or node and reruns its task. A replica is a Ray task (not an actor):
+it loads its engine, samples its shard, returns the samples and exits, so a retry starts from a clean process.
+Each task is retried once, whether its function raised (``retry_exceptions``) or its worker or node died
+(``max_retries``); a second failure cancels the others and fails the stage with one line. The driver (the process
+that ran ``rlhf``) is the only writer: nothing reaches the output directory until every replica has returned.
+
+Each replica reserves one CPU and ``--gpus-per-replica`` K GPUs. With K > 1 (vLLM tensor parallelism) the task
+reserves none itself and runs in a placement group of K one-GPU bundles on one node, which vLLM's Ray backend then
+uses for its K workers (vLLM's own ``offline_inference_distributed`` example does the same).
+
+The replicas import this package and read the model from the same path, so on a cluster every node needs the
+package installed (``pip install 'rlhf-pipeline[ray]'``) and the model on a shared filesystem (or a Hub id);
+prompts and samples travel through Ray's object store. A local Ray's workers inherit this process's environment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from rlhf_pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'rlhf-pipeline[ray]' (Ray in this environment, and on every node of a cluster)"
+
+
+def check_ray_installed() -> None:
+    """Fail with one line, before anything is read or written, when ``--executor ray`` cannot import Ray."""
+    try:
+        found = importlib.util.find_spec("ray") is not None
+    except ValueError:  # a module object without a spec (a stub put in sys.modules)
+        found = False
+    if not found:
+        raise PipelineError(f"--executor ray: Ray is not installed; {INSTALL_HINT}, or use --executor local")
+
+
+@contextmanager
+def ray_session(address: str | None, num_cpus: int) -> Iterator[Any]:
+    """Ray, connected: to the cluster at ``address``, or to a local Ray of ``num_cpus`` CPUs started here (no
+    dashboard, warnings only) and stopped on the way out. A Ray this process had already initialised (a notebook,
+    the tests) is used as it is and left running."""
+    check_ray_installed()
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    quiet = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
+    started = time.perf_counter()
+    try:
+        if address:
+            ray.init(address=address, **quiet)
+        else:
+            # "local": a new Ray of our own, even where `ray start` left one running (ray.init() would join that)
+            ray.init(address="local", num_cpus=num_cpus, **quiet)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = f"--ray-address {address}" if address else "--executor ray"
+        fix = ("start one with `ray start --head` (see README, Running at full size) or drop --ray-address for a "
+               "local Ray") if address else "check `ray start --head` works on this machine, or use --executor local"
+        raise PipelineError(f"{where}: could not connect to Ray ({first_line(e)}); {fix}") from None
+    log.info("ray: %s in %.1f s", f"connected to {address}" if address else "local Ray started",
+             time.perf_counter() - started)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()  # for a cluster this only disconnects: the cluster stays up
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _check_gpus(ray: Any, gpus_per_replica: int, replicas: int, address: str | None) -> None:
+    """A replica needs its K GPUs on one node; a cluster with fewer would leave it pending for ever."""
+    if gpus_per_replica == 0:
+        return
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    most = max((int(n.get("Resources", {}).get("GPU", 0)) for n in nodes), default=0)
+    where = f"the Ray cluster at {address}" if address else "this machine"
+    if most < gpus_per_replica:
+        raise PipelineError(
+            f"--gpus-per-replica {gpus_per_replica}: no node of {where} has that many GPUs (the most is {most}); "
+            "join GPU nodes to the cluster, or pass --gpus-per-replica 0 for CPU replicas"
+        )
+    total = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in nodes)
+    if total < gpus_per_replica * replicas:
+        log.warning("ray: %d replicas x %d GPUs > the %d GPUs of %s; replicas will wait for each other",
+                    replicas, gpus_per_replica, total, where)
+
+
+def _remote_options(ray: Any, gpus_per_replica: int) -> dict[str, Any]:
+    retry = {"max_retries": 1, "retry_exceptions": True}  # once, whether the function raised or its worker died
+    if gpus_per_replica <= 1:
+        return {"num_cpus": 1, "num_gpus": gpus_per_replica, **retry}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    # vLLM with tensor_parallel_size K inside a task: the task holds no GPU, vLLM's Ray backend starts its K workers
+    # in the task's placement group (captured by child tasks), one GPU bundle each, packed on one node.
+    group = ray.util.placement_group([{"GPU": 1, "CPU": 1}] * gpus_per_replica, strategy="STRICT_PACK")
+    return {
+        "num_cpus": 1,
+        "num_gpus": 0,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True),
+        **retry,
+    }
+
+
+def run_on_ray(
+    fn: Callable[..., Any],
+    jobs: Sequence[tuple],
+    *,
+    gpus_per_replica: int = 0,
+    address: str | None = None,
+    describe: Callable[[int], str] = lambda i: f"replica {i}",
+    desc: str = "replicas",
+) -> list[Any]:
+    """``[fn(*job) for job in jobs]``, each call a Ray task on a replica of its own, the results in job order.
+
+    A task that fails twice (its function raised, or its worker or node died, then again on the retry) cancels the
+    others and raises a one-line PipelineError naming ``describe(i)`` and the cause; Ray prints the replica's
+    traceback above it. ``fn`` must be importable by the workers (a module-level function of this package)."""
+    with ray_session(address, num_cpus=len(jobs)) as ray:
+        _check_gpus(ray, gpus_per_replica, len(jobs), address)
+        started = time.perf_counter()
+        options = [_remote_options(ray, gpus_per_replica) for _ in jobs]  # a placement group each when K > 1
+        try:
+            return _gather(ray, [ray.remote(**o)(fn).remote(*job) for o, job in zip(options, jobs)], describe, desc,
+                           started)
+        finally:
+            for o in options:
+                if "scheduling_strategy" in o:
+                    ray.util.remove_placement_group(o["scheduling_strategy"].placement_group)
+
+
+def _gather(ray: Any, refs: list, describe: Callable[[int], str], desc: str, started: float) -> list[Any]:
+    """The tasks' results in order, a progress bar counting finished replicas; the first failure cancels the rest."""
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending = list(refs)
+    with tqdm(total=len(refs), desc=desc, unit="replica") as bar:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            i = index[done[0]]
+            try:
+                results[i] = ray.get(done[0])
+            except ray.exceptions.RayError as e:
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                cause = getattr(e, "cause", None)
+                reason = first_line(cause) if isinstance(cause, BaseException) else first_line(e)
+                raise PipelineError(
+                    f"--executor ray: {describe(i)} failed twice (once retried): {reason}; nothing was written"
+                ) from None
+            log.info("ray: %s done after %.1f s", describe(i), time.perf_counter() - started)
+            bar.update(1)
+    return results

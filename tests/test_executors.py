@@ -1,0 +1,125 @@
+"""rlhf generate --executor ray: N replicas of the hf engine on a local Ray write what the --shard i/N runs merged
+write, and with --batch-size 1 (each prompt sampled from its own seed) what one local engine writes; a replica that
+dies is retried once, one that keeps failing fails the stage with one line and no output.
+
+One in-process Ray of 2 CPUs serves the module (the stage uses a Ray this process already started, and leaves it
+running). Its workers start with a setup hook that can make the hf engine fail, by a marker file: ``die-once``
+(the first replica to sample exits its process, as a lost node would) or ``raise`` (every attempt raises)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from datasets import load_from_disk
+
+from conftest import run
+
+
+def test_without_ray_installed_the_error_names_the_extra(tiny_policy, bundled_prompts, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails, as where it is not installed
+    for stage in (["generate"], ["eval", "--reward-fn", "rlhf_pipeline.demo.task:gold_reward"]):
+        capsys.readouterr()
+        assert run(*stage, "--model", tiny_policy, "--prompts", bundled_prompts, "--executor", "ray",
+                   "--output", tmp_path / "out") == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "Ray is not installed; pip install 'rlhf-pipeline[ray]'" in err, err
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    ray = pytest.importorskip("ray")
+    faults = tmp_path_factory.mktemp("faults")
+
+    def inject_faults():  # a closure: Ray ships it to each worker by value and runs it there at start
+        import os as os_
+
+        import rlhf_pipeline.engines.hf as hf
+
+        real = hf.HFEngine.generate
+
+        def generate(self, *args, **kwargs):
+            try:  # one replica claims the marker (a rename is atomic), the retry finds it gone
+                os_.rename(faults / "die-once", faults / "claimed")
+                os_._exit(1)
+            except FileNotFoundError:
+                pass
+            if (faults / "raise").exists():
+                raise RuntimeError("injected fault")
+            return real(self, *args, **kwargs)
+
+        hf.HFEngine.generate = generate
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"worker_process_setup_hook": inject_faults})
+    yield faults
+    ray.shutdown()
+
+
+def columns(path: Path) -> dict:
+    ds = load_from_disk(str(path))
+    return {c: ds[c] for c in ds.column_names}
+
+
+def manifest(path: Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+COMMON = ["--n", 2, "--max-new-tokens", 6, "--limit", 7, "--engine", "hf", "--temperature", 1.0]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_replicas_write_the_merged_shards(local_ray, tiny_policy, bundled_prompts, tmp_path, batch_size):
+    """Token ids, texts, finish reasons, prompt columns: exactly the 2 shard runs merged. With --batch-size 1 also
+    exactly the local run; with batches of 3 the hf engine's samples depend on the batch (a shard's batches differ
+    from the whole run's), so there only the merged shards are the oracle, and they differ from the local run."""
+    args = ["--model", tiny_policy, "--prompts", bundled_prompts, *COMMON, "--batch-size", batch_size]
+    assert run("generate", *args, "--executor", "ray", "--replicas", 2, "--output", tmp_path / "ray") == 0
+    for i in range(2):
+        assert run("generate", *args, "--shard", f"{i}/2", "--output", tmp_path / f"s{i}") == 0
+    assert run("merge", "--inputs", tmp_path / "s0", tmp_path / "s1", "--output", tmp_path / "merged") == 0
+    assert run("generate", *args, "--output", tmp_path / "local") == 0
+    ours, merged, local = (columns(tmp_path / d) for d in ("ray", "merged", "local"))
+    assert ours == merged
+    assert (ours == local) == (batch_size == 1)
+    assert len(ours["response_token_ids"]) == 7 and all(len(r) == 2 for r in ours["response_token_ids"])
+    recorded = manifest(tmp_path / "ray")
+    assert recorded["executor"] == {"name": "ray", "replicas": 2, "gpus_per_replica": 0, "ray_address": None}
+    assert recorded["sampling"] == manifest(tmp_path / "local")["sampling"]
+    # The executor does not change the output: a local run over the ray run's output has nothing to do.
+    assert run("generate", *args, "--output", tmp_path / "ray") == 0
+
+
+def test_a_replica_that_dies_is_retried(local_ray, tiny_policy, bundled_prompts, tmp_path):
+    args = ["--model", tiny_policy, "--prompts", bundled_prompts, *COMMON, "--batch-size", 1, "--limit", 4]
+    assert run("generate", *args, "--output", tmp_path / "local") == 0
+    (local_ray / "die-once").touch()
+    assert run("generate", *args, "--executor", "ray", "--replicas", 2, "--output", tmp_path / "ray") == 0
+    assert (local_ray / "claimed").exists()  # a replica's process did exit
+    (local_ray / "claimed").unlink()
+    assert columns(tmp_path / "ray") == columns(tmp_path / "local")
+
+
+def test_a_replica_that_fails_twice_fails_the_stage(local_ray, tiny_policy, bundled_prompts, tmp_path, capfd):
+    (local_ray / "raise").touch()
+    try:
+        capfd.readouterr()
+        assert run("generate", "--model", tiny_policy, "--prompts", bundled_prompts, *COMMON, "--executor", "ray",
+                   "--replicas", 2, "--output", tmp_path / "out") == 1
+    finally:
+        (local_ray / "raise").unlink()
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "replica" in errors[0] and "failed twice" in errors[0], errors
+    assert "RuntimeError: injected fault" in errors[0]
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_gpus_per_replica_without_gpus(local_ray, tiny_policy, bundled_prompts, tmp_path, capsys):
+    capsys.readouterr()
+    assert run("generate", "--model", tiny_policy, "--prompts", bundled_prompts, "--executor", "ray",
+               "--gpus-per-replica", 1, "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --gpus-per-replica 1: no node of this machine has that many GPUs (the most is 0); join GPU "
+                   "nodes to the cluster, or pass --gpus-per-replica 0 for CPU replicas"), err
+    assert not (tmp_path / "out").exists()
