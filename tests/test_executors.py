@@ -16,6 +16,18 @@ from datasets import load_from_disk
 from conftest import run
 
 
+def columns(path: Path) -> dict:
+    ds = load_from_disk(str(path))
+    return {c: ds[c] for c in ds.column_names}
+
+
+def manifest(path: Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+COMMON = ["--n", 2, "--max-new-tokens", 6, "--limit", 7, "--engine", "hf", "--temperature", 1.0]
+
+
 def test_without_ray_installed_the_error_names_the_extra(tiny_policy, bundled_prompts, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails, as where it is not installed
     for stage in (["generate"], ["eval", "--reward-fn", "rlhf_pipeline.demo.task:gold_reward"]):
@@ -25,6 +37,19 @@ def test_without_ray_installed_the_error_names_the_extra(tiny_policy, bundled_pr
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and "Ray is not installed; pip install 'rlhf-pipeline[ray]'" in err, err
         assert not (tmp_path / "out").exists()
+
+
+def test_a_run_starts_and_stops_its_own_local_ray(tiny_policy, bundled_prompts, tmp_path):
+    """Without --ray-address (and no Ray in the process yet: this test runs before the module's) the stage starts
+    a local Ray of --replicas CPUs and stops it when done."""
+    ray = pytest.importorskip("ray")
+    assert not ray.is_initialized()
+    args = ["generate", "--model", tiny_policy, "--prompts", bundled_prompts, *COMMON, "--batch-size", 1,
+            "--limit", 3]
+    assert run(*args, "--executor", "ray", "--replicas", 2, "--output", tmp_path / "ray") == 0
+    assert not ray.is_initialized()
+    assert run(*args, "--output", tmp_path / "local") == 0
+    assert columns(tmp_path / "ray") == columns(tmp_path / "local")
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +80,6 @@ def local_ray(tmp_path_factory):
              runtime_env={"worker_process_setup_hook": inject_faults})
     yield faults
     ray.shutdown()
-
-
-def columns(path: Path) -> dict:
-    ds = load_from_disk(str(path))
-    return {c: ds[c] for c in ds.column_names}
-
-
-def manifest(path: Path) -> dict:
-    return json.loads((path / "manifest.json").read_text())
-
-
-COMMON = ["--n", 2, "--max-new-tokens", 6, "--limit", 7, "--engine", "hf", "--temperature", 1.0]
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
@@ -123,3 +136,17 @@ def test_gpus_per_replica_without_gpus(local_ray, tiny_policy, bundled_prompts, 
     assert err == ("error: --gpus-per-replica 1: no node of this machine has that many GPUs (the most is 0); join GPU "
                    "nodes to the cluster, or pass --gpus-per-replica 0 for CPU replicas"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_samples_on_replicas(local_ray, tiny_policy, bundled_prompts, tmp_path):
+    """rlhf eval takes the same flags (SamplingOptions) and hands them to its generate step: the same samples and
+    the same numbers as a local evaluation."""
+    args = ["eval", "--model", tiny_policy, "--prompts", bundled_prompts, "--reward-fn",
+            "rlhf_pipeline.demo.task:gold_reward", "--n", 2, "--max-new-tokens", 6, "--limit", 4, "--engine", "hf",
+            "--batch-size", 1]
+    assert run(*args, "--executor", "ray", "--replicas", 2, "--output", tmp_path / "ray") == 0
+    assert run(*args, "--output", tmp_path / "local") == 0
+    assert columns(tmp_path / "ray" / "generate") == columns(tmp_path / "local" / "generate")
+    assert manifest(tmp_path / "ray" / "generate")["executor"]["replicas"] == 2
+    assert manifest(tmp_path / "ray")["eval"] == manifest(tmp_path / "local")["eval"]
+
