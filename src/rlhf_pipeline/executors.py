@@ -135,14 +135,15 @@ def run_on_ray(
     """``[fn(*job) for job in jobs]``, each call a Ray task on a replica of its own, the results in job order.
 
     A task that fails twice (its function raised, or its worker or node died, then again on the retry) cancels the
-    others and raises a one-line PipelineError naming ``describe(i)`` and the cause; Ray prints the replica's
-    traceback above it. ``fn`` must be importable by the workers (a module-level function of this package)."""
+    others and raises a one-line PipelineError naming ``describe(i)`` and the cause; above it, Ray prints each
+    failed attempt with the end of its traceback. ``fn`` must be importable by the workers (a module-level function of this package)."""
     with ray_session(address, num_cpus=len(jobs)) as ray:
         _check_gpus(ray, gpus_per_replica, len(jobs), address)
         started = time.perf_counter()
+        task = ray.remote(fn)
         options = [_remote_options(ray, gpus_per_replica) for _ in jobs]  # a placement group each when K > 1
         try:
-            return _gather(ray, [ray.remote(**o)(fn).remote(*job) for o, job in zip(options, jobs)], describe, desc,
+            return _gather(ray, [task.options(**o).remote(*job) for o, job in zip(options, jobs)], describe, desc,
                            started)
         finally:
             for o in options:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -34,6 +35,8 @@ from rlhf_pipeline.contracts import GENERATED_COLUMNS
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.sharding import parse_shard, request_seed, shard_indices
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -132,6 +135,8 @@ def sample_on_ray(config: GenerateConfig, prompt_ids: list[list[int]], seeds: li
     from rlhf_pipeline.executors import run_on_ray
 
     count = replicas_for(config, len(rows))
+    if count < config.replicas:
+        log.warning("--replicas %d: only %d prompts, so %d replicas", config.replicas, len(rows), count)
     parts = [shard_indices(len(rows), i, count) for i in range(count)]
     results = run_on_ray(
         sample_replica,
