@@ -39,6 +39,19 @@ def test_without_ray_installed_the_error_names_the_extra(tiny_policy, bundled_pr
         assert not (tmp_path / "out").exists()
 
 
+def test_a_ray_address_where_nothing_listens(tiny_policy, bundled_prompts, tmp_path, capsys):
+    """One line at once, not minutes of Ray retrying its connection."""
+    pytest.importorskip("ray")
+    from conftest import free_port
+
+    capsys.readouterr()
+    assert run("generate", "--model", tiny_policy, "--prompts", bundled_prompts, "--executor", "ray",
+               "--ray-address", f"127.0.0.1:{free_port()}", "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --ray-address 127.0.0.1:") and "nothing answers there" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_run_starts_and_stops_its_own_local_ray(tiny_policy, bundled_prompts, tmp_path):
     """Without --ray-address (and no Ray in the process yet: this test runs before the module's) the stage starts
     a local Ray of --replicas CPUs and stops it when done."""

@@ -62,6 +62,8 @@ def ray_session(address: str | None, num_cpus: int) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
+    if address:
+        _check_reachable(address)
     quiet = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
     started = time.perf_counter()
     try:
@@ -81,6 +83,22 @@ def ray_session(address: str | None, num_cpus: int) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()  # for a cluster this only disconnects: the cluster stays up
+
+
+def _check_reachable(address: str) -> None:
+    """A HOST:PORT nobody listens on fails now: ``ray.init`` would retry its connection for minutes first."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():  # auto, or a ray:// client address: Ray's to resolve
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as e:
+        raise PipelineError(
+            f"--ray-address {address}: nothing answers there ({e.strerror or e}); start the head node with "
+            "`ray start --head --port PORT` and pass the address it prints, or drop --ray-address for a local Ray"
+        ) from None
 
 
 def first_line(error: BaseException) -> str:
