@@ -181,6 +181,9 @@ CASES = [
     Case("generate-gpus-per-replica-against-tensor-parallel",
          ["generate", "--model", "{policy}", "--prompts", "{prompts}", "--executor", "ray", "--gpus-per-replica", "2",
           "--tensor-parallel-size", "4"], "--tensor-parallel-size 4 disagrees"),
+    Case("generate-hf-replicas-on-several-gpus",
+         ["generate", "--model", "{policy}", "--prompts", "{prompts}", "--executor", "ray", "--gpus-per-replica", "2",
+          "--engine", "hf"], "--gpus-per-replica 2: the hf engine runs on one GPU"),
     # merge: shards that do not fit together
     Case("merge-shards-with-other-settings", ["merge", "--inputs", "{shard0}", "{shard1_other_n}"],
          "made with other settings than"),

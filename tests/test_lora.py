@@ -139,6 +139,35 @@ def test_merge_equals_peffts_merge_and_unload(tiny_policy, tiny_rm):
             assert merged[k] == pytest.approx(expected[k], abs=1e-6), k
 
 
+def test_merge_transposes_gpt2_conv1d_updates_as_peft_does():
+    """GPT-2's Conv1D layers store W as (in, out) (peft's fan_in_fan_out): the merge adds (B A)^T there."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    options = lora.LoraOptions(lora_rank=2)
+    model = lora.add_adapters(model, options)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    transposed = frozenset(lora._plain_name(n) for n, m in model.named_modules()
+                           if hasattr(m, "lora_A") and getattr(m, "fan_in_fan_out", False))
+    assert "transformer.h.0.attn.c_attn" in transposed  # a non-square Conv1D: without the transpose the shapes clash
+    merged = lora.merge_state_dict(model.state_dict(), options.lora_scale, transposed)
+    expected = model.merge_and_unload().state_dict()
+    for k in expected:
+        assert merged[k] == pytest.approx(expected[k], abs=1e-6), k
+
+
+def test_adapters_on_the_lm_head_are_refused(tiny_policy):
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(lora.PipelineError, match="adapters on the LM head are not supported"):
+        lora.add_adapters(AutoModelForCausalLM.from_pretrained(tiny_policy),
+                          lora.LoraOptions(lora_rank=2, lora_target_modules=["q_proj", "lm_head"]))
+
+
 def test_lora_options_are_checked(tiny_policy, tmp_path, capsys):
     base = ["sft", "--model", tiny_policy, "--data", tmp_path / "x.jsonl", "--output", tmp_path / "o"]
     for extra, message in (

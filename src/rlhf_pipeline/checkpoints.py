@@ -81,10 +81,10 @@ def load_checkpoint(accelerator, model, checkpoint: Path) -> dict[str, Any]:
 
 
 def _state_options(accelerator, model) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Options of ``accelerator.save_state`` and ``load_state``. With LoRA the state holds only the weights that
-    train (the adapters, a score head trained whole), not the frozen model, which a resumed run loads again from
-    its starting point (for an 8B model: megabytes per checkpoint instead of gigabytes; and QLoRA's 4-bit weights
-    could not be loaded back as saved anyway)."""
+    """Options of ``accelerator.save_state`` and ``load_state``. With LoRA the resumable state holds only the weights
+    that train (the adapters, a score head trained whole), not the frozen model, which a resumed run loads again
+    from its starting point (for an 8B model, ``state/`` is megabytes instead of gigabytes beside the checkpoint's
+    merged model; and QLoRA's 4-bit weights could not be loaded back as saved anyway)."""
     if not lora.parts(unwrap(model)):
         return {}, {}
     if accelerator.state.deepspeed_plugin is not None:

@@ -120,6 +120,13 @@ def _check_gpus(ray: Any, gpus_per_replica: int, replicas: int, address: str | N
         )
     total = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in nodes)
     if total < gpus_per_replica * replicas:
+        if gpus_per_replica > 1:
+            # each replica's placement group is reserved up front and held until every replica is done, so groups
+            # that do not fit would never be placed: refuse rather than wait for ever
+            raise PipelineError(
+                f"--replicas {replicas} x --gpus-per-replica {gpus_per_replica}: {where} has {total} GPUs; pass at "
+                f"most --replicas {max(1, total // gpus_per_replica)}"
+            )
         log.warning("ray: %d replicas x %d GPUs > the %d GPUs of %s; replicas will wait for each other",
                     replicas, gpus_per_replica, total, where)
 
@@ -132,7 +139,8 @@ def _remote_options(ray: Any, gpus_per_replica: int) -> dict[str, Any]:
 
     # vLLM with tensor_parallel_size K inside a task: the task holds no GPU, vLLM's Ray backend starts its K workers
     # in the task's placement group (captured by child tasks), one GPU bundle each, packed on one node.
-    group = ray.util.placement_group([{"GPU": 1, "CPU": 1}] * gpus_per_replica, strategy="STRICT_PACK")
+    # (the bundles hold no CPU: the task's own CPU is the replica's, so a local Ray of one CPU per replica fits)
+    group = ray.util.placement_group([{"GPU": 1}] * gpus_per_replica, strategy="STRICT_PACK")
     return {
         "num_cpus": 1,
         "num_gpus": 0,

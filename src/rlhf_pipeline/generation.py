@@ -138,6 +138,8 @@ def sample_on_ray(config: GenerateConfig, prompt_ids: list[list[int]], seeds: li
     if count < config.replicas:
         log.warning("--replicas %d: only %d prompts, so %d replicas", config.replicas, len(rows), count)
     parts = [shard_indices(len(rows), i, count) for i in range(count)]
+    if Path(config.model).expanduser().is_dir():  # a cluster's workers do not start in this working directory
+        config = dataclasses.replace(config, model=str(Path(config.model).expanduser().resolve()))
     results = run_on_ray(
         sample_replica,
         [(config, prompt_ids[p.start : p.stop], seeds[p.start : p.stop], sampling) for p in parts],

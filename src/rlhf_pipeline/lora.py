@@ -174,6 +174,12 @@ def add_adapters(model: Any, options: LoraOptions) -> Any:
     if others:  # the merge below handles W + s B A of linear layers only
         raise PipelineError(f"--lora-target-modules: adapters on {', '.join(others)} layers are not supported; name "
                             "linear layers only (q_proj, v_proj, ...)")
+    head = peel(wrapped).get_output_embeddings() if hasattr(peel(wrapped), "get_output_embeddings") else None
+    if head is not None and hasattr(head, "lora_A"):
+        # often tied to the input embeddings (a merged update would be lost to the tie when the model is loaded), and
+        # the log-prob pass handles its weight as trained whole or frozen (ZeRO-3), not as a frozen base with adapters
+        raise PipelineError("--lora-target-modules: adapters on the LM head are not supported; adapt the decoder's "
+                            "layers (the default, every linear layer but the LM head)")
     return wrapped
 
 
@@ -181,9 +187,10 @@ def add_adapters(model: Any, options: LoraOptions) -> Any:
 # Saving
 
 
-def merge_state_dict(state_dict: dict[str, Any], scale: float) -> dict[str, Any]:
+def merge_state_dict(state_dict: dict[str, Any], scale: float, transposed: frozenset[str] = frozenset()) -> dict[str, Any]:
     """A peft model's full state dict (``accelerator.get_state_dict``) as the plain model's, each adapted linear
-    weight merged: ``W + scale * B @ A`` (computed in float32, stored in W's dtype). Keys of PPO's
+    weight merged: ``W + scale * B @ A`` (computed in float32, stored in W's dtype; ``(B @ A)^T`` for the modules
+    named in ``transposed``, GPT-2's ``Conv1D`` layers, which store W as (in, out)). Keys of PPO's
     ``policy.``/``critic.`` parts keep their prefix; a score head trained whole (``modules_to_save``) replaces the
     original."""
     import torch
@@ -202,6 +209,8 @@ def merge_state_dict(state_dict: dict[str, Any], scale: float) -> dict[str, Any]
     for module, ab in adapters.items():
         weight = out[f"{module}.weight"]
         delta = ab["lora_B"].to(torch.float32) @ ab["lora_A"].to(torch.float32)
+        if module in transposed:
+            delta = delta.T
         out[f"{module}.weight"] = (weight.to(torch.float32) + scale * delta).to(weight.dtype)
     return out
 
@@ -231,7 +240,9 @@ def save_merged(model: Any, path: Path, state_dict: dict[str, Any]) -> None:
     scales = {cfg.lora_alpha / cfg.r for part in parts(model).values() for cfg in part.peft_config.values()}
     if len(scales) != 1:
         raise ValueError(f"adapters with different scales {sorted(scales)}: merge_state_dict takes one")
-    merged = merge_state_dict(state_dict, scales.pop())
+    transposed = frozenset(_plain_name(prefix + name) for prefix, part in parts(model).items()
+                           for name, m in part.named_modules() if hasattr(m, "lora_A") and getattr(m, "fan_in_fan_out", False))
+    merged = merge_state_dict(state_dict, scales.pop(), transposed)
     plain = model if parts(model) and not is_peft(model) else peel(model)  # PPO's container saves its parts itself
     plain.save_pretrained(path, state_dict=merged, safe_serialization=True)
 

@@ -101,6 +101,9 @@ class SamplingOptions:
             if given:
                 raise ValueError(f"{', '.join(given)}: only with --executor ray (add it, or drop the flag)")
         elif self.gpus_per_replica > 1:
+            if self.engine == "hf":
+                raise ValueError(f"--gpus-per-replica {self.gpus_per_replica}: the hf engine runs on one GPU; use "
+                                 "--engine vllm for tensor-parallel replicas, or --gpus-per-replica 1")
             # A replica's K GPUs are its vLLM engine's tensor-parallel group: one flag says it.
             if self.tensor_parallel_size == 1:
                 self.tensor_parallel_size = self.gpus_per_replica
