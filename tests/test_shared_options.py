@@ -101,7 +101,7 @@ def test_eval_hands_every_sampling_option_to_generate(monkeypatch, tmp_path):
     from rlhf_pipeline.stages import eval as eval_stage
     from rlhf_pipeline import generation, scoring
 
-    values = dict(n=3, temperature=0.5, top_p=0.7, top_k=4, max_new_tokens=9, seed=7, engine="hf", limit=2,
+    values = dict(n=3, temperature=0.5, top_p=0.7, top_k=4, max_new_tokens=9, seed=7, engine="vllm", limit=2,
                   batch_size=5, dtype="float32", tensor_parallel_size=2, gpu_memory_utilization=0.5,
                   max_model_len=64, trust_remote_code=True, executor="ray", replicas=3, gpus_per_replica=2,
                   ray_address="head:6379")
