@@ -71,6 +71,24 @@ def load_plain(path: Path, classifier: bool):
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
+def assert_cut_run_resumes_to(full: Path, args: list, monkeypatch) -> None:
+    """``args`` (a run writing its checkpoints) cut by Ctrl-C right after its first checkpoint, then rerun with
+    --resume, ends with the losses and weights of the uninterrupted run in ``full``."""
+    real_save = trainer.save_checkpoint
+
+    def save_then_crash(*a, **kwargs):
+        real_save(*a, **kwargs)
+        raise KeyboardInterrupt  # as if Ctrl-C came right after the checkpoint
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_crash)
+    assert run(*args) == 130
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    assert run(*args, "--resume") == 0
+    cut = Path(args[args.index("--output") + 1])
+    assert logged(cut) == pytest.approx(logged(full), abs=1e-6)
+    assert max_weight_diff(cut, full) < 1e-6
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_lora_trains_adapters_only_resumes_and_saves_a_merged_model(case, data, tiny_policy, tiny_rm, tmp_path,
                                                                      monkeypatch):
@@ -78,18 +96,8 @@ def test_lora_trains_adapters_only_resumes_and_saves_a_merged_model(case, data, 
     assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "full", *common)) == 0
 
     # Cut after the step-2 checkpoint, resumed: the same losses and the same merged weights.
-    real_save = trainer.save_checkpoint
-
-    def save_then_crash(*args, **kwargs):
-        real_save(*args, **kwargs)
-        raise KeyboardInterrupt  # as if Ctrl-C came right after the step-2 checkpoint
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_crash)
-    assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "cut", *common)) == 130
-    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
-    assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "cut", *common, "--resume")) == 0
-    assert logged(tmp_path / "cut") == pytest.approx(logged(tmp_path / "full"), abs=1e-6)
-    assert max_weight_diff(tmp_path / "cut", tmp_path / "full") < 1e-6
+    assert_cut_run_resumes_to(tmp_path / "full", args_for(case, data, tiny_policy, tiny_rm, tmp_path / "cut", *common),
+                              monkeypatch)
 
     out = tmp_path / "full"
     for part in CASES[case][1]:
@@ -190,18 +198,8 @@ def test_qlora_trains_on_4bit_weights_resumes_and_merges_into_the_full_precision
     pytest.importorskip("bitsandbytes")
     common = ["--max-steps", 4, "--save-every", 2, "--load-in-4bit"]
     assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "full", *common)) == 0
-    real_save = trainer.save_checkpoint
-
-    def save_then_crash(*args, **kwargs):
-        real_save(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_crash)
-    assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "cut", *common)) == 130
-    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
-    assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "cut", *common, "--resume")) == 0
-    assert logged(tmp_path / "cut") == pytest.approx(logged(tmp_path / "full"), abs=1e-6)
-    assert max_weight_diff(tmp_path / "cut", tmp_path / "full") < 1e-6
+    assert_cut_run_resumes_to(tmp_path / "full", args_for(case, data, tiny_policy, tiny_rm, tmp_path / "cut", *common),
+                              monkeypatch)
 
     out, classifier = tmp_path / "full", case == "rm"
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
