@@ -206,7 +206,7 @@ def pair_lengths(pairs) -> list[int]:
 
 def step_order(spec: dict) -> list[list[list[int]]]:
     """Pair indices of every micro-batch of every step, as our trainer orders them (one process)."""
-    from rlhf_pipeline.trainer import global_batches, micro_batches
+    from rlhf_pipeline.training.loop import global_batches, micro_batches
 
     pairs_n, b, a = spec["num_pairs"], spec["batch_size"], spec["accumulation"]
     lengths = spec["pair_lengths"]
@@ -238,11 +238,11 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
     from transformers import AutoModelForCausalLM
 
     from rlhf_pipeline.losses import PairLossParams
-    from rlhf_pipeline.lora import LoraOptions
-    from rlhf_pipeline.pairs import pair_logps
-    from rlhf_pipeline.pairs import PairTask
+    from rlhf_pipeline.training.lora import LoraOptions
+    from rlhf_pipeline.algorithms.pairs import pair_logps
+    from rlhf_pipeline.algorithms.pairs import PairTask
     from rlhf_pipeline.distributed import sharded_batches
-    from rlhf_pipeline.trainer import add_to_sums, load_trainable, warmup_cosine
+    from rlhf_pipeline.training.loop import add_to_sums, load_trainable, warmup_cosine
 
     @dataclass(kw_only=True)
     class LoadOptions(LoraOptions):
@@ -487,12 +487,12 @@ def flops(lengths_sum: int, sq_sum: int, n: int, layers: int, hidden: int, train
 
 
 def lora_param_count(config, rank: int) -> int:
-    """Parameters of the rank-``rank`` adapters ``rlhf_pipeline.lora.add_adapters`` puts on a model of ``config``
+    """Parameters of the rank-``rank`` adapters ``rlhf_pipeline.training.lora.add_adapters`` puts on a model of ``config``
     (built on the meta device: nothing is allocated): Σ rank · (in + out) over the adapted linear layers."""
     import torch
     import transformers
 
-    from rlhf_pipeline.lora import LoraOptions, add_adapters
+    from rlhf_pipeline.training.lora import LoraOptions, add_adapters
 
     with torch.device("meta"):
         model = add_adapters(transformers.AutoModelForCausalLM.from_config(config), LoraOptions(lora_rank=rank))

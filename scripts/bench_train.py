@@ -74,8 +74,8 @@ def time_steps(policy: str, data: Path, rounds: int, steps: int) -> dict:
 
     from rlhf_pipeline.algorithms import compute_pair_loss
     from rlhf_pipeline.losses import PairLossParams
-    from rlhf_pipeline.pairs import pair_logps
-    from rlhf_pipeline.trainer import global_batches
+    from rlhf_pipeline.algorithms.pairs import pair_logps
+    from rlhf_pipeline.training.loop import global_batches
 
     torch.manual_seed(0)
     from rlhf_pipeline.chat import load_tokenizer

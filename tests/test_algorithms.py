@@ -16,7 +16,7 @@ from rlhf_pipeline.algorithms import ALGORITHMS, GROUPS, PAIRS, GroupAlgorithm, 
 
 def test_stage_choices_are_the_registry():
     from rlhf_pipeline.stages.demo import DemoConfig
-    from rlhf_pipeline.runs import IterateConfig
+    from rlhf_pipeline.stages.iterate import IterateConfig
     from rlhf_pipeline.stages.train import TrainConfig
 
     for config in (TrainConfig, IterateConfig, DemoConfig):

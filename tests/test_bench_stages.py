@@ -98,8 +98,8 @@ def test_compare_pairs_catches_a_difference(filtered):
 
 
 def test_one_by_one_scoring_gives_our_rewards(tmp_path, tiny_rm):
-    from rlhf_pipeline.scoring import ScoreConfig
-    from rlhf_pipeline.scoring import main as score_main
+    from rlhf_pipeline.stages.score import ScoreConfig
+    from rlhf_pipeline.stages.score import main as score_main
 
     tok = load_tokenizer(tiny_rm)
     cols = stages.synthetic_generations(tok, 20, 3, seed=1, scored=False)

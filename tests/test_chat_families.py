@@ -308,7 +308,7 @@ def test_filter_and_trainer_use_prompt_ids_plus_sampled_ids(kit, family):
     from transformers import AutoModelForCausalLM
 
     from rlhf_pipeline.chat import pad_id
-    from rlhf_pipeline.pairs import pair_logps
+    from rlhf_pipeline.algorithms.pairs import pair_logps
 
     gen = load_from_disk(str(kit.stage(family, "score")))
     by_id = {row["prompt_id"]: row for row in gen}

@@ -18,7 +18,7 @@ def test_require_columns_names_the_file_the_missing_columns_and_the_fix():
 
 def test_score_and_filter_keep_their_messages():
     from rlhf_pipeline.stages.filter import FilterConfig, _check_input
-    from rlhf_pipeline.scoring import _check_generations
+    from rlhf_pipeline.stages.score import _check_generations
 
     prompts = Dataset.from_dict({"prompt": ["a"]})
     with pytest.raises(PipelineError, match=r"^p\.jsonl: missing column\(s\) prompt_id, responses; score takes "

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlhf_pipeline import algorithms
-from rlhf_pipeline.groups import RLParams, compute_advantages
+from rlhf_pipeline.algorithms.groups import RLParams, compute_advantages
 from rlhf_pipeline.losses import ppo_policy_loss
 from rlhf_pipeline.selection import UNIFORM_REWARDS, LengthLimits, OverlongPenalty, decide_group
 from rlhf_pipeline.stages.train import TrainConfig

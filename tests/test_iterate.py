@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.runs import IterateConfig, check, option_args, plan
+from rlhf_pipeline.stages.iterate import IterateConfig, check, option_args, plan
 
 
 def config(tmp_path, **overrides) -> IterateConfig:
@@ -60,7 +60,7 @@ def test_plan_chains_policies_prompts_and_seeds(tmp_path):
 
 def test_lora_options_reach_every_iterations_training(tmp_path):
     """iterate passes the train section's LoRA options through, and they parse as rlhf train's own."""
-    from rlhf_pipeline.runs import _stage_config
+    from rlhf_pipeline.stages.iterate import _stage_config
 
     steps = plan(config(tmp_path, iterations=2, train={"lora_rank": 16, "lora_target_modules": ["q_proj", "v_proj"]}))
     trains = [s for s in steps if s.stage == "train"]
@@ -177,7 +177,7 @@ def test_a_stage_does_not_outlive_a_killed_iterate(tmp_path):
     pidfile = tmp_path / "child.pid"
     child = "import os, sys, time; open(sys.argv[-1], 'w').write(str(os.getpid())); time.sleep(120)"
     parent = (
-        "import sys; from pathlib import Path; from rlhf_pipeline.runs import Step, run_steps; "
+        "import sys; from pathlib import Path; from rlhf_pipeline.stages.iterate import Step, run_steps; "
         f"run_steps([Step('iter_1/generate', 'generate', [{str(pidfile)!r}], Path({str(tmp_path / 'out')!r}), "
         f"launcher=[sys.executable, '-c', {child!r}])], Path({str(tmp_path / 'run')!r}))"
     )

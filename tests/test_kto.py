@@ -14,7 +14,7 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from rlhf_pipeline import trainer
+from rlhf_pipeline.training import loop as trainer
 from rlhf_pipeline.selection import (
     EQUAL_REWARDS,
     FEWER_THAN_TWO,
@@ -258,7 +258,7 @@ def test_kto_two_process_zero3_equals_one_process(unpaired, tiny_policy, tmp_pat
 def test_iterate_and_demo_derive_the_unpaired_filter_mode(tmp_path):
     from rlhf_pipeline.algorithms import UNPAIRED, get
     from rlhf_pipeline.errors import PipelineError
-    from rlhf_pipeline.runs import IterateConfig, plan
+    from rlhf_pipeline.stages.iterate import IterateConfig, plan
 
     assert get("kto").data == UNPAIRED and get("kto").demo
     config = dict(output=str(tmp_path / "run"), model="base", prompts="p.jsonl", iterations=2, reward_model="rm",

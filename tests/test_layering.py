@@ -1,82 +1,233 @@
-"""The package's layers: library modules never import a stage, and a stage never imports another stage.
+"""The package's layers, read from the source: every module has a level, imports only go down, and nothing cycles.
 
-Three layers: the library (everything outside ``stages/``), the stages (thin programs over it), and the entry points
-above them, ``cli`` (``rlhf <stage>``) and ``bench`` (``rlhf bench``, which times the stage programs end to end as a
-user runs them), which may import any stage. ``rlhf iterate`` and ``rlhf demo`` launch stages as processes, by
-module name, so they import none.
+:data:`LEVELS` is the map of the package, bottom to top, one line per module or package (a package's line covers
+its submodules). A module may import a module of a lower line, or of its own line (a package's submodules among
+themselves); never one above it, nor a sibling on the same level: the stages do not import each other, and the
+stages that run others (``eval`` runs ``generate`` and ``score``, ``iterate`` plans every stage, ``demo`` runs
+``iterate`` and ``report``) each have a level of their own above the ones they run.
 
-Read from the source (every ``import`` and ``from ... import`` anywhere in a module, function bodies included), so
-a lazy import inside a function counts as much as one at the top.
+An import is any ``import``/``from ... import`` anywhere in a file (function bodies and ``TYPE_CHECKING`` blocks
+included), relative or absolute, and any reference by string: a string literal that is exactly a module path
+(``"rlhf_pipeline.stages.train"``, what ``importlib.import_module`` is given) or a registry reference
+(``"rlhf_pipeline.losses:dpo_terms"``). The whole graph, with those edges, must have no cycle.
 """
 
+from __future__ import annotations
+
 import ast
+import re
 from pathlib import Path
 
 import rlhf_pipeline
 
 PACKAGE = Path(rlhf_pipeline.__file__).parent
-STAGES = "rlhf_pipeline.stages"
-ENTRY_POINTS = ("rlhf_pipeline.cli", "rlhf_pipeline.bench")
+
+# Bottom to top. A module may import what stands on a lower level, or on its own line.
+LEVELS: list[tuple[int, str, str]] = [
+    (0, "rlhf_pipeline", "the package: its version, nothing else"),
+    (0, "errors", "the exceptions that reach the user as one line"),
+    (0, "progress", "whether progress bars show"),
+    (0, "layout", "the names of a run's directories, files and metrics"),
+    (0, "sharding", "which prompts a --shard takes, and their seeds"),
+    (0, "losses", "pure loss functions of tensors"),
+    (0, "advantages", "pure advantage and baseline functions of tensors"),
+    (0, "selection", "pure choice of pairs, groups and splits"),
+    (0, "tiny", "the offline tiny tokenizer and models"),
+    (1, "config", "option dataclasses, flags and YAML"),
+    (1, "contracts", "the column contracts between stages"),
+    (2, "chat", "chat templates and tokenization"),
+    (2, "modeling", "loading and unwrapping models"),
+    (2, "datasets_io", "dataset references, atomic outputs, manifests"),
+    (2, "distributed", "processes: sharded inference and collectives"),
+    (2, "executors", "where engines run: locally or on Ray"),
+    (2, "sampling_options", "the sampling options generate and eval share"),
+    (3, "logprobs", "the one place log-probs are computed"),
+    (3, "engines", "generation engines: hf, vllm"),
+    (3, "demo", "the demo's bundled task"),
+    (4, "rewards", "reward models and reward functions"),
+    (5, "training", "the training loop, checkpoints, the training-stage frame, LoRA"),
+    (6, "algorithms", "the registry and the algorithm families"),
+    (7, "stages", "run_stage, what every stage's cli calls"),
+    (8, "stages.generate", "rlhf generate"),
+    (8, "stages.merge", "rlhf merge"),
+    (8, "stages.score", "rlhf score"),
+    (8, "stages.filter", "rlhf filter"),
+    (8, "stages.ref_logps", "rlhf ref-logps"),
+    (8, "stages.train", "rlhf train"),
+    (8, "stages.sft", "rlhf sft"),
+    (8, "stages.train_rm", "rlhf train-rm"),
+    (8, "stages.report", "rlhf report"),
+    (8, "stages.tiny_model", "rlhf tiny-model"),
+    (9, "stages.eval", "rlhf eval: runs generate and score"),
+    (10, "stages.iterate", "rlhf iterate: plans and launches the stages"),
+    (11, "stages.demo", "rlhf demo: runs iterate and report"),
+    (12, "cli", "rlhf <stage>"),
+    (12, "bench", "rlhf bench: runs the stages side by side with peers"),
+]
+
+_REFERENCE = re.compile(r"rlhf_pipeline(?:\.\w+)*(?::\w+)?")
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module a file imports; ``from a import b`` counts as ``a`` and ``a.b`` (b may be a module)."""
+def imports(path: Path, package: Path) -> set[str]:
+    """Every module a file names: imports anywhere in it (``from a import b`` counts as ``a`` and ``a.b``, b may be
+    a module), and string literals that are exactly a module path or a ``module:attribute`` reference."""
     found = set()
-    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    me = module_name(path, package)
+    here = me if path.name == "__init__.py" else me.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative import
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _REFERENCE.fullmatch(node.value):
+            found.add(node.value.partition(":")[0])
     return found
 
 
-def stage_of(module: str) -> str | None:
-    """``rlhf_pipeline.stages.train`` (or anything below it) -> its stage module; None outside stages."""
-    if module == STAGES or not module.startswith(STAGES + "."):
-        return None
-    return ".".join(module.split(".")[:3])
+def graph(package: Path) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (an import of ``a.b.c`` where only ``a.b`` is a module is ``a.b``)."""
+    files = {module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+    root = package.name
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {
+        me: {t for t in map(resolve, (n for n in imports(path, package) if n.split(".")[0] == root))
+             if t is not None and t != me}
+        for me, path in files.items()
+    }
 
 
-def violations() -> list[str]:
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        me = module_name(path)
-        if me in ENTRY_POINTS or me.startswith(tuple(e + "." for e in ENTRY_POINTS)):
+def line_of(module: str, levels: list[tuple[int, str, str]], root: str) -> tuple[int, str] | None:
+    """(level, line) of the most specific table line that covers ``module``."""
+    best = None
+    for level, name, _ in levels:
+        full = root if name == root else f"{root}.{name}"
+        covers = module == full or (full != root and module.startswith(full + "."))
+        if covers and (best is None or len(full) > len(best[1])):
+            best = (level, full)
+    return best
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def violations(package: Path = PACKAGE, levels: list[tuple[int, str, str]] = LEVELS) -> list[str]:
+    edges = graph(package)
+    root = package.name
+    found = [f"{m} has no line in LEVELS: add one" for m in sorted(edges) if line_of(m, levels, root) is None]
+    for me in sorted(edges):
+        mine = line_of(me, levels, root)
+        if mine is None:
             continue
-        my_stage = stage_of(me)
-        targets = {stage_of(t) or t for t in imported_modules(path) if t == STAGES or stage_of(t) is not None}
-        for target in sorted(targets - {my_stage, STAGES if my_stage else None}):
-            if my_stage is None and me != STAGES:
-                found.append(f"{me} (a library module) imports {target}")
-            elif my_stage is not None:
-                found.append(f"{me} imports another stage, {target}")
+        for target in sorted(edges[me]):
+            theirs = line_of(target, levels, root)
+            if theirs is None or theirs[1] == mine[1] or theirs[0] < mine[0]:
+                continue
+            how = "a sibling on its level" if theirs[0] == mine[0] else "a higher level"
+            found.append(f"{me} (level {mine[0]}) imports {target} (level {theirs[0]}), {how}")
+    found += [f"import cycle: {' <-> '.join(c)}" for c in cycles(edges)]
     return found
 
 
-def test_library_modules_never_import_a_stage_and_stages_never_import_each_other():
+def test_every_import_goes_down_and_nothing_cycles():
     assert violations() == []
 
 
-def test_the_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
-    """Guards the test above: it must catch an import inside a function and a relative one."""
-    fake = tmp_path / "rlhf_pipeline"
-    (fake / "stages").mkdir(parents=True)
-    for name in ("__init__.py", "stages/__init__.py"):
-        (fake / name).write_text("")
-    (fake / "lib.py").write_text("def f():\n    from rlhf_pipeline.stages.train import main\n")
-    (fake / "stages" / "a.py").write_text("from . import b\n")
-    (fake / "stages" / "b.py").write_text("from rlhf_pipeline.stages.b import x\n")  # itself: fine
-    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
-    assert violations() == ["rlhf_pipeline.lib (a library module) imports rlhf_pipeline.stages.train",
-                            "rlhf_pipeline.stages.a imports another stage, rlhf_pipeline.stages.b"]
+def test_every_line_of_the_table_names_a_module():
+    modules = set(graph(PACKAGE))
+    for _, name, _ in LEVELS:
+        full = "rlhf_pipeline" if name == "rlhf_pipeline" else f"rlhf_pipeline.{name}"
+        assert full in modules, f"LEVELS names {name}, which is not a module of the package"
+
+
+def _fake_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    package = tmp_path / "rlhf_pipeline"
+    for name, text in {"__init__.py": "", "stages/__init__.py": "", **files}.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    return package
+
+
+FAKE_LEVELS = [(0, "rlhf_pipeline", ""), (0, "losses", ""), (1, "logprobs", ""), (2, "stages", ""),
+               (3, "stages.train", ""), (3, "stages.sft", ""), (4, "cli", "")]
+
+
+def test_the_check_fails_on_a_planted_upward_import(tmp_path):
+    """A library module importing a stage inside a function, and a stage importing its sibling relatively."""
+    package = _fake_package(tmp_path, {
+        "losses.py": "",
+        "logprobs.py": "def f():\n    from rlhf_pipeline.stages.train import main\n",
+        "stages/train.py": "from rlhf_pipeline import logprobs\n",
+        "stages/sft.py": "from . import train\n",
+        "cli.py": "STAGES = {'train': 'rlhf_pipeline.stages.train'}\n",  # by string, from above: fine
+    })
+    assert violations(package, FAKE_LEVELS) == [
+        "rlhf_pipeline.logprobs (level 1) imports rlhf_pipeline.stages.train (level 3), a higher level",
+        "rlhf_pipeline.stages.sft (level 3) imports rlhf_pipeline.stages.train (level 3), a sibling on its level",
+        "import cycle: rlhf_pipeline.logprobs <-> rlhf_pipeline.stages.train",
+    ]
+
+
+def test_the_check_fails_on_a_planted_cycle_through_a_string_reference(tmp_path):
+    """A registry reference (``"module:function"``) closing a cycle inside one line of the table (the ``stages``
+    package here), which the level rule allows and only the cycle check catches; and a module the table does not
+    place."""
+    package = _fake_package(tmp_path, {
+        "losses.py": "",
+        "logprobs.py": "",
+        "stages/train.py": "from rlhf_pipeline.stages import run\n",
+        "stages/run.py": "LOSS = 'rlhf_pipeline.stages.train:loss'\n",
+        "cli.py": "",
+        "extra.py": "",
+    })
+    levels = [(0, "rlhf_pipeline", ""), (0, "losses", ""), (1, "logprobs", ""), (2, "stages", ""), (4, "cli", "")]
+    assert violations(package, levels) == [
+        "rlhf_pipeline.extra has no line in LEVELS: add one",
+        "import cycle: rlhf_pipeline.stages.run <-> rlhf_pipeline.stages.train",
+    ]

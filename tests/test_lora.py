@@ -1,4 +1,4 @@
-"""LoRA in every training stage (rlhf_pipeline.lora): the merge against peft's own, and for REBEL, DPO, GRPO, PPO (its
+"""LoRA in every training stage (rlhf_pipeline.training.lora): the merge against peft's own, and for REBEL, DPO, GRPO, PPO (its
 critic too), SFT and the reward model a run that trains only adapters, resumes to the uninterrupted result and saves
 a merged model that loads without peft and computes what the trained adapters computed."""
 
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import LENGTH_REWARD, free_port, launch_failure, logged, max_weight_diff, run, write_jsonl
-from rlhf_pipeline import lora, trainer
+from rlhf_pipeline.training import lora, trainer
 
 peft = pytest.importorskip("peft")
 

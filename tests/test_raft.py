@@ -50,7 +50,7 @@ def test_sft_on_best_responses_trains_on_the_sampled_ids_and_equals_train_algo_r
                                                                                      tmp_path):
     """No re-rendering: the SFT rows are prompt ids + the sampled ids (stop token included when sampling stopped).
     ``rlhf train --algo raft`` is that same training: with the same options both give the same weights."""
-    from rlhf_pipeline.supervised import sampled_rows
+    from rlhf_pipeline.algorithms.supervised import sampled_rows
 
     best = load_from_disk(str(data / "best"))
     rows, dropped = sampled_rows(best, max_length=10_000, source="best")
@@ -87,7 +87,7 @@ def test_raft_on_other_data_is_one_clean_error(data, stop_prone_policy, tmp_path
 
 def test_iterate_runs_raft_with_the_best_filter_mode(tmp_path):
     from rlhf_pipeline.algorithms import BEST, get
-    from rlhf_pipeline.runs import IterateConfig, plan
+    from rlhf_pipeline.stages.iterate import IterateConfig, plan
 
     assert get("raft").data == BEST and get("raft").demo
     steps = plan(IterateConfig(output=str(tmp_path / "run"), model="base", prompts="p.jsonl", iterations=2,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_pipeline.reporting import collect, fmt
+from rlhf_pipeline.stages.report import collect, fmt
 from rlhf_pipeline.stages.report import cli as report_cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -97,7 +97,7 @@ def test_a_constant_source_adds_exactly_zero():
 
 
 def test_reward_source_keys_and_columns():
-    from rlhf_pipeline.scoring import reward_sources
+    from rlhf_pipeline.stages.score import reward_sources
 
     # the only source of its kind is keyed by its kind: the columns rlhf eval has always written
     assert [(s.key, s.column) for s in reward_sources("runs/rm", "r.py:length")] == [

@@ -123,7 +123,7 @@ def test_reward_model_and_function_from_yaml_then_filter(kit, tmp_path, tiny_rm,
 
 def test_a_repeated_list_flag_adds_and_replaces_the_yaml_value(tmp_path):
     from rlhf_pipeline.config import parse_config
-    from rlhf_pipeline.scoring import ScoreConfig
+    from rlhf_pipeline.stages.score import ScoreConfig
 
     (tmp_path / "s.yaml").write_text("input: g\noutput: o\nreward_fn: [y.py:a, y.py:b]\nreward_weights: [1, 2]\n")
     parse = lambda *argv: parse_config(ScoreConfig, ["--config", str(tmp_path / "s.yaml"), *argv], "rlhf score")

@@ -10,7 +10,7 @@ from conftest import run, write_jsonl
 from rlhf_pipeline.config import build_parser, options_of, semantic_dict
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.stages.eval import EvalConfig
-from rlhf_pipeline.generation import GenerateConfig
+from rlhf_pipeline.stages.generate import GenerateConfig
 
 
 def stage_args(stage: str, tmp_path) -> list:

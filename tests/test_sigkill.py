@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 from conftest import LENGTH_REWARD, max_weight_diff
 
-from rlhf_pipeline.checkpoints import list_checkpoints
+from rlhf_pipeline.training.checkpoints import list_checkpoints
 from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.layout import REF_LOGPS_CACHE
 
@@ -505,14 +505,14 @@ def test_a_run_record_write_killed_midway_leaves_the_output_resumable(tmp_path):
 def test_a_metrics_rewrite_killed_midway_keeps_the_steps_before_the_checkpoint(tmp_path):
     """A resumed run first cuts metrics.jsonl back to the steps of its checkpoint; killed while it does, the rerun
     must still find those steps, or the finished run's metrics.jsonl lacks them."""
-    from rlhf_pipeline.trainer import Metrics
+    from rlhf_pipeline.training.loop import Metrics
 
     class MainProcess:
         is_main_process = True
 
     lines = [json.dumps({"step": s, "loss/train": 1.0 / (s + 1)}) + "\n" for s in range(7)]
     (tmp_path / "metrics.jsonl").write_text("".join(lines))
-    code = ("import sys; from pathlib import Path; from rlhf_pipeline.trainer import Metrics\n"
+    code = ("import sys; from pathlib import Path; from rlhf_pipeline.training.loop import Metrics\n"
             "class MainProcess:\n    is_main_process = True\n"
             + DIE_AT_FIRST_WRITE + "Metrics(MainProcess(), Path(sys.argv[1]), resume_step=4)\n")
     assert _python(code, tmp_path) == -signal.SIGXFSZ
@@ -523,7 +523,7 @@ def test_a_metrics_rewrite_killed_midway_keeps_the_steps_before_the_checkpoint(t
 SAVE_CHECKPOINTS = """
 import os, shutil, signal, sys
 from pathlib import Path
-from rlhf_pipeline.checkpoints import save_checkpoint
+from rlhf_pipeline.training.checkpoints import save_checkpoint
 
 class Accelerator:  # one process: what save_checkpoint asks of accelerate's
     is_main_process, num_processes = True, 1

@@ -11,7 +11,7 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from rlhf_pipeline import trainer
+from rlhf_pipeline.training import loop as trainer
 from conftest import LENGTH_REWARD, free_port, launch_failure, logged, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
@@ -206,7 +206,7 @@ def test_dropout_is_disabled_for_training(tiny_policy):
     """Reference log-probs are taken without dropout, so the policy's must be too."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf_pipeline.trainer import disable_dropout
+    from rlhf_pipeline.training.loop import disable_dropout
 
     model = AutoModelForCausalLM.from_pretrained(tiny_policy, attention_dropout=0.3)
     assert any(getattr(m, "attention_dropout", 0) == 0.3 for m in model.modules())

@@ -19,7 +19,9 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from rlhf_pipeline import algorithms, groups as rl, trainer
+from rlhf_pipeline import algorithms
+from rlhf_pipeline.algorithms import groups as rl
+from rlhf_pipeline.training import loop as trainer
 from conftest import LENGTH_REWARD, free_port, launch_failure, logged, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")

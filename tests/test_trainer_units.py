@@ -5,7 +5,7 @@ import math
 import pytest
 
 from rlhf_pipeline.distributed import sharded_batches
-from rlhf_pipeline.trainer import global_batches, micro_batches, warmup_cosine
+from rlhf_pipeline.training.loop import global_batches, micro_batches, warmup_cosine
 
 
 def test_global_batches_are_a_seeded_partition():
@@ -54,7 +54,7 @@ def test_rebel_backpropagates_repos_form_and_reports_the_papers(tiny_policy):
     from transformers import AutoModelForCausalLM
 
     from rlhf_pipeline.losses import PairLossParams, rebel_loss
-    from rlhf_pipeline.pairs import PairTask, pair_logps
+    from rlhf_pipeline.algorithms.pairs import PairTask, pair_logps
 
     model = AutoModelForCausalLM.from_pretrained(tiny_policy)
     rows = [{"prompt_token_ids": [1, 10, 11], "chosen_token_ids": [20, 21, 2], "rejected_token_ids": [30, 2],

@@ -14,16 +14,10 @@ own code raises (a ``--reward-fn``), its traceback comes first and the ``error:`
 from __future__ import annotations
 
 import importlib
-import logging
-import os
 import sys
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Sequence
 
 from rlhf_pipeline import algorithms
-from rlhf_pipeline.config import parse_config
-from rlhf_pipeline.errors import FailedElsewhere, PipelineError, UserCodeError
-
-C = TypeVar("C")
 
 # stage name -> (module, one-line description). Modules are imported only when their stage runs.
 STAGES: dict[str, tuple[str, str]] = {
@@ -55,40 +49,6 @@ def config_class(stage: str) -> type:
     if len(found) != 1:
         raise TypeError(f"{module.__name__}: expected one *Config dataclass, found {sorted(c.__name__ for c in found)}")
     return found.pop()
-
-
-def run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv: Sequence[str] | None = None) -> int:
-    """Parse the stage's config, run it, and turn a PipelineError into a one-line message (exit status 1).
-
-    A UserCodeError (the user's reward function raised) prints the user's traceback first, then the one line, which
-    names the stage. ``RLHF_DEBUG=1`` lets either propagate with the pipeline's whole traceback.
-    """
-    logging.basicConfig(
-        level=os.environ.get("RLHF_LOG_LEVEL", "WARNING").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        config = parse_config(config_cls, argv, prog)
-        main_fn(config)
-    except FailedElsewhere:  # another process of the launch failed, and the main process says why
-        if os.environ.get("RLHF_DEBUG"):
-            raise
-        return 1
-    except UserCodeError as e:
-        if os.environ.get("RLHF_DEBUG"):
-            raise
-        print(e.user_traceback(), end="", file=sys.stderr)
-        print(f"error: {prog}: {e}", file=sys.stderr)
-        return 1
-    except PipelineError as e:
-        if os.environ.get("RLHF_DEBUG"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # outputs are written atomically or resumably: a rerun continues where this stopped
-        print("interrupted; run the same command again to continue", file=sys.stderr)
-        return 130
-    return 0
 
 
 def _usage() -> str:

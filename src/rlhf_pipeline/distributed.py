@@ -20,16 +20,12 @@ import math
 import os
 import traceback
 from datetime import timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from rlhf_pipeline.errors import FailedElsewhere, PipelineError, ProcessFailed, UserCodeError, one_line
 
-if TYPE_CHECKING:
-    from rlhf_pipeline.trainer import TrainOptions
 
-
-def _cpu_deepspeed_backend() -> None:
+def cpu_deepspeed_backend() -> None:
     """Let DeepSpeed run distributed on CPUs (``DS_ACCELERATOR=cpu``, gloo), as the tests here do.
 
     accelerate only initialises a process group for DeepSpeed when it finds a GPU; without one it would treat each
@@ -51,34 +47,6 @@ def _cpu_deepspeed_backend() -> None:
         return "gloo", DistributedType.MULTI_CPU
 
     PartialState._prepare_backend = prepare_backend
-
-
-def make_accelerator(config: TrainOptions):
-    """The Accelerator of a training run, with DeepSpeed's batch sizes and clipping set from ``config``."""
-    from accelerate import Accelerator
-
-    _cpu_deepspeed_backend()
-    accelerator = Accelerator(
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        mixed_precision="bf16" if config.bf16 else "no",
-        log_with=None if config.report_to == "none" else config.report_to,
-        project_dir=str(Path(config.output).expanduser()),
-    )
-    if accelerator.num_processes > 1 and accelerator.state.deepspeed_plugin is None:
-        # logprobs.token_logps calls the decoder and LM head directly, which DDP's gradient sync would miss.
-        raise PipelineError(
-            f"{accelerator.num_processes} processes without DeepSpeed: the trainer runs multi-process only under "
-            "DeepSpeed; launch with --config_file accelerate_cfgs/zero2.yaml (or zero3.yaml)"
-        )
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None:
-        # We build batches ourselves (no DataLoader for accelerate to read sizes from), so tell DeepSpeed.
-        ds = plugin.deepspeed_config
-        ds["train_micro_batch_size_per_gpu"] = config.batch_size
-        ds["gradient_accumulation_steps"] = config.gradient_accumulation_steps
-        ds["train_batch_size"] = config.batch_size * config.gradient_accumulation_steps * accelerator.num_processes
-        ds["gradient_clipping"] = config.max_grad_norm
-    return accelerator
 
 
 def finish_distributed() -> None:

@@ -78,7 +78,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
-from rlhf_pipeline.lora import peel
+from rlhf_pipeline.modeling import peel, supports_fast_path
 
 log = logging.getLogger(__name__)
 
@@ -400,8 +400,6 @@ def token_values(critic, batch: Batch) -> tuple[Tensor, Tensor]:
     whose linear ``score`` head is applied here at every response position instead of only at the last token.
     Returns ``(values (N,) float32 or wider, seq_index (N,))``.
     """
-    from rlhf_pipeline.rewards import supports_fast_path  # the reward-as-score(hidden state) shape scoring relies on
-
     inner = _unwrap(critic)
     if not supports_fast_path(inner):
         raise TypeError(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlhf_pipeline.errors import PipelineError
 
@@ -142,3 +142,28 @@ def load_reward_model(path: str, dtype: str = "auto", trust_remote_code: bool = 
         path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
     )
     return model.to(device).eval()
+
+
+def is_peft(model: Any) -> bool:
+    """A peft model (without importing peft)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def peel(model: Any) -> Any:
+    """The transformers model inside a peft wrapper (its layers carry the adapters), or the model as is."""
+    return model.get_base_model() if is_peft(model) else model
+
+
+def supports_fast_path(model) -> bool:
+    """A one-label classifier whose reward is ``score(last hidden state)`` of a body named by ``base_model_prefix``."""
+    import torch
+
+    config = getattr(model, "config", None)
+    prefix = getattr(model, "base_model_prefix", None)
+    return (
+        config is not None
+        and getattr(config, "num_labels", None) == 1
+        and isinstance(getattr(model, "score", None), torch.nn.Module)
+        and isinstance(prefix, str)
+        and isinstance(getattr(model, prefix, None), torch.nn.Module)
+    )

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 from tqdm.auto import tqdm
 
 from rlhf_pipeline.errors import PipelineError, UserCodeError, one_line
+from rlhf_pipeline.modeling import supports_fast_path
 
 log = logging.getLogger(__name__)
 
@@ -379,19 +380,7 @@ class RewardModelScorer:
         self.model = None
 
 
-def supports_fast_path(model) -> bool:
-    """A one-label classifier whose reward is ``score(last hidden state)`` of a body named by ``base_model_prefix``."""
-    import torch
 
-    config = getattr(model, "config", None)
-    prefix = getattr(model, "base_model_prefix", None)
-    return (
-        config is not None
-        and getattr(config, "num_labels", None) == 1
-        and isinstance(getattr(model, "score", None), torch.nn.Module)
-        and isinstance(prefix, str)
-        and isinstance(getattr(model, prefix, None), torch.nn.Module)
-    )
 
 
 def model_pad_id(config) -> int | None:

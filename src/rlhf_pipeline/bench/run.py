@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.errors import PipelineError
 

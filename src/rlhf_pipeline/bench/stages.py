@@ -655,8 +655,8 @@ def bench_score(workdir: Path, reward_model: Path, sizes: Sizes, rounds: int) ->
     from datasets import load_from_disk
 
     from rlhf_pipeline.chat import load_tokenizer
-    from rlhf_pipeline.scoring import ScoreConfig
-    from rlhf_pipeline.scoring import main as score_main
+    from rlhf_pipeline.stages.score import ScoreConfig
+    from rlhf_pipeline.stages.score import main as score_main
 
     _seed(0)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -811,12 +811,12 @@ def scaling_record(workdir: Path, policy: Path, reward_model: Path, sizes: Sizes
     """Each stage's wall time at each data size, run as a user runs them (in-process ``main``), one run each."""
     from rlhf_pipeline.stages.filter import FilterConfig
     from rlhf_pipeline.stages.filter import main as filter_main
-    from rlhf_pipeline.generation import GenerateConfig
-    from rlhf_pipeline.generation import main as generate_main
+    from rlhf_pipeline.stages.generate import GenerateConfig
+    from rlhf_pipeline.stages.generate import main as generate_main
     from rlhf_pipeline.stages.ref_logps import RefLogpsConfig
     from rlhf_pipeline.stages.ref_logps import main as ref_logps_main
-    from rlhf_pipeline.scoring import ScoreConfig
-    from rlhf_pipeline.scoring import main as score_main
+    from rlhf_pipeline.stages.score import ScoreConfig
+    from rlhf_pipeline.stages.score import main as score_main
     from rlhf_pipeline.tiny import bundled_path
 
     _seed(0)

@@ -227,7 +227,7 @@ def loss_agreement(model_path: Path, data: Path, rows: int = 8, dtype: str = "fl
     from transformers import AutoModelForCausalLM
 
     from rlhf_pipeline.losses import PairLossParams
-    from rlhf_pipeline.pairs import PairTask, pair_logps
+    from rlhf_pipeline.algorithms.pairs import PairTask, pair_logps
 
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
     reference = copy.deepcopy(policy)

@@ -8,45 +8,14 @@ finish reason, so the generate stage writes the same columns whichever engine ra
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
+
+from rlhf_pipeline.engines.base import Completion, Engine, SamplingSettings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """What the sampling distribution depends on. It travels in the manifest so trainers read it back."""
-
-    n: int
-    temperature: float
-    top_p: float
-    top_k: int  # 0 = off (both engines)
-    max_new_tokens: int
-    seed: int
-    stop_token_ids: tuple[int, ...]
-
-
-@dataclass
-class Completion:
-    """The n samples of one prompt. ``token_ids`` are as sampled, the stop token included when one ended it."""
-
-    texts: list[str]
-    token_ids: list[list[int]]
-    finish_reasons: list[str]  # "stop" or "length"
-
-
-class Engine(Protocol):
-    name: str
-
-    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings) -> list[Completion]:
-        """Sample ``sampling.n`` responses for each prompt (token ids); ``seeds`` has one seed per prompt."""
-        ...
-
-    def close(self) -> None:
-        """Free the engine now (vLLM's engine core and its memory), not at interpreter exit."""
-        ...
+__all__ = ["Completion", "Engine", "SamplingSettings", "load_engine", "resolve_engine_name", "vllm_available"]
 
 
 def vllm_available() -> bool:

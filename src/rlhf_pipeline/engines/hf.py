@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from rlhf_pipeline.engines import Completion, SamplingSettings
+from rlhf_pipeline.engines.base import Completion, SamplingSettings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

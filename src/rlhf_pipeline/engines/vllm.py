@@ -31,7 +31,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from rlhf_pipeline.engines import Completion, SamplingSettings
+from rlhf_pipeline.engines.base import Completion, SamplingSettings
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.progress import bars_disabled
 

@@ -1,1 +1,53 @@
-"""One module per stage. Each has a config dataclass, ``main(config)``, and ``cli(argv)``."""
+"""The stages: one module per ``rlhf <stage>`` program, each its config dataclass, ``main(config)`` and ``cli(argv)``.
+
+Every stage's body lives here, whether it is a few lines over the library (``generate``, ``score``) or a program of
+its own (``train``, ``eval``); what two stages share lives below them in the library, or in the lower of the two
+(``eval`` runs ``generate`` and ``score``; ``iterate`` plans every stage; ``demo`` runs ``iterate`` and ``report``).
+:func:`run_stage` is what each ``cli`` calls: parse, run, and turn a mistake in the input into one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Callable, Sequence, TypeVar
+
+from rlhf_pipeline.config import parse_config
+from rlhf_pipeline.errors import FailedElsewhere, PipelineError, UserCodeError
+
+C = TypeVar("C")
+
+
+def run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv: Sequence[str] | None = None) -> int:
+    """Parse the stage's config, run it, and turn a PipelineError into a one-line message (exit status 1).
+
+    A UserCodeError (the user's reward function raised) prints the user's traceback first, then the one line, which
+    names the stage. ``RLHF_DEBUG=1`` lets either propagate with the pipeline's whole traceback.
+    """
+    logging.basicConfig(
+        level=os.environ.get("RLHF_LOG_LEVEL", "WARNING").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = parse_config(config_cls, argv, prog)
+        main_fn(config)
+    except FailedElsewhere:  # another process of the launch failed, and the main process says why
+        if os.environ.get("RLHF_DEBUG"):
+            raise
+        return 1
+    except UserCodeError as e:
+        if os.environ.get("RLHF_DEBUG"):
+            raise
+        print(e.user_traceback(), end="", file=sys.stderr)
+        print(f"error: {prog}: {e}", file=sys.stderr)
+        return 1
+    except PipelineError as e:
+        if os.environ.get("RLHF_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # outputs are written atomically or resumably: a rerun continues where this stopped
+        print("interrupted; run the same command again to continue", file=sys.stderr)
+        return 130
+    return 0

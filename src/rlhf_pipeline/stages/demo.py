@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from rlhf_pipeline.algorithms import AlgoName, get, help_text
-from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.layout import EVAL_RESULTS, SUMMARY, iteration_dir
 from rlhf_pipeline.tiny import TINY_HEAD_DIM
@@ -72,8 +72,8 @@ class DemoConfig:
 
 def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
     """The demo's steps: SFT, reward model, then the iterate loop with evaluation."""
-    from rlhf_pipeline.runs import IterateConfig, Step, count_prompts, option_args
-    from rlhf_pipeline.runs import plan as iterate_plan
+    from rlhf_pipeline.stages.iterate import IterateConfig, Step, count_prompts, option_args
+    from rlhf_pipeline.stages.iterate import plan as iterate_plan
 
     algorithm = get(config.algo)
     common = {"batch_size": 16, "report_to": "none", "seed": config.seed}
@@ -139,8 +139,8 @@ def main(config: DemoConfig) -> Path:
 
     from rlhf_pipeline.datasets_io import atomic_directory, clean_stale, write_text_atomic
     from rlhf_pipeline.demo.task import write_task_data
-    from rlhf_pipeline.runs import check, run_steps
-    from rlhf_pipeline.reporting import write_report
+    from rlhf_pipeline.stages.iterate import check, run_steps
+    from rlhf_pipeline.stages.report import write_report
     from rlhf_pipeline.tiny import save_tiny_model
 
     started = time.time()

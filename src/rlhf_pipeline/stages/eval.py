@@ -49,12 +49,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import OutputOptions, option, options_of, override
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES
 from rlhf_pipeline.sampling_options import SamplingOptions
-from rlhf_pipeline.scoring import RewardSource, check_reward_options, one_or_list, reward_sources
+from rlhf_pipeline.stages.score import RewardSource, check_reward_options, one_or_list, reward_sources
 
 # What must match for an earlier evaluation's samples to serve as the baseline.
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "limit")
@@ -209,7 +209,7 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     prompts and the baseline (and Ray, for --executor ray). Returns the earlier evaluation given as ``--baseline``
     (None for a model, or none)."""
     from rlhf_pipeline.executors import check_ray_installed
-    from rlhf_pipeline.generation import select_prompts
+    from rlhf_pipeline.stages.generate import select_prompts
     from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.rewards import load_reward_fn
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import OutputOptions, check_test_size, option
 from rlhf_pipeline.contracts import (
     CHOSEN_REJECTED_COLUMNS,

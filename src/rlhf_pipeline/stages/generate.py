@@ -1,19 +1,245 @@
-"""Sample n responses per prompt.
+"""Sample n responses per prompt: the body of ``rlhf generate`` (also run by ``rlhf eval``).
 
     rlhf generate --model meta-llama/Meta-Llama-3-8B-Instruct --prompts HuggingFaceH4/ultrafeedback_binarized:train_prefs \\
         --output runs/iter_0/generate --n 5 --temperature 0.8 --top-p 0.9 --max-new-tokens 2048
     rlhf generate --model models/tiny-policy --prompts prompts.jsonl --output out/gen --n 5 --max-new-tokens 64
 
-The options, the engines and the generations contract: ``rlhf_pipeline.generation``.
+Prompts come as ``prompt`` text or ``messages``; the chat template is applied once and the engine receives token
+ids. All n samples of a prompt come from one request (``n=``), not n passes. Each prompt gets its own seed derived
+from ``--seed`` and its row, so with vLLM (and the hf engine at ``--batch-size 1``) a prompt's samples do not depend
+on sharding or batching. The sampling and engine options (``sampling_options.SamplingOptions``) are the ones
+``rlhf eval`` takes too.
+
+Shards: ``--shard i/N`` takes the i-th of N contiguous slices, so N engines can work in parallel; ``rlhf merge``
+joins them. ``--executor ray --replicas N`` does both in one run: N engine replicas on a Ray cluster (local when
+no ``--ray-address`` is given) sample the N shards through :func:`sample`, the same function a local run calls,
+and this process writes the one output, the same as the N shard runs merged (``executors.py``).
+
+    rlhf generate --model models/tiny-policy --prompts prompts.jsonl --output out/gen --executor ray --replicas 2 Output columns (the generations contract): ``prompt_id``, the prompt columns and every other input
+column, ``prompt_token_ids``, ``responses``, ``response_token_ids`` (as sampled, the stop token included when the
+sample stopped), ``finish_reasons`` (``stop`` / ``length``).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
 
-from rlhf_pipeline.cli import run_stage
-from rlhf_pipeline.generation import GenerateConfig, main
+from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.contracts import GENERATED_COLUMNS
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.sampling_options import SamplingOptions
+from rlhf_pipeline.sharding import parse_shard, request_seed, shard_indices
+from rlhf_pipeline.stages import run_stage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class GenerateConfig(SamplingOptions, OutputOptions):
+    """Sample n responses per prompt with vLLM or Hugging Face generate."""
+
+    model: str = option(help="Policy to sample from: a local directory or a Hub model id.")
+    prompts: str = option(
+        help="Prompt dataset: directory, .json/.jsonl/.parquet file, or Hub id (ORG/NAME[:SPLIT]).",
+        semantic=False,  # compared by the data's fingerprint, not by how the path is spelled
+    )
+    shard: Optional[str] = option(None, help="Generate only shard i of N contiguous slices, written as i/N.")
+    offset: int = option(
+        0, help="Skip the first OFFSET prompts; --limit counts from there (rlhf iterate gives each iteration its "
+        "own rows)."
+    )
+    use_chat_template: bool = option(True, help="Apply the tokenizer's chat template (when it has one).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the sampling options' checks
+        if self.offset < 0:
+            raise ValueError("--offset must be >= 0")
+        if self.shard is not None:
+            parse_shard(self.shard)
+
+
+def make_prompt_id(value: str | list) -> str:
+    """A stable id from the prompt's content (as UltraFeedback's ``prompt_id`` is), for data without one."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | None = None):
+    """The prompts a run samples for, checked: ``(dataset of the selected rows, prompt column, rows, rows_total)``.
+    ``rlhf eval`` calls it too, to check its prompts before it makes its output directory."""
+    from rlhf_pipeline.chat import validate_prompts
+    from rlhf_pipeline.datasets_io import load_dataset_ref
+
+    ds = load_dataset_ref(ref)
+    rows_total = ds.num_rows
+    clash = [c for c in GENERATED_COLUMNS if c in ds.column_names]
+    if clash:
+        raise PipelineError(f"{ref.name}: already has column(s) {', '.join(clash)}; pass a prompt dataset")
+    column = validate_prompts(ds, ref.name)
+    if offset >= rows_total:
+        raise PipelineError(f"{ref.name}: --offset {offset} skips all of its {rows_total} prompts")
+    end = rows_total if limit is None else min(offset + limit, rows_total)
+    rows = range(offset, end)
+    if shard is not None:
+        i, n = parse_shard(shard)
+        part = shard_indices(len(rows), i, n)
+        rows = rows[part.start : part.stop]
+    if len(rows) != rows_total:
+        ds = ds.select(rows)
+    if ds.num_rows == 0:
+        raise PipelineError(f"{ref.name}: no prompts to generate for (rows {rows.start}..{rows.stop})")
+    return ds, column, rows, rows_total
+
+
+def sample(config: GenerateConfig, tokenizer, prompt_ids: list[list[int]], seeds: list[int], sampling):
+    """The engine's samples for these prompts (token ids) and seeds: ``(engine name, completions)``. The one path
+    from prompts to samples, for a local run and for each Ray replica alike; the engine is closed when it returns."""
+    from rlhf_pipeline.engines import load_engine
+
+    engine = load_engine(
+        config.engine,
+        config.model,
+        tokenizer,
+        dtype=config.dtype,
+        trust_remote_code=config.trust_remote_code,
+        batch_size=config.batch_size,
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=config.max_model_len,
+    )
+    try:
+        return engine.name, engine.generate(prompt_ids, seeds, sampling)
+    finally:
+        engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
+
+
+def sample_replica(config: GenerateConfig, prompt_ids: list[list[int]], seeds: list[int], sampling):
+    """:func:`sample` in a Ray replica, which loads its own tokenizer (to decode) from the model's path."""
+    from rlhf_pipeline.chat import load_tokenizer
+
+    return sample(config, load_tokenizer(config.model, config.trust_remote_code), prompt_ids, seeds, sampling)
+
+
+def replicas_for(config: GenerateConfig, num_prompts: int) -> int:
+    """Replicas that get prompts: --replicas, or fewer when there are fewer prompts (1 for a local run)."""
+    return min(config.replicas, num_prompts) if config.executor == "ray" else 1
+
+
+def sample_on_ray(config: GenerateConfig, prompt_ids: list[list[int]], seeds: list[int], rows: range, sampling):
+    """:func:`sample` on Ray replicas, replica i on the i-th of N contiguous shards (``sharding.shard_indices``, as
+    ``--shard i/N`` takes them), the samples joined in prompt order: what the N shard runs merged hold."""
+    from rlhf_pipeline.executors import run_on_ray
+
+    count = replicas_for(config, len(rows))
+    if count < config.replicas:
+        log.warning("--replicas %d: only %d prompts, so %d replicas", config.replicas, len(rows), count)
+    parts = [shard_indices(len(rows), i, count) for i in range(count)]
+    if Path(config.model).expanduser().is_dir():  # a cluster's workers do not start in this working directory
+        config = dataclasses.replace(config, model=str(Path(config.model).expanduser().resolve()))
+    results = run_on_ray(
+        sample_replica,
+        [(config, prompt_ids[p.start : p.stop], seeds[p.start : p.stop], sampling) for p in parts],
+        gpus_per_replica=config.gpus_per_replica,
+        address=config.ray_address,
+        describe=lambda i: f"replica {i} (shard {i}/{count}, prompts {rows[parts[i].start]}..{rows[parts[i].stop - 1]})",
+        desc="generate (ray)",
+    )
+    names = {name for name, _ in results}
+    if len(names) > 1:  # --engine auto resolved differently on different nodes
+        raise PipelineError(f"--engine {config.engine}: the replicas ran different engines ({', '.join(sorted(names))}); "
+                            "name one with --engine")
+    return names.pop(), [c for _, completions in results for c in completions]
+
+
+def main(config: GenerateConfig) -> Path:
+    from datasets import Dataset, Features, List, Value, concatenate_datasets
+
+    from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids
+    from rlhf_pipeline.datasets_io import StageOutput, parse_ref
+    from rlhf_pipeline.engines import SamplingSettings
+    from rlhf_pipeline.modeling import check_model_ref
+
+    if config.executor == "ray":
+        from rlhf_pipeline.executors import check_ray_installed
+
+        check_ray_installed()
+    check_model_ref("--model", config.model)
+    ref = parse_ref(config.prompts)
+    out = StageOutput("generate", config, inputs=[ref])
+    if out.done():
+        return out.path
+    ds, column, rows, rows_total = select_prompts(ref, config.offset, config.limit, config.shard)
+
+    tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    prompt_values = ds[column]
+    prompt_ids = encode_prompts(tokenizer, prompt_values, config.use_chat_template)
+    sampling = SamplingSettings(
+        n=config.n,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        max_new_tokens=config.max_new_tokens,
+        seed=config.seed,
+        stop_token_ids=tuple(stop_token_ids(tokenizer, config.model, config.trust_remote_code)),
+    )
+    seeds = [request_seed(config.seed, r) for r in rows]
+    if config.executor == "ray":
+        engine_name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
+    else:
+        engine_name, completions = sample(config, tokenizer, prompt_ids, seeds, sampling)
+
+    if "prompt_id" in ds.column_names:
+        ids = [str(x) for x in ds["prompt_id"]]
+        ds = ds.remove_columns("prompt_id")
+    elif "id" in ds.column_names:
+        ids = [str(x) for x in ds["id"]]
+    else:
+        ids = [make_prompt_id(v) for v in prompt_values]
+    generated = Dataset.from_dict(
+        {
+            "prompt_id": ids,
+            "prompt_token_ids": prompt_ids,
+            "responses": [c.texts for c in completions],
+            "response_token_ids": [c.token_ids for c in completions],
+            "finish_reasons": [c.finish_reasons for c in completions],
+        },
+        features=Features(
+            {
+                "prompt_id": Value("string"),
+                "prompt_token_ids": List(Value("int32")),
+                "responses": List(Value("string")),
+                "response_token_ids": List(List(Value("int32"))),
+                "finish_reasons": List(Value("string")),
+            }
+        ),
+    )
+    result = concatenate_datasets([generated.select_columns(["prompt_id"]), ds, generated.remove_columns("prompt_id")], axis=1)
+    stopped = sum(r == "stop" for c in completions for r in c.finish_reasons)
+    out.save(
+        result,
+        rows_in=len(rows),
+        extra={
+            "sampling": {
+                **dataclasses.asdict(sampling),
+                "stop_token_ids": list(sampling.stop_token_ids),
+                "model": config.model,
+                "engine": engine_name,
+                "use_chat_template": config.use_chat_template,
+            },
+            "shard": {"spec": config.shard, "rows": [rows.start, rows.stop], "rows_total": rows_total},
+            "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),
+                         "gpus_per_replica": config.gpus_per_replica, "ray_address": config.ray_address},
+            "responses": {"total": stopped + sum(c.finish_reasons.count("length") for c in completions),
+                          "stopped": stopped},
+        },
+    )
+    return out.path
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

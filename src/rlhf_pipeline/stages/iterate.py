@@ -1,26 +1,378 @@
-"""Iterative RLHF: T rounds of generate -> score -> filter -> train, the policy of round t sampling round t+1.
+"""A run of iterative RLHF (``rlhf iterate``, ``rlhf demo``): its layout, its plan of stage processes, launch and resume.
+
+T rounds of generate -> score -> filter -> train, the policy of round t sampling round t+1.
 
     rlhf iterate --config run.yaml
     rlhf iterate --config run.yaml --iterations 5          # flags override the file
 
-The run's layout, plan, launch and resume are ``rlhf_pipeline.runs``.
+Layout of the run directory (``output``)::
+
+    RUN/iterate.json                 the resolved config of the latest invocation
+    RUN/steps.jsonl                  one line per launched stage: name, command, exit status, wall time
+    RUN/iter_0/eval/                 the starting policy evaluated (when eval_prompts is set)
+    RUN/iter_<t>/generate|score|filter|train|eval/    t = 1..T
+
+Iteration t samples with policy t-1 (``model`` for t = 1, else ``RUN/iter_<t-1>/train``), scores the samples, builds
+pairs (or, for the PPO family, groups; for KTO, unpaired responses) with policy t-1's tokenizer, trains policy t
+from policy t-1 (the PPO family with its KL to ``model`` by default, PPO with the critic of iteration t-1) and, when
+``eval_prompts`` is set, evaluates policy t against the starting policy (``rlhf eval --baseline RUN/iter_0/eval``).
+Prompts: every iteration uses all of ``prompts``, or with ``prompts_per_iteration: k`` iteration t takes the k rows
+starting at row ``(t-1)*k`` (modulo the number of rows; a chunk stops at the last row). Generation seed of iteration
+t: ``generate.seed + t - 1``, so iterations do not repeat each other's samples.
+
+Each stage runs as its own process, ``LAUNCHER -m rlhf_pipeline.stages.<stage> ARGS``, where the launcher is a
+command prefix that behaves like ``python``: the current interpreter by default, or per stage for example
+``conda run --no-capture-output -n rlhf-vllm python`` for generate,
+``accelerate launch --config_file accelerate_cfgs/zero3.yaml`` for train, and
+``accelerate launch --multi_gpu --num_processes 8`` for score and eval (data parallel, each process the whole reward
+model; no DeepSpeed config there).
+
+Resuming: a stage whose output holds a finished run with the same config and inputs is not launched again (the
+check is the stages' own manifest check), so after a crash or Ctrl-C the same command continues at the first
+incomplete stage. Training stages are always launched with ``--resume``, so an interrupted training run
+continues from its newest checkpoint (``train: {save_every: N}``). A changed config is refused unless
+``--overwrite`` is given, in which case only the stages whose config changed are redone.
+
+Every stage's options are checked before anything is launched, so a misspelt option fails in seconds, not after
+the first hour of generation.
 """
 
 from __future__ import annotations
 
+import json
+import shlex
+import signal
+import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
-from rlhf_pipeline import runs
-from rlhf_pipeline.cli import run_stage
-from rlhf_pipeline.runs import IterateConfig
+from rlhf_pipeline.algorithms import GROUPS, PAIRS, AlgoName, get, help_text
+from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.layout import CRITIC, ITERATE_CONFIG, ITERATION_STAGES, STEPS_LOG, iteration_dir, step_name
+from rlhf_pipeline.stages import run_stage
+
+STAGE_SECTIONS = ITERATION_STAGES
+TRAINING_STAGES = ("train", "sft", "train-rm")
+# The config field that names each stage's input dataset (its fingerprint is part of the reuse check).
+INPUT_FIELD = {"generate": "prompts", "score": "input", "filter": "input", "train": "data", "eval": "prompts",
+               "sft": "data", "train-rm": "data", "ref-logps": "input"}
+# Options that iterate sets itself; a stage section may not set them.
+RESERVED = {
+    "generate": {"model", "prompts", "output", "offset", "limit"},
+    "score": {"input", "output", "reward_model", "reward_fn"},
+    "filter": {"input", "output", "tokenizer"},
+    "train": {"model", "data", "output", "algo", "resume"},
+    "eval": {"model", "prompts", "output", "baseline"},
+}
+COMMON = {"overwrite", "push_to_hub"}
+
+
+@dataclass(kw_only=True)
+class IterateConfig(OutputOptions):
+    """T iterations of generate -> score -> filter -> train (and eval), each stage its own process, resumable."""
+
+    output: str = option(help="The run directory: outputs go to RUN/iter_<t>/<stage>/.", semantic=False)
+    push_to_hub: Optional[str] = option(
+        None, help="Prefix ORG/NAME: every stage's output also goes to the Hub as ORG/NAME-iter<t>-<stage>.",
+        semantic=False,
+    )
+    model: str = option(help="The policy of iteration 0 (it samples iteration 1): a local directory or a Hub id.")
+    prompts: str = option(help="Training prompts: a dataset reference (directory, file or Hub id).")
+    iterations: int = option(3, help="Number of iterations T.")
+    prompts_per_iteration: Optional[int] = option(
+        None, help="Iteration t takes this many prompts starting at row (t-1)*k (wrapping); default: all of them."
+    )
+    algo: AlgoName = option(
+        "rebel", help=f"The training algorithm (rlhf train --algo): {help_text()}. The filter mode is the "
+        "algorithm's kind of data (plus the filter options it asks for, such as DAPO's); the PPO family's KL "
+        "reference defaults to `model`; a critic (PPO's) starts from the reward model and carries over from one "
+        "iteration to the next."
+    )
+    reward_model: Optional[str] = option(None, help="Reward model that scores the samples.")
+    reward_fn: Optional[str] = option(None, help="Or a python reward function (module:function or file.py:function).")
+    eval_prompts: Optional[str] = option(
+        None, help="Held-out prompts: when set, the starting policy and every iteration's policy are evaluated."
+    )
+    launchers: dict = option(
+        default_factory=dict,
+        help="Per-stage command prefix that behaves like python, e.g. {generate: conda run -n rlhf-vllm python, "
+        "train: accelerate launch --config_file accelerate_cfgs/zero3.yaml, score: accelerate launch --multi_gpu "
+        "--num_processes 8} (score and eval run data-parallel under accelerate launch, without a DeepSpeed config); "
+        "default: this interpreter.",
+    )
+    generate: dict = option(default_factory=dict, help="Options of rlhf generate, e.g. {n: 5, temperature: 0.8, engine: vllm}.")
+    score: dict = option(default_factory=dict, help="Options of rlhf score, e.g. {batch_size: 8, trust_remote_code: true}.")
+    filter: dict = option(default_factory=dict, help="Options of rlhf filter, e.g. {max_response_tokens: 2048, test_size: 1000}.")
+    train: dict = option(default_factory=dict, help="Options of rlhf train, e.g. {eta: 1e6, learning_rate: 3e-7, save_every: 100}.")
+    eval: dict = option(
+        default_factory=dict,
+        help="Options of rlhf eval. Its scorers default to the training reward, read with the score section's "
+        "trust_remote_code and max_length.",
+    )
+
+    def __post_init__(self) -> None:
+        if (self.reward_model is None) == (self.reward_fn is None):
+            raise ValueError("give exactly one of reward_model and reward_fn")
+        if self.iterations < 1:
+            raise ValueError("iterations must be at least 1")
+        if self.prompts_per_iteration is not None and self.prompts_per_iteration < 1:
+            raise ValueError("prompts_per_iteration must be at least 1")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Steps
+
+
+@dataclass
+class Step:
+    """One stage run: ``LAUNCHER -m MODULE ARGS`` writing ``output``."""
+
+    name: str  # e.g. "iter_2/train"
+    stage: str  # a key of stage_configs()
+    args: list[str]
+    output: Path
+    launcher: list[str] = field(default_factory=lambda: [sys.executable])
+
+    @property
+    def command(self) -> list[str]:
+        return [*self.launcher, "-m", stage_configs()[self.stage].__module__, *self.args]
+
+
+def option_args(options: dict[str, Any]) -> list[str]:
+    """``{max_new_tokens: 64, bf16: true, top_k: null}`` -> ``['--max-new-tokens', '64', '--bf16']``."""
+    args: list[str] = []
+    for key, value in options.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None:
+            continue
+        if value is True:
+            args.append(flag)
+        elif value is False:
+            args.append("--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            args += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def _section(options: dict[str, Any], stage: str, allowed_extra: set[str] = frozenset()) -> dict[str, Any]:
+    options = {str(k).replace("-", "_"): v for k, v in (options or {}).items()}
+    clash = sorted(k for k in options if k in (RESERVED.get(stage, set()) | COMMON) and k not in allowed_extra)
+    if clash:
+        raise PipelineError(
+            f"run config: the {stage} section sets {', '.join(clash)}, which iterate sets itself; remove "
+            f"{'it' if len(clash) == 1 else 'them'} (use the top-level options: model, prompts, output, ...)"
+        )
+    return options
+
+
+def _launcher(config: IterateConfig, stage: str) -> list[str]:
+    spec = config.launchers.get(stage)
+    return shlex.split(spec) if spec else [sys.executable]
+
+
+def _common(config: IterateConfig, name: str) -> list[str]:
+    args = ["--overwrite"] if config.overwrite else []
+    if config.push_to_hub:
+        args += ["--push-to-hub", f"{config.push_to_hub}-{name.replace('/', '-').replace('_', '')}"]
+    return args
+
+
+def count_prompts(config: IterateConfig) -> int | None:
+    """Rows of the training prompts, when iterations take chunks of them (the chunk offsets wrap around it)."""
+    if config.prompts_per_iteration is None:
+        return None
+    from rlhf_pipeline.datasets_io import load_dataset_ref, parse_ref
+
+    return load_dataset_ref(parse_ref(config.prompts)).num_rows
+
+
+def eval_step(config: IterateConfig, run: Path, t: int, model: str) -> Step:
+    """``rlhf eval`` of policy t against the starting policy's evaluation (iteration 0: against itself)."""
+    options = _section(config.eval, "eval", allowed_extra={"reward_model", "reward_fn"})
+    if "reward_model" not in options and "reward_fn" not in options:
+        options.update(reward_model=config.reward_model, reward_fn=config.reward_fn)
+        # the training reward model, read as the score stage reads it (ArmoRM needs trust_remote_code)
+        for key in ("trust_remote_code", "max_length"):
+            if key in config.score and key not in options:
+                options[key] = config.score[key]
+    baseline = model if t == 0 else str(iteration_dir(run, 0) / "eval")
+    name = step_name(t, "eval")
+    output = iteration_dir(run, t) / "eval"
+    args = ["--model", model, "--prompts", config.eval_prompts, "--baseline", baseline, "--output", str(output),
+            *option_args(options), *_common(config, name)]
+    return Step(name, "eval", args, output, _launcher(config, "eval"))
+
+
+def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
+    """Every stage run of the whole loop, in order."""
+    run = Path(config.output).expanduser()
+    sections = {s: _section(getattr(config, s), s) for s in ("generate", "score", "filter", "train")}
+    _section(config.eval, "eval", allowed_extra={"reward_model", "reward_fn"})
+    unknown = sorted(set(config.launchers) - set(STAGE_SECTIONS))
+    if unknown:
+        raise PipelineError(f"run config: launchers for unknown stage(s) {', '.join(unknown)}; "
+                            f"stages are {', '.join(STAGE_SECTIONS)}")
+    steps: list[Step] = []
+    if config.eval_prompts:
+        steps.append(eval_step(config, run, 0, config.model))
+    policy = config.model
+    base_seed = int(sections["generate"].pop("seed", 0))
+    algorithm = get(config.algo)
+    if algorithm.data != PAIRS:  # groups, unpaired (KTO): the filter mode is the algorithm's kind of data
+        if sections["filter"].get("mode", algorithm.data) != algorithm.data:
+            raise PipelineError(f"run config: --algo {config.algo} trains on {algorithm.data}; remove filter mode "
+                                f"{sections['filter']['mode']!r}")
+        sections["filter"]["mode"] = algorithm.data
+    if algorithm.data == GROUPS:
+        sections["train"].setdefault("ref_model", config.model)
+    for key, value in algorithm.filter.items():  # the algorithm's filter options (DAPO's), unless set in the config
+        sections["filter"].setdefault(key, value)
+    critic = sections["train"].pop("critic_model", None) or config.reward_model
+    for t in range(1, config.iterations + 1):
+        it = iteration_dir(run, t)
+        gen_opts = dict(sections["generate"], seed=base_seed + t - 1)
+        if config.prompts_per_iteration is not None:
+            k = config.prompts_per_iteration
+            gen_opts.update(offset=((t - 1) * k) % num_prompts, limit=k)
+        reward = {"reward_model": config.reward_model, "reward_fn": config.reward_fn}
+        train_opts = dict(sections["train"])
+        if algorithm.uses_critic:
+            if critic is None:
+                raise PipelineError(f"run config: --algo {config.algo} needs a critic to start from; set "
+                                    "reward_model or train: {critic_model: PATH}")
+            train_opts["critic_model"] = critic
+        specs = [
+            ("generate", ["--model", policy, "--prompts", config.prompts], gen_opts),
+            ("score", ["--input", str(it / "generate"), *option_args(reward)], sections["score"]),
+            ("filter", ["--input", str(it / "score"), "--tokenizer", policy], sections["filter"]),
+            ("train", ["--model", policy, "--data", str(it / "filter"), "--algo", config.algo, "--resume"],
+             train_opts),
+        ]
+        for stage, fixed, options in specs:
+            name = step_name(t, stage)
+            args = [*fixed, "--output", str(it / stage), *option_args(options), *_common(config, name)]
+            steps.append(Step(name, stage, args, it / stage, _launcher(config, stage)))
+        policy = str(it / "train")
+        critic = str(it / "train" / CRITIC)  # PPO: the next iteration's critic is this one's
+        if config.eval_prompts:
+            steps.append(eval_step(config, run, t, policy))
+    return steps
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running
+
+
+def stage_configs() -> dict[str, type]:
+    """The stages a run launches, by ``rlhf`` name: their config classes, whose modules are what ``-m`` runs."""
+    from rlhf_pipeline.stages.eval import EvalConfig
+    from rlhf_pipeline.stages.filter import FilterConfig
+    from rlhf_pipeline.stages.generate import GenerateConfig
+    from rlhf_pipeline.stages.score import ScoreConfig
+    from rlhf_pipeline.stages.sft import SFTConfig
+    from rlhf_pipeline.stages.train import TrainConfig
+    from rlhf_pipeline.stages.train_rm import TrainRMConfig
+
+    return {"generate": GenerateConfig, "score": ScoreConfig, "filter": FilterConfig, "train": TrainConfig,
+            "eval": EvalConfig, "sft": SFTConfig, "train-rm": TrainRMConfig}
+
+
+def _stage_config(step: Step):
+    """The stage's parsed config (argparse errors become a PipelineError that names the step)."""
+    import contextlib
+    import io
+
+    from rlhf_pipeline.config import parse_config
+
+    cls = stage_configs()[step.stage]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse_config(cls, step.args, f"rlhf {step.stage}")
+    except SystemExit:
+        message = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "invalid options"
+        raise PipelineError(f"{step.name}: {message} (options: {shlex.join(step.args)})") from None
+    except PipelineError as e:  # a --config file that cannot be read
+        raise PipelineError(f"{step.name}: {e}") from None
+
+
+def check(steps: Sequence[Step]) -> None:
+    """Parse every step's options now, before anything runs."""
+    for step in steps:
+        _stage_config(step)
+
+
+def is_complete(step: Step) -> bool:
+    """Whether ``step.output`` holds this exact run (the stage's own reuse check, made without launching it).
+    Raises when it holds a run with another config (and --overwrite was not given)."""
+    from rlhf_pipeline.datasets_io import StageOutput, parse_ref
+
+    if not (step.output / "manifest.json").exists():
+        return False
+    config = _stage_config(step)
+    out = StageOutput(step.stage, config, inputs=[parse_ref(getattr(config, INPUT_FIELD[step.stage]))])
+    resume = True if step.stage in TRAINING_STAGES or step.stage == "eval" else None
+    return out.done(resume=resume)
+
+
+def _log(run: Path, record: dict[str, Any]) -> None:
+    with (run / STEPS_LOG).open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _die_with_parent() -> None:
+    """In a launched stage, before it starts: on Linux, have it sent SIGTERM when this process dies (SIGKILL from a
+    scheduler included), so that a killed run leaves no stage still writing beside the rerun that resumes it."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate") -> list[str]:
+    """Run the steps in order, skipping finished ones. Returns the names of the steps that were launched."""
+    run.mkdir(parents=True, exist_ok=True)
+    launched = []
+    for i, step in enumerate(steps, 1):
+        if is_complete(step):
+            continue
+        print(f"[{label}] ({i}/{len(steps)}) {step.name}: {shlex.join(step.command)}", flush=True)
+        started = time.time()
+        proc = subprocess.Popen(step.command, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:  # the child got the same Ctrl-C; let it clean up
+            rc = proc.wait()
+            _log(run, {"step": step.name, "command": step.command, "rc": "interrupted",
+                       "seconds": round(time.time() - started, 2)})
+            raise PipelineError(
+                f"interrupted during {step.name}; run the same command again to resume there (finished stages are "
+                "kept)"
+            ) from None
+        _log(run, {"step": step.name, "command": step.command, "rc": rc, "seconds": round(time.time() - started, 2)})
+        launched.append(step.name)
+        if rc != 0:
+            raise PipelineError(
+                f"{step.name} failed (exit status {rc}; its error is above). Fix the cause and run the same command "
+                "again: finished stages are kept"
+            )
+        if not (step.output / "manifest.json").exists():
+            raise PipelineError(f"{step.name} exited without writing {step.output / 'manifest.json'}")
+    return launched
 
 
 def main(config: IterateConfig) -> Path:
     """Check what exists before the run does (the starting policy, the reward, the prompts), so a mistyped path
-    fails in seconds and leaves no run directory; then run (``runs.main``). The later iterations' policies do not
-    exist yet: each stage checks its own when it starts."""
+    fails in seconds and leaves no run directory; then run (:func:`run_iterations`). The later iterations' policies
+    do not exist yet: each stage checks its own when it starts."""
     from rlhf_pipeline.datasets_io import parse_ref
     from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.rewards import check_reward_fn_spec
@@ -33,7 +385,26 @@ def main(config: IterateConfig) -> Path:
     parse_ref(config.prompts)
     if config.eval_prompts is not None:
         parse_ref(config.eval_prompts)
-    return runs.main(config)
+    return run_iterations(config)
+
+
+def run_iterations(config: IterateConfig) -> Path:
+    """Plan the run, check every stage's options, and launch the stages that are not finished."""
+    from rlhf_pipeline.config import to_dict
+    from rlhf_pipeline.datasets_io import write_text_atomic
+
+    run = Path(config.output).expanduser()
+    steps = plan(config, count_prompts(config))
+    check(steps)
+    run.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run / ITERATE_CONFIG, json.dumps(to_dict(config), indent=2, default=str) + "\n")
+    run_steps(steps, run)
+    print(f"[iterate] {config.iterations} iteration(s) complete; the last policy is {last_policy(config)}")
+    return run
+
+
+def last_policy(config: IterateConfig) -> Path:
+    return iteration_dir(Path(config.output).expanduser(), config.iterations) / "train"
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import OutputOptions
 from rlhf_pipeline.errors import PipelineError
 

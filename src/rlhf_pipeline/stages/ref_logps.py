@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
-from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import OutputOptions, option
 
 @dataclass(kw_only=True)
@@ -65,8 +65,8 @@ def _read(config: RefLogpsConfig):
     from rlhf_pipeline.algorithms import resolve_temperature
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.modeling import check_model_ref
-    import rlhf_pipeline.pairs as pairs
-    import rlhf_pipeline.unpaired as unpaired
+    import rlhf_pipeline.algorithms.pairs as pairs
+    import rlhf_pipeline.algorithms.unpaired as unpaired
 
     check_model_ref("--model", config.model)
     ref = parse_ref(config.input)

@@ -1,18 +1,647 @@
-"""Plots and a markdown report of a run directory written by ``rlhf iterate`` or ``rlhf demo``.
+"""Plots and a markdown report of a run directory written by ``rlhf iterate`` or ``rlhf demo`` (``rlhf report``).
 
     rlhf report runs/my-run
     rlhf report --run-dir runs/my-run --output reports/my-run
 
-What is read and written: ``rlhf_pipeline.reporting``.
+Reads (every part may be missing; a partial run gives a report of what exists, a directory holding none of it
+is an error):
+
+    RUN/iter_0/eval/results.json             evaluation of the starting policy
+    RUN/iter_<t>/{generate,score,filter,train,eval}/manifest.json   wall times (t = 1..T)
+    RUN/iter_<t>/generate/                   the sampled responses (response_token_ids, finish_reasons)
+    RUN/iter_<t>/train/metrics.jsonl         training curves of iteration t (loss, logp drift, accuracy)
+    RUN/iter_<t>/eval/results.json           held-out mean reward, win rate, response length of policy t
+    RUN/sft/, RUN/reward_model/              optional training runs (manifest.json, metrics.jsonl)
+    RUN/summary.json                         optional (rlhf demo), shown as is
+
+Iteration t's generate sampled from policy t-1, its train made policy t and its eval evaluated policy t.
+
+Writes (``--output``, default the run directory; each file replaced atomically):
+
+    OUT/report.md                            per-iteration table, SFT / reward-model lines, links to the plots
+    OUT/plots/reward_per_iteration.png       held-out mean reward +- stderr (and win rate) per iteration
+    OUT/plots/loss.png                       train / eval loss on one global step axis (and SFT / RM curves)
+    OUT/plots/logp_drift.png                 chosen / rejected log-ratio to the sampling policy
+    OUT/plots/response_length.png            mean response tokens and fraction stopped, per policy
+
+A plot whose data is absent is not drawn (an older copy is removed) and report.md says why. The plots need
+matplotlib: ``pip install 'rlhf-pipeline[report]'``.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
 
-from rlhf_pipeline.cli import run_stage
-from rlhf_pipeline.reporting import ReportConfig, main
+from rlhf_pipeline.config import option
+from rlhf_pipeline.datasets_io import write_text_atomic
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.layout import EVAL_RESULTS, ITER_DIR, ITERATION_STAGES, METRICS, PLOTS_DIR, REPORT, SUMMARY
+from rlhf_pipeline.stages import run_stage
+
+log = logging.getLogger(__name__)
+
+TRAINING_RUNS = {"sft": "SFT", "reward_model": "Reward model"}
+MISSING = "–"
+
+
+@dataclass(kw_only=True)
+class ReportConfig:
+    """Plots (PNG) and report.md of a run directory written by rlhf iterate or rlhf demo."""
+
+    run_dir: str = option(
+        help="The run directory (holding iter_<t>/, sft/, reward_model/). May also be given as the first "
+        "positional argument: rlhf report RUN_DIR."
+    )
+    output: Optional[str] = option(
+        None, help="Directory for report.md and plots/ (default: the run directory itself).", semantic=False
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading the run directory
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PipelineError(f"{path}: not valid JSON ({e}); delete it or rerun the stage that wrote it") from None
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl; a cut-off last line (a run still writing) is skipped."""
+    if not path.is_file():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for k, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if k == len(lines) - 1:
+                log.warning("%s: skipping its last line, cut off (%s)", path, e)
+                continue
+            raise PipelineError(
+                f"{path}: line {k + 1} is not valid JSON ({e}); delete the line or rerun the training"
+            ) from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise PipelineError(f"{path}: line {k + 1} is not an object with an integer \"step\"; delete the line")
+        records.append(record)
+    return records
+
+
+def _generate_stats(path: Path) -> Optional[dict[str, Any]]:
+    """Mean response length (tokens) and fraction stopped of a generate dataset (None when there is none)."""
+    if not path.is_dir() or not any((path / name).exists() for name in ("dataset_info.json", "state.json",
+                                                                         "dataset_dict.json")):
+        return None
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from datasets import DatasetDict, load_from_disk
+
+    try:
+        ds = load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - any failure to read means the same to the user
+        raise PipelineError(f"{path}: not a readable datasets directory ({e}); rerun rlhf generate") from None
+    if isinstance(ds, DatasetDict):
+        if len(ds) != 1:
+            return None
+        (ds,) = ds.values()
+    stats: dict[str, Any] = {"num_prompts": ds.num_rows, "num_responses": None,
+                             "response_tokens_mean": None, "stop_fraction": None}
+    arrow = ds.with_format("arrow")
+
+    def flat(column: str) -> pa.Array:
+        values = arrow[column]
+        if isinstance(values, pa.Table):
+            values = values.column(0)
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        return pc.list_flatten(values)
+
+    if "response_token_ids" in ds.column_names:
+        lengths = pc.list_value_length(flat("response_token_ids"))
+        stats["num_responses"] = len(lengths)
+        if len(lengths):
+            stats["response_tokens_mean"] = pc.mean(lengths).as_py()
+    if "finish_reasons" in ds.column_names:
+        reasons = flat("finish_reasons")
+        stats["num_responses"] = stats["num_responses"] or len(reasons)
+        if len(reasons):
+            stats["stop_fraction"] = pc.sum(pc.equal(reasons, "stop")).as_py() / len(reasons)
+    return stats
+
+
+def _has_data(entry: dict[str, Any]) -> bool:
+    return bool(entry.get("metrics") or entry.get("eval") or entry.get("generate")
+                or any(entry.get("manifests", {}).values()) or entry.get("manifest"))
+
+
+def collect(run_dir: Path) -> dict[str, Any]:
+    """Everything the report shows, read from ``run_dir``.
+
+    Returns ``{"run_dir", "iterations", "sft", "reward_model", "summary"}``. ``iterations`` is sorted by t, one
+    dict per ``iter_<t>/`` with: ``iteration``; ``eval`` (results.json or None); ``manifests`` (stage -> manifest
+    or None); ``metrics`` (train/metrics.jsonl records); ``max_step`` (its largest step, 0 without metrics);
+    ``step_offset`` (the sum of the earlier iterations' ``max_step``: global step = step_offset + step);
+    ``generate`` (``num_prompts``, ``num_responses``, ``response_tokens_mean``, ``stop_fraction`` of the generate
+    dataset, or None). ``sft`` / ``reward_model`` are ``{"manifest", "metrics"}`` or None.
+    Raises PipelineError when ``run_dir`` is not a directory or holds none of these.
+    """
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise PipelineError(
+            f"{run_dir}: no such directory; pass the --output directory of rlhf iterate or rlhf demo"
+        )
+    found = []
+    for child in run_dir.iterdir():
+        match = ITER_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    iterations = []
+    offset = 0
+    for t, path in sorted(found):
+        metrics = _read_metrics(path / "train" / METRICS)
+        max_step = max((r["step"] for r in metrics), default=0)
+        iterations.append({
+            "iteration": t,
+            "path": str(path),
+            "eval": _read_json(path / "eval" / EVAL_RESULTS),
+            "manifests": {stage: _read_json(path / stage / "manifest.json") for stage in ITERATION_STAGES},
+            "metrics": metrics,
+            "max_step": max_step,
+            "step_offset": offset,
+            "generate": _generate_stats(path / "generate"),
+        })
+        offset += max_step
+    runs = {}
+    for name in TRAINING_RUNS:
+        entry = {"manifest": _read_json(run_dir / name / "manifest.json"),
+                 "metrics": _read_metrics(run_dir / name / METRICS)}
+        runs[name] = entry if _has_data(entry) else None
+    data = {"run_dir": str(run_dir), "iterations": iterations, **runs,
+            "summary": _read_json(run_dir / SUMMARY)}
+    if not any(_has_data(it) for it in iterations) and not any(runs.values()):
+        raise PipelineError(
+            f"{run_dir}: holds no run data (no iter_<t>/eval/results.json, iter_<t>/train/metrics.jsonl, "
+            "iter_<t>/<stage>/manifest.json, sft/ or reward_model/); pass the --output directory of rlhf iterate "
+            "or rlhf demo"
+        )
+    return data
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def fmt(x: Any) -> str:
+    """A number with 4 significant digits (no exponent for large values); MISSING for None."""
+    if x is None:
+        return MISSING
+    if isinstance(x, bool) or isinstance(x, int):
+        return str(x)
+    x = float(x)
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    if abs(x) >= 1e4:
+        return f"{x:.0f}"
+    return f"{x:.4g}"
+
+
+def _series(records: list[dict[str, Any]], key: str, offset: int = 0) -> tuple[list[int], list[float]]:
+    points = [(offset + r["step"], float(r[key])) for r in records if r.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _first_last(records: list[dict[str, Any]], key: str) -> tuple[Any, Any]:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return (values[0], values[-1]) if values else (None, None)
+
+
+def _scorers(iterations: list[dict[str, Any]]) -> list[str]:
+    names: list[str] = []
+    for it in iterations:
+        for name in ((it["eval"] or {}).get("scores") or {}):
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PipelineError(
+            "rlhf report draws its plots with matplotlib, which is not installed; "
+            "pip install 'rlhf-pipeline[report]' (or pip install matplotlib)"
+        ) from None
+
+
+def _figure(nrows: int, ncols: int, width: float = 6.0, height: float = 4.0):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+    FigureCanvasAgg(fig)  # the Agg backend, without touching pyplot's global state
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    return fig, axes
+
+
+def _save(fig, path: Path) -> None:
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plots: each returns None when drawn, or the reason it was not
+
+
+def _plot_rewards(data: dict[str, Any], path: Path) -> Optional[str]:
+    evals = [(it["iteration"], it["eval"]) for it in data["iterations"] if it["eval"]]
+    scorers = _scorers(data["iterations"])
+    if not scorers:
+        return "no iter_<t>/eval/results.json with scores in the run"
+    with_win = [s for s in scorers if any((e.get("scores") or {}).get(s, {}).get("win_rate") is not None
+                                          for _, e in evals)]
+    fig, axes = _figure(2 if with_win else 1, len(scorers))
+    fig.suptitle("Held-out reward per iteration")
+    for col, name in enumerate(scorers):
+        points = [(t, e["scores"][name]) for t, e in evals if name in (e.get("scores") or {})]
+        ax = axes[0][col]
+        xs = [t for t, s in points if s.get("mean") is not None]
+        ys = [s["mean"] for _, s in points if s.get("mean") is not None]
+        errs = [s.get("stderr") or 0.0 for _, s in points if s.get("mean") is not None]
+        ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=4, label="policy (mean ± stderr)")
+        base = [(t, s["baseline_mean"], s.get("baseline_stderr") or 0.0) for t, s in points
+                if s.get("baseline_mean") is not None]
+        if base:
+            ax.errorbar([b[0] for b in base], [b[1] for b in base], yerr=[b[2] for b in base], marker="s",
+                        linestyle="--", color="gray", capsize=4, label="baseline")
+        ax.set_title(f"mean reward: {name}")
+        ax.set_xlabel("iteration (policy after t iterations; 0 = start)")
+        ax.set_ylabel("mean reward")
+        ax.set_xticks(sorted({t for t, _ in points}))
+        ax.grid(alpha=0.3)
+        ax.legend()
+        if with_win:
+            ax = axes[1][col]
+            wins = [(t, s["win_rate"]) for t, s in points if s.get("win_rate") is not None]
+            if wins:
+                ax.plot([w[0] for w in wins], [w[1] for w in wins], marker="o", color="tab:green",
+                        label="win rate vs baseline")
+                ax.axhline(0.5, color="gray", linestyle=":", label="0.5 (even)")
+                ax.set_xticks(sorted({w[0] for w in wins}))
+                ax.legend()
+            else:
+                ax.text(0.5, 0.5, "no baseline", ha="center", va="center", transform=ax.transAxes)
+            ax.set_ylim(0, 1)
+            ax.set_title(f"win rate vs baseline: {name}")
+            ax.set_xlabel("iteration")
+            ax.set_ylabel("win rate")
+            ax.grid(alpha=0.3)
+    _save(fig, path)
+    return None
+
+
+def _iteration_boundaries(ax, iterations: list[dict[str, Any]]) -> None:
+    """Dashed lines between iterations and an "iter t" label over each iteration's span of global steps."""
+    trained = [it for it in iterations if it["metrics"]]
+    lo = min(it["step_offset"] for it in trained)
+    hi = max(it["step_offset"] + it["max_step"] for it in trained)
+    if hi > lo:  # show every iteration's whole span, so its label sits over it
+        ax.set_xlim(lo - 0.02 * (hi - lo), hi + 0.02 * (hi - lo))
+    for k, it in enumerate(trained):
+        start, end = it["step_offset"], it["step_offset"] + it["max_step"]
+        if k > 0:
+            ax.axvline(start, color="gray", linestyle="--", linewidth=1)
+        ax.text((start + end) / 2, 0.98, f"iter {it['iteration']}", transform=ax.get_xaxis_transform(),
+                ha="center", va="top", fontsize=8, color="gray", in_layout=False, clip_on=True)
+
+
+def _visible(style: dict[str, Any], xs: list[int]) -> dict[str, Any]:
+    """A single point draws nothing without a marker: give it one."""
+    return style if len(xs) > 1 or "marker" in style else {**style, "marker": "o"}
+
+
+def _plot_curves(ax, iterations: list[dict[str, Any]], lines: list[tuple[str, str, dict[str, Any]]]) -> bool:
+    """Plot each (metric key, label, style) on the global step axis, one segment per iteration. True if any."""
+    drawn = False
+    for key, label, style in lines:
+        first = True
+        for it in iterations:
+            xs, ys = _series(it["metrics"], key, it["step_offset"])
+            if xs:
+                ax.plot(xs, ys, label=label if first else None, **_visible(style, xs))
+                first = False
+                drawn = True
+    return drawn
+
+
+def _plot_training_run(ax, name: str, run: dict[str, Any]) -> bool:
+    records = run["metrics"]
+    drawn = False
+    for key, label, style in (("loss/train", "train loss", {"color": "tab:blue"}),
+                              ("loss/eval", "eval loss", {"color": "tab:orange", "marker": "o"})):
+        xs, ys = _series(records, key)
+        if xs:
+            ax.plot(xs, ys, label=label, **_visible(style, xs))
+            drawn = True
+    handles, labels = ax.get_legend_handles_labels()
+    acc = [("reward/accuracy", "eval accuracy", {"color": "tab:green", "marker": "o"}),
+           ("reward/train_accuracy", "train accuracy", {"color": "tab:green", "alpha": 0.5})]
+    if any(_series(records, key)[0] for key, _, _ in acc):
+        twin = ax.twinx()
+        for key, label, style in acc:
+            xs, ys = _series(records, key)
+            if xs:
+                twin.plot(xs, ys, label=label, linestyle="--", **_visible(style, xs))
+        twin.set_ylabel("accuracy")
+        twin.set_ylim(0, 1)
+        h2, l2 = twin.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+        drawn = True
+    ax.set_title(f"{TRAINING_RUNS[name]} training ({name}/)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    if handles:  # below the axes: loc="best" would not see the twin axis' lines
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8)
+    return drawn
+
+
+def _plot_loss(data: dict[str, Any], path: Path) -> Optional[str]:
+    iterations = data["iterations"]
+    policy = any(r.get("loss/train") is not None or r.get("loss/eval") is not None
+                 for it in iterations for r in it["metrics"])
+    extra = [name for name in TRAINING_RUNS if data.get(name) and any(
+        r.get(k) is not None for r in data[name]["metrics"] for k in ("loss/train", "loss/eval"))]
+    if not policy and not extra:
+        return "no loss/train or loss/eval in iter_<t>/train/metrics.jsonl, sft/ or reward_model/"
+    panels = int(policy) + len(extra)
+    fig, axes = _figure(1, panels, width=7.0 if policy else 6.0)
+    fig.suptitle("Training loss")
+    col = 0
+    if policy:
+        ax = axes[0][0]
+        _plot_curves(ax, iterations, [
+            ("loss/train", "train loss", {"color": "tab:blue"}),
+            ("loss/eval", "eval loss", {"color": "tab:orange", "marker": "o"}),
+        ])
+        _iteration_boundaries(ax, iterations)
+        ax.set_title("policy training, all iterations")
+        ax.set_xlabel("global optimizer step (iterations concatenated)")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        col = 1
+    for name in extra:
+        _plot_training_run(axes[0][col], name, data[name])
+        col += 1
+    _save(fig, path)
+    return None
+
+
+LOGP_LINES = [
+    ("logp/train_chosen_logratio", "chosen (train)", {"color": "tab:blue"}),
+    ("logp/train_rejected_logratio", "rejected (train)", {"color": "tab:red"}),
+    ("logp/chosen_logratio", "chosen (eval)", {"color": "tab:blue", "marker": "o", "linestyle": ":"}),
+    ("logp/rejected_logratio", "rejected (eval)", {"color": "tab:red", "marker": "s", "linestyle": ":"}),
+]
+
+
+def _plot_logp(data: dict[str, Any], path: Path) -> Optional[str]:
+    iterations = data["iterations"]
+    keys = [key for key, _, _ in LOGP_LINES]
+    if not any(r.get(k) is not None for it in iterations for r in it["metrics"] for k in keys):
+        return "no logp/*_logratio in iter_<t>/train/metrics.jsonl"
+    fig, axes = _figure(1, 1, width=8.0, height=4.5)
+    ax = axes[0][0]
+    _plot_curves(ax, iterations, LOGP_LINES)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    _iteration_boundaries(ax, iterations)
+    ax.set_title("Drift from the sampling policy (chosen / rejected responses)")
+    ax.set_xlabel("global optimizer step (iterations concatenated)")
+    ax.set_ylabel("log π_θ(y|x) − log π_sampling(y|x)\n(nats, summed over response tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(fig, path)
+    return None
+
+
+def _length_points(iterations: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """(policy index, value) per series: iteration t's generate sampled policy t-1, its eval policy t."""
+    out: dict[str, list[tuple[int, float]]] = {"gen_tokens": [], "gen_stop": [], "eval_tokens": [], "eval_stop": []}
+    for it in iterations:
+        t, gen, ev = it["iteration"], it["generate"] or {}, it["eval"] or {}
+        for key, series in (("response_tokens_mean", "gen_tokens"), ("stop_fraction", "gen_stop")):
+            if gen.get(key) is not None:
+                out[series].append((t - 1, gen[key]))
+        for key, series in (("response_tokens_mean", "eval_tokens"), ("stop_fraction", "eval_stop")):
+            if ev.get(key) is not None:
+                out[series].append((t, ev[key]))
+    return out
+
+
+def _plot_lengths(data: dict[str, Any], path: Path) -> Optional[str]:
+    points = _length_points(data["iterations"])
+    if not any(points.values()):
+        return "no iter_<t>/generate dataset and no response_tokens_mean in iter_<t>/eval/results.json"
+    fig, axes = _figure(1, 2)
+    fig.suptitle("Response length per policy")
+    styles = {"gen": ("generate (training prompts)", "tab:blue", "o"),
+              "eval": ("eval (held-out prompts)", "tab:orange", "s")}
+    for ax, suffix, ylabel, title in ((axes[0][0], "tokens", "mean response tokens", "mean response length"),
+                                      (axes[0][1], "stop", "fraction stopped (not cut off)",
+                                       "fraction that stopped before the token limit")):
+        policies = set()
+        for source, (label, color, marker) in styles.items():
+            pts = points[f"{source}_{suffix}"]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=label)
+                policies.update(p[0] for p in pts)
+        if policies:
+            ax.set_xticks(sorted(policies))
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        if suffix == "stop":
+            ax.set_ylim(-0.02, 1.02)
+        ax.set_title(title)
+        ax.set_xlabel("policy (0 = start, t = after iteration t)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    _save(fig, path)
+    return None
+
+
+PLOTS: list[tuple[str, str, Callable[[dict[str, Any], Path], Optional[str]]]] = [
+    ("reward_per_iteration.png", "Held-out reward per iteration", _plot_rewards),
+    ("loss.png", "Training loss", _plot_loss),
+    ("logp_drift.png", "Log-ratio drift from the sampling policy", _plot_logp),
+    ("response_length.png", "Response length", _plot_lengths),
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# report.md
+
+
+def _wall(manifest: Optional[dict[str, Any]]) -> str:
+    return fmt((manifest or {}).get("wall_time_s"))
+
+
+def _iteration_table(data: dict[str, Any]) -> list[str]:
+    iterations = data["iterations"]
+    scorers = _scorers(iterations)
+    header = ["iter"]
+    for name in scorers:
+        header += [f"{name} reward (mean ± stderr)", f"{name} win rate (W/T/L)"]
+    header += ["train loss (first → last)", "eval loss (final)", "eval accuracy (final)",
+               "gen. tokens", "gen. stopped", "eval tokens", "eval stopped",
+               "wall time s (generate / score / filter / train / eval)"]
+    rows = []
+    for it in iterations:
+        ev, gen, metrics = it["eval"] or {}, it["generate"] or {}, it["metrics"]
+        row = [str(it["iteration"])]
+        for name in scorers:
+            s = (ev.get("scores") or {}).get(name)
+            if not s or s.get("mean") is None:
+                row += [MISSING, MISSING]
+                continue
+            row.append(f"{fmt(s['mean'])} ± {fmt(s.get('stderr'))}")
+            if s.get("win_rate") is None:
+                row.append(MISSING)
+            else:
+                wtl = [s.get(k) for k in ("wins", "ties", "losses")]
+                row.append(fmt(s["win_rate"]) + (f" ({'/'.join(map(str, wtl))})" if None not in wtl else ""))
+        first, last = _first_last(metrics, "loss/train")
+        row.append(MISSING if first is None else f"{fmt(first)} → {fmt(last)}")
+        row.append(fmt(_first_last(metrics, "loss/eval")[1]))
+        row.append(fmt(_first_last(metrics, "reward/accuracy")[1]))
+        row += [fmt(gen.get("response_tokens_mean")), fmt(gen.get("stop_fraction")),
+                fmt(ev.get("response_tokens_mean")), fmt(ev.get("stop_fraction"))]
+        row.append(" / ".join(_wall(it["manifests"].get(stage)) for stage in ITERATION_STAGES))
+        rows.append(row)
+    lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _eval_setup(iterations: list[dict[str, Any]]) -> list[str]:
+    """The distinct eval sizes, then each baseline with the iterations that compared against it."""
+    sizes: list[str] = []
+    baselines: dict[str, list[int]] = {}
+    for it in iterations:
+        ev = it["eval"]
+        if ev:
+            size = f"{ev.get('num_prompts', '?')} prompts × {ev.get('n', '?')} samples"
+            if size not in sizes:
+                sizes.append(size)
+            if ev.get("baseline"):
+                baselines.setdefault(str(ev["baseline"]), []).append(it["iteration"])
+    return sizes + [f"baseline `{name}` (iterations {', '.join(map(str, ts))})" for name, ts in baselines.items()]
+
+
+def _training_run_line(name: str, run: dict[str, Any]) -> str:
+    records, manifest = run["metrics"], run["manifest"] or {}
+    parts = []
+    steps = max((r["step"] for r in records), default=None)
+    if steps is not None:
+        parts.append(f"{steps} steps")
+    first, last = _first_last(records, "loss/train")
+    if first is not None:
+        parts.append(f"train loss {fmt(first)} → {fmt(last)}")
+    eval_loss = _first_last(records, "loss/eval")[1]
+    if eval_loss is not None:
+        parts.append(f"final eval loss {fmt(eval_loss)}")
+    accuracy = _first_last(records, "reward/accuracy")[1]
+    if accuracy is not None:
+        parts.append(f"final eval accuracy {fmt(accuracy)}")
+    train_accuracy = _first_last(records, "reward/train_accuracy")[1]
+    if train_accuracy is not None:
+        parts.append(f"last train accuracy {fmt(train_accuracy)}")
+    if manifest.get("wall_time_s") is not None:
+        parts.append(f"wall time {fmt(manifest['wall_time_s'])} s")
+    if not manifest:
+        parts.append("no manifest.json (unfinished?)")
+    return f"- **{TRAINING_RUNS[name]}** (`{name}/`): " + (", ".join(parts) or "no metrics")
+
+
+def _markdown(data: dict[str, Any], plots: list[tuple[str, str, Optional[str]]]) -> str:
+    iterations = data["iterations"]
+    lines = [f"# RLHF run report: `{data['run_dir']}`", ""]
+    if iterations:
+        ts = [it["iteration"] for it in iterations]
+        lines += [f"Iterations found: {', '.join(map(str, ts))}. Iteration t's generate sampled from policy t−1, "
+                  "its train made policy t, its eval evaluated policy t (row 0: the starting policy).", ""]
+        lines += ["## Per iteration", ""] + _iteration_table(data) + [""]
+        setups = _eval_setup(iterations)
+        notes = ["Reward, win rate and eval tokens/stopped: held-out `eval/results.json` of policy t"
+                 + (f" ({'; '.join(setups)})" if setups else "") + ".",
+                 "Train loss, eval loss and eval accuracy: `train/metrics.jsonl` of iteration t "
+                 "(eval accuracy: reward/accuracy).",
+                 "Gen. tokens/stopped: the `generate/` dataset of iteration t (sampled from policy t−1); "
+                 "stopped = fraction of responses that ended before the token limit.",
+                 f"{MISSING}: not in the run."]
+        lines += [f"- {n}" for n in notes] + [""]
+    else:
+        lines += ["No iter_<t>/ directories in the run.", ""]
+    runs = [name for name in TRAINING_RUNS if data.get(name)]
+    if runs:
+        lines += ["## SFT and reward model", ""]
+        lines += [_training_run_line(name, data[name]) for name in runs] + [""]
+    lines += ["## Plots", ""]
+    for filename, title, reason in plots:
+        if reason is None:
+            lines += [f"### {title}", "", f"![{title}]({PLOTS_DIR}/{filename})", ""]
+        else:
+            lines += [f"### {title}", "", f"*Not drawn (plots/{filename}): {reason}.*", ""]
+    if data.get("summary") is not None:
+        text = json.dumps(data["summary"], indent=2, default=str)
+        if len(text) > 4000:
+            text = text[:4000] + "\n... (truncated; see summary.json)"
+        lines += ["## summary.json", "", "```json", text, "```", ""]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: Path, output: Optional[Path] = None) -> Path:
+    """Write ``output/report.md`` and ``output/plots/*.png`` (``output`` defaults to ``run_dir``); return the
+    path of report.md. Raises PipelineError when matplotlib is missing or the run directory holds no data."""
+    _require_matplotlib()
+    data = collect(Path(run_dir))
+    output = Path(run_dir if output is None else output).expanduser()
+    plots_dir = output / PLOTS_DIR
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for filename, title, draw in PLOTS:
+        path = plots_dir / filename
+        reason = draw(data, path)
+        if reason is not None and path.exists():
+            path.unlink()  # an older report's plot of data that is no longer there
+        results.append((filename, title, reason))
+    report = output / REPORT
+    write_text_atomic(report, _markdown(data, results))
+    return report
+
+
+def main(config: ReportConfig) -> Path:
+    report = write_report(Path(config.run_dir), Path(config.output) if config.output else None)
+    print(f"[report] wrote {report} and its plots in {report.parent / 'plots'}")
+    return report
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

@@ -1,23 +1,437 @@
-"""Score every response with a reward model or a python reward function.
+"""Score every response with a reward model or a python reward function: the body of ``rlhf score`` (also run by
+``rlhf eval``).
 
     rlhf score --input runs/iter_0/generate --output runs/iter_0/score \\
         --reward-model RLHFlow/ArmoRM-Llama3-8B-v0.1 --trust-remote-code --batch-size 16
     rlhf score --input out/gen --output out/scored --reward-fn my_rewards.py:reward
-    rlhf score --input out/gen --output out/scored --reward-model runs/rm --reward-fn checks.py:format \\
-        --reward-weights 1 0.5      # several sources: rewards_<key> each, rewards = their standardised weighted sum
-    accelerate launch --multi_gpu --num_processes 8 -m rlhf_pipeline.stages.score \\
-        --input runs/iter_0/generate --output runs/iter_0/score --reward-model runs/rm   # data parallel
 
-What is added and how: ``rlhf_pipeline.scoring`` (the reward sources are ``rlhf_pipeline.rewards``).
+Adds ``rewards`` (one float per response) to the generations. A NaN or infinite reward stops the stage with an
+error naming the row; nothing is written then. See ``rlhf_pipeline.rewards`` for the truncation rule and the
+reward-function signature.
+
+Several reward sources (``--reward-model`` and ``--reward-fn`` each take one or more; repeat the flag, or give a
+YAML list) are combined by "normalise, then sum" (``rewards.combine_rewards``)::
+
+    rlhf score --input out/gen --output out/scored --reward-model runs/rm \
+        --reward-fn checks.py:format --reward-fn checks.py:length --reward-weights 1 0.5 -0.2
+
+Each source's raw rewards go in a column of their own, ``rewards_<key>`` (:func:`reward_sources` names them), and
+``rewards`` is ``sum_k w_k (r_k - mean_k) / (std_k + 1e-6)``, the statistics taken over every response of the
+dataset; the manifest records each source's spec, column, weight and statistics. One source alone is not
+standardised: ``rewards`` is its raw reward, as it always was.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+import hashlib
+import logging
+import math
+import re
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, Optional, Sequence
 
-from rlhf_pipeline.cli import run_stage
-from rlhf_pipeline.scoring import ScoreConfig, main
+from tqdm.auto import tqdm
+
+from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.contracts import (
+    GENERATED_COLUMNS,
+    GENERATIONS_COLUMNS,
+    SOURCE_REWARDS_PREFIX,
+    require_columns,
+    require_types,
+)
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.stages import run_stage
+
+log = logging.getLogger(__name__)
+
+# Columns of the generations contract that a reward function does not receive as extra columns.
+NOT_PASSED = ("prompt", *GENERATED_COLUMNS, "rewards")
+# The two kinds of reward source, as their options are named (--reward-model, --reward-fn).
+SOURCE_KINDS = ("reward_model", "reward_fn")
+
+
+class RewardSource(NamedTuple):
+    """One reward source: ``kind`` (``reward_model`` or ``reward_fn``), its ``spec`` (a model, or
+    ``module:function``) and its ``key``, which names its column (``rewards_<key>``), its ``rlhf eval`` scorer and
+    its part of ``rlhf eval``'s output."""
+
+    kind: str
+    spec: str
+    key: str
+
+    @property
+    def column(self) -> str:
+        return SOURCE_REWARDS_PREFIX + self.key
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.kind.replace("_", "-")
+
+
+def as_list(value: str | Sequence[str] | None) -> list[str]:
+    """A ``--reward-model`` / ``--reward-fn`` value as a list (a config holds one source as a plain string)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def one_or_list(value: str | Sequence[str] | None) -> str | list[str] | None:
+    """What a config keeps of a reward option: None, one source as its string (so that a one-source config, its
+    manifest and the reuse check read exactly as before several sources existed), or a list of two or more."""
+    values = as_list(value)
+    return None if not values else values[0] if len(values) == 1 else values
+
+
+def _source_name(kind: str, spec: str) -> str:
+    """A model's directory (or Hub repo) name, a function's name; made of letters, digits and ``_``."""
+    raw = Path(spec.rstrip("/\\")).name if kind == "reward_model" else spec.rpartition(":")[2]
+    return re.sub(r"[^0-9A-Za-z_]+", "_", raw).strip("_") or "source"
+
+
+def reward_sources(reward_model: str | Sequence[str] | None, reward_fn: str | Sequence[str] | None) -> list[RewardSource]:
+    """The reward sources in their fixed order, the reward models then the functions, each in the order given (the
+    order of ``--reward-weights``), with their keys: the kind alone (``reward_model``, ``reward_fn``) for the only
+    source of its kind, else ``<kind>_<name>`` with the name of :func:`_source_name`
+    (``reward_fn_format``); a name taken already gets ``_2``, ``_3``, ... in order. So one reward model and one
+    function give ``rewards_reward_model`` and ``rewards_reward_fn``, the columns ``rlhf eval`` has always written."""
+    sources: list[RewardSource] = []
+    taken: set[str] = set()
+    for kind, specs in (("reward_model", as_list(reward_model)), ("reward_fn", as_list(reward_fn))):
+        for spec in specs:
+            key = kind if len(specs) == 1 else f"{kind}_{_source_name(kind, spec)}"
+            base, k = key, 2
+            while key in taken:
+                key, k = f"{base}_{k}", k + 1
+            taken.add(key)
+            sources.append(RewardSource(kind, spec, key))
+    return sources
+
+
+def check_reward_options(reward_model, reward_fn, reward_weights, *, exactly_one_kind: bool = False) -> None:
+    """The checks shared by rlhf score and rlhf eval (ValueErrors, one line each): at least one source, no source
+    twice, and ``reward_weights`` one finite number per source, not all 0, given only with several sources."""
+    models, fns = as_list(reward_model), as_list(reward_fn)
+    if not models and not fns:
+        raise ValueError("give a reward source: --reward-model, --reward-fn, or several of them")
+    for flag, specs in (("--reward-model", models), ("--reward-fn", fns)):
+        twice = sorted({s for s in specs if specs.count(s) > 1})
+        if twice:
+            raise ValueError(f"{flag} {twice[0]} is given twice; give each reward source once (weigh it with "
+                             "--reward-weights)")
+    count = len(models) + len(fns)
+    if reward_weights is None:
+        return
+    if count == 1:
+        raise ValueError("--reward-weights weighs several reward sources; with one source the rewards are its own, "
+                         "unscaled, so drop --reward-weights")
+    if len(reward_weights) != count:
+        order = ", ".join(f"{s.flag} {s.spec}" for s in reward_sources(models, fns))
+        raise ValueError(f"--reward-weights has {len(reward_weights)} value(s) for {count} reward sources; give one "
+                         f"per source, in this order: {order}")
+    bad = [w for w in reward_weights if not math.isfinite(w)]
+    if bad:
+        raise ValueError(f"--reward-weights must be finite numbers, got {bad[0]}")
+    if all(w == 0 for w in reward_weights):
+        raise ValueError("--reward-weights are all 0, which makes every reward 0; give at least one source a weight")
+
+
+@dataclass(kw_only=True)
+class ScoreConfig(OutputOptions):
+    """Score every response with a reward model or a python reward function (or several, combined)."""
+
+    input: str = option(help="Generations dataset (the output of rlhf generate or rlhf merge).", semantic=False)
+    # One source is kept as a plain string (one_or_list), as it was before several existed: its manifest and the
+    # reuse check of existing outputs are unchanged.
+    reward_model: Optional[list[str]] = option(
+        None, help="Sequence-classification reward model (local directory or Hub id); several combine (repeat the "
+        "flag, or a YAML list)."
+    )
+    reward_fn: Optional[list[str]] = option(
+        None, help="Python reward function as module:function or path/to/file.py:function; several combine."
+    )
+    reward_weights: Optional[list[float]] = option(
+        None, help="With several reward sources: one weight per source, the reward models first, then the functions, "
+        "each in the order given (default 1 each). rewards = sum of weight * (r - mean) / (std + 1e-6) per source, "
+        "the statistics over every response of the dataset; each source's raw rewards go in rewards_<key>."
+    )
+    batch_size: int = option(16, help="Sequences per reward-model forward; responses per reward-function call.")
+    max_length: int = option(4096, help="Reward model: conversations longer than this keep their first tokens.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", help="Reward model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."
+    )
+    engine: Literal["hf", "vllm"] = option(
+        "hf",
+        help="Reward model engine: hf (transformers, length-sorted batches) or vllm (vLLM's pooling runner; needs "
+        "the vLLM environment and a model vLLM supports as a sequence classifier).",
+        semantic=False,  # the same rewards either way (measured within 1e-7): a scored output is reused across engines
+    )
+    trust_remote_code: bool = option(False, help="Allow custom model code (needed for ArmoRM); off by default.")
+
+    def __post_init__(self) -> None:
+        self.reward_model = one_or_list(self.reward_model)
+        self.reward_fn = one_or_list(self.reward_fn)
+        if self.reward_weights is not None:
+            self.reward_weights = [float(w) for w in self.reward_weights]
+        check_reward_options(self.reward_model, self.reward_fn, self.reward_weights)
+        if self.engine == "vllm" and self.reward_model is None:
+            raise ValueError("--engine vllm scores with a --reward-model; a --reward-fn runs in python")
+        if self.batch_size < 1:
+            raise ValueError("--batch-size must be at least 1")
+        if self.max_length < 1:
+            raise ValueError("--max-length must be at least 1")
+
+    @property
+    def sources(self) -> list[RewardSource]:
+        return reward_sources(self.reward_model, self.reward_fn)
+
+    @property
+    def weights(self) -> list[float]:
+        return list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.sources)
+
+
+def _check_generations(ds, source: str, sources: Sequence[RewardSource] = ()) -> str:
+    from rlhf_pipeline.chat import prompt_column
+
+    require_columns(ds, GENERATIONS_COLUMNS, source, "score takes the output of rlhf generate")
+    require_types(ds, {"responses": "list of text"}, source, "score takes the output of rlhf generate")
+    if "rewards" in ds.column_names:
+        raise PipelineError(f"{source}: already has a 'rewards' column (already scored?)")
+    if len(sources) > 1:
+        taken = [s.column for s in sources if s.column in ds.column_names]
+        if taken:
+            raise PipelineError(f"{source}: already has a '{taken[0]}' column, where rlhf score would put the rewards "
+                                "of a source (already scored?); remove or rename that column")
+    return prompt_column(ds, source)
+
+
+def _check_not_a_shard(ref) -> None:
+    """Several sources are standardised with statistics over the whole dataset: a shard's statistics are not the
+    whole run's, so separately scored shards would each be on a scale of their own. Refused; merge first."""
+    from rlhf_pipeline.datasets_io import read_manifest
+
+    shard = ((read_manifest(ref) or {}).get("shard") or {}).get("spec")
+    if shard:
+        raise PipelineError(
+            f"{ref.name}: is shard {shard} of a generate run; several reward sources are standardised with "
+            "statistics over the whole dataset, which one shard does not have: rlhf merge the shards, then score the "
+            "merged output"
+        )
+
+
+def _rows_text(first: int, last: int) -> str:
+    return f"row {first}" if first == last else f"rows {first}..{last}"
+
+
+def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations, prompts, responses,
+                  accelerator=None) -> tuple[list[float | None], dict[str, Any]]:
+    """One source's reward of every response (flattened as ``locations``), and what the manifest says of it. Under
+    ``accelerate launch`` this process scores its share only (see :func:`main`); the other entries are None."""
+    from rlhf_pipeline.distributed import world_and_rank
+
+    world, rank = world_and_rank(accelerator)
+    if source.kind == "reward_model":
+        from rlhf_pipeline.rewards import RewardModelScorer
+
+        scorer = RewardModelScorer(
+            source.spec,
+            dtype=config.dtype,
+            trust_remote_code=config.trust_remote_code,
+            batch_size=config.batch_size,
+            max_length=config.max_length,
+            engine=config.engine,
+            device=None if accelerator is None else accelerator.device,
+        )
+        try:
+            flat = scorer.score(prompts, responses, world, rank)
+        finally:
+            scorer.close()  # before the next source loads its model
+        return flat, {"reward_model": source.spec, "engine": config.engine, "truncated_sequences": scorer.truncated}
+
+    from rlhf_pipeline.chat import as_text
+    from rlhf_pipeline.progress import bars_disabled
+    from rlhf_pipeline.rewards import call_reward_fn
+
+    passed = [c for c in ds.column_names if c not in NOT_PASSED]
+    per_row = {c: ds[c][:] for c in passed}
+    finish = ds["finish_reasons"][:] if "finish_reasons" in ds.column_names else None
+    flat: list[float | None] = [None] * len(locations)
+    # The batches of one process, dealt out in turn over the processes: each call sees the responses it would see in
+    # one process, so a function of the whole batch gives the same rewards however many processes run.
+    starts = list(range(0, len(locations), config.batch_size))[rank::world]
+    for start in tqdm(starts, desc="score (fn)", unit="batch", disable=rank != 0 or bars_disabled()):
+        chunk = locations[start : start + config.batch_size]
+        batch = f"{_rows_text(chunk[0][0], chunk[-1][0])} (batch of {len(chunk)} response{'s' * (len(chunk) > 1)})"
+        columns = {c: [values[row] for row, _ in chunk] for c, values in per_row.items()}
+        if finish is not None:
+            columns["finish_reasons"] = [finish[row][j] for row, j in chunk]
+        flat[start : start + len(chunk)] = call_reward_fn(
+            fn,
+            [as_text(prompts[start + k]) for k in range(len(chunk))],
+            responses[start : start + len(chunk)],
+            columns,
+            name=source.spec,
+            where=batch,
+        )
+    return flat, {"reward_fn": source.spec}
+
+
+def _merge_shares(shares: list[list[tuple[int, float]]], count: int) -> list[float]:
+    """The ``count`` rewards in their original order, from each process's ``(index, reward)`` pairs."""
+    merged: list[float] = [math.nan] * count
+    for share in shares:
+        for i, value in share:
+            merged[i] = value
+    return merged
+
+
+def _per_row(flat: list[float], locations: list[tuple[int, int]], num_rows: int) -> list[list[float]]:
+    rows: list[list[float]] = [[] for _ in range(num_rows)]
+    for (row, _), value in zip(locations, flat):
+        rows[row].append(value)
+    return rows
+
+
+class _Work(NamedTuple):
+    """What every process of a scoring run reads before it scores: the output, the data, the flattened responses."""
+
+    out: Any
+    ref: Any
+    ds: Any
+    fns: dict[str, Any]
+    locations: list[tuple[int, int]]
+    prompts: list
+    responses: list[str]
+
+
+def _read(config: ScoreConfig, processes: int) -> _Work | None:
+    """Check the sources and the input, and read the responses; None when the output holds this run already."""
+    if config.engine == "vllm" and processes > 1:
+        raise PipelineError("rlhf score --engine vllm runs in one process (vLLM batches and schedules the sequences "
+                            "itself); run it without accelerate launch, or score with --engine hf")
+    from rlhf_pipeline.datasets_io import StageOutput, load_dataset_ref, parse_ref
+    from rlhf_pipeline.modeling import check_model_ref
+    from rlhf_pipeline.rewards import load_reward_fn
+
+    # The reward sources first: a mistyped model or function fails before the data is read.
+    sources = config.sources
+    fns = {}
+    for source in sources:
+        if source.kind == "reward_model":
+            check_model_ref(source.flag, source.spec)
+        else:
+            fns[source.key] = load_reward_fn(source.spec)
+    ref = parse_ref(config.input)
+    if len(sources) > 1:
+        _check_not_a_shard(ref)
+    out = StageOutput("score", config, inputs=[ref])
+    if out.done():
+        return None
+    ds = load_dataset_ref(ref)
+    column = _check_generations(ds, ref.name, sources)
+
+    # Flatten to one entry per response; (row, j) locates each. Columns are read into python lists once: indexing
+    # a datasets Column row by row decodes one Arrow row per access (~90 us each, seconds at 10^4 responses).
+    responses_per_row = ds["responses"][:]
+    locations = [(row, j) for row, rs in enumerate(responses_per_row) for j in range(len(rs))]
+    responses = [r for rs in responses_per_row for r in rs]
+    prompt_values = ds[column][:]
+    prompts = [prompt_values[row] for row, _ in locations]
+    return _Work(out, ref, ds, fns, locations, prompts, responses)
+
+
+def main(config: ScoreConfig) -> Path:
+    """``rlhf score``: in one process, or under ``accelerate launch --num_processes N`` (see :func:`score`)."""
+    from rlhf_pipeline.distributed import run_inference
+
+    return run_inference("rlhf score", lambda accelerator: score(config, accelerator))
+
+
+def score(config: ScoreConfig, accelerator=None) -> Path:
+    """Score and write the output. With an ``accelerator`` of several processes (``rlhf score`` under
+    ``accelerate launch``, or ``rlhf eval``'s scoring there) every process reads the input, scores its share of the
+    batches (length-sorted for a reward model, in order for a function; the same batches as one process makes),
+    the shares are gathered in the original order, and the main process checks and writes the output alone; a
+    failure on any process fails them all, with one error from the main process. The manifest records the number
+    of processes, which does not change the rewards (a rerun with another number reuses the output)."""
+    from rlhf_pipeline.distributed import gather_guarded, guarded, on_main_process, world_and_rank
+
+    world, _ = world_and_rank(accelerator)
+    work = guarded(accelerator, lambda: _read(config, world))
+    if work is None:
+        return Path(config.output).expanduser()
+    sources = config.sources
+
+    def my_share() -> list[tuple[list[tuple[int, float]], dict[str, Any]]]:
+        share = []
+        for source in sources:
+            flat, record = _score_source(source, work.fns.get(source.key), config, work.ds, work.locations,
+                                         work.prompts, work.responses, accelerator)
+            share.append(([(i, v) for i, v in enumerate(flat) if v is not None], record))
+        return share
+
+    shares = gather_guarded(accelerator, my_share)  # per process, per source: (its (index, reward) pairs, record)
+
+    def write() -> None:
+        per_source = [_merge_shares([share[k][0] for share in shares], len(work.locations))
+                      for k in range(len(sources))]
+        _write(config, work, per_source, [record for _, record in shares[0]], world)
+
+    on_main_process(accelerator, write)  # the others wait, and fail with the main process if it fails
+    return work.out.path
+
+
+def _write(config: ScoreConfig, work: _Work, per_source: list[list[float]], records: list[dict[str, Any]],
+           processes: int) -> None:
+    """Check every reward, combine several sources, and write the scored dataset (the main process only)."""
+    from datasets import List, Value
+
+    from rlhf_pipeline.datasets_io import find_in_lineage
+    from rlhf_pipeline.rewards import STANDARDIZE_EPS, combine_rewards, first_non_finite
+
+    sources, ds, ref, locations = config.sources, work.ds, work.ref, work.locations
+    for source, flat in zip(sources, per_source):
+        bad = first_non_finite(flat)
+        if bad is not None:
+            row, j = locations[bad]
+            what = "reward model" if source.kind == "reward_model" else "reward function"
+            raise PipelineError(
+                f"{ref.name}: row {row} (prompt_id {ds[row]['prompt_id']}), response {j}: the {what} {source.spec} "
+                f"returned {flat[bad]}; rewards must be finite numbers, so fix the reward (nothing was written)"
+            )
+    # An explicit fingerprint (from the input's and the rewards' bytes): datasets would otherwise hash the whole
+    # reward list with dill, which takes longer than writing it.
+    digest = hashlib.sha256(f"{ds._fingerprint}:rewards:".encode())
+    feature = List(Value("float64"))
+    if len(sources) == 1:  # the raw rewards, not standardised: one source scores as it always has
+        (flat,), (reward,) = per_source, records
+        result = ds
+    else:
+        flat, stats = combine_rewards(per_source, config.weights)
+        reward = {"sources": [], "combination": "sum_k weight_k * (r_k - mean_k) / (std_k + eps)",
+                  "eps": STANDARDIZE_EPS}
+        result = ds
+        for source, values, record, weight, st in zip(sources, per_source, records, config.weights, stats):
+            digest.update(f"{source.column}:{weight!r}:".encode())
+            digest.update(array("d", values).tobytes())
+            result = result.add_column(source.column, _per_row(values, locations, ds.num_rows), feature=feature,
+                                       new_fingerprint=digest.copy().hexdigest()[:32])
+            reward["sources"].append({"key": source.key, "column": source.column, **record, "weight": weight,
+                                      **st.as_dict()})
+            line = f"[score] {source.column} ({source.spec}): weight {weight:g}, mean {st.mean:.4g}, std {st.std:.4g}"
+            print(line + (" (all equal: it adds 0 to every reward)" if st.constant else ""))
+            if st.constant:
+                log.warning("%s %s gave every response %r: it carries no preference, and adds 0 to every reward",
+                            source.flag, source.spec, values[0])
+        digest.update(b"combined:")
+    digest.update(array("d", flat).tobytes())
+    result = result.add_column("rewards", _per_row(flat, locations, ds.num_rows), feature=feature,
+                               new_fingerprint=digest.hexdigest()[:32])
+    sampling = find_in_lineage([ref], "sampling")
+    work.out.save(result, rows_in=ds.num_rows, extra={"reward": reward, "sampling": sampling, "processes": processes})
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,7 @@
 Rows are ``prompt``/``answer`` (ReaL's and OpenRLHF's format), ``messages`` (a conversation that ends with an
 assistant turn; the loss is on that last turn, the earlier turns are the prompt), or token ids
 (``prompt_token_ids``/``completion_token_ids``, what ``rlhf filter --mode best`` writes: rejection sampling), which
-are trained on as they are (``rlhf_pipeline.supervised``). Each row is rendered with the
+are trained on as they are (``rlhf_pipeline.algorithms.supervised``). Each row is rendered with the
 model's chat template exactly as ``rlhf generate`` renders a prompt, so the policy learns the ids it will later be
 fed: the prompt is the template with the generation prompt, the answer is what the template puts after it (the
 answer text and the turn's end token, which is what generation stops on), up to that stop token: what a template
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import check_test_size, option
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.supervised import SFTTask, has_token_ids, sampled_rows
-from rlhf_pipeline.trainer import TrainOptions
+from rlhf_pipeline.algorithms.supervised import SFTTask, has_token_ids, sampled_rows
+from rlhf_pipeline.training.loop import TrainOptions
 
 
 @dataclass(kw_only=True)
@@ -116,7 +116,7 @@ def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int
             "num_tokens": [len(p) + len(a) for p, a in zip(prompt_ids, answer_ids)],
         }
 
-    from rlhf_pipeline.training_stage import encode_splits
+    from rlhf_pipeline.training.stage import encode_splits
 
     out, dropped = encode_splits(dd, encode, max_length)
     return out, dropped, counts["fallback"]
@@ -128,8 +128,8 @@ def main(config: SFTConfig) -> Path:
     from rlhf_pipeline.chat import load_tokenizer, pad_id, stop_token_ids
     from rlhf_pipeline.datasets_io import parse_ref
     from rlhf_pipeline.modeling import check_model_ref
-    from rlhf_pipeline.trainer import load_trainable, prepare, train
-    from rlhf_pipeline.training_stage import StageRun, train_test_splits, training_run, training_summary
+    from rlhf_pipeline.training.loop import load_trainable, prepare, train
+    from rlhf_pipeline.training.stage import StageRun, train_test_splits, training_run, training_summary
 
     check_model_ref("--model", config.model)
     ref = parse_ref(config.data)

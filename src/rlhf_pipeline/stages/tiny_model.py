@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence
 
-from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.datasets_io import atomic_directory, clean_stale
 from rlhf_pipeline.errors import PipelineError

@@ -1,6 +1,6 @@
 """Train a policy: on preference pairs with REBEL or the DPO family (DPO, cDPO, IPO, SimPO), on groups of n
-responses per prompt with the PPO family (PPO with a critic and GAE, GRPO, RLOO, REINFORCE++; see rlhf_pipeline.groups),
-or on unpaired desirable/undesirable responses with KTO (see rlhf_pipeline.unpaired).
+responses per prompt with the PPO family (PPO with a critic and GAE, GRPO, RLOO, REINFORCE++; see rlhf_pipeline.algorithms.groups),
+or on unpaired desirable/undesirable responses with KTO (see rlhf_pipeline.algorithms.unpaired).
 The algorithms and what each needs come from ``rlhf_pipeline.algorithms``.
 
     rlhf train --algo rebel --model runs/iter_0/policy --data runs/iter_0/filter --output runs/iter_0/train
@@ -18,7 +18,7 @@ temperature for REBEL (as REBEL's code does; read from the generate manifest), 1
 ``--temperature`` says otherwise. Stored columns made at another temperature are an error, never silently redone.
 
 The output directory is a ``save_pretrained`` model that the next iteration's vLLM loads; see
-``rlhf_pipeline.trainer`` for checkpoints, metrics and resume.
+``rlhf_pipeline.training.loop`` for checkpoints, metrics and resume.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Callable, Literal, Optional, Sequence
 
 from rlhf_pipeline.algorithms import BEST, GROUPS, PAIRS, UNPAIRED, AlgoName, get, help_text, scales_by_group_std
-from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CRITIC, REF_LOGPS_CACHE, ROLLOUT_CACHE
-from rlhf_pipeline.pairs import check_pairs, scale_reward_gaps
-from rlhf_pipeline.trainer import TrainOptions
+from rlhf_pipeline.algorithms.pairs import check_pairs, scale_reward_gaps
+from rlhf_pipeline.training.loop import TrainOptions
 
 @dataclass(kw_only=True)
 class TrainConfig(TrainOptions):
@@ -190,7 +190,7 @@ class TrainConfig(TrainOptions):
         defaults. ``sequence_sum_norm``'s constant is the generation's --max-new-tokens (from ``sampling``, the data's
         lineage), else ``longest_response()`` (the longest response in the data)."""
         from rlhf_pipeline.algorithms import group_params
-        from rlhf_pipeline.groups import RLParams
+        from rlhf_pipeline.algorithms.groups import RLParams
 
         algo_defaults = self.algorithm.defaults
         default_clip = algo_defaults.get("clip", RLParams.clip)
@@ -224,10 +224,10 @@ class TrainConfig(TrainOptions):
 def _reference_columns(accelerator, setup_model, dd, config, temperature, pad_id, record, output: Path, data=None):
     """The splits with reference log-prob columns: from the data, from OUTPUT/ref_logps, or computed now. ``data`` is
     the module of the data's kind: ``pairs`` (default) or ``unpaired``."""
-    import rlhf_pipeline.pairs
-    from rlhf_pipeline.training_stage import cached_splits
+    import rlhf_pipeline.algorithms.pairs
+    from rlhf_pipeline.training.stage import cached_splits
 
-    data = data or rlhf_pipeline.pairs
+    data = data or rlhf_pipeline.algorithms.pairs
     add_ref_columns, compute_ref_logps = data.add_ref_columns, data.compute_ref_logps
     if all(c in ds.column_names for ds in dd.values() for c in data.REF_LOGP_COLUMNS):
         if record is not None and record.get("temperature") != temperature:
@@ -259,7 +259,7 @@ def main(config: TrainConfig) -> Path:
 
 def _finish(run, name: str, result, dd, sampling, training: dict) -> None:
     """Mark a pair or unpaired run complete: the manifest records the sampling settings and the training record."""
-    from rlhf_pipeline.training_stage import StageRun
+    from rlhf_pipeline.training.stage import StageRun
 
     run.finish(StageRun(
         result=result,
@@ -271,15 +271,15 @@ def _finish(run, name: str, result, dd, sampling, training: dict) -> None:
 
 def train_best(config: TrainConfig) -> Path:
     """``rlhf train --algo raft``: supervised fine-tuning on each prompt's best response (``rlhf filter --mode
-    best``), on its sampled token ids (``rlhf_pipeline.supervised``)."""
+    best``), on its sampled token ids (``rlhf_pipeline.algorithms.supervised``)."""
     from transformers import AutoModelForCausalLM
 
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.modeling import check_model_ref
-    from rlhf_pipeline.supervised import SFTTask, sampled_rows
-    from rlhf_pipeline.trainer import load_trainable, prepare, train
-    from rlhf_pipeline.training_stage import training_run, training_summary
+    from rlhf_pipeline.algorithms.supervised import SFTTask, sampled_rows
+    from rlhf_pipeline.training.loop import load_trainable, prepare, train
+    from rlhf_pipeline.training.stage import training_run, training_summary
 
     check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
@@ -302,16 +302,16 @@ def train_best(config: TrainConfig) -> Path:
 
 
 def train_pairs(config: TrainConfig) -> Path:
-    """``rlhf train`` for REBEL and the DPO family: see ``rlhf_pipeline.pairs``."""
+    """``rlhf train`` for REBEL and the DPO family: see ``rlhf_pipeline.algorithms.pairs``."""
     from transformers import AutoModelForCausalLM
 
     from rlhf_pipeline.algorithms import logp_temperature
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.modeling import check_model_ref
-    from rlhf_pipeline.pairs import PairTask
-    from rlhf_pipeline.trainer import load_trainable, prepare, train
-    from rlhf_pipeline.training_stage import training_run, training_summary
+    from rlhf_pipeline.algorithms.pairs import PairTask
+    from rlhf_pipeline.training.loop import load_trainable, prepare, train
+    from rlhf_pipeline.training.stage import training_run, training_summary
 
     check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
@@ -352,21 +352,21 @@ def train_pairs(config: TrainConfig) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# On unpaired responses: KTO (rlhf_pipeline.unpaired)
+# On unpaired responses: KTO (rlhf_pipeline.algorithms.unpaired)
 
 
 def train_unpaired(config: TrainConfig) -> Path:
-    """``rlhf train --algo kto``: see ``rlhf_pipeline.unpaired``. Reference log-probs of the responses and of their
+    """``rlhf train --algo kto``: see ``rlhf_pipeline.algorithms.unpaired``. Reference log-probs of the responses and of their
     mismatched pairs come from the data (``rlhf ref-logps``) or from one pass here, kept in OUTPUT/ref_logps."""
-    import rlhf_pipeline.unpaired as unpaired
+    import rlhf_pipeline.algorithms.unpaired as unpaired
     from transformers import AutoModelForCausalLM
 
     from rlhf_pipeline.algorithms import logp_temperature, unpaired_loss_params
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.modeling import check_model_ref
-    from rlhf_pipeline.trainer import load_trainable, prepare, train
-    from rlhf_pipeline.training_stage import training_run, training_summary
+    from rlhf_pipeline.training.loop import load_trainable, prepare, train
+    from rlhf_pipeline.training.stage import training_run, training_summary
 
     check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
@@ -400,7 +400,7 @@ def train_unpaired(config: TrainConfig) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# On groups: the PPO family (rlhf_pipeline.groups)
+# On groups: the PPO family (rlhf_pipeline.algorithms.groups)
 
 
 def _critic_source(config, ref) -> str:
@@ -424,9 +424,9 @@ def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, out
     OUTPUT/rollout when an interrupted run made them, else computed now and kept there."""
     import datasets
 
-    from rlhf_pipeline.groups import compute_advantages, flatten_groups, rollout_pass
+    from rlhf_pipeline.algorithms.groups import compute_advantages, flatten_groups, rollout_pass
     from rlhf_pipeline.modeling import load_causal_lm
-    from rlhf_pipeline.training_stage import cached_splits
+    from rlhf_pipeline.training.stage import cached_splits
 
     def compute():
         uses_critic = config.algorithm.uses_critic
@@ -452,7 +452,7 @@ def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, out
 
 
 def train_groups(config: TrainConfig) -> Path:
-    """``rlhf train`` for the PPO family: see ``rlhf_pipeline.groups``."""
+    """``rlhf train`` for the PPO family: see ``rlhf_pipeline.algorithms.groups``."""
     import statistics
 
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -461,10 +461,10 @@ def train_groups(config: TrainConfig) -> Path:
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.distributed import on_main_process
-    from rlhf_pipeline.groups import GroupTask, check_groups, policy_and_critic
+    from rlhf_pipeline.algorithms.groups import GroupTask, check_groups, policy_and_critic
     from rlhf_pipeline.modeling import check_model_ref
-    from rlhf_pipeline.trainer import load_trainable, prepare, train
-    from rlhf_pipeline.training_stage import StageRun, training_run, training_summary
+    from rlhf_pipeline.training.loop import load_trainable, prepare, train
+    from rlhf_pipeline.training.stage import StageRun, training_run, training_summary
 
     check_model_ref("--model", config.model)
     if config.ref_model:

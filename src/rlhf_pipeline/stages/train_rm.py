@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlhf_pipeline.cli import run_stage
+from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import check_test_size, option
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.trainer import TrainOptions
+from rlhf_pipeline.training.loop import TrainOptions
 
 
 @dataclass(kw_only=True)
@@ -104,7 +104,7 @@ def tokenize(dd, tokenizer, max_length: int, source: str):
         return {"chosen_input_ids": ids[0::2], "rejected_input_ids": ids[1::2],
                 "num_tokens": [max(len(c), len(r)) for c, r in zip(ids[0::2], ids[1::2])]}
 
-    from rlhf_pipeline.training_stage import encode_splits
+    from rlhf_pipeline.training.stage import encode_splits
 
     return encode_splits(dd, encode, max_length)
 
@@ -157,8 +157,8 @@ def main(config: TrainRMConfig) -> Path:
     from rlhf_pipeline.datasets_io import parse_ref
     from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.rewards import prepare_reward_model
-    from rlhf_pipeline.trainer import load_trainable, prepare, train
-    from rlhf_pipeline.training_stage import StageRun, train_test_splits, training_run, training_summary
+    from rlhf_pipeline.training.loop import load_trainable, prepare, train
+    from rlhf_pipeline.training.stage import StageRun, train_test_splits, training_run, training_summary
 
     check_model_ref("--model", config.model)
     ref = parse_ref(config.data)

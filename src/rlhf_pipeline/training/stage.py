@@ -1,5 +1,5 @@
 """The frame every training stage (``rlhf sft``, ``rlhf train-rm``, ``rlhf train``) shares around the loop of
-``rlhf_pipeline.trainer``: the run's output directory, the accelerator, the manifest and the Hub upload; and the
+``rlhf_pipeline.training.loop``: the run's output directory, the accelerator, the manifest and the Hub upload; and the
 data preparation the stages share (train/test splits, tokenizing with a length limit).
 
 A stage's ``main`` reads top to bottom::
@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from rlhf_pipeline.checkpoints import list_checkpoints
-from rlhf_pipeline.distributed import finish_distributed, make_accelerator, on_main_process
+from rlhf_pipeline.training.checkpoints import list_checkpoints
+from rlhf_pipeline.distributed import cpu_deepspeed_backend, finish_distributed, on_main_process
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CHECKPOINTS, REF_LOGPS_CACHE, ROLLOUT_CACHE
 
 if TYPE_CHECKING:
     from rlhf_pipeline.datasets_io import StageOutput
-    from rlhf_pipeline.trainer import TrainOptions, TrainResult
+    from rlhf_pipeline.training.loop import TrainOptions, TrainResult
 
 SOURCE_ROW = "_source_row"  # a row's index in the data as given, kept through the train/test split for error messages
 
@@ -103,6 +103,34 @@ class TrainingRun:
 
         on_main_process(self.accelerator, write)
         self.completed = True
+
+
+def make_accelerator(config: TrainOptions):
+    """The Accelerator of a training run, with DeepSpeed's batch sizes and clipping set from ``config``."""
+    from accelerate import Accelerator
+
+    cpu_deepspeed_backend()
+    accelerator = Accelerator(
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        mixed_precision="bf16" if config.bf16 else "no",
+        log_with=None if config.report_to == "none" else config.report_to,
+        project_dir=str(Path(config.output).expanduser()),
+    )
+    if accelerator.num_processes > 1 and accelerator.state.deepspeed_plugin is None:
+        # logprobs.token_logps calls the decoder and LM head directly, which DDP's gradient sync would miss.
+        raise PipelineError(
+            f"{accelerator.num_processes} processes without DeepSpeed: the trainer runs multi-process only under "
+            "DeepSpeed; launch with --config_file accelerate_cfgs/zero2.yaml (or zero3.yaml)"
+        )
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        # We build batches ourselves (no DataLoader for accelerate to read sizes from), so tell DeepSpeed.
+        ds = plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = config.batch_size
+        ds["gradient_accumulation_steps"] = config.gradient_accumulation_steps
+        ds["train_batch_size"] = config.batch_size * config.gradient_accumulation_steps * accelerator.num_processes
+        ds["gradient_clipping"] = config.max_grad_norm
+    return accelerator
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 Output directory of a training stage::
 
     OUTPUT/                  the final model (save_pretrained, safetensors) + tokenizer: vLLM and from_pretrained load it
-    OUTPUT/manifest.json     written last: the run completed (rlhf_pipeline.training_stage)
+    OUTPUT/manifest.json     written last: the run completed (rlhf_pipeline.training.stage)
     OUTPUT/metrics.jsonl     one JSON object per logged step ({"step", "loss/train", ...}); TensorBoard in OUTPUT/runs
     OUTPUT/checkpoints/step_N/   a save_pretrained model + state/ (optimizer, scheduler, RNG) + trainer_state.json
 
@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline import lora
+from rlhf_pipeline.training import lora
 from rlhf_pipeline.distributed import on_main_process, unwrap
 from rlhf_pipeline.layout import CHECKPOINTS
 
@@ -29,7 +29,7 @@ TRAINER_STATE = "trainer_state.json"
 
 def save_model(accelerator, model, tokenizer, path: Path) -> None:
     """A full save_pretrained directory (safetensors); under ZeRO-3 the shards are gathered first. With LoRA, the
-    merged model and the adapters (``rlhf_pipeline.lora``)."""
+    merged model and the adapters (``rlhf_pipeline.training.lora``)."""
     state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3: every process calls it
 
     def write() -> None:

@@ -24,7 +24,7 @@ def sampled_rows(dd, max_length: int, source: str):
     """The splits with ``answer_token_ids`` (the sampled completion) and ``num_tokens``, rows over ``max_length``
     dropped; returns the splits and the dropped counts, as ``training_stage.encode_splits`` does."""
     from rlhf_pipeline.contracts import require_columns, require_types
-    from rlhf_pipeline.training_stage import encode_splits
+    from rlhf_pipeline.training.stage import encode_splits
 
     for split, ds in dd.items():
         hint = "train on the output of rlhf filter --mode best (or prompt/answer text with rlhf sft)"

@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Optional
 
 from rlhf_pipeline.config import option
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.modeling import is_peft, peel
 
 ADAPTER_DIR = "adapter"
 ALL_LINEAR = "all-linear"  # peft resolves it per architecture: every nn.Linear but the output layer
@@ -84,16 +85,6 @@ class LoraOptions:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Wrapping
-
-
-def is_peft(model: Any) -> bool:
-    """A peft model (without importing peft)."""
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
-def peel(model: Any) -> Any:
-    """The transformers model inside a peft wrapper (its layers carry the adapters), or the model as is."""
-    return model.get_base_model() if is_peft(model) else model
 
 
 def parts(model: Any) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """The training loop shared by every training stage: AdamW, warmup + cosine, clipping, length-grouped dynamic
-batches, evaluation and metrics, with checkpoints and resume (``rlhf_pipeline.checkpoints``) on one process or many
+batches, evaluation and metrics, with checkpoints and resume (``rlhf_pipeline.training.checkpoints``) on one process or many
 (``rlhf_pipeline.distributed``).
 
 A stage supplies a :class:`TrainTask` (how to collate rows and compute the loss), wraps its model with
-:func:`prepare` and calls :func:`train`, inside the frame of ``rlhf_pipeline.training_stage``. The same code runs
+:func:`prepare` and calls :func:`train`, inside the frame of ``rlhf_pipeline.training.stage``. The same code runs
 single-process on a CPU and under ``accelerate launch --config_file accelerate_cfgs/zero3.yaml`` on many GPUs.
 
 Batches. An optimizer step sees a *global batch* of ``batch_size x gradient_accumulation_steps x num_processes``
@@ -13,7 +13,7 @@ split. The global batch is sorted by length and cut into micro-batches of ``batc
 sequence. The loss is a per-example mean, so batch 8 x accumulation 1, batch 1 x accumulation 8 and 2 processes x
 batch 4 all compute the same update.
 
-What a run writes (the final model, metrics.jsonl, checkpoints/) is described in ``rlhf_pipeline.checkpoints``.
+What a run writes (the final model, metrics.jsonl, checkpoints/) is described in ``rlhf_pipeline.training.checkpoints``.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
-from rlhf_pipeline.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_model
+from rlhf_pipeline.training.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_model
 from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import METRICS
-from rlhf_pipeline.lora import LoraOptions, add_adapters, load_kwargs
+from rlhf_pipeline.training.lora import LoraOptions, add_adapters, load_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def warmup_cosine(step: int, warmup: int, total: int) -> float:
 
 def load_trainable(config: TrainOptions, loader: Callable[..., Any]):
     """A model in float32 master weights (mixed precision and DeepSpeed cast as configured), with LoRA adapters when
-    ``--lora-rank`` asks (``rlhf_pipeline.lora``). Seeded first: weights the checkpoint does not have (a reward
+    ``--lora-rank`` asks (``rlhf_pipeline.training.lora``). Seeded first: weights the checkpoint does not have (a reward
     model's new score head, the adapters) are initialised from the seed. ``loader(path, trust_remote_code=...,
     **kwargs)`` loads the model (``kwargs``: QLoRA's quantization config, when asked)."""
     import torch

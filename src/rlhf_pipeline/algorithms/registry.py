@@ -269,7 +269,7 @@ def pair_loss_params(algorithm: PairAlgorithm, **given: Any):
 
 def group_params(algorithm: GroupAlgorithm, **given: Any):
     """``groups.RLParams`` from the options given (None = unset), the algorithm's defaults filling the rest."""
-    from rlhf_pipeline.groups import RLParams
+    from rlhf_pipeline.algorithms.groups import RLParams
 
     if algorithm.data != GROUPS:
         raise ValueError(f"--algo {algorithm.name} trains on {algorithm.data}, not groups")

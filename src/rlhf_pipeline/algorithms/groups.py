@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from rlhf_pipeline.contracts import GROUP_COLUMNS, SCORED_KINDS, require_columns, require_types
 from rlhf_pipeline.layout import CRITIC
-from rlhf_pipeline.lora import peel
+from rlhf_pipeline.modeling import peel
 
 
 @dataclass
