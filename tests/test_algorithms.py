@@ -1,5 +1,6 @@
 """The algorithm registry: every stage's choices, defaults and dispatch come from it, and a new algorithm is one
-entry there (a toy pair loss and a toy group algorithm are added here through ``register`` alone and trained)."""
+entry there. A reference-free toy pair loss and a toy group algorithm with its own policy loss are added here
+through ``register`` alone (this file is their one module: the package is not edited) and each trains a step."""
 
 import json
 import typing
@@ -11,7 +12,7 @@ from datasets import Dataset, DatasetDict
 from safetensors.torch import load_file
 
 from rlhf_pipeline import algorithms
-from rlhf_pipeline.algorithms import ALGORITHMS, GROUPS, PAIRS, GroupAlgorithm, PairAlgorithm, names, register
+from rlhf_pipeline.algorithms import ALGORITHMS, FAMILIES, GROUPS, GroupAlgorithm, PairAlgorithm, names, register
 
 
 def test_stage_choices_are_the_registry():
@@ -21,10 +22,31 @@ def test_stage_choices_are_the_registry():
 
     for config in (TrainConfig, IterateConfig, DemoConfig):
         assert typing.get_args(typing.get_type_hints(config)["algo"]) == tuple(ALGORITHMS), config.__name__
-    assert names(PAIRS) == ("rebel", "dpo", "cdpo", "ipo", "simpo")
-    assert names(GROUPS) == ("ppo", "grpo", "rloo", "reinforce_pp", "dapo", "dr_grpo", "gspo")
-    assert {a.name for a in ALGORITHMS.values() if a.uses_critic} == {"ppo"}
+    assert set(names()) == set(ALGORITHMS) and sum(len(names(data)) for data in FAMILIES) == len(ALGORITHMS)
+    assert all(a.data in FAMILIES for a in ALGORITHMS.values())  # every algorithm has its family's recipe
     assert all(a.demo for a in ALGORITHMS.values())  # rlhf demo has settings for every algorithm
+
+
+def test_every_familys_options_are_flags_of_rlhf_train_and_their_help_is_the_familys():
+    """rlhf train takes every family's options (from the registry); --algo X --help shows X's family in full and no
+    other family's options."""
+    import dataclasses
+
+    from rlhf_pipeline.stages.train import TrainConfig, algorithm_help
+
+    flags = {f.name for f in dataclasses.fields(TrainConfig)}
+    for family in FAMILIES.values():
+        if family.options is not None:
+            assert {f.name for f in dataclasses.fields(family.options)} <= flags, family.data
+    for name, algorithm in ALGORITHMS.items():
+        text = algorithm_help(name)
+        own = FAMILIES[algorithm.data].options
+        for other in {f.options for f in FAMILIES.values()} - {own, None}:
+            foreign = {f.name for f in dataclasses.fields(other)} - (
+                {f.name for f in dataclasses.fields(own)} if own else set())
+            assert not any(f"--{n.replace('_', '-')} " in text for n in foreign), (name, other.__name__)
+        if own is not None:
+            assert own.options_group in text, name
 
 
 def test_unknown_and_duplicate_names_are_refused():
@@ -105,3 +127,39 @@ def test_a_toy_group_algorithm_trains_through_the_registry_alone(toy, tmp_path, 
     rollout = Dataset.load_from_disk(str(out / "rollout" / "train"))
     # the toy baseline centred each group's rewards: scores (1, 0, 0.5) - 0.5
     assert rollout["score"][:3] == pytest.approx([0.5, -0.5, 0.0])
+
+
+def toy_policy_loss(logp, old_logp, advantages, mask, params, reduction):
+    """An unclipped importance-weighted policy gradient, -A * exp(logp - old), meaned over each response's tokens
+    and then over the responses (the default "sequence" aggregation); it logs its own metric."""
+    assert reduction == "sequence"
+    ratio = torch.exp(torch.where(mask, logp - old_logp.detach(), 0))
+    per_token = torch.where(mask, -advantages * ratio, 0)
+    loss = (per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).mean()
+    return loss, {"toy_weight": ratio[mask].mean().detach()}
+
+
+def test_a_group_algorithm_with_its_own_policy_loss_trains_through_the_registry_alone(
+        toy, tmp_path, tiny_policy, fresh_accelerate_state):
+    """The registry's policy-loss hook: the entry's own loss replaces the clipped surrogate, and every list of the
+    stages (names, --algo's help, the family's recipe, the per-algorithm help) takes the new entry without an edit."""
+    from rlhf_pipeline.algorithms import family, help_text
+    from rlhf_pipeline.stages.train import TrainConfig, algorithm_help, main
+
+    toy(GroupAlgorithm("toy_is", toy_advantages, "unclipped importance-weighted policy gradient",
+                       baseline=toy_baseline, policy_loss=toy_policy_loss))
+    assert "toy_is" in names(GROUPS) and "toy_is (groups)" in help_text()
+    assert family("toy_is") is FAMILIES[GROUPS] and "group options" in algorithm_help("toy_is")
+    rows = [{"prompt_token_ids": [1, 10 + i, 11], "response_token_ids": [[20, 21, 2], [30, 2], [40, 41, 42]],
+             "rewards": [1.0, 0.0, 0.5]} for i in range(2)]
+    out = tmp_path / "out"
+    main(TrainConfig(algo="toy_is", model=tiny_policy, data=str(dataset(tmp_path, rows)), output=str(out),
+                     report_to="none", batch_size=6, max_steps=1, learning_rate=1e-2, temperature=1.0, kl_coef=0.0))
+    assert changed(tiny_policy, out)
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    weights = [v for k, v in step.items() if k.endswith("toy_weight")]
+    assert weights == [pytest.approx(1.0, abs=1e-6)]  # the toy's metric, on-policy at step 1: its loss ran
+    assert not any("clip_frac" in k for k in step)  # and the clipped surrogate did not
+    # on-policy, the loss is -(mean advantage): every token of a response carries its group-centred score
+    # (1, 0, 0.5) - 0.5 and the 6 responses' scores sum to 0 within each group
+    assert step["loss/train"] == pytest.approx(0.0, abs=1e-6)

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import LENGTH_REWARD, free_port, launch_failure, logged, max_weight_diff, run, write_jsonl
-from rlhf_pipeline.training import lora, trainer
+from rlhf_pipeline.training import lora
+from rlhf_pipeline.training import loop as trainer
 
 peft = pytest.importorskip("peft")
 

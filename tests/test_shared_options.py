@@ -99,7 +99,7 @@ def test_eval_leaves_batch_size_out_of_its_reuse_check_as_before():
 def test_eval_hands_every_sampling_option_to_generate(monkeypatch, tmp_path):
     """What eval samples with is exactly its own options: each set to a non-default value arrives in generate."""
     from rlhf_pipeline.stages import eval as eval_stage
-    from rlhf_pipeline import generation, scoring
+    from rlhf_pipeline.stages import generate, score
 
     values = dict(n=3, temperature=0.5, top_p=0.7, top_k=4, max_new_tokens=9, seed=7, engine="vllm", limit=2,
                   batch_size=5, dtype="float32", tensor_parallel_size=2, gpu_memory_utilization=0.5,
@@ -108,8 +108,8 @@ def test_eval_hands_every_sampling_option_to_generate(monkeypatch, tmp_path):
     assert set(values) == {f.name for f in dataclasses.fields(SamplingOptions)}
     config = EvalConfig(model="policy", prompts="p.jsonl", reward_fn="f.py:r", output=str(tmp_path), **values)
     seen = []
-    monkeypatch.setattr(generation, "main", lambda c: seen.append(c) or tmp_path / "generate")
-    monkeypatch.setattr(scoring, "score", lambda c, accelerator=None: tmp_path / "score")
+    monkeypatch.setattr(generate, "main", lambda c: seen.append(c) or tmp_path / "generate")
+    monkeypatch.setattr(score, "score", lambda c, accelerator=None: tmp_path / "score")
     eval_stage._sample_and_score(config, "baseline-model", tmp_path / "baseline")
     (gen,) = seen
     assert options_of(gen, SamplingOptions) == values

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 REPO = Path(__file__).resolve().parents[1]
 
 
-GROUP_ALGOS = ("grpo", "rloo", "reinforce_pp", "ppo", "dapo", "dr_grpo", "gspo")
+GROUP_ALGOS = algorithms.names(algorithms.GROUPS)  # every group algorithm the registry holds
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -106,9 +106,11 @@ def _help_sections(cls: type) -> list[tuple[str, set[str]]]:
     return inherited + [(OutputOptions.options_group, {f.name for f in dataclasses.fields(OutputOptions)})]
 
 
-def build_parser(cls: type, prog: str, description: str | None = None) -> argparse.ArgumentParser:
+def build_parser(cls: type, prog: str, description: str | None = None,
+                 only: set[str] | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one kebab-case flag per dataclass field: the stage's own options first, then one
-    section per shared group (sampling options, output options)."""
+    section per shared group (sampling options, output options). ``only``: the fields to show (a help view, such as
+    ``rlhf train --algo X --help``); the others are left out."""
     parser = argparse.ArgumentParser(
         prog=prog, description=description or (cls.__doc__ or "").strip(), allow_abbrev=False
     )
@@ -124,6 +126,8 @@ def build_parser(cls: type, prog: str, description: str | None = None) -> argpar
 
     hints = typing.get_type_hints(cls)
     fields = sorted(dataclasses.fields(cls), key=section)  # stable: in declaration order within a section
+    if only is not None:
+        fields = [f for f in fields if f.name in only]
     for f in fields:
         tp, _ = _strip_optional(hints[f.name])
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "")}

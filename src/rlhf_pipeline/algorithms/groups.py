@@ -1,6 +1,7 @@
-"""The PPO family on groups (n responses per prompt): the rollout pass, the advantages and the training task shared by
-PPO with a critic and GAE, GRPO, RLOO and REINFORCE++ (each a ``GroupAlgorithm`` of ``algorithms.py``); the stage
-body is ``rlhf train`` (``stages/train.py``).
+"""The group family, the PPO family on groups (n responses per prompt): :class:`GroupAlgorithm` (what an entry
+declares: its baseline, its advantages, its policy loss), the rollout pass, the advantages, :class:`GroupTask` (the
+training task), :class:`GroupOptions` (the family's ``rlhf train`` options), :func:`train` (the family's recipe) and
+the registry entries: PPO with a critic and GAE, GRPO, RLOO, REINFORCE++, DAPO, Dr. GRPO and GSPO.
 
 Offline, like the rest of the pipeline: the responses were sampled by the policy this run starts from, so "the
 rollout" is the groups dataset, and training runs ``--epochs`` passes (PPO's K epochs) over it in minibatches of
@@ -40,12 +41,15 @@ the same update for any micro-batch or process split of an optimizer step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, ClassVar, Literal, Optional, Sequence
 
+from rlhf_pipeline.algorithms.registry import ALGORITHMS, GROUPS, Family, register, register_family, resolve, with_defaults
+from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import GROUP_COLUMNS, SCORED_KINDS, require_columns, require_types
-from rlhf_pipeline.layout import CRITIC
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.layout import CRITIC, ROLLOUT_CACHE
 from rlhf_pipeline.modeling import peel
 
 
@@ -66,6 +70,63 @@ class RLParams:
     loss_aggregation: str = "sequence"  # sequence | token | sequence_sum_norm (see GroupTask)
     max_tokens: int | None = None  # sequence_sum_norm's constant: the generation's token limit
     group_std: bool = True  # GRPO's group baseline divides by the group's std (False: Dr. GRPO)
+
+
+def clipped_surrogate(logp, old, advantages, mask, params: RLParams, reduction: str):
+    """The PPO family's default policy loss: ``losses.ppo_policy_loss``, the clipped surrogate of the ratio to the
+    sampling policy (per token or, with ``params.importance == "sequence"``, per sequence), reduced as asked."""
+    from rlhf_pipeline.losses import ppo_policy_loss
+
+    return ppo_policy_loss(logp, old, advantages, mask, clip=params.clip, clip_high=params.clip_high,
+                           importance=params.importance, reduction=reduction, max_tokens=params.max_tokens)
+
+
+@dataclass(frozen=True)
+class GroupAlgorithm:
+    """A policy-gradient algorithm on groups of n responses per prompt.
+
+    ``baseline(rewards (1, G), params) -> scores (1, G)`` turns one prompt's rewards into the scores its responses
+    are credited with (None: the reward itself). ``advantages(token_rewards (B, T), mask, values, params) ->
+    (advantages, returns or None)`` turns the token rewards (the score on the last token, minus the KL penalty per
+    token when it is in the reward) into per-token advantages; ``values`` are the critic's when ``uses_critic``.
+    ``policy_loss(logp, old_logp, advantages, mask (B, T), params, reduction) -> (loss, metrics)`` is the policy's
+    loss over the response tokens (:func:`clipped_surrogate` by default), where ``reduction`` is ``"sequence"``,
+    ``"sum"`` (the task scales it for DAPO's token mean over the step) or ``"sequence_sum_norm"``, and ``metrics``
+    are detached scalars (``clip_fraction``, ...) logged under ``policy/``. ``params`` is :class:`RLParams`;
+    ``defaults`` are its fields that differ for this algorithm (``rlhf train`` options left unset take them);
+    ``filter`` are ``rlhf filter`` options that ``rlhf iterate`` and ``rlhf demo`` pass for it (DAPO's removal of
+    groups with equal rewards, say). ``scales_by_std`` declares a baseline that divides by the group's std, which
+    ``--scale-rewards`` switches.
+    """
+
+    name: str
+    advantages: Callable | str
+    help: str
+    baseline: Callable | str | None = None
+    policy_loss: Callable | str = clipped_surrogate
+    uses_critic: bool = False
+    scales_by_std: bool = False
+    defaults: dict[str, Any] = field(default_factory=dict)
+    filter: dict[str, Any] = field(default_factory=dict)
+    demo: dict[str, Any] = field(default_factory=dict)
+    data: str = GROUPS
+    logp_at_sampling_temperature: ClassVar[bool] = True  # the ratio's denominator is the sampling policy's
+
+    def advantages_fn(self) -> Callable:
+        return resolve(self.advantages)
+
+    def baseline_fn(self) -> Callable | None:
+        return None if self.baseline is None else resolve(self.baseline)
+
+    def policy_loss_fn(self) -> Callable:
+        return resolve(self.policy_loss)
+
+
+def group_params(algorithm: GroupAlgorithm, **given: Any) -> RLParams:
+    """:class:`RLParams` from the options given (None = unset), the algorithm's defaults filling the rest."""
+    if algorithm.data != GROUPS:
+        raise ValueError(f"--algo {algorithm.name} trains on {algorithm.data}, not groups")
+    return with_defaults(RLParams, algorithm.defaults, algo=algorithm.name, **given)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -117,7 +178,6 @@ def check_groups(ds, source: str) -> None:
 
 def flatten_groups(ds, source: str) -> dict[str, list]:
     """One sample per response: ``group`` (row of ``ds``), ``prompt_token_ids``, ``response_token_ids``, ``reward``."""
-    from rlhf_pipeline.errors import PipelineError
 
     out: dict[str, list] = {"group": [], "prompt_token_ids": [], "response_token_ids": [], "reward": []}
     for g, (prompt, responses, rewards) in enumerate(zip(ds["prompt_token_ids"], ds["response_token_ids"],
@@ -184,7 +244,7 @@ def compute_advantages(samples: dict[str, list], params: RLParams) -> dict[str, 
     ``old_logps``, ``ref_logps`` and (PPO) ``old_values``; see the module docstring."""
     import torch
 
-    from rlhf_pipeline.algorithms import get
+    from rlhf_pipeline.algorithms.registry import get
     from rlhf_pipeline.losses import kl_estimate
 
     algo = get(params.algo)
@@ -248,7 +308,10 @@ class GroupTask:
     """
 
     def __init__(self, params: RLParams, temperature: float, pad_id: int, pack_ratio: float):
+        from rlhf_pipeline.algorithms.registry import get
+
         self.params, self.temperature, self.pad_id, self.pack_ratio = params, temperature, pad_id, pack_ratio
+        self.policy_loss = get(params.algo).policy_loss_fn()
         if params.loss_aggregation not in LOSS_AGGREGATIONS:
             raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {params.loss_aggregation!r}")
         # "token": (samples, response tokens) of what the mean is over, the optimizer step or the evaluated split
@@ -259,7 +322,7 @@ class GroupTask:
         self.totals = None if rows is None else _totals(rows)
 
     def begin_eval(self, ds) -> None:
-        """Before an evaluation (``trainer.evaluate``): the split's samples and tokens, for ``token``."""
+        """Before an evaluation (``training.loop.evaluate``): the split's samples and tokens, for ``token``."""
         self.totals = _totals(ds)
 
     def token_scale(self, batch_rows: int, mask) -> float:
@@ -282,7 +345,7 @@ class GroupTask:
         import torch
 
         from rlhf_pipeline.logprobs import build_batch, token_logps, token_values
-        from rlhf_pipeline.losses import kl_estimate, ppo_policy_loss, value_loss
+        from rlhf_pipeline.losses import kl_estimate, value_loss
 
         p = self.params
         policy, critic = parts(model)
@@ -309,8 +372,7 @@ class GroupTask:
             scale, reduction = self.token_scale(len(rows), mask), "sum"
         else:
             scale, reduction = 1.0, aggregation
-        loss, metrics = ppo_policy_loss(logp, old, advantages, mask, clip=p.clip, clip_high=p.clip_high,
-                                        importance=p.importance, reduction=reduction, max_tokens=p.max_tokens)
+        loss, metrics = self.policy_loss(logp, old, advantages, mask, p, reduction)
         loss = loss * scale
         per_sample_count = mask.sum(dim=1).clamp(min=1)
         out = {"policy_loss": loss.detach().expand(len(rows))}
@@ -356,3 +418,317 @@ def _positions(seq_index):
         counts = torch.diff(torch.cat([first, first.new_tensor([seq_index.numel()])]))
         starts = torch.repeat_interleave(first, counts)
     return torch.arange(seq_index.numel(), device=seq_index.device) - starts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Advantages from token rewards, and baselines: what the entries below plug in
+
+
+def _gae_whitened(token_rewards, mask, values, params):
+    """PPO: GAE(γ, λ) with the critic's values, advantages whitened over the batch; the critic's targets."""
+    from rlhf_pipeline.advantages import gae, masked_whiten
+
+    advantages, returns = gae(token_rewards, values, gamma=params.gamma, lam=params.lam, mask=mask)
+    return masked_whiten(advantages, mask), returns
+
+
+def _reinforce_pp(token_rewards, mask, values, params):
+    """REINFORCE++: returns-to-go (γ), whitened over the batch."""
+    from rlhf_pipeline.advantages import reinforce_pp
+
+    return reinforce_pp(token_rewards, mask, gamma=params.gamma), None
+
+
+def _group_norm(rewards, params):
+    """GRPO's group baseline: (r − mean) / (std + eps) in the group; without the std when ``params.group_std`` is
+    off (Dr. GRPO)."""
+    from rlhf_pipeline.advantages import group_norm
+
+    return group_norm(rewards, scale=params.group_std)
+
+
+def _rloo(rewards, params):
+    from rlhf_pipeline.advantages import rloo
+
+    return rloo(rewards)
+
+
+def _undiscounted_returns(token_rewards, mask, values, params):
+    """GRPO / RLOO: every token gets the group-relative score (and the KL returns-to-go), undiscounted."""
+    from rlhf_pipeline.advantages import reinforce_pp_returns
+
+    return reinforce_pp_returns(token_rewards, gamma=1.0, mask=mask), None
+
+
+def scales_by_group_std(algorithm) -> bool:
+    """Whether ``--scale-rewards`` applies: the algorithm declares a baseline that divides by the group's std."""
+    return getattr(algorithm, "scales_by_std", False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The family's options and recipe
+
+
+@dataclass(kw_only=True)
+class GroupOptions:
+    """``rlhf train`` options of the PPO family."""
+
+    options_group: ClassVar[str] = "group options (the PPO family)"
+
+    clip: Optional[float] = option(
+        None, help="PPO family: clip range epsilon of the ratio to the sampling policy, both sides (default 0.2; "
+        "GSPO 3e-4 below, 4e-4 above)."
+    )
+    kl_coef: Optional[float] = option(
+        None, help="PPO family: weight beta of the KL to the reference model, 0 = none (default 0.05; DAPO and GSPO 0)."
+    )
+    kl_mode: Literal["reward", "loss"] = option(
+        "reward", help="PPO family: KL as a per-token reward penalty (reward) or as a term of the loss (loss)."
+    )
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = option(
+        None, help="PPO family: KL estimator (default k1 in the reward, k3 in the loss)."
+    )
+    ref_model: Optional[str] = option(
+        None, help="PPO family: the KL reference (e.g. the SFT model); default: the starting policy (--model)."
+    )
+    normalize_rewards: bool = option(False, help="PPO family: standardise the rewards over the dataset first.")
+    discount: float = option(1.0, help="PPO / REINFORCE++: discount gamma of the token rewards (GRPO and RLOO "
+                             "give every token the group-relative score undiscounted).")
+    lam: float = option(0.95, help="PPO: GAE lambda.")
+    critic_model: Optional[str] = option(
+        None, help="PPO: the critic's starting point, a reward model (default: the reward model of rlhf score)."
+    )
+    critic_learning_rate: Optional[float] = option(None, help="PPO: the critic's peak learning rate "
+                                                   "(default: --learning-rate).")
+    vf_coef: float = option(0.5, help="PPO: weight of the value loss.")
+    value_clip: Optional[float] = option(0.2, help="PPO: clip range of the values around the old values.")
+    clip_low: Optional[float] = option(None, help="PPO family: epsilon below 1 only (default: --clip).")
+    clip_high: Optional[float] = option(
+        None, help="PPO family: epsilon above 1 only (default: --clip; DAPO's clip-higher: 0.28)."
+    )
+    importance_level: Optional[Literal["token", "sequence"]] = option(
+        None, help="PPO family: one importance ratio per token (default) or per sequence, its tokens' mean log-ratio "
+        "(GSPO's default)."
+    )
+    loss_aggregation: Optional[Literal["sequence", "token", "sequence_sum_norm"]] = option(
+        None, help="PPO family: sequence = mean over each response's tokens, then over responses (default, the "
+        "GRPO paper); token = mean over every token of the optimizer step (DAPO's default); sequence_sum_norm = each "
+        "response's token sum over the generation's --max-new-tokens, mean over responses (Dr. GRPO's default)."
+    )
+    scale_rewards: Optional[Literal["group", "none"]] = option(
+        None, help="GRPO-style group baseline: (r - group mean) divided by the group's std (group, default) or not "
+        "(none, Dr. GRPO's default)."
+    )
+
+    def check_options(self, algorithm) -> None:
+        """The group options' ranges, and none of them for an algorithm of another family."""
+        if not 0.0 <= self.discount <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise ValueError("--discount and --lam must be in [0, 1]")
+        for name in ("clip", "clip_low", "clip_high"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if algorithm.data != GROUPS:
+            given = [f for f in ("clip", "clip_low", "clip_high", "importance_level", "loss_aggregation",
+                                 "scale_rewards", "kl_coef") if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{', '.join('--' + f.replace('_', '-') for f in given)}: PPO-family options, which "
+                                 f"--algo {algorithm.name} does not use; leave them out")
+        if self.scale_rewards is not None and not scales_by_group_std(algorithm):
+            which = ", ".join(a.name for a in ALGORITHMS.values() if scales_by_group_std(a))
+            raise ValueError(f"--scale-rewards switches GRPO's group std ({which}); --algo {algorithm.name} has "
+                             "another baseline")
+        if self.clip_low is not None and self.clip_low >= 1:
+            raise ValueError("--clip-low must be below 1 (the ratio is clipped at 1 - clip-low)")
+        for name in ("kl_coef", "vf_coef"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.critic_learning_rate is not None and self.critic_learning_rate <= 0:
+            raise ValueError("--critic-learning-rate must be > 0")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError("--value-clip must be > 0")
+
+    def rl_params(self, sampling: dict | None = None, longest_response: Callable[[], int] = lambda: 1) -> RLParams:
+        """``groups.RLParams`` from the options given, the algorithm's defaults for those left unset. ``--clip``
+        sets both sides, ``--clip-low``/``--clip-high`` one side each; explicit options win over the algorithm's
+        defaults. ``sequence_sum_norm``'s constant is the generation's --max-new-tokens (from ``sampling``, the data's
+        lineage), else ``longest_response()`` (the longest response in the data)."""
+        algorithm = self.algorithm
+        algo_defaults = algorithm.defaults
+        default_clip = algo_defaults.get("clip", RLParams.clip)
+        sides = {  # each side: its own flag, else --clip, else the algorithm's default for it, else its clip
+            "clip": next(v for v in (self.clip_low, self.clip, default_clip) if v is not None),
+            "clip_high": next(v for v in (self.clip_high, self.clip, algo_defaults.get("clip_high"), default_clip)
+                              if v is not None),
+        }
+        params = group_params(
+            algorithm, kl_coef=self.kl_coef, kl_mode=self.kl_mode,
+            kl_estimator=self.kl_estimator or ("k1" if self.kl_mode == "reward" else "k3"), gamma=self.discount,
+            lam=self.lam, vf_coef=self.vf_coef, value_clip=self.value_clip, normalize_rewards=self.normalize_rewards,
+            importance=self.importance_level, loss_aggregation=self.loss_aggregation,
+            group_std=None if self.scale_rewards is None else self.scale_rewards == "group", **sides,
+        )
+        if params.loss_aggregation == "sequence_sum_norm":
+            params.max_tokens = int((sampling or {}).get("max_new_tokens") or longest_response())
+        return params
+
+
+def _critic_source(config, ref) -> str:
+    from rlhf_pipeline.datasets_io import find_in_lineage
+    from rlhf_pipeline.modeling import check_model_ref
+
+    if config.critic_model:
+        return config.critic_model
+    reward = find_in_lineage([ref], "reward") or {}
+    if reward.get("reward_model"):
+        check_model_ref("the critic (the reward model that scored the data)", reward["reward_model"], tokenizer=False)
+        return reward["reward_model"]
+    why = ("was scored with several reward sources, so no one reward model to start it from" if reward.get("sources")
+           else "was not scored with a reward model")
+    raise PipelineError(f"{config.data}: --algo {config.algo} needs a critic to start from, and the data {why}; pass "
+                        "--critic-model (a reward model directory, e.g. from rlhf train-rm)")
+
+
+def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, output: Path):
+    """The flattened samples of each split with old_logps, ref_logps, (old_values,) advantages (, returns): from
+    OUTPUT/rollout when an interrupted run made them, else computed now and kept there."""
+    import datasets
+
+    from rlhf_pipeline.modeling import load_causal_lm
+    from rlhf_pipeline.training.stage import cached_splits
+
+    def compute():
+        uses_critic = config.algorithm.uses_critic
+        samples = {split: flatten_groups(ds, f"{config.data}:{split}") for split, ds in dd.items()}
+        reference = None
+        if config.ref_model and params.kl_coef and config.ref_model != config.model:  # else: the rollout's own
+            reference = load_causal_lm(config.ref_model, dtype="float32" if not config.bf16 else "bfloat16",
+                                       trust_remote_code=config.trust_remote_code, device=accelerator.device)
+        for split, s in samples.items():
+            batch = config.eval_batch_size
+            passed = rollout_pass(accelerator, setup_model, s, pad, temperature, batch, config.pack_ratio,
+                                  values=uses_critic)
+            s["old_logps"] = passed["logps"]
+            if uses_critic:
+                s["old_values"] = passed["values"]
+            s["ref_logps"] = (rollout_pass(accelerator, reference, s, pad, temperature, batch, config.pack_ratio,
+                                           values=False)["logps"] if reference is not None else s["old_logps"])
+            s.update(compute_advantages(s, params))
+        del reference
+        return datasets.DatasetDict({split: datasets.Dataset.from_dict(s) for split, s in samples.items()})
+
+    return cached_splits(accelerator, output / ROLLOUT_CACHE, compute)
+
+
+def train(config) -> Path:
+    """``rlhf train`` for the PPO family: the rollout pass (old and reference log-probs, the critic's values, the
+    advantages; kept in OUTPUT/rollout), then :class:`GroupTask` over ``--epochs`` of minibatches."""
+    import statistics
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhf_pipeline.algorithms.registry import logp_temperature
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
+    from rlhf_pipeline.distributed import on_main_process
+    from rlhf_pipeline.modeling import check_model_ref
+    from rlhf_pipeline.training.stage import StageRun, TrainingJob, run_training, training_summary
+
+    if config.ref_model:
+        check_model_ref("--ref-model", config.ref_model, tokenizer=False)
+    if config.critic_model:
+        check_model_ref("--critic-model", config.critic_model, tokenizer=False)
+    ref = parse_ref(config.data)
+
+    def read(run) -> TrainingJob:
+        dd = load_dataset_dict(ref, required=("train",))
+        for split, ds in dd.items():
+            check_groups(ds, f"{ref}:{split}")
+        sampling = find_in_lineage([ref], "sampling")
+        params = config.rl_params(sampling, lambda: max(
+            (len(r) for ds in dd.values() for rs in ds["response_token_ids"] for r in rs), default=1))
+        temperature = logp_temperature(config.algorithm, config.temperature, sampling, str(ref))
+        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        pad = pad_id(tokenizer)
+        critic_path = _critic_source(config, ref) if config.algorithm.uses_critic else None
+
+        def loader(path, trust_remote_code, **kwargs):
+            policy = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+            if critic_path is None:
+                return policy
+            critic = AutoModelForSequenceClassification.from_pretrained(critic_path, num_labels=1,
+                                                                        trust_remote_code=trust_remote_code, **kwargs)
+            if critic.config.vocab_size < policy.config.vocab_size:
+                raise PipelineError(
+                    f"critic {critic_path} has a vocabulary of {critic.config.vocab_size}, the policy "
+                    f"{policy.config.vocab_size}: the critic reads the policy's tokens, so it must share its "
+                    "tokenizer; pass --critic-model with a reward model trained on the policy's tokenizer"
+                )
+            critic.config.use_cache = False
+            critic.config.pad_token_id = pad
+            return policy_and_critic(policy, critic)
+
+        num_train = sum(len(r) for r in dd["train"]["rewards"])
+        critic_lr = config.learning_rate if config.critic_learning_rate is None else config.critic_learning_rate
+        rollout = {}
+
+        def task(run, setup):
+            rollout["data"] = data = _rollout(config, params, run.accelerator, setup.model, dd, temperature, pad,
+                                              run.path)
+            return GroupTask(params, temperature, pad, config.pack_ratio), data["train"], data.get("test")
+
+        def record(run, result):
+            if critic_path is not None:
+                on_main_process(run.accelerator, lambda: tokenizer.save_pretrained(run.path / CRITIC))
+            data = rollout["data"]
+            rewards = data["train"]["reward"]
+            training = {
+                "algo": params.algo, "rl_params": vars(params), "logp_temperature": temperature,
+                "ref_model": config.ref_model or config.model, "critic_model": critic_path,
+                "samples": {split: data[split].num_rows for split in data},
+                "mean_reward": statistics.fmean(rewards) if rewards else None,
+                **training_summary(result),
+            }
+            return StageRun(
+                result=result,
+                rows_in=sum(ds.num_rows for ds in dd.values()),
+                extra={"sampling": sampling, "training": training},
+                summary=f"{params.algo}: {result.steps} steps over {num_train} samples, loss {result.first_loss:.4f} "
+                f"-> {result.last_loss:.4f}",
+            )
+
+        return TrainingJob(tokenizer, num_train, task, record, loader=loader,
+                           learning_rate=lambda name: critic_lr if name.startswith("critic.") else config.learning_rate)
+
+    return run_training("train", config, [ref], read)
+
+
+register_family(Family(GROUPS, GroupOptions, train, "groups of n responses per prompt (rlhf filter --mode groups)"))
+
+# The demo options make the tiny model learn within the demo's time (docs/algorithms.md has the numbers); the KL goes
+# to the SFT policy, GRPO keeping it in the loss (k3), the others in the reward (k1).
+register(GroupAlgorithm(
+    "ppo", _gae_whitened, "clipped surrogate, GAE with a critic started from the reward model", uses_critic=True,
+    demo={"learning_rate": 2e-4, "kl_coef": 0.02, "critic_learning_rate": 1e-3}))
+register(GroupAlgorithm(
+    "grpo", _undiscounted_returns, "group mean/std baseline", baseline=_group_norm, scales_by_std=True,
+    demo={"learning_rate": 2e-4, "kl_mode": "loss", "kl_coef": 0.02}))
+register(GroupAlgorithm(
+    "rloo", _undiscounted_returns, "leave-one-out baseline", baseline=_rloo,
+    demo={"learning_rate": 2e-4, "kl_coef": 0.02}))
+register(GroupAlgorithm(
+    "reinforce_pp", _reinforce_pp, "returns-to-go whitened over the batch",
+    demo={"learning_rate": 2e-4, "kl_coef": 0.02}))
+register(GroupAlgorithm(
+    "dapo", _undiscounted_returns, "GRPO with clip-higher, a token-level loss over the step, no groups of equal "
+    "rewards (and the soft overlong penalty when the filter is given --overlong-buffer)", baseline=_group_norm,
+    scales_by_std=True, defaults={"clip_high": 0.28, "loss_aggregation": "token", "kl_coef": 0.0},
+    filter={"drop_uniform_groups": True}, demo={"learning_rate": 2e-4}))
+register(GroupAlgorithm(
+    "dr_grpo", _undiscounted_returns, "GRPO without the std division, token sums over a fixed length",
+    baseline=_group_norm, scales_by_std=True, defaults={"group_std": False, "loss_aggregation": "sequence_sum_norm"},
+    demo={"learning_rate": 2e-4, "kl_mode": "loss", "kl_coef": 0.02}))
+register(GroupAlgorithm(
+    "gspo", _undiscounted_returns, "GRPO with one clipped importance ratio per sequence", baseline=_group_norm,
+    scales_by_std=True, defaults={"importance": "sequence", "clip": 3e-4, "clip_high": 4e-4, "kl_coef": 0.0},
+    demo={"learning_rate": 2e-4}))

@@ -1,4 +1,4 @@
-"""Supervised training on (prompt, answer) token ids, shared by ``rlhf sft`` and rejection-sampling fine-tuning
+"""The supervised family: training on (prompt, answer) token ids, shared by ``rlhf sft`` and rejection-sampling fine-tuning
 (``rlhf train --algo raft`` on ``rlhf filter --mode best``).
 
 :class:`SFTTask` is the loss: the mean negative log-likelihood of each example's answer tokens, averaged over the
@@ -10,9 +10,29 @@ re-tokenized, so the answer ends where sampling stopped (its stop token included
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
 
+from rlhf_pipeline.algorithms.registry import BEST, Family, register, register_family
 from rlhf_pipeline.contracts import SFT_TOKEN_COLUMNS
+
+
+@dataclass(frozen=True)
+class SupervisedAlgorithm:
+    """Supervised fine-tuning on selected responses (``rlhf filter --mode best``: each prompt's highest-reward
+    response), the mean NLL of their sampled token ids (:class:`SFTTask`): rejection-sampling fine-tuning."""
+
+    name: str
+    help: str
+    demo: dict[str, Any] = field(default_factory=dict)
+    filter: dict[str, Any] = field(default_factory=dict)
+    data: str = BEST
+    needs_reference: ClassVar[bool] = False  # no reference pass, no rewards in the loss, no critic
+    uses_rewards: ClassVar[bool] = False
+    uses_critic: ClassVar[bool] = False
+    logp_at_sampling_temperature: ClassVar[bool] = False
 
 
 def has_token_ids(ds) -> bool:
@@ -22,7 +42,7 @@ def has_token_ids(ds) -> bool:
 
 def sampled_rows(dd, max_length: int, source: str):
     """The splits with ``answer_token_ids`` (the sampled completion) and ``num_tokens``, rows over ``max_length``
-    dropped; returns the splits and the dropped counts, as ``training_stage.encode_splits`` does."""
+    dropped; returns the splits and the dropped counts, as ``training.stage.encode_splits`` does."""
     from rlhf_pipeline.contracts import require_columns, require_types
     from rlhf_pipeline.training.stage import encode_splits
 
@@ -69,3 +89,38 @@ class SFTTask:
         nll = -sequence_logps(model, batch)  # (B,) summed over each answer's tokens
         per_example = nll / response_lengths(batch).to(nll.dtype).clamp(min=1)
         return per_example.mean(), {}, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
+
+
+def train(config) -> Path:
+    """``rlhf train --algo raft``: supervised fine-tuning on each prompt's best response (``rlhf filter --mode
+    best``), on its sampled token ids."""
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
+    from rlhf_pipeline.training.stage import TrainingJob, run_training, training_record, training_summary
+
+    ref = parse_ref(config.data)
+    algo = config.algorithm
+
+    def read(run) -> TrainingJob:
+        dd = load_dataset_dict(ref, required=("train",))
+        data, _ = sampled_rows(dd, max_length=sys.maxsize, source=str(ref))  # the filter applied the length limits
+        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+
+        def task(run, setup):
+            return SFTTask(pad_id(tokenizer), config.pack_ratio), data["train"], data.get("test")
+
+        def record(run, result):
+            training = {"algo": algo.name, "loss": "mean NLL of each best response's sampled tokens",
+                        **training_summary(result)}
+            return training_record(algo.name, result, dd, find_in_lineage([ref], "sampling"), training)
+
+        return TrainingJob(tokenizer, data["train"].num_rows, task, record)
+
+    return run_training("train", config, [ref], read)
+
+
+register_family(Family(BEST, None, train, "each prompt's best response (rlhf filter --mode best)"))
+
+register(SupervisedAlgorithm(
+    "raft", "rejection sampling: SFT on each prompt's best of n responses (RAFT, best-of-n fine-tuning)",
+    demo={"learning_rate": 3e-4}))

@@ -1,5 +1,5 @@
-"""Unpaired responses (KTO): their token columns, the reference pass that stores the reference log-probs of each
-response and of its mismatched pair once per dataset (as ``pairs.compute_ref_logps`` does for pairs), and the training
+"""The unpaired family (KTO): :class:`UnpairedAlgorithm`, :func:`compute_unpaired_loss`, the responses' token columns, the reference pass that stores the reference log-probs of each
+response and of its mismatched pair once per dataset (as ``algorithms.pairs.compute_ref_logps`` does for pairs), and the training
 task of the unpaired losses, which estimates KTO's reference point z0 once per optimizer step.
 
 Used by ``rlhf ref-logps`` (the reference pass as its own stage) and ``rlhf train --algo kto`` (the pass when the data
@@ -24,8 +24,12 @@ z0 = KL(πθ ‖ πref), estimated as ``max(0, mean_j(logπθ(y'_j|x_j) − log�
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Optional
 
+from rlhf_pipeline.algorithms.registry import UNPAIRED, Family, register, register_family, resolve, with_defaults
+from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import (
     UNPAIRED_REF_LOGP_COLUMNS,
     UNPAIRED_TOKEN_COLUMNS,
@@ -35,7 +39,68 @@ from rlhf_pipeline.contracts import (
 
 log = logging.getLogger(__name__)
 
-REF_LOGP_COLUMNS = UNPAIRED_REF_LOGP_COLUMNS  # what the reference pass adds (``stages.train``'s reference columns)
+REF_LOGP_COLUMNS = UNPAIRED_REF_LOGP_COLUMNS  # what the reference pass adds (``reference.reference_columns``)
+
+
+@dataclass(frozen=True)
+class UnpairedAlgorithm:
+    """A loss on single responses labelled desirable or undesirable (``rlhf filter --mode unpaired``): KTO.
+
+    ``loss(params, policy_logps, ref_logps, desirable, reference_point) -> (loss (B,), margin (B,), logratio (B,))``
+    takes the responses' sequence log-probs, their reference log-probs (the once-per-dataset pass, as for DPO), the
+    labels and the reference point z0, which the trainer estimates once per optimizer step from the step's mismatched
+    (prompt, response) pairs (:class:`UnpairedTask`). ``params`` is ``losses.UnpairedLossParams``; ``defaults``
+    are its fields that differ for this algorithm.
+    """
+
+    name: str
+    loss: Callable | str
+    help: str
+    defaults: dict[str, Any] = field(default_factory=dict)
+    demo: dict[str, Any] = field(default_factory=dict)
+    filter: dict[str, Any] = field(default_factory=dict)
+    data: str = UNPAIRED
+    # the log-ratios need the reference pass; no rewards, no critic; log-probs at 1.0, as the DPO family
+    needs_reference: ClassVar[bool] = True
+    uses_rewards: ClassVar[bool] = False
+    uses_critic: ClassVar[bool] = False
+    logp_at_sampling_temperature: ClassVar[bool] = False
+
+    def loss_fn(self) -> Callable:
+        return resolve(self.loss)
+
+
+def compute_unpaired_loss(algorithm: UnpairedAlgorithm | str, params, policy_logps, ref_logps, desirable,
+                          reference_point):
+    """Per-example loss (B,) and detached per-example metrics (B,) for one batch of unpaired responses.
+
+    Metrics: ``margin`` is β·(r − z0) signed by the label (> 0 where the response sits on the side of z0 its label
+    asks for), ``accuracy`` the share where it does, ``kl`` the reference point z0 the batch was trained against,
+    ``logratio`` r = logπθ − logπref.
+    """
+    import torch
+
+    from rlhf_pipeline.algorithms.registry import get
+
+    algo = get(algorithm) if isinstance(algorithm, str) else algorithm
+    if algo.data != UNPAIRED:
+        raise ValueError(f"--algo {algo.name} trains on {algo.data} and has no unpaired loss")
+    for name, t in [("ref_logps", ref_logps), ("desirable", desirable)]:
+        if policy_logps.dim() != 1 or t is None or t.shape != policy_logps.shape:
+            raise ValueError(f"{name} must be 1-D sequence-level, shape (B,) like policy_logps "
+                             f"{tuple(policy_logps.shape)}; got {None if t is None else tuple(t.shape)}")
+    loss, margin, logratio = algo.loss_fn()(params, policy_logps, ref_logps, desirable, reference_point)
+    margin = margin.detach()
+    z0 = torch.as_tensor(reference_point, dtype=margin.dtype, device=margin.device).detach().expand_as(margin)
+    metrics = {"margin": margin, "accuracy": (margin > 0).to(margin.dtype), "kl": z0, "logratio": logratio.detach()}
+    return loss, metrics
+
+
+def unpaired_loss_params(algorithm: UnpairedAlgorithm, **given: Any):
+    """``losses.UnpairedLossParams`` from the options given (None = unset), the algorithm's defaults for the rest."""
+    from rlhf_pipeline.losses import UnpairedLossParams
+
+    return with_defaults(UnpairedLossParams, algorithm.defaults, **given)
 
 
 def is_unpaired(ds) -> bool:
@@ -94,18 +159,6 @@ def compute_ref_logps(
     return [c for c, _ in values], [k for _, k in values]
 
 
-def add_ref_columns(dd, values: dict[str, tuple[list, list]]):
-    from datasets import Value
-
-    out = {}
-    for split, ds in dd.items():
-        completion, kl = values[split]
-        ds = ds.remove_columns([c for c in REF_LOGP_COLUMNS if c in ds.column_names])
-        ds = ds.add_column("completion_ref_logp", completion, feature=Value("float64"))
-        out[split] = ds.add_column("kl_ref_logp", kl, feature=Value("float64"))
-    return type(dd)(out)
-
-
 def class_balance(desirable: list[bool], params) -> dict[str, Any]:
     """Class counts of the training split and the paper's check (Ethayarajh et al. 2024, eq. 8): λ_D·n_D / (λ_U·n_U)
     should be in [1, 4/3]; ``warning`` says what to change when it is not (TRL warns the same way in
@@ -125,12 +178,12 @@ def class_balance(desirable: list[bool], params) -> dict[str, Any]:
 
 class UnpairedTask:
     """A micro-batch's responses in one forward; z0 from the whole step's mismatched pairs (:meth:`begin_step`); the
-    loss from ``algorithms.compute_unpaired_loss``. ``kl_batch_size`` is the batch size of the z0 pass (the
+    loss from :func:`compute_unpaired_loss`. ``kl_batch_size`` is the batch size of the z0 pass (the
     evaluation batch size: fixed, so that z0 does not change with ``--batch-size``)."""
 
     def __init__(self, algorithm, params, temperature: float, pad_id: int, pack_ratio: float = 0.0,
                  kl_batch_size: int = 8):
-        from rlhf_pipeline.algorithms import get
+        from rlhf_pipeline.algorithms.registry import get
 
         self.algorithm = get(algorithm) if isinstance(algorithm, str) else algorithm
         self.params, self.temperature, self.pad_id, self.pack_ratio = params, temperature, pad_id, pack_ratio
@@ -178,7 +231,6 @@ class UnpairedTask:
     def loss(self, model, rows):
         import torch
 
-        from rlhf_pipeline.algorithms import compute_unpaired_loss
         from rlhf_pipeline.losses import kto_reference_point
 
         n = len(rows)
@@ -200,3 +252,86 @@ class UnpairedTask:
             self.algorithm, self.params, logps[:n], column("completion_ref_logp"), column("desirable", torch.bool), z0
         )
         return losses.mean(), metrics, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The family's options and recipe
+
+
+@dataclass(kw_only=True)
+class UnpairedOptions:
+    """``rlhf train`` options of KTO."""
+
+    options_group: ClassVar[str] = "unpaired options (KTO)"
+
+    beta: Optional[float] = option(None, help="DPO/cDPO/IPO/SimPO/KTO strength (default 0.1; 2.0 for SimPO).")
+    desirable_weight: Optional[float] = option(
+        None, help="KTO: weight lambda_D of the desirable responses' losses (default 1.0)."
+    )
+    undesirable_weight: Optional[float] = option(
+        None, help="KTO: weight lambda_U of the undesirable responses' losses (default 1.0); the paper advises "
+        "lambda_D n_D / (lambda_U n_U) in [1, 4/3], and training warns outside it."
+    )
+
+    def check_options(self, algorithm) -> None:
+        """The weights' ranges; they are refused for an algorithm of another family. (--beta: PairOptions.)"""
+        for name in ("desirable_weight", "undesirable_weight"):
+            value, flag = getattr(self, name), "--" + name.replace("_", "-")
+            if value is not None and algorithm.data != UNPAIRED:
+                raise ValueError(f"{flag} is KTO's (--algo kto), not --algo {algorithm.name}'s")
+            if value is not None and value < 0:
+                raise ValueError(f"{flag} must be >= 0")
+        if self.desirable_weight == 0 and self.undesirable_weight == 0:
+            raise ValueError("--desirable-weight and --undesirable-weight are both 0: nothing would be trained")
+
+
+def train(config) -> Path:
+    """``rlhf train --algo kto``: reference log-probs of the responses and of their mismatched pairs come from the
+    data (``rlhf ref-logps``) or from one pass here, kept in OUTPUT/ref_logps; then :class:`UnpairedTask`."""
+    from rlhf_pipeline.algorithms.reference import reference_columns
+    from rlhf_pipeline.algorithms.registry import logp_temperature
+    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
+    from rlhf_pipeline.training.stage import TrainingJob, run_training, training_record, training_summary
+
+    ref = parse_ref(config.data)
+    algo = config.algorithm
+    params = unpaired_loss_params(algo, beta=config.beta, desirable_weight=config.desirable_weight,
+                                  undesirable_weight=config.undesirable_weight)
+
+    def read(run) -> TrainingJob:
+        dd = load_dataset_dict(ref, required=("train",))
+        for split, ds in dd.items():
+            check_unpaired(ds, f"{ref}:{split}")
+        sampling = find_in_lineage([ref], "sampling")
+        temperature = logp_temperature(algo, config.temperature, sampling, str(ref))
+        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        pad = pad_id(tokenizer)
+        balance = class_balance(dd["train"]["desirable"], params)
+
+        def task(run, setup):
+            splits = reference_columns(run.accelerator, setup.model, dd, config, temperature, pad,
+                                       find_in_lineage([ref], "ref_logps"), run.path, REF_LOGP_COLUMNS,
+                                       compute_ref_logps)
+            if balance["warning"]:
+                run.accelerator.print(f"warning: {balance['warning']}")
+            task = UnpairedTask(algo, params, temperature, pad, config.pack_ratio, config.eval_batch_size)
+            return task, splits["train"], splits.get("test")
+
+        def record(run, result):
+            training = {"algo": algo.name, "loss_params": vars(params), "logp_temperature": temperature,
+                        "classes": balance, **training_summary(result)}
+            return training_record(algo.name, result, dd, sampling, training)
+
+        return TrainingJob(tokenizer, dd["train"].num_rows, task, record)
+
+    return run_training("train", config, [ref], read)
+
+
+register_family(Family(UNPAIRED, UnpairedOptions, train, "single responses labelled desirable or undesirable "
+                       "(rlhf filter --mode unpaired)"))
+
+register(UnpairedAlgorithm(
+    "kto", "rlhf_pipeline.losses:kto_terms", "unpaired desirable/undesirable responses, "
+    "1 - sigmoid(beta (log-ratio - z0)) with z0 the KL from mismatched pairs",
+    demo={"learning_rate": 3e-4, "beta": 0.1}))

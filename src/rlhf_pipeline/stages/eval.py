@@ -14,7 +14,7 @@ in the results). Per scorer:
   prompt, for every prompt and j < n, a win counting 1 and a tie 1/2.
 
 Several reward models or functions (``--reward-model``/``--reward-fn`` take several, as in ``rlhf score``) are
-each a scorer, keyed as ``rlhf score`` keys them (``scoring.reward_sources``: ``reward_model`` and ``reward_fn``
+each a scorer, keyed as ``rlhf score`` keys them (``stages.score.reward_sources``: ``reward_model`` and ``reward_fn``
 for the only one of their kind, else ``reward_fn_<name>``). With two or more and ``--reward-weights``,
 ``results.json`` also has ``combined``: the same numbers for ``rlhf score``'s combination,
 ``sum_k w_k (r_k - mean_k) / (std_k + eps)`` (without weights each source is reported on its own: a gold function
@@ -172,17 +172,17 @@ def combined_summary(sources: list[RewardSource], weights: Sequence[float], ours
 def _sample_and_score(config: EvalConfig, model: str, directory: Path, accelerator=None) -> dict[str, Path]:
     """Generate with ``model`` into ``directory/generate`` and score it with every scorer. Under ``accelerate
     launch`` the main process samples (the other processes wait) and every process scores its share."""
-    from rlhf_pipeline import generation, scoring
+    from rlhf_pipeline.stages import generate, score
     from rlhf_pipeline.distributed import on_main_process
 
-    gen = generation.GenerateConfig(
+    gen = generate.GenerateConfig(
         output=str(directory / "generate"), model=model, prompts=config.prompts,
         **options_of(config, SamplingOptions),
     )
-    on_main_process(accelerator, lambda: generation.main(gen))
+    on_main_process(accelerator, lambda: generate.main(gen))
     paths = {"generate": directory / "generate"}
     for source in _scorers(config):  # each scored alone (raw rewards): the combination is made in main
-        paths[source.key] = scoring.score(scoring.ScoreConfig(
+        paths[source.key] = score.score(score.ScoreConfig(
             output=str(directory / f"score_{source.key}"), input=str(paths["generate"]),
             batch_size=config.score_batch_size, max_length=config.max_length, dtype=config.dtype,
             trust_remote_code=config.trust_remote_code, **{source.kind: source.spec},
@@ -278,7 +278,7 @@ def main(config: EvalConfig) -> Path:
 
 def _evaluate(config: EvalConfig, accelerator) -> Path:
     """One process, or every process of ``accelerate launch`` (``accelerator``): the main process samples and writes,
-    every process scores its share of the samples (``scoring.score``)."""
+    every process scores its share of the samples (``stages.score.score``)."""
     from rlhf_pipeline.datasets_io import StageOutput, parse_ref
     from rlhf_pipeline.distributed import guarded, on_main_process, world_and_rank
 

@@ -123,19 +123,13 @@ def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int
 
 
 def main(config: SFTConfig) -> Path:
-    from transformers import AutoModelForCausalLM
-
     from rlhf_pipeline.chat import load_tokenizer, pad_id, stop_token_ids
     from rlhf_pipeline.datasets_io import parse_ref
-    from rlhf_pipeline.modeling import check_model_ref
-    from rlhf_pipeline.training.loop import load_trainable, prepare, train
-    from rlhf_pipeline.training.stage import StageRun, train_test_splits, training_run, training_summary
+    from rlhf_pipeline.training.stage import StageRun, TrainingJob, run_training, train_test_splits, training_summary
 
-    check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
-    with training_run("sft", config, [ref]) as run:
-        if run.finished:
-            return run.path
+
+    def read(run) -> TrainingJob:
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         dd = train_test_splits(ref, config.test_size, config.seed)
         rows_in = sum(ds.num_rows for ds in dd.values())
@@ -146,23 +140,24 @@ def main(config: SFTConfig) -> Path:
             data, dropped, fallbacks = tokenize(dd, tokenizer, config.max_length, str(ref), stops)
         if data["train"].num_rows == 0:
             raise PipelineError(f"{ref}: no training row fits in --max-length {config.max_length}; raise it")
-        model = load_trainable(config, AutoModelForCausalLM.from_pretrained)
-        run.start()  # the data and the model are read and checked: now the output directory is made
-        setup = prepare(config, run.accelerator, model, data["train"].num_rows)
-        task = SFTTask(pad_id(tokenizer), config.pack_ratio)
-        result = train(
-            config, run.accelerator, setup, tokenizer, task, data["train"], data.get("test"),
-        )
-        eval_loss = result.final_eval.get("loss")
-        run.finish(StageRun(
-            result=result,
-            rows_in=rows_in,
-            dropped=dropped,
-            extra={"training": {"answer_tokenized_alone": fallbacks, **training_summary(result)}},
-            summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
-            + (f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""),
-        ))
-    return run.path
+
+        def task(run, setup):
+            return SFTTask(pad_id(tokenizer), config.pack_ratio), data["train"], data.get("test")
+
+        def record(run, result):
+            eval_loss = result.final_eval.get("loss")
+            return StageRun(
+                result=result,
+                rows_in=rows_in,
+                dropped=dropped,
+                extra={"training": {"answer_tokenized_alone": fallbacks, **training_summary(result)}},
+                summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
+                + (f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""),
+            )
+
+        return TrainingJob(tokenizer, data["train"].num_rows, task, record)
+
+    return run_training("sft", config, [ref], read)
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

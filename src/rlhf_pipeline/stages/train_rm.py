@@ -155,16 +155,12 @@ def load_reward_model_for_training(path: str, trust_remote_code: bool = False, *
 def main(config: TrainRMConfig) -> Path:
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import parse_ref
-    from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.rewards import prepare_reward_model
-    from rlhf_pipeline.training.loop import load_trainable, prepare, train
-    from rlhf_pipeline.training.stage import StageRun, train_test_splits, training_run, training_summary
+    from rlhf_pipeline.training.stage import StageRun, TrainingJob, run_training, train_test_splits, training_summary
 
-    check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
-    with training_run("train-rm", config, [ref]) as run:
-        if run.finished:
-            return run.path
+
+    def read(run) -> TrainingJob:
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         dd = train_test_splits(ref, config.test_size, config.seed)
         rows_in = sum(ds.num_rows for ds in dd.values())
@@ -172,24 +168,26 @@ def main(config: TrainRMConfig) -> Path:
         if data["train"].num_rows == 0:
             raise PipelineError(f"{ref}: no training pair fits in --max-length {config.max_length}; raise it")
         pad = pad_id(tokenizer)
-        model = load_trainable(config, load_reward_model_for_training)
-        prepare_reward_model(model, pad)
-        run.start()  # the data and the model are read and checked: now the output directory is made
-        setup = prepare(config, run.accelerator, model, data["train"].num_rows)
-        result = train(
-            config, run.accelerator, setup, tokenizer, RewardTask(pad), data["train"], data.get("test"),
-        )
-        accuracy = result.final_eval.get("accuracy")
-        run.finish(StageRun(
-            result=result,
-            rows_in=rows_in,
-            dropped=dropped,
-            extra={"training": {"pairs": {split: ds.num_rows for split, ds in data.items()},
-                                **training_summary(result)}},
-            summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
-            + (f", eval accuracy {accuracy:.3f}" if accuracy is not None else ""),
-        ))
-    return run.path
+
+        def task(run, setup):
+            return RewardTask(pad), data["train"], data.get("test")
+
+        def record(run, result):
+            accuracy = result.final_eval.get("accuracy")
+            return StageRun(
+                result=result,
+                rows_in=rows_in,
+                dropped=dropped,
+                extra={"training": {"pairs": {split: ds.num_rows for split, ds in data.items()},
+                                    **training_summary(result)}},
+                summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
+                + (f", eval accuracy {accuracy:.3f}" if accuracy is not None else ""),
+            )
+
+        return TrainingJob(tokenizer, data["train"].num_rows, task, record, loader=load_reward_model_for_training,
+                           model_ready=lambda model: prepare_reward_model(model, pad))
+
+    return run_training("train-rm", config, [ref], read)
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

@@ -169,6 +169,17 @@ def training_summary(result: TrainResult) -> dict[str, Any]:
     }
 
 
+def training_record(name: str, result: TrainResult, dd, sampling: dict | None, training: dict[str, Any]) -> StageRun:
+    """The record of a ``rlhf train`` run on its splits ``dd``: the sampling settings of its data and the training
+    record, in the manifest; one line on the console."""
+    return StageRun(
+        result=result,
+        rows_in=sum(ds.num_rows for ds in dd.values()),
+        extra={"sampling": sampling, "training": training},
+        summary=f"{name}: {result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}",
+    )
+
+
 def push_model_to_hub(output: Path, repo_id: str) -> None:
     """Upload the final model (not the checkpoints, logs, cached reference log-probs or PPO rollout). The token comes from the
     environment (HF_TOKEN), read by huggingface_hub."""
@@ -246,3 +257,52 @@ def cached_splits(accelerator, cache: Path, compute: Callable[[], Any]):
             dd.save_to_disk(str(tmp))
     accelerator.wait_for_everyone()
     return dd
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The skeleton every training stage runs
+
+
+@dataclass
+class TrainingJob:
+    """What a training stage has once it has read and checked its inputs (nothing is written yet): what the
+    skeleton (:func:`run_training`) needs to load the model, train and record the run."""
+
+    tokenizer: Any
+    num_examples: int  # what one epoch counts (rows; PPO's samples), for the schedule
+    # after run.start() and prepare(): (the loss task, the train rows, the test rows or None), e.g. after a reference
+    # pass over the data with the prepared model
+    task: Callable[[TrainingRun, Any], tuple[Any, Any, Any]]
+    record: Callable[[TrainingRun, TrainResult], StageRun]  # the manifest's record (and anything saved beside it)
+    loader: Optional[Callable[..., Any]] = None  # (path, trust_remote_code, **kwargs) -> model; a causal LM by default
+    model_ready: Optional[Callable[[Any], None]] = None  # called on the loaded (and adapted) model, before start
+    learning_rate: Optional[Callable[[str], float]] = None  # a parameter's own peak rate (PPO's critic)
+
+
+def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[[TrainingRun], TrainingJob]) -> Path:
+    """The one skeleton of ``rlhf train`` (every family), ``rlhf sft`` and ``rlhf train-rm``: check ``--model``,
+    enter the run (a finished output is returned as it is), ``read(run)`` the inputs, load the model, make the
+    output directory, prepare, train, and mark the run complete with the job's record."""
+    from rlhf_pipeline.modeling import check_model_ref
+    from rlhf_pipeline.training.loop import load_trainable, prepare, train
+
+    check_model_ref("--model", config.model)
+    with training_run(stage, config, inputs) as run:
+        if run.finished:
+            return run.path
+        job = read(run)
+        model = load_trainable(config, job.loader or _causal_lm)
+        if job.model_ready is not None:
+            job.model_ready(model)
+        run.start()  # the data and the model are read and checked: now the output directory is made
+        setup = prepare(config, run.accelerator, model, job.num_examples, learning_rate=job.learning_rate)
+        task, train_rows, test_rows = job.task(run, setup)
+        result = train(config, run.accelerator, setup, job.tokenizer, task, train_rows, test_rows)
+        run.finish(job.record(run, result))
+    return run.path
+
+
+def _causal_lm(path: str, trust_remote_code: bool = False, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
