@@ -194,3 +194,17 @@ def test_models_with_their_own_cache_layers_do_not_share_the_prefill(tiny_policy
     out = engine.generate(prompts, [0, 1, 2], sampling)
     assert engine.share_prefill is False
     assert all(len(c.token_ids) == 2 for c in out)
+
+
+def test_shared_prefill_generate_raises_no_future_warning(tiny_policy):
+    """The shared prefill hands generate its KV cache under the name this transformers expects: transformers 5 warns
+    (FutureWarning) on every generate given it as ``past_key_values``."""
+    import warnings
+
+    tok, prompts, sampling = _setup(tiny_policy, n=2, max_new_tokens=4)
+    engine = HFEngine(tiny_policy, tok, batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = engine.generate(prompts, [0, 1, 2], sampling)
+    assert engine.share_prefill is True  # the path that passes a cache to generate was taken
+    assert all(len(c.token_ids) == 2 for c in out)

@@ -163,3 +163,48 @@ def test_eval_samples_on_replicas(local_ray, tiny_policy, bundled_prompts, tmp_p
     assert manifest(tmp_path / "ray" / "generate")["executor"]["replicas"] == 2
     assert manifest(tmp_path / "ray")["eval"] == manifest(tmp_path / "local")["eval"]
 
+
+
+def test_one_line_first_line_only_serves_the_ray_failures():
+    """errors.one_line(first_line_only=True) is what executors' own first_line gave (the first line of the message,
+    as it is, after the type); the default joins every line, as before."""
+    from rlhf_pipeline.errors import one_line
+
+    many = RuntimeError("  injected   fault\nTraceback (most recent call last):\n  File \"x.py\", line 1\n")
+    assert one_line(many, first_line_only=True) == "RuntimeError: injected   fault"
+    assert one_line(many) == 'RuntimeError: injected fault Traceback (most recent call last): File "x.py", line 1'
+    for blank in (ValueError(""), ValueError(" \n ")):
+        assert one_line(blank, first_line_only=True) == one_line(blank) == "ValueError"
+
+
+def test_a_failed_task_is_named_by_the_first_line_of_its_cause():
+    """_gather's one line takes the first line of the task's cause (a RayTaskError's message goes on with the remote
+    traceback), or of the Ray error itself when it has no cause; without a real Ray."""
+    from types import SimpleNamespace
+
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.executors import _gather
+
+    class RayError(Exception):
+        def __init__(self, message, cause=None):
+            super().__init__(message)
+            self.cause = cause
+
+    for error, reason in (
+        (RayError("ray: task failed\nremote traceback", RuntimeError("injected fault\nmore")), "RuntimeError: "
+         "injected fault"),
+        (RayError("worker died\nmore"), "RayError: worker died"),
+    ):
+        cancelled = []
+
+        def get(ref, error=error):
+            raise error
+
+        ray = SimpleNamespace(wait=lambda pending, num_returns: (pending[:1], pending[1:]), get=get,
+                              cancel=lambda ref, force: cancelled.append(ref),
+                              exceptions=SimpleNamespace(RayError=RayError))
+        with pytest.raises(PipelineError) as info:
+            _gather(ray, ["a", "b"], lambda i: f"replica {i}", "replicas", 0.0)
+        assert str(info.value) == (f"--executor ray: replica 0 failed twice (once retried): {reason}; "
+                                   "nothing was written")
+        assert cancelled == ["b"]

@@ -191,9 +191,29 @@ def test_metrics_detached_per_example_and_dtype_kept(lt):
         assert m.shape == (2,) and m.dtype == torch.float64 and not m.requires_grad, name
 
 
+@pytest.mark.parametrize("lt", list(names(PAIRS)))
+def test_accuracy_counts_no_win_within_float_noise(lt):
+    """Regression: at step 1 the policy (a packed forward) and the reference (padded) differ by float noise, and DPO
+    logged reward/train_accuracy 1.0 for margins of +2e-6. Pair 0: chosen 2e-5 nats above its reference (a tie
+    within ACCURACY_TOLERANCE = 1e-4): no win. Pair 1: chosen 0.5 nats above, rejected 0.5 below: a win."""
+    from rlhf_pipeline.algorithms.pairs import ACCURACY_TOLERANCE
+
+    assert ACCURACY_TOLERANCE == 1e-4
+    x = dict(policy_chosen_logps=t(-2.0 + 2e-5, -1.5), policy_rejected_logps=t(-3.0, -3.5),
+             ref_chosen_logps=t(-2.0, -2.0), ref_rejected_logps=t(-3.0, -3.0),
+             chosen_rewards=t(1.0, 1.0), rejected_rewards=t(0.0, 0.0),
+             chosen_lengths=t(4.0, 4.0), rejected_lengths=t(4.0, 4.0))
+    if not ALGORITHMS[lt].needs_reference:  # reference-free (SimPO): the same gaps on the policy's log-probs alone
+        x["policy_chosen_logps"] = t(-2.0 + 2e-4, -1.5)  # /|y| = 4: a 5e-5 gap, then a 0.5 one
+        x["policy_rejected_logps"] = t(-2.0, -3.5)
+    _, metrics = compute_pair_loss(lt, _params_for(lt), **x)
+    assert metrics["accuracy"].tolist() == [0.0, 1.0], lt
+    assert metrics["margin"][0] > 0  # the margin itself is still reported as it is
+
+
 def test_pair_algorithm_properties():
     pairs = [ALGORITHMS[n] for n in names(PAIRS)]
-    assert [a.name for a in pairs] == ["rebel", "dpo", "cdpo", "ipo", "simpo"]
+    assert {"rebel", "dpo", "cdpo", "ipo", "simpo"} <= {a.name for a in pairs}
     assert {a.name for a in pairs if not a.needs_reference} == {"simpo"}
     assert {a.name for a in pairs if a.uses_rewards} == {"rebel"}
     assert {a.name for a in pairs if a.length_normalized} == {"simpo"}
@@ -791,3 +811,18 @@ def test_kto_dispatch_metrics_and_bad_arguments():
         compute_pair_loss("kto", PairLossParams(), pol, pol, ref, ref)
     with pytest.raises(ValueError, match="desirable must be 1-D"):
         compute_unpaired_loss("kto", UnpairedLossParams(), pol, ref, desirable[:2], z0)
+
+
+def test_losses_reduce_with_advantages_masked_mean():
+    """The PPO-family losses use advantages.masked_mean, the one masked mean (losses' own twin is gone), and it gives
+    what the twin gave their bool masks, ``where(m, x, 0).sum(dim) / m.sum(dim).clamp(min=1)``, bit for bit: NaN in
+    padding selected out, an all-masked row 0."""
+    from rlhf_pipeline import advantages, losses
+
+    assert losses.masked_mean is advantages.masked_mean and not hasattr(losses, "_masked_mean")
+    x = torch.tensor([[1.0, 2.0, float("nan")], [float("nan"), float("nan"), float("nan")], [0.5, -3.0, 7.25]])
+    m = torch.tensor([[True, True, False], [False, False, False], [True, False, True]])
+    for dim in (None, -1, 0):
+        twin = torch.where(m, x, 0).sum(dim=dim) / m.sum(dim=dim).clamp(min=1)
+        assert torch.equal(advantages.masked_mean(x, m, dim=dim), twin), dim
+    assert advantages.masked_mean(x, m, dim=-1).tolist() == [1.5, 0.0, 3.875]

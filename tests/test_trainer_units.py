@@ -48,6 +48,54 @@ def test_warmup_then_cosine():
     assert warmup_cosine(0, warmup=0, total=10) == pytest.approx(1.0)
 
 
+def test_logged_learning_rate_is_the_one_each_step_used(tmp_path, fresh_accelerate_state):
+    """The ``lr`` logged for step k is the rate of step k's update (warmup_cosine(k - 1)), not step k + 1's: the
+    scheduler is stepped after the update, so its last rate must be read before that."""
+    import json
+
+    import torch
+    from accelerate import Accelerator
+    from datasets import Dataset
+
+    from rlhf_pipeline.layout import METRICS
+    from rlhf_pipeline.training.loop import TrainOptions, prepare, train
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 1)
+
+        def save_pretrained(self, path, **kwargs):  # the loop saves the final model; nothing to check here
+            pass
+
+    class Task:
+        def lengths(self, rows):
+            return [1] * len(rows)
+
+        def collate(self, rows):
+            return torch.tensor([r["x"] for r in rows])
+
+        def loss(self, model, batch):
+            return model.linear(batch).pow(2).mean(), {}, (len(batch), len(batch))
+
+    class Tokenizer:
+        def save_pretrained(self, path):
+            pass
+
+    total, peak = 6, 1e-2
+    config = TrainOptions(model="unused", data="unused", output=str(tmp_path), max_steps=total, batch_size=1,
+                          learning_rate=peak, warmup_ratio=0.5, report_to="none")
+    accelerator = Accelerator()
+    train_ds = Dataset.from_dict({"x": [[float(i), 1.0] for i in range(8)]})
+    setup = prepare(config, accelerator, Model(), train_ds.num_rows)
+    train(config, accelerator, setup, Tokenizer(), Task(), train_ds, None)
+
+    logged = [json.loads(l)["lr"] for l in (tmp_path / METRICS).read_text().splitlines()]
+    warmup = int(config.warmup_ratio * total)
+    assert logged == pytest.approx([peak * warmup_cosine(s, warmup, total) for s in range(total)])
+    assert logged[0] == pytest.approx(peak / (warmup + 1))  # the first step's warmup rate, not the second's
+
+
 def test_rebel_backpropagates_repos_form_and_reports_the_papers(tiny_policy):
     """PairTask's REBEL loss has the paper's value, (Δ/η − Δr)², and REBEL's code's gradient, η² times larger."""
     import torch

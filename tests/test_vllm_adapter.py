@@ -173,6 +173,98 @@ def test_a_failed_start_is_one_error_line(monkeypatch):
     assert "\n" not in str(info.value)
 
 
+def test_start_failure_hint_only_when_it_may_be_memory():
+    """The --gpu-memory-utilization hint follows a memory failure (vLLM's and torch's own words) or a failure whose
+    cause is only in vLLM's log, not one that says it is something else."""
+    from rlhf_pipeline.engines.vllm import start_failure_message
+
+    class OutOfMemoryError(RuntimeError):  # torch.OutOfMemoryError's name
+        pass
+
+    unsupported = ValueError("Model architectures ['FooForCausalLM'] are not supported for now. Supported "
+                             "architectures: dict_keys(['LlamaForCausalLM'])")
+    for on_cpu in (False, True):
+        message = start_failure_message("m", unsupported, on_cpu)
+        assert message == ("vllm engine: could not start on m (Model architectures ['FooForCausalLM'] are not "
+                           "supported for now. Supported architectures: dict_keys(['LlamaForCausalLM'])); vLLM's log "
+                           "above says why.")
+        assert "--gpu-memory-utilization" not in start_failure_message("m", RuntimeError("boom"), on_cpu)
+    memory = [
+        OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        OutOfMemoryError(""),
+        ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+                   "initializing the engine."),
+        ValueError("To serve at least one request with the models's max seq len (40960), (5.62 GiB KV cache is "
+                   "needed, which is larger than the available KV cache memory (4.50 GiB)."),
+        ValueError("Free memory on device (3.1/79.1 GiB) on startup is less than desired GPU memory utilization"),
+        RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}"),
+    ]
+    for error in memory:
+        gpu = start_failure_message("m", error, on_cpu=False)
+        assert gpu.endswith("; vLLM's log above says why. If it ran out of memory, lower --gpu-memory-utilization "
+                            "or --max-model-len."), error
+        cpu = start_failure_message("m", error, on_cpu=True)
+        assert "--gpu-memory-utilization is the fraction of the machine's memory" in cpu, error
+    assert "(OutOfMemoryError)" in start_failure_message("m", OutOfMemoryError(""), on_cpu=False)
+
+
+def _fake_vllm(monkeypatch, llm_class):
+    import types
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = llm_class
+    fake.SamplingParams = lambda **kwargs: kwargs
+    fake.PoolingParams = lambda **kwargs: kwargs
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: False)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+
+
+def test_an_engine_that_dies_mid_run_is_one_error_line(monkeypatch):
+    """vLLM's EngineDeadError (told by its class name; a subclass too) becomes a PipelineError line naming the
+    likely causes; any other error from vLLM goes through unchanged."""
+    from rlhf_pipeline.engines import SamplingSettings
+    from rlhf_pipeline.engines.vllm import VLLMEngine, VLLMRewardModel
+    from rlhf_pipeline.errors import PipelineError
+
+    class EngineDeadError(Exception):  # vllm.v1.engine.exceptions.EngineDeadError's name
+        pass
+
+    class Subclass(EngineDeadError):
+        pass
+
+    raised: list[BaseException] = []
+
+    class DyingLLM:
+        def __init__(self, **kwargs):
+            pass
+
+        def generate(self, prompts, params, use_tqdm):
+            raise raised[-1]
+
+        def classify(self, prompts, pooling_params, use_tqdm):
+            raise raised[-1]
+
+    _fake_vllm(monkeypatch, DyingLLM)
+    engine = VLLMEngine("m", SimpleNamespace())
+    scorer = VLLMRewardModel("rm")
+    sampling = SamplingSettings(n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=0,
+                                stop_token_ids=STOPS)
+    for cls in (EngineDeadError, Subclass):
+        raised.append(cls("EngineCore encountered an issue. See stack trace (above) for the root cause.\nmore"))
+        expected = (rf"^vllm engine: the engine died while generating \({cls.__name__}: EngineCore encountered an "
+                    r"issue\. See stack trace \(above\) for the root cause\.\); .*ran out of memory.*killed")
+        with pytest.raises(PipelineError, match=expected) as info:
+            engine.generate([[1, 5]], [0], sampling)
+        assert "\n" not in str(info.value) and info.value.__cause__ is raised[-1]
+        with pytest.raises(PipelineError, match=r"^vllm engine: the engine died while scoring"):
+            scorer.rewards([[1, 5]])
+    raised.append(RuntimeError("something else"))
+    with pytest.raises(RuntimeError, match="^something else$"):
+        engine.generate([[1, 5]], [0], sampling)
+
+
 def test_progress_bar_follows_tqdm_disable(monkeypatch):
     from rlhf_pipeline.progress import bars_disabled
 

@@ -16,7 +16,7 @@ class PipelineError(Exception):
 class UserCodeError(PipelineError):
     """The user's own code (a ``--reward-fn`` function or its module) raised.
 
-    Its traceback is the user's to read, so ``cli.run_stage`` prints it first (from the user's first frame on: the
+    Its traceback is the user's to read, so ``stages.run_stage`` prints it first (from the user's first frame on: the
     pipeline's frames above it are left out), then the one ``error:`` line, which names the stage, the function and
     the rows it was given. ``cause`` is the exception the user's code raised.
     """
@@ -51,7 +51,7 @@ class ProcessFailed(UserCodeError):
 
 class FailedElsewhere(PipelineError):
     """Raised on the other processes of a launch when one process failed: the main process reports the error, so
-    ``cli.run_stage`` exits on this one with status 1 and prints nothing."""
+    ``stages.run_stage`` exits on this one with status 1 and prints nothing."""
 
 
 def _ours(filename: str) -> bool:
@@ -60,7 +60,13 @@ def _ours(filename: str) -> bool:
     return str(Path(filename).resolve()).startswith(_PACKAGE + os.sep)
 
 
-def one_line(exc: BaseException) -> str:
-    """``ExcType: message`` on one line (a multi-line message is joined), for an ``error:`` line."""
+def one_line(exc: BaseException, *, first_line_only: bool = False) -> str:
+    """``ExcType: message`` on one line, for an ``error:`` line: a multi-line message is joined (its whitespace
+    collapsed), or with ``first_line_only`` cut to its first line, kept as it is; that is for messages whose later
+    lines are not worth a one-line reason (a Ray task error carries the remote traceback). An empty message gives
+    the type's name alone."""
+    if first_line_only:
+        lines = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

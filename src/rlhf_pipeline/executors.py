@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import PipelineError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ def ray_session(address: str | None, num_cpus: int) -> Iterator[Any]:
         where = f"--ray-address {address}" if address else "--executor ray"
         fix = ("start one with `ray start --head` (see README, Running at full size) or drop --ray-address for a "
                "local Ray") if address else "check `ray start --head` works on this machine, or use --executor local"
-        raise PipelineError(f"{where}: could not connect to Ray ({first_line(e)}); {fix}") from None
+        reason = one_line(e, first_line_only=True)
+        raise PipelineError(f"{where}: could not connect to Ray ({reason}); {fix}") from None
     log.info("ray: %s in %.1f s", f"connected to {address}" if address else "local Ray started",
              time.perf_counter() - started)
     try:
@@ -99,11 +100,6 @@ def _check_reachable(address: str) -> None:
             f"--ray-address {address}: nothing answers there ({e.strerror or e}); start the head node with "
             "`ray start --head --port PORT` and pass the address it prints, or drop --ray-address for a local Ray"
         ) from None
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def _check_gpus(ray: Any, gpus_per_replica: int, replicas: int, address: str | None) -> None:
@@ -192,7 +188,8 @@ def _gather(ray: Any, refs: list, describe: Callable[[int], str], desc: str, sta
                 for ref in pending:
                     ray.cancel(ref, force=True)
                 cause = getattr(e, "cause", None)
-                reason = first_line(cause) if isinstance(cause, BaseException) else first_line(e)
+                # the first line only: a RayTaskError's message goes on with the remote traceback
+                reason = one_line(cause if isinstance(cause, BaseException) else e, first_line_only=True)
                 raise PipelineError(
                     f"--executor ray: {describe(i)} failed twice (once retried): {reason}; nothing was written"
                 ) from None

@@ -1,5 +1,5 @@
 """Pairwise preference losses (REBEL, DPO, cDPO, IPO, SimPO) and KTO's unpaired loss as pure functions of tensors.
-Imports torch only.
+Imports torch, and ``advantages`` (torch only too) for its masked mean.
 
 Conventions shared by every function here:
 
@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+# The one masked mean (selects out padding, 0 for an empty selection); advantages imports only torch, so no cycle.
+from rlhf_pipeline.advantages import masked_mean
 
 
 def _logratios(policy_chosen, policy_rejected, ref_chosen, ref_rejected) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +97,7 @@ def simpo_loss(policy_chosen_logps, policy_rejected_logps, chosen_lengths, rejec
 
 @dataclass(frozen=True)
 class PairLossParams:
-    """Hyperparameters of the pair losses (``algorithms.compute_pair_loss``); each loss reads only its own fields."""
+    """Hyperparameters of the pair losses (``algorithms.pairs.compute_pair_loss``); each loss reads only its own fields."""
 
     eta: float = 1.0  # REBEL: paper's η (Δ/η regressed onto the reward gap)
     beta: float = 0.1  # DPO/cDPO/IPO/SimPO β
@@ -104,7 +107,7 @@ class PairLossParams:
 
 
 # The pair terms: (params, policy_chosen, policy_rejected, **the inputs the algorithm needs) -> (loss (B,), margin (B,),
-# chosen log-ratio (B,), rejected log-ratio (B,)); ``algorithms.py`` registers each and dispatches on it.
+# chosen log-ratio (B,), rejected log-ratio (B,)); ``algorithms/pairs.py`` registers each and dispatches on it.
 def rebel_terms(p, pc, pr, ref_chosen_logps, ref_rejected_logps, chosen_rewards, rejected_rewards):
     c, r = _logratios(pc, pr, ref_chosen_logps, ref_rejected_logps)
     loss = rebel_loss(pc, pr, ref_chosen_logps, ref_rejected_logps, chosen_rewards, rejected_rewards, p.eta)
@@ -155,7 +158,7 @@ def simpo_terms(p, pc, pr, chosen_lengths, rejected_lengths):
 
 @dataclass(frozen=True)
 class UnpairedLossParams:
-    """Hyperparameters of the unpaired losses (``algorithms.compute_unpaired_loss``)."""
+    """Hyperparameters of the unpaired losses (``algorithms.unpaired.compute_unpaired_loss``)."""
 
     beta: float = 0.1  # KTO β (TRL's default)
     desirable_weight: float = 1.0  # λ_D
@@ -254,13 +257,9 @@ def _same_shape(like: torch.Tensor, **tensors: torch.Tensor) -> None:
                              f"{tuple(like.shape)}")
 
 
-def _masked_mean(x: torch.Tensor, m: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    return torch.where(m, x, 0).sum(dim=dim) / m.sum(dim=dim).clamp(min=1)
-
-
 def _reduce(per_token: torch.Tensor, m: torch.Tensor, reduction: str, max_tokens: int | None = None) -> torch.Tensor:
     if reduction == "token":
-        return _masked_mean(per_token, m)
+        return masked_mean(per_token, m)
     if reduction == "sum":
         return torch.where(m, per_token, 0).sum()
     if reduction in ("sequence", "sequence_sum_norm"):
@@ -268,13 +267,13 @@ def _reduce(per_token: torch.Tensor, m: torch.Tensor, reduction: str, max_tokens
             raise ValueError(f"reduction={reduction!r} needs (B, T) inputs, got shape {tuple(per_token.shape)}; "
                              "use reduction='token' for flat (N,) tokens")
         if reduction == "sequence":
-            per_sequence = _masked_mean(per_token, m, dim=-1)  # (B,)
+            per_sequence = masked_mean(per_token, m, dim=-1)  # (B,)
         else:
             if max_tokens is None or max_tokens < 1:
                 raise ValueError(f"reduction='sequence_sum_norm' needs max_tokens >= 1, got {max_tokens}")
             per_sequence = torch.where(m, per_token, 0).sum(dim=-1) / max_tokens
         has_tokens = m.any(dim=-1)  # (B,)
-        return _masked_mean(per_sequence, has_tokens)
+        return masked_mean(per_sequence, has_tokens)
     raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
@@ -333,7 +332,7 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     if importance == "sequence":
         if logp.dim() != 2:
             raise ValueError(f"importance='sequence' needs (B, T) inputs, got shape {tuple(logp.shape)}")
-        log_ratio = _masked_mean(token_log_ratio, m, dim=-1).unsqueeze(-1).expand_as(logp)
+        log_ratio = masked_mean(token_log_ratio, m, dim=-1).unsqueeze(-1).expand_as(logp)
     else:
         log_ratio = token_log_ratio
     adv = torch.where(m, advantages, 0)
@@ -344,10 +343,10 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     loss = _reduce(per_token, m, reduction, max_tokens)
     with torch.no_grad():
         metrics = {
-            "clip_frac": _masked_mean((clipped > unclipped).to(per_token.dtype), m),
+            "clip_frac": masked_mean((clipped > unclipped).to(per_token.dtype), m),
             # k3 of KL(old‖new) per token: ρ − 1 − log ρ
-            "approx_kl": _masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, m),
-            "ratio_mean": _masked_mean(ratio, m),
+            "approx_kl": masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, m),
+            "ratio_mean": masked_mean(ratio, m),
         }
     return loss, metrics
 
@@ -382,7 +381,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         clip_active = clipped > unclipped
     loss = 0.5 * _reduce(per_token, m, reduction)
     with torch.no_grad():
-        metrics = {"clip_frac": _masked_mean(clip_active.to(per_token.dtype), m)}
+        metrics = {"clip_frac": masked_mean(clip_active.to(per_token.dtype), m)}
     return loss, metrics
 
 

@@ -151,6 +151,18 @@ def sampling_processors(sampling: SamplingSettings):
     return processors
 
 
+def cache_keyword() -> str:
+    """The name transformers gives a KV cache, in ``generate``'s keyword arguments and in model outputs: ``cache``
+    where it has renamed ``past_key_values`` (it then warns with a FutureWarning on every ``generate`` given the old
+    name, and logs on every read of ``output.past_key_values``), ``past_key_values`` in the releases before. Read
+    from the causal-LM output class, which carries the name of the transformers installed."""
+    import dataclasses
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
 class HFEngine:
     name = "hf"
 
@@ -221,7 +233,7 @@ class HFEngine:
             use_cache=True,
             **extra,
         )
-        cache = out.past_key_values
+        cache = getattr(out, cache_keyword())
         if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
             return None
         cache.batch_repeat_interleave(n)
@@ -250,9 +262,9 @@ class HFEngine:
         return self.model.generate(
             input_ids=torch.repeat_interleave(input_ids, n, dim=0),
             attention_mask=torch.repeat_interleave(attention_mask, n, dim=0),
-            past_key_values=cache,
             generation_config=config,
             logits_processor=processors,
+            **{cache_keyword(): cache},  # the same cache under either name: only the name changed
         )
 
     def _check_shared_prefill(self, input_ids, attention_mask, sampling: SamplingSettings) -> bool:

@@ -28,11 +28,12 @@ vLLM behaviours this relies on (vllm-project/vllm, V1 engine on main; V0 noted w
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from rlhf_pipeline.engines.base import Completion, SamplingSettings
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import PipelineError, one_line
 from rlhf_pipeline.progress import bars_disabled
 
 if TYPE_CHECKING:
@@ -93,6 +94,57 @@ def engine_memory_args(gpu_memory_utilization: float | None, on_cpu: bool, envir
     return {"kv_cache_memory_bytes": CPU_KV_CACHE_GIB * 2**30}
 
 
+# What vLLM and torch say when a start runs out of memory, lowercased: "No available memory for the cache blocks",
+# "... KV cache is needed, which is larger than the available KV cache memory", "Free memory on device ... is less
+# than desired GPU memory utilization", torch's "CUDA out of memory" (torch.OutOfMemoryError). The exception's type
+# name is searched too.
+MEMORY_MARKERS = ("memory", "kv cache", "cache blocks")
+# vLLM V1 starts its engine core in a child process; whatever fails there reaches LLM() as only "Engine core
+# initialization failed. See root cause above. Failed core proc(s): {...}", the cause being in the log alone. That may
+# be memory, so such a message keeps the memory hint.
+CAUSE_IN_LOG_MARKERS = ("engine core initialization failed", "see root cause above", "failed core proc")
+
+
+def start_failure_message(model: str, error: BaseException, on_cpu: bool) -> str:
+    """The one line for a vLLM engine that would not start: the error's first line, and the memory hint only when
+    the error reads as a memory problem or does not say its cause (an unsupported architecture, say, gets none)."""
+    message = str(error).strip()
+    first = message.splitlines()[0] if message else type(error).__name__
+    text = f"{type(error).__name__} {message}".lower()
+    hint = ""
+    if any(m in text for m in MEMORY_MARKERS + CAUSE_IN_LOG_MARKERS):
+        hint = (
+            " On vLLM's CPU backend --gpu-memory-utilization is the fraction of the machine's memory to reserve:"
+            f" leave it unset for a fixed KV cache (VLLM_CPU_KVCACHE_SPACE GiB, default {CPU_KV_CACHE_GIB}) or lower it."
+            if on_cpu
+            else " If it ran out of memory, lower --gpu-memory-utilization or --max-model-len."
+        )
+    return f"vllm engine: could not start on {model} ({first}); vLLM's log above says why.{hint}"
+
+
+def is_engine_dead(error: BaseException) -> bool:
+    """vLLM's ``EngineDeadError`` (``vllm.v1.engine.exceptions``) or a subclass, told by class name: importing vLLM to
+    compare classes would tie this to its module layout (and the test environment has no vLLM)."""
+    return any(cls.__name__ == "EngineDeadError" for cls in type(error).__mro__)
+
+
+@contextlib.contextmanager
+def engine_death_as_error(doing: str) -> Iterator[None]:
+    """A vLLM engine core that dies mid-run (its process killed or crashed) as one PipelineError line instead of a
+    traceback through vLLM's client code; any other error goes through as it is."""
+    try:
+        yield
+    except Exception as e:
+        if not is_engine_dead(e):
+            raise
+        raise PipelineError(
+            f"vllm engine: the engine died while {doing} ({one_line(e, first_line_only=True)}); vLLM's log above "
+            "says why. Usually the host or the GPU ran out of memory (the kernel's OOM killer ends the worker: see "
+            "dmesg) or a worker process was killed; free memory or lower --gpu-memory-utilization or --max-model-len "
+            "(on vLLM's CPU backend, VLLM_CPU_KVCACHE_SPACE), then run the stage again."
+        ) from e
+
+
 def start_llm(model: str, *, dtype: str, trust_remote_code: bool, gpu_memory_utilization: float | None,
               seeded_sampling: bool = False, **kwargs: Any):
     """``vllm.LLM`` with the project's dtype and memory defaults; a failed start is one PipelineError line."""
@@ -125,14 +177,7 @@ def start_llm(model: str, *, dtype: str, trust_remote_code: bool, gpu_memory_uti
             **kwargs,
         )
     except (RuntimeError, ValueError) as e:
-        hint = (
-            " On vLLM's CPU backend --gpu-memory-utilization is the fraction of the machine's memory to reserve:"
-            f" leave it unset for a fixed KV cache (VLLM_CPU_KVCACHE_SPACE GiB, default {CPU_KV_CACHE_GIB}) or lower it."
-            if on_cpu
-            else " If it ran out of memory, lower --gpu-memory-utilization or --max-model-len."
-        )
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PipelineError(f"vllm engine: could not start on {model} ({first}); vLLM's log above says why.{hint}") from e
+        raise PipelineError(start_failure_message(model, e, on_cpu)) from e
 
 
 def shutdown(llm) -> None:
@@ -193,7 +238,8 @@ class VLLMEngine:
         # BOS in front of a chat template that already starts with one (the double-BOS pitfall).
         requests = [{"prompt_token_ids": list(ids)} for ids in prompts]
         params = [self._params(seed, sampling) for seed in seeds]
-        results = self.llm.generate(requests, params, use_tqdm=not bars_disabled())
+        with engine_death_as_error("generating"):
+            results = self.llm.generate(requests, params, use_tqdm=not bars_disabled())
         if len(results) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(results)} results for {len(prompts)} prompts")
         decode = partial(self.tokenizer.batch_decode, skip_special_tokens=True)  # the HF engine's decode
@@ -218,11 +264,12 @@ class VLLMRewardModel:
     def rewards(self, sequences: list[list[int]]) -> list[float]:
         from vllm import PoolingParams
 
-        results = self.llm.classify(
-            [{"prompt_token_ids": list(ids)} for ids in sequences],
-            pooling_params=PoolingParams(use_activation=False),
-            use_tqdm=not bars_disabled(),
-        )
+        with engine_death_as_error("scoring"):
+            results = self.llm.classify(
+                [{"prompt_token_ids": list(ids)} for ids in sequences],
+                pooling_params=PoolingParams(use_activation=False),
+                use_tqdm=not bars_disabled(),
+            )
         values = []
         for result in results:
             scores = list(result.outputs.probs)

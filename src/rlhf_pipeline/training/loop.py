@@ -425,6 +425,8 @@ def train(
             add_to_sums(sums, loss, per_example, len(ids))
             sums["_real"] = sums.get("_real", 0.0) + real
             sums["_total"] = sums.get("_total", 0.0) + total
+        # The rate this step's update used: after scheduler.step() get_last_lr() is already the next step's.
+        step_lr = scheduler.get_last_lr()[0]
         scheduler.step()
         step += 1
         bar.update(1)
@@ -442,7 +444,7 @@ def train(
             values = metric_names({k: v / n for k, v in totals.items() if k != "grad_norm"}, "train")
             if "grad_norm" in totals:
                 values["grad_norm"] = totals["grad_norm"]
-            values["lr"] = scheduler.get_last_lr()[0]
+            values["lr"] = step_lr
             values["epoch"] = step / setup.steps_per_epoch
             values["throughput/tokens_per_s"] = real / max(time.time() - t0, 1e-9)
             values["throughput/real_token_fraction"] = real / max(total, 1)
