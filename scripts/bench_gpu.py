@@ -30,12 +30,12 @@ Sides, each in a fresh subprocess (so peak memory is its own)
 -------------------------------------------------------------
 * ``ours``: our trainer's step, reproduced from the library without the CLI (which needs ``datasets``). Reference
   log-probs first, as ``rlhf train`` computes them when the data has none: one no-grad pass over all pairs with
-  ``pairs.pair_logps`` in length-sorted batches of ``--ref-batch-size`` (``distributed.sharded_batches``).
-  Then per step: the global batch from ``trainer.global_batches``, cut by ``trainer.micro_batches`` (sorted by
+  ``algorithms.pairs.pair_logps`` in length-sorted batches of ``--ref-batch-size`` (``distributed.sharded_batches``).
+  Then per step: the global batch from ``training.loop.global_batches``, cut by ``training.loop.micro_batches`` (sorted by
   length), each micro-batch through ``pairs.PairTask.loss`` (``pair_logps`` with ``pack_ratio`` for the
-  policy log-probs, ``algorithms.compute_pair_loss("dpo", PairLossParams(beta=0.1), ...)`` against the
+  policy log-probs, ``algorithms.pairs.compute_pair_loss("dpo", PairLossParams(beta=0.1), ...)`` against the
   precomputed reference), backward of loss / accumulation, metrics summed per micro-batch as the trainer does
-  (``trainer.add_to_sums``, which syncs), clip, AdamW step, schedule step.
+  (``training.loop.add_to_sums``, which syncs), clip, AdamW step, schedule step.
 * ``trl``: TRL's ``DPOTrainer`` with its default reference model (a second model loaded from the same directory and
   run every step).
 * ``trl_precomputed``: TRL with ``precompute_ref_log_probs=True`` (its pass runs in the trainer's constructor, with
@@ -53,8 +53,8 @@ with alpha ``--lora-alpha`` (default 2R), on every linear layer of the decoder b
 (runs ``ours``, ``trl``, ..., then ``ours_lora16``, ``trl_lora16``, ...). The same pairs, steps and optimizer
 settings in every mode; AdamW and clipping see only the trained parameters.
 
-* ours: the model is loaded as ``rlhf train --lora-rank R`` loads it, through ``trainer.load_trainable`` with
-  ``lora.LoraOptions`` (seeded, loaded on the CPU, dropout off, then ``lora.add_adapters`` freezes it and adds the
+* ours: the model is loaded as ``rlhf train --lora-rank R`` loads it, through ``training.loop.load_trainable`` with
+  ``training.lora.LoraOptions`` (seeded, loaded on the CPU, dropout off, then ``training.lora.add_adapters`` freezes it and adds the
   adapters), and moved to the device. The reference pass runs that model as ``rlhf train`` does: the adapters' B
   matrices start at zero, so it is the starting model.
 * TRL: ``peft_config=peft.LoraConfig(...)`` with the same rank, alpha and targets. TRL then holds no second model:
@@ -246,7 +246,7 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
 
     @dataclass(kw_only=True)
     class LoadOptions(LoraOptions):
-        """What ``trainer.load_trainable`` reads of ``rlhf train``'s options (LoRA's through ``LoraOptions``)."""
+        """What ``training.loop.load_trainable`` reads of ``rlhf train``'s options (LoRA's through ``LoraOptions``)."""
 
         model: str
         seed: int

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Evaluation of a policy: one response per held-out prompt, scored with the reward model; mean reward, and win rate
 # against a baseline policy when BASELINE is set. REBEL's own trainer evaluates only the regression loss on the
-# test pairs (rebel-repo.md line 77); its published numbers are AlpacaEval/MT-Bench (lines 208-217), not this.
+# test pairs (src/ultrafeedback_largebatch/rebel.py, evaluate()); its published numbers are AlpacaEval 2, MT-Bench,
+# MMLU and GSM8K (the model table of REBEL's README.md), not this.
+# REBEL file:line citations below: github.com/ZhaolinGao/REBEL at commit 4ad7c11, src/ultrafeedback_largebatch/.
 #
 #   conda env: rlhf-vllm (envs/vllm.yml): --engine vllm needs vLLM, which rlhf-train does not have; the reward
 #              model runs on transformers, which rlhf-vllm has too. (With ENGINE=hf it runs in rlhf-train.)
@@ -12,23 +14,23 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: relative paths below resolve from here
 
-MODEL=${MODEL:-meta-llama/Meta-Llama-3-8B-Instruct}   # the policy of iteration 0 (REBEL, rebel-repo.md line 24)
+MODEL=${MODEL:-meta-llama/Meta-Llama-3-8B-Instruct}   # the policy of iteration 0 (REBEL generate.py:22)
 RUN=${RUN:-runs/rebel_llama3}
 ITER=${ITER:-1}                                       # 0 = the starting policy
 if [ "$ITER" -eq 0 ]; then POLICY=${POLICY:-$MODEL}; else POLICY=${POLICY:-$RUN/iter_$ITER/train}; fi
 if [ "$ITER" -eq 0 ]; then BASELINE=${BASELINE:-}; else BASELINE=${BASELINE:-$MODEL}; fi   # empty = no win rate
 EVAL_PROMPTS=${EVAL_PROMPTS:-allenai/ultrafeedback_binarized_cleaned:test_prefs}
-REWARD_MODEL=${REWARD_MODEL:-RLHFlow/ArmoRM-Llama3-8B-v0.1}   # REBEL's reward model (line 27), custom code
+REWARD_MODEL=${REWARD_MODEL:-RLHFlow/ArmoRM-Llama3-8B-v0.1}   # REBEL's reward model (rank.py:14), custom code
 OUT=${OUT:-$RUN/iter_$ITER/eval}
 N=${N:-1}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-2048}   # REBEL's generation budget (line 110)
-TEMPERATURE=${TEMPERATURE:-0.8}          # REBEL's sampling settings (line 110); TEMPERATURE=0 for greedy (needs N=1)
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-2048}   # REBEL's generation budget (generate.py:25)
+TEMPERATURE=${TEMPERATURE:-0.8}          # REBEL's sampling (generate.py:61-66); TEMPERATURE=0 for greedy (needs N=1)
 TOP_P=${TOP_P:-0.9}
 SEED=${SEED:-0}
 BATCH_SIZE=${BATCH_SIZE:-8}             # hf engine: prompts per generate call (unused by vLLM)
 SCORE_BATCH_SIZE=${SCORE_BATCH_SIZE:-8}  # reward-model batch, as score.sh
-MAX_LENGTH=${MAX_LENGTH:-4096}           # reward-model truncation, as REBEL's rank.py (line 115)
-DTYPE=${DTYPE:-bfloat16}                 # REBEL loads ArmoRM in bfloat16 (line 114)
+MAX_LENGTH=${MAX_LENGTH:-4096}           # reward-model truncation, as REBEL's rank.py:25,41-47
+DTYPE=${DTYPE:-bfloat16}                 # REBEL loads ArmoRM in bfloat16 (rank.py:25)
 ENGINE=${ENGINE:-vllm}
 PUSH_TO_HUB=${PUSH_TO_HUB:-}             # e.g. ORG/NAME-iter1-eval; the token comes from HF_TOKEN
 

@@ -16,14 +16,15 @@ ITER=${ITER:-1}
 if [ "$ITER" -le 1 ]; then POLICY=${POLICY:-$MODEL}; else POLICY=${POLICY:-$RUN/iter_$((ITER - 1))/train}; fi
 INPUT=${INPUT:-$RUN/iter_$ITER/score}
 OUT=${OUT:-$RUN/iter_$ITER/filter}
-# REBEL's filter_tokenize.py (rebel-repo.md lines 30 and 128-142):
-MODE=${MODE:-pairs}                              # chosen = argmax, rejected = argmin of the 5 rewards (line 135)
-MAX_PROMPT_TOKENS=${MAX_PROMPT_TOKENS:-1024}     # --maxlen_prompt 1024 (lines 30, 128)
-MAX_RESPONSE_TOKENS=${MAX_RESPONSE_TOKENS:-2048} # --maxlen 2048 (lines 30, 129)
-TEST_SIZE=${TEST_SIZE:-1000}                     # train_test_split(test_size=1000) (line 142; seeded here)
+# REBEL's src/ultrafeedback_largebatch/filter_tokenize.py (github.com/ZhaolinGao/REBEL at commit 4ad7c11; file:line):
+MODE=${MODE:-pairs}                              # chosen = argmax, rejected = argmin of the 5 rewards (:96)
+MAX_PROMPT_TOKENS=${MAX_PROMPT_TOKENS:-1024}     # --maxlen_prompt 1024 (:19, applied at :65)
+MAX_RESPONSE_TOKENS=${MAX_RESPONSE_TOKENS:-2048} # --maxlen 2048 (:18, applied at :68)
+TEST_SIZE=${TEST_SIZE:-1000}                     # train_test_split(test_size=1000), unseeded (:140; seeded here)
 SEED=${SEED:-0}
-# REBEL in effect drops responses that hit the 2048-token cap (they re-tokenize to 2049 with <|eot_id|>, line 130,
-# marked inferred there); --drop-truncated does that explicitly. DROP_TRUNCATED=0 keeps them.
+# REBEL in effect drops responses that hit the 2048-token cap: its length check (:68) counts the template's
+# <|eot_id|>, so a response cut at 2048 tokens measures 2049 (a reading of the code, not run); --drop-truncated
+# does that explicitly. DROP_TRUNCATED=0 keeps them.
 DROP_TRUNCATED=${DROP_TRUNCATED:-1}
 PUSH_TO_HUB=${PUSH_TO_HUB:-}                     # e.g. ORG/NAME-iter1-filter; the token comes from HF_TOKEN
 

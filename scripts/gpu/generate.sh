@@ -10,22 +10,23 @@
 #
 # Two ways to use the 8 GPUs:
 #   TP=8 SHARDS=1 (default): one vLLM engine with tensor parallelism over 8 GPUs, as REBEL's tutorial
-#       (tensor_parallel_size=8, /work/shared/seeds/002_*.txt; generate.py passes --world_size as the TP size,
-#       rebel-repo.md line 24). Same setting as scripts/gpu/rebel_ultrafeedback.yaml.
+#       (tensor_parallel_size=8 in the tutorial linked from REBEL's README, huggingface.co/blog/GitBag/rebel;
+#       REBEL's src/ultrafeedback_largebatch/generate.py:29,47 passes --world_size as the TP size, at commit
+#       4ad7c11 of github.com/ZhaolinGao/REBEL). Same setting as scripts/gpu/rebel_ultrafeedback.yaml.
 #   TP=1 SHARDS=8: eight independent engines (`--shard i/8`, one GPU each), then `rlhf merge`. Usually faster for
 #       an 8B model (no all-reduce per layer); a prompt's samples do not depend on the sharding (per-prompt seeds).
 # Rerunning with the same settings skips finished outputs (shards included), so a crash resumes where it stopped.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: relative paths below resolve from here
 
-MODEL=${MODEL:-meta-llama/Meta-Llama-3-8B-Instruct}   # the policy of iteration 0 (REBEL, rebel-repo.md line 24)
+MODEL=${MODEL:-meta-llama/Meta-Llama-3-8B-Instruct}   # the policy of iteration 0 (REBEL generate.py:22)
 RUN=${RUN:-runs/rebel_llama3}
 ITER=${ITER:-1}
 if [ "$ITER" -le 1 ]; then POLICY=${POLICY:-$MODEL}; else POLICY=${POLICY:-$RUN/iter_$((ITER - 1))/train}; fi
 PROMPTS=${PROMPTS:-runs/prompts/ultrafeedback}         # allenai/ultrafeedback_binarized_cleaned_train:train, prompt columns only
 OUT=${OUT:-$RUN/iter_$ITER/generate}
 
-# REBEL's sampling (rebel-repo.md lines 24 and 110): 5 responses per prompt, temperature 0.8, top-p 0.9, 2048 new
+# REBEL's sampling (generate.py:25,28,59-66): 5 responses per prompt, temperature 0.8, top-p 0.9, 2048 new
 # tokens. REBEL makes 5 separate passes with seeds p*50; here one request with n=5 and a per-prompt seed.
 N=${N:-5}
 TEMPERATURE=${TEMPERATURE:-0.8}

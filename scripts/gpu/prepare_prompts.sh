@@ -2,8 +2,8 @@
 # Prompt set of REBEL's UltraFeedback recipe, reduced to its prompt columns. Run once, before generate.sh/iterate.sh.
 #
 #   conda env: rlhf-train (envs/train.yml; rlhf-vllm works too, it only needs `datasets`). Needs Hub access.
-#   reads:     allenai/ultrafeedback_binarized_cleaned_train, split train (REBEL's generate.py default prompts,
-#              /work/shared/reference/rebel-repo.md line 24)
+#   reads:     allenai/ultrafeedback_binarized_cleaned_train, split train (the default prompts of REBEL's
+#              src/ultrafeedback_largebatch/generate.py:23,51, github.com/ZhaolinGao/REBEL at commit 4ad7c11)
 #   writes:    runs/prompts/ultrafeedback (datasets.save_to_disk; columns prompt_id, prompt; same rows and order)
 #
 # Why not pass the Hub id straight to `rlhf generate`: the UltraFeedback binarized sets also carry `chosen`,

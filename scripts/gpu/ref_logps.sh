@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Optional stage 3b of an iteration: log-probs of chosen/rejected under pi_t, the policy that sampled them.
-# REBEL precomputes these once per iteration with the freshly loaded base model (rebel-repo.md lines 65-68).
+# REBEL precomputes these once per iteration with the freshly loaded base model (gather_all_logprob in
+# src/ultrafeedback_largebatch/rebel.py:158-191,336-357, github.com/ZhaolinGao/REBEL at commit 4ad7c11).
 # `rlhf train` does the same pass itself when the columns are missing (kept in OUTPUT/ref_logps); running it here
 # as its own stage lets it use plain data parallelism (no ZeRO-3 gathering) and be checked before training.
 #
@@ -9,7 +10,7 @@
 #   reads:     $RUN/iter_$ITER/filter and $POLICY (iteration 1 $MODEL, iteration t > 1 $RUN/iter_<t-1>/train)
 #   writes:    $RUN/iter_$ITER/ref_logps (the pairs plus chosen_ref_logp / rejected_ref_logp, both splits)
 # The temperature is not passed: it is read from the generate manifest (0.8, REBEL's sampling temperature, which
-# REBEL also divides the logits by, rebel-repo.md line 61).
+# REBEL also divides the logits by, rebel.py:40,149).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: relative paths below resolve from here
 
@@ -20,7 +21,7 @@ if [ "$ITER" -le 1 ]; then POLICY=${POLICY:-$MODEL}; else POLICY=${POLICY:-$RUN/
 INPUT=${INPUT:-$RUN/iter_$ITER/filter}
 OUT=${OUT:-$RUN/iter_$ITER/ref_logps}
 NUM_GPUS=${NUM_GPUS:-8}
-BATCH_SIZE=${BATCH_SIZE:-8}       # pairs per forward (2 x 8 sequences); REBEL uses 1 (line 66), speed only
+BATCH_SIZE=${BATCH_SIZE:-8}       # pairs per forward (2 x 8 sequences); REBEL: 1 (rebel.py:172-173); speed only
 PUSH_TO_HUB=${PUSH_TO_HUB:-}      # e.g. ORG/NAME-iter1-ref_logps; the token comes from HF_TOKEN
 
 command -v accelerate >/dev/null || { echo "accelerate not found: conda activate rlhf-train" >&2; exit 1; }

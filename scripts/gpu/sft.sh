@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Optional, before the RLHF iterations: supervised fine-tuning (loss on the answers only).
 # REBEL's UltraFeedback recipe skips it: it starts from the already instruction-tuned
-# meta-llama/Meta-Llama-3-8B-Instruct (rebel-repo.md line 24); its SFT code is TL;DR/Pythia only (line 42). Use this
+# meta-llama/Meta-Llama-3-8B-Instruct (src/ultrafeedback_largebatch/generate.py:22 and rebel.py:89 of
+# github.com/ZhaolinGao/REBEL at commit 4ad7c11); its SFT code, src/tldr/sft.py, is for TL;DR on Pythia. Use this
 # to start the loop from a base model instead.
 #
 #   conda env: rlhf-train (envs/train.yml)
@@ -12,9 +13,9 @@
 #              checkpoints/step_N every $SAVE_EVERY steps. Use it as MODEL of the other scripts / `model:` of the yaml.
 # Interrupted? Run the same command again: --resume continues from the newest checkpoint, a finished run is skipped.
 #
-# REBEL publishes no Llama-3 SFT settings; the defaults follow OpenRLHF's Llama-3-8B SFT example
-# (/work/shared/seeds/001_*.txt lines 67-89: --max_len 2048, --train_batch_size 256, --max_epochs 1,
-# --learning_rate 5e-6, --bf16, --gradient_checkpointing).
+# REBEL publishes no Llama-3 SFT settings; the defaults follow the Llama-3-8B SFT example of OpenRLHF's
+# documentation (openrlhf.readthedocs.io, "Supervised & Preference Training"): max length 2048, global batch 256,
+# 1 epoch, learning rate 5e-6, bf16, gradient checkpointing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: accelerate_cfgs/ and relative paths resolve from here
 

@@ -3,8 +3,9 @@
 #
 #   conda env: rlhf-train (envs/train.yml)
 #   hardware:  one node, 8 x 80 GB GPUs, DeepSpeed ZeRO-3 (accelerate_cfgs/zero3.yaml), bf16, gradient
-#              checkpointing. REBEL's large-batch run uses 8 processes (rebel-repo.md line 73) and ZeRO-3
-#              (its tutorial: accelerate_cfgs/deepspeed_config_stage_3.yaml, /work/shared/seeds/002_*.txt).
+#              checkpointing. REBEL's large-batch run uses 8 processes and ZeRO-3 (the tutorial linked from its
+#              README, huggingface.co/blog/GitBag/rebel, launches src/ultrafeedback_largebatch/rebel.py with
+#              accelerate_cfgs/deepspeed_config_stage_3.yaml and --num_processes 8).
 #   reads:     $DATA (default $RUN/iter_$ITER/ref_logps when ref_logps.sh has run, else $RUN/iter_$ITER/filter) and
 #              $POLICY (iteration 1 $MODEL, iteration t > 1 $RUN/iter_<t-1>/train)
 #   writes:    $RUN/iter_$ITER/train: a save_pretrained model (safetensors + tokenizer; what generate.sh loads for
@@ -25,23 +26,24 @@ OUT=${OUT:-$RUN/iter_$ITER/train}
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_cfgs/zero3.yaml}
 NUM_GPUS=${NUM_GPUS:-8}
 
-# REBEL's large-batch UltraFeedback settings (src/ultrafeedback_largebatch/rebel.py, rebel-repo.md lines 56-77):
-# eta = 1e6 (line 56). rlhf train logs the paper's loss ((dlogratio)/eta - dr)^2 and backpropagates REBEL's code form
-# (dlogratio - eta*dr)^2 (eta^2 larger, same minimiser), so AdamW sees the gradients REBEL's run saw.
+# REBEL's large-batch UltraFeedback settings (src/ultrafeedback_largebatch/rebel.py of github.com/ZhaolinGao/REBEL
+# at commit 4ad7c11; rebel.py:N below): eta = 1e6 (rebel.py:31; its loss at rebel.py:441-443). rlhf train logs the
+# paper's loss ((dlogratio)/eta - dr)^2 and backpropagates REBEL's code form (dlogratio - eta*dr)^2 (eta^2 larger,
+# same minimiser), so AdamW sees the gradients REBEL's run saw.
 ETA=${ETA:-1e6}
-LEARNING_RATE=${LEARNING_RATE:-3e-7}     # AdamW lr=3e-7 (line 71)
-WEIGHT_DECAY=${WEIGHT_DECAY:-1e-6}       # AdamW weight_decay=1e-6 (line 71)
-ADAM_BETA2=${ADAM_BETA2:-0.95}           # AdamW betas=(0.9, 0.95) (line 71)
-WARMUP_RATIO=${WARMUP_RATIO:-0.1}        # cosine schedule with warmup ratio 0.1 (line 72)
-MAX_GRAD_NORM=${MAX_GRAD_NORM:-0}        # "There is no explicit gradient clipping" (line 75); 0 = off
-BATCH_SIZE=${BATCH_SIZE:-1}              # per_device_train_batch_size=1 pair per forward (line 73)
-GLOBAL_BATCH=${GLOBAL_BATCH:-128}        # 1 x 16 accumulation x 8 GPUs = 128 pairs per update (line 73)
+LEARNING_RATE=${LEARNING_RATE:-3e-7}     # AdamW lr=3e-7 (rebel.py:62)
+WEIGHT_DECAY=${WEIGHT_DECAY:-1e-6}       # AdamW weight_decay=1e-6 (rebel.py:64)
+ADAM_BETA2=${ADAM_BETA2:-0.95}           # AdamW betas=(0.9, 0.95) (rebel.py:322-328)
+WARMUP_RATIO=${WARMUP_RATIO:-0.1}        # cosine schedule with warmup ratio 0.1 (rebel.py:68,329)
+MAX_GRAD_NORM=${MAX_GRAD_NORM:-0}        # REBEL's rebel.py clips no gradients; 0 = off
+BATCH_SIZE=${BATCH_SIZE:-1}              # per_device_train_batch_size=1 pair per forward (rebel.py:73)
+GLOBAL_BATCH=${GLOBAL_BATCH:-128}        # 1 x 16 accumulation (rebel.py:71) x 8 GPUs = 128 pairs per update
 GRAD_ACC=${GRAD_ACC:-$((GLOBAL_BATCH / (BATCH_SIZE * NUM_GPUS)))}   # 16 on 8 GPUs, as REBEL
-EPOCHS=${EPOCHS:-1}                      # total_episodes=60000 -> 468 updates, about one pass (line 74)
-EVAL_EVERY=${EVAL_EVERY:-200}            # REBEL evaluates the test-split loss at updates 1, 201, 401, end (line 77)
-SAVE_EVERY=${SAVE_EVERY:-100}            # resumable checkpoint every 100 steps (REBEL saves but never resumes, line 79)
+EPOCHS=${EPOCHS:-1}                      # total_episodes=60000 -> 468 updates, about one pass (rebel.py:77,247)
+EVAL_EVERY=${EVAL_EVERY:-200}            # REBEL's test-split loss at updates 1, 201, 401, end (rebel.py:56,387-390,485)
+SAVE_EVERY=${SAVE_EVERY:-100}            # resumable checkpoints (REBEL saves, rebel.py:395, but never resumes)
 SEED=${SEED:-0}
-REPORT_TO=${REPORT_TO:-tensorboard}      # or wandb (REBEL's default, line 79) or none
+REPORT_TO=${REPORT_TO:-tensorboard}      # or wandb (REBEL's default, track=True, rebel.py:50) or none
 PUSH_TO_HUB=${PUSH_TO_HUB:-}             # e.g. ORG/NAME-iter1-train (a model repo); the token comes from HF_TOKEN
 
 command -v accelerate >/dev/null || { echo "accelerate not found: conda activate rlhf-train" >&2; exit 1; }
@@ -50,8 +52,8 @@ if [ $((BATCH_SIZE * GRAD_ACC * NUM_GPUS)) -ne "$GLOBAL_BATCH" ]; then
 fi
 push=(); [ -n "$PUSH_TO_HUB" ] && push=(--push-to-hub "$PUSH_TO_HUB")
 
-# --temperature is not passed: REBEL's log-probs use the sampling temperature 0.8 (line 61), which rlhf train reads
-# from the generate manifest.
+# --temperature is not passed: REBEL's log-probs use the sampling temperature 0.8 (rebel.py:40,149), which
+# rlhf train reads from the generate manifest.
 accelerate launch --config_file "$ACCELERATE_CONFIG" --num_processes "$NUM_GPUS" -m rlhf_pipeline.stages.train \
   --algo rebel --model "$POLICY" --data "$DATA" --output "$OUT" \
   --eta "$ETA" --learning-rate "$LEARNING_RATE" --weight-decay "$WEIGHT_DECAY" --adam-beta2 "$ADAM_BETA2" --warmup-ratio "$WARMUP_RATIO" \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Optional: train a Bradley-Terry reward model (-logsigmoid(r_chosen - r_rejected), as REBEL's TL;DR rm.py,
-# rebel-repo.md line 42) on preference pairs, to use instead of ArmoRM as REWARD_MODEL / `reward_model:`.
-# REBEL's UltraFeedback recipe does not train one: it scores with RLHFlow/ArmoRM-Llama3-8B-v0.1 (line 27).
+# Optional: train a Bradley-Terry reward model (-logsigmoid(r_chosen - r_rejected), as REBEL's TL;DR
+# src/tldr/rm.py:388) on preference pairs, to use instead of ArmoRM as REWARD_MODEL / `reward_model:`.
+# REBEL's UltraFeedback recipe does not train one: it scores with RLHFlow/ArmoRM-Llama3-8B-v0.1
+# (src/ultrafeedback_largebatch/rank.py:14). REBEL citations: github.com/ZhaolinGao/REBEL at commit 4ad7c11.
 #
 #   conda env: rlhf-train (envs/train.yml)
 #   hardware:  one node, 8 x 80 GB GPUs, DeepSpeed ZeRO-3 (accelerate_cfgs/zero3.yaml), bf16
@@ -11,9 +12,9 @@
 #              TensorBoard logs, checkpoints/step_N every $SAVE_EVERY steps.
 # Interrupted? Run the same command again: --resume continues from the newest checkpoint, a finished run is skipped.
 #
-# REBEL publishes no Llama-3 reward-model settings; the defaults follow OpenRLHF's Llama-3-8B reward-model example
-# (/work/shared/seeds/001_*.txt lines 103-124: --train_batch_size 256, --max_epochs 1, --max_len 8192,
-# --zero_stage 3, --learning_rate 9e-6, --bf16, --gradient_checkpointing).
+# REBEL publishes no Llama-3 reward-model settings; the defaults follow the Llama-3-8B reward-model example of
+# OpenRLHF's documentation (openrlhf.readthedocs.io): global batch 256, 1 epoch, max length 8192, ZeRO stage 3,
+# learning rate 9e-6, bf16, gradient checkpointing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: accelerate_cfgs/ and relative paths resolve from here
 

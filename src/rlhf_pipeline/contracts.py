@@ -1,4 +1,4 @@
-"""The column contracts between stages (DESIGN.md, "Data contracts"), each named once, and the one check of them.
+"""The column contracts between stages (docs/stages.md, "Data contracts"), each named once, and the one check of them.
 
 A stage that reads a dataset calls :func:`require_columns` with the columns it needs, and :func:`require_types` with
 what they hold (read from the features, no row decoded); the error names the file, the columns and the fix. Extra

@@ -16,8 +16,7 @@ decoder body runs once, the hidden states of the positions that predict a respon
 holds at most ``LOGITS_CHUNK_ELEMENTS`` logits (2^25: 128 MiB in fp32): 4,096 rows up to a 8,192-id vocabulary, 261 at
 Llama-3's 128,256. A fixed row count would not bound anything at a real vocabulary size: 4,096 rows of 128k fp32
 logits are 2 GiB, and the softmax and its backward hold two or three tensors that size (``rlhf bench``'s
-``memory_peak_vs_trl_large_vocab`` measured 3.9 GiB peak against TRL's 2.7 GiB before the bound, on 2 pairs of
-~1,000-token responses).
+``memory_peak_vs_trl_large_vocab`` measures it; docs/benchmarks.md).
 
 With gradients enabled each chunk runs under non-reentrant activation checkpointing: autograd keeps only the chunk's
 hidden rows (already alive) and its ``(chunk,)`` log-probs, and recomputes the chunk's logits in backward. Without
@@ -41,9 +40,9 @@ pair whose chosen response is long and rejected short no longer pads the short o
 
 Why not one row for everything: sdpa and eager compute the whole ``T × T`` score grid of a row and mask it, so a row
 of k sequences costs up to k times the attention of padding them; rows of about twice the longest sequence keep
-that overhead small while removing most padding (on the benchmark's length spread, micro-batches of 4 pairs: about
-0.93 real tokens against 0.67 padded, and a step about 1.25 times faster on a CPU; see ``rlhf bench``). With flash-attention, whose variable-length kernel skips the cross-sequence blocks,
-a larger ratio only helps.
+that overhead small while removing most padding (``rlhf bench`` measures the real-token fraction and the step time
+of both layouts; docs/benchmarks.md). With flash-attention, whose variable-length kernel skips the cross-sequence
+blocks, a larger ratio only helps.
 
 Packing relies on the model building its attention mask through transformers' masking utilities, as every model
 ported to transformers 5 does. A model that does not would let sequences see each other silently, so the first
@@ -65,7 +64,7 @@ final-logit soft-capping (``config.final_logit_softcapping``; see below). Anythi
 to its logits after the LM head (logit scaling as in Cohere's ``logit_scale``, Granite's ``logits_scaling``, MoE
 auxiliary heads, value heads, multi-token-prediction heads) is NOT reproduced; such models need their own rule here.
 
-Imports only torch; the model is duck-typed (a Hugging Face causal LM or anything with the same attributes).
+Imports torch and ``modeling``'s unwrapping helpers; the model is duck-typed (a Hugging Face causal LM or anything with the same attributes).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``rlhf bench [--quick] --output DIR``: every benchmark, side by side, one command.
 
-    rlhf bench --quick --output runs/bench_quick     # under 5 minutes on 2 CPU cores
+    rlhf bench --quick --output runs/bench_quick     # a few minutes on 2 CPU cores (docs/benchmarks.md)
     rlhf bench --output runs/bench                   # larger sizes and more rounds
 
 Writes ``DIR/benchmarks.json`` (a list of ``{"name", "ours", "peer", "unit", "ratio", "target", "notes"}``; ratio
@@ -31,7 +31,7 @@ class BenchConfig:
     """Run the benchmarks and write benchmarks.json and BENCHMARKS.md."""
 
     output: str = option(help="Directory for benchmarks.json, BENCHMARKS.md and the scratch data.")
-    quick: bool = option(False, help="Small sizes and fewer rounds (under 5 minutes on 2 cores).")
+    quick: bool = option(False, help="Small sizes and fewer rounds (a few minutes on 2 cores).")
     only: Optional[str] = option(None, help=f"Run one group of benchmarks: {', '.join(GROUPS)}.")
     rounds: Optional[int] = option(None, help="Alternating rounds per comparison (default 2 quick, 3 full).")
     keep_scratch: bool = option(False, help="Keep the generated data and models under OUTPUT/scratch.")

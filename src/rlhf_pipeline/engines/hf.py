@@ -12,8 +12,8 @@ samples each of its prompts as the whole run would).
 Temperature, top-k and top-p are applied by our own logits processors (:func:`sampling_processors`), in transformers'
 order, instead of ``generate``'s: :class:`TopPLogitsWarper` and :class:`TopKLogitsWarper` below give exactly
 transformers' processed logits (so the same tokens for the same seed) without its per-step ``torch.sort`` of every
-sampled row's whole vocabulary, which on a CPU costs more than a small model's decode step (``torch.sort`` of 80 rows
-of 1,024 logits: ~3 ms on one thread; ``numpy.sort`` of the same values: ~0.1 ms).
+sampled row's whole vocabulary, which on a CPU costs more than a small model's decode step (docs/benchmarks.md has
+the measurement).
 """
 
 from __future__ import annotations

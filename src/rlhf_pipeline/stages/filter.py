@@ -1,4 +1,5 @@
-"""Build training data from scored generations: length filters, best/worst pairs or whole groups, train/test split.
+"""Build training data from scored generations: length filters; best/worst pairs, whole groups, unpaired responses or
+each prompt's best; train/test split.
 
     rlhf filter --input runs/iter_0/score --output runs/iter_0/filter --tokenizer meta-llama/Meta-Llama-3-8B-Instruct \\
         --mode pairs --max-prompt-tokens 1024 --max-response-tokens 2048 --test-size 1000
@@ -40,7 +41,8 @@ from rlhf_pipeline.selection import decide_unpaired, mismatched_partners
 
 @dataclass(kw_only=True)
 class FilterConfig(OutputOptions):
-    """Length-filter scored generations and build pairs (REBEL, DPO family) or groups (PPO family)."""
+    """Length-filter scored generations and build pairs (REBEL, DPO family), groups (PPO family), unpaired responses
+    (KTO) or each prompt's best response (RAFT)."""
 
     input: str = option(help="Scored dataset (the output of rlhf score).", semantic=False)
     tokenizer: str = option(help="The policy's tokenizer (checks token ids; tokenizes data that has none).")

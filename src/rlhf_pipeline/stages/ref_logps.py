@@ -1,4 +1,5 @@
-"""Log-probs of chosen and rejected responses under the sampling policy, computed once per dataset.
+"""Reference log-probs of the responses (chosen and rejected of pairs, or KTO's unpaired responses) under the sampling
+policy, computed once per dataset.
 
     rlhf ref-logps --model runs/iter_0/policy --input runs/iter_0/filter --output runs/iter_0/ref_logps
     accelerate launch --multi_gpu --num_processes 8 -m rlhf_pipeline.stages.ref_logps \\
@@ -27,14 +28,16 @@ from rlhf_pipeline.config import OutputOptions, option
 
 @dataclass(kw_only=True)
 class RefLogpsConfig(OutputOptions):
-    """Add chosen_ref_logp / rejected_ref_logp columns computed with the sampling policy."""
+    """Add the reference log-prob columns (chosen_ref_logp / rejected_ref_logp of pairs; completion_ref_logp /
+    kl_ref_logp of KTO's unpaired rows) computed with the sampling policy."""
 
     model: str = option(help="The policy that sampled the data (the reference of the next training run).")
-    input: str = option(help="Pairs dataset with train and test splits (the output of rlhf filter).", semantic=False)
+    input: str = option(help="Pairs or unpaired rows with train and test splits (the output of rlhf filter).",
+                       semantic=False)
     temperature: Optional[float] = option(
         None, help="Temperature of the log-probs (default: the sampling temperature recorded upstream)."
     )
-    batch_size: int = option(8, help="Pairs per forward pass (each pass holds 2 x batch_size sequences).")
+    batch_size: int = option(8, help="Rows per forward pass (each pass holds 2 x batch_size sequences).")
     pack_ratio: float = option(
         2.0, help="Pack sequences into rows of up to this many times the longest one (0 = pad each to the longest).",
         semantic=False,
@@ -88,6 +91,7 @@ def _ref_logps(config: RefLogpsConfig, accelerator) -> Path:
     main process writes the output."""
     from accelerate import Accelerator
 
+    from rlhf_pipeline.algorithms.reference import add_ref_columns
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.distributed import guarded, on_main_process, world_and_rank
     from rlhf_pipeline.modeling import load_causal_lm
@@ -110,7 +114,7 @@ def _ref_logps(config: RefLogpsConfig, accelerator) -> Path:
         for split, ds in dd.items()
     }
     on_main_process(accelerator, lambda: out.save(
-        data.add_ref_columns(dd, values),
+        add_ref_columns(dd, values, data.REF_LOGP_COLUMNS),
         rows_in=sum(ds.num_rows for ds in dd.values()),
         extra={"sampling": sampling, "ref_logps": {"model": config.model, "temperature": temperature},
                "processes": processes},

@@ -4,6 +4,10 @@
     rlhf score --input runs/iter_0/generate --output runs/iter_0/score \\
         --reward-model RLHFlow/ArmoRM-Llama3-8B-v0.1 --trust-remote-code --batch-size 16
     rlhf score --input out/gen --output out/scored --reward-fn my_rewards.py:reward
+    rlhf score --input out/gen --output out/scored --reward-model runs/rm --reward-fn checks.py:format \\
+        --reward-weights 1 0.5      # several sources: rewards_<key> each, rewards = their standardised weighted sum
+    accelerate launch --multi_gpu --num_processes 8 -m rlhf_pipeline.stages.score \\
+        --input runs/iter_0/generate --output runs/iter_0/score --reward-model runs/rm   # data parallel
 
 Adds ``rewards`` (one float per response) to the generations. A NaN or infinite reward stops the stage with an
 error naming the row; nothing is written then. See ``rlhf_pipeline.rewards`` for the truncation rule and the
