@@ -380,9 +380,6 @@ class RewardModelScorer:
         self.model = None
 
 
-
-
-
 def model_pad_id(config) -> int | None:
     """The pad id a sequence classifier's own pooling skips (``config.get_text_config().pad_token_id``)."""
     return (config.get_text_config() if hasattr(config, "get_text_config") else config).pad_token_id
