@@ -88,3 +88,41 @@ def test_stop_tokens_include_generation_config_eos(tiny_policy, tmp_path):
 def test_as_text():
     assert as_text("plain") == "plain"
     assert as_text([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) == "u"
+
+
+@pytest.mark.parametrize("family", ["tiny", "llama3", "chatml", "mistral", "gemma", "no_template"])
+def test_chunked_threaded_encoding_gives_transformers_own_ids(family, tmp_path):
+    """``encode_texts`` renders and encodes a large batch in chunks over threads, calling the Rust encoder directly:
+    the ids must be exactly what ``apply_chat_template(tokenize=True)`` (or the tokenizer itself, without a template)
+    gives, for every chat format, over more conversations than one chunk, with texts that look like special tokens,
+    unicode, whitespace and empty responses. A tokenizer whose backend truncates is left to transformers."""
+    from rlhf_pipeline import chat
+    from rlhf_pipeline.tiny import build_tokenizer
+
+    tok = build_tokenizer(chat_format="tiny" if family == "no_template" else family)
+    if family == "no_template":
+        tok.chat_template = None
+    texts = ["hello there", "<|eot_id|> is not a turn end here", "naïve café — ünïcode ✓", "  spaced  ", "",
+             "a longer answer " * 9, "<s></s>[INST]", "\n\nnew\nlines\n"]
+    n = chat.ENCODE_CHUNK * 2 + 37
+    prompts = [f"prompt {i}: {texts[i % len(texts)]}" if i % 3 else
+               [{"role": "user", "content": f"q{i} {texts[(i + 1) % len(texts)]}"}] for i in range(n)]
+    if family == "no_template":
+        prompts = [p if isinstance(p, str) else p[0]["content"] for p in prompts]
+    responses = [texts[(i * 7) % len(texts)] + f" {i}" * (i % 4) for i in range(n)]
+    assert chat._direct_backend(tok) is not None  # the fast path is the one under test
+
+    if tok.chat_template:
+        convs = [chat.as_messages(p) + [{"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
+        expected = tok.apply_chat_template(convs, tokenize=True, return_dict=True)["input_ids"]
+        expected_prompts = tok.apply_chat_template([chat.as_messages(p) for p in prompts], tokenize=True,
+                                                   add_generation_prompt=True, return_dict=True)["input_ids"]
+    else:
+        expected = tok([chat.as_text(p) + r for p, r in zip(prompts, responses)], add_special_tokens=True)["input_ids"]
+        expected_prompts = tok(prompts, add_special_tokens=True)["input_ids"]
+    assert encode_conversations(tok, prompts, responses) == [list(x) for x in expected]
+    assert encode_prompts(tok, prompts) == [list(x) for x in expected_prompts]
+
+    tok.backend_tokenizer.enable_truncation(8)  # transformers turns it off for its own call: so must the fast path
+    assert chat._direct_backend(tok) is None
+    assert encode_conversations(tok, prompts, responses) == [list(x) for x in expected]

@@ -135,3 +135,20 @@ def test_only_one_label_classifiers_with_a_score_head_take_the_fast_path():
     gated.config, gated.base_model_prefix, gated.model = model.config, "model", model.model
     gated.config.num_labels = 1
     assert not rewards.supports_fast_path(gated)
+
+
+def test_a_scorer_that_loads_its_model_while_it_encodes_gives_the_same_rewards(tiny_rm):
+    """``rlhf score`` makes its scorer with ``load_model=False``: ``score`` then loads the model on this thread while
+    another encodes the conversations. Same ids, same batches, same model: bitwise the same rewards as a scorer that
+    loaded first, over more conversations than one encoding chunk."""
+    from rlhf_pipeline.chat import ENCODE_CHUNK
+
+    n = ENCODE_CHUNK + 50
+    prompts = [f"Write a review of item {i}." for i in range(n)]
+    responses = [("great " * (i % 7) + "fine " * (i % 3)).strip() or "ok" for i in range(n)]
+    eager = RewardModelScorer(tiny_rm, batch_size=8)
+    lazy = RewardModelScorer(tiny_rm, batch_size=8, load_model=False)
+    assert lazy.model is None
+    expected = eager.score(prompts, responses)
+    assert lazy.score(prompts, responses) == expected
+    assert lazy.model is not None and lazy.mode == eager.mode == "last_token"

@@ -2,16 +2,19 @@
 
 A prompt row has a ``prompt`` string or a ``messages`` list of ``{role, content}``; ``prompt`` wins when both are
 present (UltraFeedback-style data keeps the whole conversation, answer included, in ``messages``). The chat
-template is applied exactly once, straight to token ids (``apply_chat_template(..., tokenize=True)`` does not add
-special tokens a second time), so the engine never sees the double BOS that re-encoding a rendered string gives.
+template is applied exactly once and its rendering encoded without adding special tokens (what
+``apply_chat_template(..., tokenize=True)`` does), so the engine never sees the double BOS that re-encoding a rendered
+string with them gives. Large batches are rendered and encoded in chunks over threads (:func:`encode_texts`).
 No token id or template slice is hard-coded: stop tokens come from the tokenizer and the generation config.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from rlhf_pipeline.contracts import PROMPT_COLUMNS
 from rlhf_pipeline.errors import PipelineError
@@ -95,22 +98,65 @@ def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+ENCODE_CHUNK = 128  # texts per call of the Rust encoder when a batch is spread over threads
+
+
+def _direct_backend(tokenizer: PreTrainedTokenizerBase):
+    """The Rust tokenizer of a fast tokenizer, when calling it directly gives exactly what ``tokenizer(texts)`` gives:
+    no truncation or padding set on it, and special tokens read as the tokenizer reads them (transformers resets
+    both before each call, with the defaults); else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return None
+    if bool(getattr(backend, "encode_special_tokens", False)) != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend
+
+
+def encode_texts(tokenizer: PreTrainedTokenizerBase, items: Sequence[Any], to_text: Callable[[list], list[str]],
+                 add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of ``to_text(items)``, exactly as ``tokenizer(to_text(items), add_special_tokens=...)`` gives them,
+    rendered and encoded in chunks of :data:`ENCODE_CHUNK`: while this thread renders a chunk (a chat template is
+    Python), the Rust encoder, which releases the GIL, encodes the chunks before it on the other cores (with
+    ``TOKENIZERS_PARALLELISM=false``, which only stops the encoder's own thread pool, too)."""
+    items = list(items)
+    backend = _direct_backend(tokenizer)
+    if backend is None or len(items) <= ENCODE_CHUNK:
+        texts = to_text(items) if items else []
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]] if texts else []
+
+    # encode_batch_fast (tokenizers >= 0.21) skips the character offsets, which ids do not need: the same ids
+    batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in batch(texts, add_special_tokens=add_special_tokens)]
+
+    with ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 1)))) as pool:
+        parts = [pool.submit(encode, to_text(items[i : i + ENCODE_CHUNK])) for i in range(0, len(items), ENCODE_CHUNK)]
+        return [ids for part in parts for ids in part.result()]
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool) -> Callable[[list], list[str]]:
+    """Conversations (lists of messages) -> their chat-template renderings, as ``apply_chat_template`` renders them
+    before it tokenizes (with ``add_special_tokens=False``: the template writes its own)."""
+    return lambda convs: tokenizer.apply_chat_template(convs, add_generation_prompt=add_generation_prompt,
+                                                       tokenize=False)
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Iterable[str | list[dict[str, str]]], use_chat_template: bool = True
 ) -> list[list[int]]:
     """Token ids of each prompt, ready for generation (generation prompt appended when a template is used)."""
     prompts = list(prompts)
     if use_chat_template and tokenizer.chat_template:
-        encoded = tokenizer.apply_chat_template(
-            [as_messages(p) for p in prompts], add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return [list(ids) for ids in encoded["input_ids"]]
+        return encode_texts(tokenizer, [as_messages(p) for p in prompts], _render(tokenizer, True),
+                            add_special_tokens=False)
     if any(not isinstance(p, str) for p in prompts):
         raise PipelineError(
             "the tokenizer has no chat template, so 'messages' prompts cannot be rendered; "
             "use a chat model's tokenizer or give plain 'prompt' text"
         )
-    return [list(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+    return encode_texts(tokenizer, prompts, list, add_special_tokens=True)
 
 
 def encode_conversations(
@@ -119,10 +165,9 @@ def encode_conversations(
     """Token ids of whole prompt + response conversations, as a reward model reads them."""
     if tokenizer.chat_template:
         convs = [as_messages(p) + [{"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
-        encoded = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True)
-        return [list(ids) for ids in encoded["input_ids"]]
-    texts = [as_text(p) + r for p, r in zip(prompts, responses)]
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+        return encode_texts(tokenizer, convs, _render(tokenizer, False), add_special_tokens=False)
+    return encode_texts(tokenizer, [as_text(p) + r for p, r in zip(prompts, responses)], list,
+                        add_special_tokens=True)
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str, trust_remote_code: bool = False) -> list[int]:

@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -251,9 +252,13 @@ class RewardModelScorer:
         max_length: int = 4096,
         engine: str = "hf",
         device=None,
+        load_model: bool = True,
     ):
+        """``load_model=False`` leaves the model to :meth:`score`, which loads it while it encodes the texts."""
         from rlhf_pipeline.chat import load_tokenizer, pad_id
 
+        self.path, self.dtype, self.trust_remote_code, self.device = path, dtype, trust_remote_code, device
+        self.model = None
         self.tokenizer = load_tokenizer(path, trust_remote_code)
         self.batch_size = batch_size
         self.max_length = max_length
@@ -279,13 +284,18 @@ class RewardModelScorer:
             self.vllm = VLLMRewardModel(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                         max_model_len=self.max_length)
             return
-        from rlhf_pipeline.modeling import load_reward_model
-
-        self.model = load_reward_model(path, dtype=dtype, trust_remote_code=trust_remote_code, device=device)
-        prepare_reward_model(self.model, self.pad_id)
         # How batches are scored: "last_token" (the fast path) or "forward" (the model's own forward); decided on the
         # first batch (see the class docstring).
         self.mode: str | None = None
+        if load_model:
+            self.load_model()
+
+    def load_model(self) -> None:
+        from rlhf_pipeline.modeling import load_reward_model
+
+        self.model = load_reward_model(self.path, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
+                                       device=self.device)
+        prepare_reward_model(self.model, self.pad_id)
 
     def encode(self, prompts: list, responses: list[str]) -> list[list[int]]:
         from rlhf_pipeline.chat import encode_conversations
@@ -370,7 +380,16 @@ class RewardModelScorer:
         return rewards
 
     def score(self, prompts: list, responses: list[str], world: int = 1, rank: int = 0) -> list[float | None]:
-        return self.score_ids(self.encode(prompts, responses), world, rank)
+        """The reward of every (prompt, response). A scorer made with ``load_model=False`` loads its model here, on
+        this thread, while another renders and encodes the conversations (the encoder and most of the loading run
+        outside the GIL), instead of one after the other."""
+        if self.model is not None or self.vllm is not None:
+            return self.score_ids(self.encode(prompts, responses), world, rank)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            encoded = pool.submit(self.encode, prompts, responses)
+            self.load_model()
+            ids = encoded.result()
+        return self.score_ids(ids, world, rank)
 
     def close(self) -> None:
         """Free the model (vLLM's engine is shut down), so that the next reward source of a stage has the memory."""

@@ -248,6 +248,7 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations, 
             max_length=config.max_length,
             engine=config.engine,
             device=None if accelerator is None else accelerator.device,
+            load_model=False,  # score() loads it while the conversations are encoded
         )
         try:
             flat = scorer.score(prompts, responses, world, rank)
