@@ -86,10 +86,32 @@ def test_write_results_writes_the_json_contract_and_a_table(tmp_path):
     assert payload[0]["ratio"] == 4.0 and payload[2]["target"] is None and payload[0]["details"] == {"rounds": 1}
     md = (tmp_path / "BENCHMARKS.md").read_text()
     assert "- mode: quick" in md
-    assert "| `fast_thing` | 2 | 8 | s | 4.00 | ≥ 3 | yes |" in md
-    assert "| `slow_thing` | 1 | 1.5 | s | 1.50 | ≥ 2 | **no** |" in md
-    assert "| `context_only` | 0.5 | 0.25 | fraction | 0.50 | — | — |" in md
+    assert "| `fast_thing` | 2 | 8 | s | 4.00 | ≥ 3 | — | yes |" in md
+    assert "| `slow_thing` | 1 | 1.5 | s | 1.50 | ≥ 2 | — | **no** |" in md
+    assert "| `context_only` | 0.5 | 0.25 | fraction | 0.50 | — | — | — |" in md
     assert "## Stage time" in md and "| a | b |" in md
+
+
+def test_an_entry_with_a_ceiling_is_judged_on_the_fraction_of_it_it_reaches(tmp_path):
+    """The score entry's case: a ratio target above this machine's ceiling (5 > 4) is reported, not judged; the
+    fraction of the ceiling is (3.2 / 4 = 0.8 against 0.77: met; 2.9 / 4 = 0.725: missed). A reachable ratio target
+    is still judged beside the fraction."""
+    def entry(ratio, ceiling, target=5.0):
+        return Entry("score", ours=1.0, peer=ratio, unit="s", ratio=ratio, target=target, notes="",
+                     ceiling=ceiling, ceiling_target=0.77)
+
+    met, missed = entry(3.2, 4.0), entry(2.9, 4.0)
+    assert not met.target_reachable and met.ceiling_fraction == pytest.approx(0.8) and met.met is True
+    assert missed.ceiling_fraction == pytest.approx(0.725) and missed.met is False
+    assert met.status().startswith("ok:") and "(above this machine's ceiling)" in met.status()
+    assert missed.status().startswith("MISSED:") and "0.72 of ceiling 4.00 vs 0.77" in missed.status()
+    reachable = entry(3.2, 4.0, target=3.5)  # the fraction is met, the reachable ratio target is not
+    assert reachable.target_reachable and reachable.met is False
+    write_results(tmp_path, [met, missed], {}, [])
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "| `score` | 1 | 3.2 | s | 3.20 | ≥ 5 (not judged here) | 0.80 of 4.00 (≥ 0.77) | yes |" in md
+    assert "| `score` | 1 | 2.9 | s | 2.90 | ≥ 5 (not judged here) | 0.72 of 4.00 (≥ 0.77) | **no** |" in md
+    assert json.loads((tmp_path / "benchmarks.json").read_text())[0]["ceiling"] == 4.0
 
 
 def test_bench_names_the_missed_targets_after_writing_everything(tmp_path, monkeypatch):

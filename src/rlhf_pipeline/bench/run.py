@@ -79,8 +79,7 @@ def main(config: BenchConfig) -> Path:
     if not config.keep_scratch:
         shutil.rmtree(scratch, ignore_errors=True)
     for e in entries:
-        status = "" if e.met is None else ("  ok" if e.met else "  MISSED")
-        print(f"{e.name:34s} ratio {e.ratio:7.2f}  target {'-' if e.target is None else e.target}{status}")
+        print(f"{e.name:34s} ratio {e.ratio:7.2f}  target {'-' if e.target is None else e.target}  {e.status()}")
     print(f"wrote {output / 'benchmarks.json'} and {output / 'BENCHMARKS.md'}")
     missed = [e.name for e in entries if e.met is False]
     if missed:
