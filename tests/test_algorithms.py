@@ -27,6 +27,24 @@ def test_stage_choices_are_the_registry():
     assert all(a.demo for a in ALGORITHMS.values())  # rlhf demo has settings for every algorithm
 
 
+@pytest.mark.parametrize("option, value", [("reward_gap_scale", "rms"), ("nll_coef", 0.5), ("label_smoothing", 0.1),
+                                           ("desirable_weight", 2.0), ("scale_rewards", "none"), ("clip", 0.1)])
+def test_every_familys_option_given_to_every_algorithm_is_accepted_or_one_clear_error(option, value):
+    """A family's option checks read capabilities that other families' entries may not declare (a group algorithm
+    has no ``uses_rewards``): given to any algorithm, an option is taken or refused with a ValueError (the stage's
+    one ``error:`` line), never a crash."""
+    from rlhf_pipeline.stages.train import TrainConfig
+
+    taken = set()
+    for name in ALGORITHMS:
+        try:
+            TrainConfig(algo=name, model="m", data="d", output="o", **{option: value})
+        except ValueError:
+            continue
+        taken.add(name)
+    assert taken and taken != set(ALGORITHMS), option  # each option belongs to some algorithms, not to all
+
+
 def test_every_familys_options_are_flags_of_rlhf_train_and_their_help_is_the_familys():
     """rlhf train takes every family's options (from the registry); --algo X --help shows X's family in full and no
     other family's options."""
@@ -163,3 +181,17 @@ def test_a_group_algorithm_with_its_own_policy_loss_trains_through_the_registry_
     # on-policy, the loss is -(mean advantage): every token of a response carries its group-centred score
     # (1, 0, 0.5) - 0.5 and the 6 responses' scores sum to 0 within each group
     assert step["loss/train"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("argv", [["train", "--algo", name] for name in ("rebel", "kto", "grpo", "raft")]
+                         + [["sft"], ["train-rm"]])
+def test_a_mistyped_model_is_the_error_reported_first(argv, tmp_path, capsys):
+    """Every training stage checks --model before it reads anything else (as before the one skeleton): with a
+    mistyped --model and a mistyped --data, the one error line names --model, and nothing is written."""
+    from rlhf_pipeline.cli import main as rlhf
+
+    out = tmp_path / "out"
+    assert rlhf([*argv, "--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "no-data"),
+                 "--output", str(out)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --model ")
+    assert not out.exists()

@@ -152,3 +152,36 @@ def test_a_scorer_that_loads_its_model_while_it_encodes_gives_the_same_rewards(t
     expected = eager.score(prompts, responses)
     assert lazy.score(prompts, responses) == expected
     assert lazy.model is not None and lazy.mode == eager.mode == "last_token"
+
+
+def test_a_failed_model_load_stops_the_encoding_at_its_next_chunk(tiny_rm, monkeypatch):
+    """With ``load_model=False`` the model loads while another thread encodes: when the load fails (or Ctrl-C comes),
+    that error is the one raised, and the encoding stops at its next chunk instead of running to the end first."""
+    import time
+
+    from rlhf_pipeline import chat
+
+    rendered = []
+    real_render = chat._render
+
+    def slow_render(tokenizer, add_generation_prompt):
+        render = real_render(tokenizer, add_generation_prompt)
+
+        def each(convs):
+            rendered.append(len(convs))
+            time.sleep(0.05)
+            return render(convs)
+
+        return each
+
+    monkeypatch.setattr(chat, "_render", slow_render)
+    scorer = RewardModelScorer(tiny_rm, load_model=False)
+
+    def fail():
+        raise OSError("the reward model's weights are unreadable")
+
+    monkeypatch.setattr(scorer, "load_model", fail)
+    n = chat.ENCODE_CHUNK * 20
+    with pytest.raises(OSError, match="unreadable"):
+        scorer.score(["a prompt"] * n, ["a response"] * n)
+    assert 1 <= len(rendered) < 20  # stopped early: not every chunk was rendered

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -114,11 +115,12 @@ def _direct_backend(tokenizer: PreTrainedTokenizerBase):
 
 
 def encode_texts(tokenizer: PreTrainedTokenizerBase, items: Sequence[Any], to_text: Callable[[list], list[str]],
-                 add_special_tokens: bool) -> list[list[int]]:
+                 add_special_tokens: bool, stop: threading.Event | None = None) -> list[list[int]]:
     """Token ids of ``to_text(items)``, exactly as ``tokenizer(to_text(items), add_special_tokens=...)`` gives them,
     rendered and encoded in chunks of :data:`ENCODE_CHUNK`: while this thread renders a chunk (a chat template is
     Python), the Rust encoder, which releases the GIL, encodes the chunks before it on the other cores (with
-    ``TOKENIZERS_PARALLELISM=false``, which only stops the encoder's own thread pool, too)."""
+    ``TOKENIZERS_PARALLELISM=false``, which only stops the encoder's own thread pool, too). ``stop``, when set by
+    another thread, ends the work at the next chunk (with an error: the ids are then not whole)."""
     items = list(items)
     backend = _direct_backend(tokenizer)
     if backend is None or len(items) <= ENCODE_CHUNK:
@@ -132,7 +134,11 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, items: Sequence[Any], to_te
         return [encoding.ids for encoding in batch(texts, add_special_tokens=add_special_tokens)]
 
     with ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 1)))) as pool:
-        parts = [pool.submit(encode, to_text(items[i : i + ENCODE_CHUNK])) for i in range(0, len(items), ENCODE_CHUNK)]
+        parts = []
+        for i in range(0, len(items), ENCODE_CHUNK):
+            if stop is not None and stop.is_set():
+                raise RuntimeError("encoding stopped")
+            parts.append(pool.submit(encode, to_text(items[i : i + ENCODE_CHUNK])))
         return [ids for part in parts for ids in part.result()]
 
 
@@ -160,14 +166,16 @@ def encode_prompts(
 
 
 def encode_conversations(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[dict[str, str]]], responses: list[str]
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[dict[str, str]]], responses: list[str],
+    stop: threading.Event | None = None,
 ) -> list[list[int]]:
-    """Token ids of whole prompt + response conversations, as a reward model reads them."""
+    """Token ids of whole prompt + response conversations, as a reward model reads them (``stop``: see
+    :func:`encode_texts`)."""
     if tokenizer.chat_template:
         convs = [as_messages(p) + [{"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
-        return encode_texts(tokenizer, convs, _render(tokenizer, False), add_special_tokens=False)
+        return encode_texts(tokenizer, convs, _render(tokenizer, False), add_special_tokens=False, stop=stop)
     return encode_texts(tokenizer, [as_text(p) + r for p, r in zip(prompts, responses)], list,
-                        add_special_tokens=True)
+                        add_special_tokens=True, stop=stop)
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str, trust_remote_code: bool = False) -> list[int]:

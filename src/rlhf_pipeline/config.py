@@ -95,27 +95,30 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _help_sections(cls: type) -> list[tuple[str, set[str]]]:
-    """(title, field names) of each shared group ``cls`` inherits that names a help section, in base-class order,
-    and the output options last (always: stages that declare their own ``--output`` list it there too)."""
+def _help_sections(cls: type, first: type | None = None) -> list[tuple[str, set[str]]]:
+    """(title, field names) of each shared group ``cls`` inherits that names a help section, in base-class order
+    (``first``'s first: a field two groups declare is listed in the first), and the output options last (always:
+    stages that declare their own ``--output`` list it there too)."""
+    bases = sorted(cls.__mro__[1:], key=lambda base: base is not first)
     inherited = [
         (base.__dict__["options_group"], {f.name for f in dataclasses.fields(base)})
-        for base in cls.__mro__[1:]
+        for base in bases
         if dataclasses.is_dataclass(base) and "options_group" in base.__dict__ and base is not OutputOptions
     ]
     return inherited + [(OutputOptions.options_group, {f.name for f in dataclasses.fields(OutputOptions)})]
 
 
-def build_parser(cls: type, prog: str, description: str | None = None,
-                 only: set[str] | None = None) -> argparse.ArgumentParser:
+def build_parser(cls: type, prog: str, description: str | None = None, only: set[str] | None = None,
+                 first: type | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one kebab-case flag per dataclass field: the stage's own options first, then one
     section per shared group (sampling options, output options). ``only``: the fields to show (a help view, such as
-    ``rlhf train --algo X --help``); the others are left out."""
+    ``rlhf train --algo X --help``); the others are left out. ``first``: the group whose section lists a field that
+    several groups declare (by default the first in base-class order)."""
     parser = argparse.ArgumentParser(
         prog=prog, description=description or (cls.__doc__ or "").strip(), allow_abbrev=False
     )
     stage_group = parser.add_argument_group("stage options")
-    sections = _help_sections(cls)
+    sections = _help_sections(cls, first)
     groups = [stage_group] + [parser.add_argument_group(title) for title, _ in sections]
     stage_group.add_argument(
         "--config", metavar="FILE.yaml", default=None, help="Read options from a YAML file; flags override it."

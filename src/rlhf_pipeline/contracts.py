@@ -50,7 +50,7 @@ SCORED_COLUMNS = ("prompt_id", "responses", "rewards")
 # What the per-response columns of scored generations hold (checked where present).
 SCORED_KINDS = {"responses": "list of text", "rewards": "list of number", "prompt_token_ids": "list of int",
                 "response_token_ids": "list of list of int", "finish_reasons": "list of text"}
-# Each reward source's own rewards, when rlhf score combines several: ``rewards_<key>`` (scoring.reward_sources).
+# Each reward source's own rewards, when rlhf score combines several: ``rewards_<key>`` (stages.score.reward_sources).
 SOURCE_REWARDS_PREFIX = "rewards_"
 # Scored columns that hold one entry per response (n per prompt): pairs mode replaces them, groups mode keeps them.
 PER_RESPONSE_COLUMNS = ("responses", "response_token_ids", "rewards", "finish_reasons")

@@ -74,7 +74,7 @@ def ray_session(address: str | None, num_cpus: int) -> Iterator[Any]:
             ray.init(address="local", num_cpus=num_cpus, **quiet)
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = f"--ray-address {address}" if address else "--executor ray"
-        fix = ("start one with `ray start --head` (see README, Running at full size) or drop --ray-address for a "
+        fix = ("start one with `ray start --head` (see docs/full-size.md, Several nodes) or drop --ray-address for a "
                "local Ray") if address else "check `ray start --head` works on this machine, or use --executor local"
         reason = one_line(e, first_line_only=True)
         raise PipelineError(f"{where}: could not connect to Ray ({reason}); {fix}") from None

@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import logging
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,6 +260,7 @@ class RewardModelScorer:
 
         self.path, self.dtype, self.trust_remote_code, self.device = path, dtype, trust_remote_code, device
         self.model = None
+        self.closed = False
         self.tokenizer = load_tokenizer(path, trust_remote_code)
         self.batch_size = batch_size
         self.max_length = max_length
@@ -297,10 +299,10 @@ class RewardModelScorer:
                                        device=self.device)
         prepare_reward_model(self.model, self.pad_id)
 
-    def encode(self, prompts: list, responses: list[str]) -> list[list[int]]:
+    def encode(self, prompts: list, responses: list[str], stop=None) -> list[list[int]]:
         from rlhf_pipeline.chat import encode_conversations
 
-        ids = encode_conversations(self.tokenizer, prompts, responses)
+        ids = encode_conversations(self.tokenizer, prompts, responses, stop=stop)
         over = sum(len(x) > self.max_length for x in ids)
         if over:
             log.warning("%d of %d sequences exceed --max-length %d and are truncated", over, len(ids), self.max_length)
@@ -382,12 +384,20 @@ class RewardModelScorer:
     def score(self, prompts: list, responses: list[str], world: int = 1, rank: int = 0) -> list[float | None]:
         """The reward of every (prompt, response). A scorer made with ``load_model=False`` loads its model here, on
         this thread, while another renders and encodes the conversations (the encoder and most of the loading run
-        outside the GIL), instead of one after the other."""
+        outside the GIL), instead of one after the other; a failed load (or Ctrl-C) stops the encoding at its next
+        chunk. The vLLM engine is made with the scorer, so there it only encodes."""
+        if self.closed:
+            raise RuntimeError("this scorer was closed; make a new one")
         if self.model is not None or self.vllm is not None:
             return self.score_ids(self.encode(prompts, responses), world, rank)
+        stop = threading.Event()
         with ThreadPoolExecutor(max_workers=1) as pool:
-            encoded = pool.submit(self.encode, prompts, responses)
-            self.load_model()
+            encoded = pool.submit(self.encode, prompts, responses, stop)
+            try:
+                self.load_model()
+            except BaseException:
+                stop.set()  # the pool waits for the worker on the way out: let it end at its next chunk
+                raise
             ids = encoded.result()
         return self.score_ids(ids, world, rank)
 
@@ -397,6 +407,7 @@ class RewardModelScorer:
             self.vllm.close()
             self.vllm = None
         self.model = None
+        self.closed = True
 
 
 def model_pad_id(config) -> int | None:

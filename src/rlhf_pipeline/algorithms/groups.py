@@ -318,7 +318,7 @@ class GroupTask:
         self.totals: tuple[int, int] | None = None
 
     def begin_step(self, accelerator, model, rows, micro_batches: int) -> None:
-        """Before each optimizer step (``trainer.TrainTask``): the step's samples and tokens, for ``token``."""
+        """Before each optimizer step (``training.loop.TrainTask``): the step's samples and tokens, for ``token``."""
         self.totals = None if rows is None else _totals(rows)
 
     def begin_eval(self, ds) -> None:
@@ -634,6 +634,7 @@ def train(config) -> Path:
     from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.training.stage import StageRun, TrainingJob, run_training, training_summary
 
+    check_model_ref("--model", config.model)
     if config.ref_model:
         check_model_ref("--ref-model", config.ref_model, tokenizer=False)
     if config.critic_model:

@@ -272,7 +272,7 @@ class PairOptions:
         if self.nll_coef and not getattr(algorithm, "nll_term", False):
             raise ValueError(f"--nll-coef is for the DPO family (an NLL term beside a preference loss), not --algo "
                              f"{algorithm.name}")
-        if self.reward_gap_scale != "none" and not algorithm.uses_rewards:
+        if self.reward_gap_scale != "none" and not getattr(algorithm, "uses_rewards", False):
             raise ValueError(f"--reward-gap-scale is for the algorithms that regress on reward gaps (REBEL), not "
                              f"--algo {algorithm.name}")
         if self.beta is not None and self.beta <= 0:
@@ -308,10 +308,12 @@ def train(config) -> Path:
     from rlhf_pipeline.algorithms.reference import reference_columns
     from rlhf_pipeline.algorithms.registry import logp_temperature
     from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.errors import PipelineError
     from rlhf_pipeline.training.stage import TrainingJob, run_training, training_record, training_summary
 
+    check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
     try:
         algo, params = config.loss_params()

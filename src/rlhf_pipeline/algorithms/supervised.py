@@ -95,9 +95,11 @@ def train(config) -> Path:
     """``rlhf train --algo raft``: supervised fine-tuning on each prompt's best response (``rlhf filter --mode
     best``), on its sampled token ids."""
     from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.training.stage import TrainingJob, run_training, training_record, training_summary
 
+    check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
     algo = config.algorithm
 

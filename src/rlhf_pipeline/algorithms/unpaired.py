@@ -291,9 +291,11 @@ def train(config) -> Path:
     from rlhf_pipeline.algorithms.reference import reference_columns
     from rlhf_pipeline.algorithms.registry import logp_temperature
     from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.training.stage import TrainingJob, run_training, training_record, training_summary
 
+    check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
     algo = config.algorithm
     params = unpaired_loss_params(algo, beta=config.beta, desirable_weight=config.desirable_weight,

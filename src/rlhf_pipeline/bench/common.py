@@ -23,10 +23,10 @@ class Entry:
 
     An entry whose best possible ratio can be measured on the machine that runs it also carries that ``ceiling``
     (the peer's time over the irreducible part of ours, e.g. the reward model's batched forwards alone) and a
-    ``ceiling_target``, the fraction of the ceiling ours must reach (``ratio / ceiling``). That guards the stage
-    against slowing down where the ratio target says nothing: a ratio target above the ceiling cannot be met on this
-    machine (the score entry's 5x is for GPUs, where the forwards are cheap; a CPU's ceiling is about 4), and is then
-    reported but not judged.
+    ``ceiling_target``, the fraction of the ceiling ours must reach (``ratio / ceiling``). Where the ratio target is
+    above the ceiling it cannot be met on this machine (the score entry's 5x is for GPUs, where the forwards are
+    cheap; a CPU's ceiling is about 4): there the fraction is judged instead, so the stage slowing down still shows;
+    where the ratio target is within reach, it is judged and the fraction only reported.
     """
 
     name: str
@@ -54,8 +54,8 @@ class Entry:
         checks = []
         if self.target is not None and self.target_reachable:
             checks.append(self.ratio >= self.target)
-        if self.ceiling_target is not None:
-            checks.append(self.ceiling_fraction is not None and self.ceiling_fraction >= self.ceiling_target)
+        if self.ceiling_target is not None and not self.target_reachable:
+            checks.append(self.ceiling_fraction >= self.ceiling_target)
         return None if not checks else all(checks)
 
     def status(self) -> str:
@@ -66,8 +66,9 @@ class Entry:
         if self.target is not None:
             parts.append(f"ratio {self.ratio:.2f} vs {self.target:g}" + ("" if self.target_reachable else
                                                                           " (above this machine's ceiling)"))
-        if self.ceiling_target is not None:
-            parts.append(f"{self.ceiling_fraction:.2f} of ceiling {self.ceiling:.2f} vs {self.ceiling_target:g}")
+        if self.ceiling is not None:
+            parts.append(f"{self.ceiling_fraction:.2f} of ceiling {self.ceiling:.2f}"
+                         + ("" if self.ceiling_target is None or self.target_reachable else f" vs {self.ceiling_target:g}"))
         return ("ok" if self.met else "MISSED") + ": " + "; ".join(parts)
 
 

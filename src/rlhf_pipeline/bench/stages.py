@@ -700,7 +700,7 @@ def bench_score(workdir: Path, reward_model: Path, sizes: Sizes, rounds: int) ->
             f"{num_prompts:,} prompts x {n} responses = {sequences:,} sequences, the tiny reward model "
             f"(random-initialised Llama classifier, float32, CPU); median of {rounds} alternating rounds after a "
             "warm-up, each side loading the model and the data and saving the scored data. Ours: `rlhf score "
-            f"--reward-model` (whole conversations templated in one call, sorted by length, batches of {batch_size}). "
+            f"--reward-model` (whole conversations rendered and encoded in chunks over threads while the model loads, sorted by length, batches of {batch_size}). "
             "Peer: REBEL's `rank.py` re-created: for each response index, for each row, `apply_chat_template` with "
             "`truncation=True`, one forward of batch 1, `.item()`; one `add_column` per response index. Rewards agree "
             f"to {max_diff:.1e} (checked: 1e-4). Torch on {BENCH_TORCH_THREADS} thread. Ceiling on this machine: the "

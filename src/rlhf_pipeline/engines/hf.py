@@ -233,7 +233,7 @@ class HFEngine:
             use_cache=True,
             **extra,
         )
-        cache = getattr(out, cache_keyword())
+        cache = getattr(out, cache_keyword(), None)  # a model's own output class may name it otherwise
         if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
             return None
         cache.batch_repeat_interleave(n)

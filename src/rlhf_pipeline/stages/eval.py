@@ -69,7 +69,7 @@ class EvalConfig(SamplingOptions, OutputOptions):
     model: str = option(help="Policy to evaluate: a local directory or a Hub model id.")
     prompts: str = option(help="Held-out prompt dataset (directory, .json/.jsonl/.parquet file, or Hub id).",
                           semantic=False)
-    # One scorer of a kind is kept as a plain string, as before several existed (see scoring.ScoreConfig).
+    # One scorer of a kind is kept as a plain string, as before several existed (see stages.score.ScoreConfig).
     reward_model: Optional[list[str]] = option(
         None, help="Score with this sequence-classification reward model (several: repeat the flag, or a YAML list)."
     )

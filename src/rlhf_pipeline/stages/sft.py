@@ -124,9 +124,11 @@ def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int
 
 def main(config: SFTConfig) -> Path:
     from rlhf_pipeline.chat import load_tokenizer, pad_id, stop_token_ids
+    from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.datasets_io import parse_ref
     from rlhf_pipeline.training.stage import StageRun, TrainingJob, run_training, train_test_splits, training_summary
 
+    check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
 
     def read(run) -> TrainingJob:

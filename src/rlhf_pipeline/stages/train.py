@@ -71,11 +71,12 @@ def algorithm_help(algo: str) -> str:
     with their defaults (``rlhf train --help`` explains each)."""
     import textwrap
 
-    entry, own = get(algo), family(algo).options
+    entry, fam = get(algo), family(algo)
+    own = fam.options
     mine = ["algo", "temperature"] + ([f.name for f in dataclasses.fields(own)] if own is not None else [])
     family_names = {f.name for o in FAMILY_OPTIONS for f in dataclasses.fields(o)}
-    parser = build_parser(TrainConfig, "rlhf train", f"Train a policy with --algo {algo} ({entry.data} data): "
-                          f"{entry.help}.", only=set(mine))
+    parser = build_parser(TrainConfig, "rlhf train", f"Train a policy with --algo {algo}: {entry.help}. It trains on "
+                          f"{fam.help}.", only=set(mine), first=own)
     parser.usage = f"rlhf train --algo {algo} --model MODEL --data DATA --output OUTPUT [options]"
     (choice,) = [a for a in parser._actions if a.dest == "algo"]
     choice.help, choice.metavar = f"The algorithm ({', '.join(ALGORITHMS)}).", "NAME"

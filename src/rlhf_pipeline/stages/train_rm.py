@@ -154,10 +154,12 @@ def load_reward_model_for_training(path: str, trust_remote_code: bool = False, *
 
 def main(config: TrainRMConfig) -> Path:
     from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.datasets_io import parse_ref
     from rlhf_pipeline.rewards import prepare_reward_model
     from rlhf_pipeline.training.stage import StageRun, TrainingJob, run_training, train_test_splits, training_summary
 
+    check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
 
     def read(run) -> TrainingJob:

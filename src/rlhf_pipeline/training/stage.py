@@ -2,18 +2,20 @@
 ``rlhf_pipeline.training.loop``: the run's output directory, the accelerator, the manifest and the Hub upload; and the
 data preparation the stages share (train/test splits, tokenizing with a length limit).
 
-A stage's ``main`` reads top to bottom::
+A stage's ``main`` (or an algorithm family's recipe) reads top to bottom::
 
     check_model_ref("--model", config.model)
     ref = parse_ref(config.data)
-    with training_run("sft", config, [ref]) as run:
-        if run.finished:  # the output already holds this run
-            return run.path
-        ...  # load and check the data, load the model
-        run.start()  # the inputs are read and checked: now the output directory is made
-        ...  # prepare, train
-        run.finish(StageRun(result=result, rows_in=..., extra=..., summary=...))
-    return run.path
+
+    def read(run) -> TrainingJob:  # load and check the data (nothing is written yet)
+        ...
+        return TrainingJob(tokenizer, num_examples, task=..., record=...)
+
+    return run_training("sft", config, [ref], read)
+
+:func:`run_training` is the one skeleton: inside :func:`training_run` it reads, loads the model, calls
+``run.start()``, prepares, asks the job for its task (after a reference pass, say), trains, and ends with
+``run.finish(job.record(run, result))``.
 
 On entry :func:`training_run` checks the output (a finished run with the same config and inputs is not redone; an
 unfinished one is refused, or continued with ``--resume``, or replaced with ``--overwrite``) and builds the
@@ -280,13 +282,12 @@ class TrainingJob:
 
 
 def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[[TrainingRun], TrainingJob]) -> Path:
-    """The one skeleton of ``rlhf train`` (every family), ``rlhf sft`` and ``rlhf train-rm``: check ``--model``,
-    enter the run (a finished output is returned as it is), ``read(run)`` the inputs, load the model, make the
-    output directory, prepare, train, and mark the run complete with the job's record."""
-    from rlhf_pipeline.modeling import check_model_ref
+    """The one skeleton of ``rlhf train`` (every family), ``rlhf sft`` and ``rlhf train-rm``, once the stage has
+    checked ``--model`` and parsed its ``inputs`` (in that order, as every stage reports them): enter the run (a
+    finished output is returned as it is), ``read(run)`` the inputs, load the model, make the output directory,
+    prepare, train, and mark the run complete with the job's record."""
     from rlhf_pipeline.training.loop import load_trainable, prepare, train
 
-    check_model_ref("--model", config.model)
     with training_run(stage, config, inputs) as run:
         if run.finished:
             return run.path
