@@ -23,8 +23,30 @@ def run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv:
     """Parse the stage's config, run it, and turn a PipelineError into a one-line message (exit status 1).
 
     A UserCodeError (the user's reward function raised) prints the user's traceback first, then the one line, which
-    names the stage. ``RLHF_DEBUG=1`` lets either propagate with the pipeline's whole traceback.
+    names the stage. ``RLHF_DEBUG=1`` lets either propagate with the pipeline's whole traceback. A process of a
+    launch (``accelerate launch``) ends here with its exit status (see :func:`_end_launched`).
     """
+    return _end_launched(_run_stage(config_cls, main_fn, prog, argv))
+
+
+def _end_launched(code: int) -> int:
+    """One process (and every in-process call, as the tests make) gets ``code`` back. A process of a launch ends
+    here, once the stage has written its outputs and destroyed its process group: finalizing the interpreter of a
+    process that ran gloo collectives can abort it in C++ ("terminate called without an active exception", SIGABRT:
+    seen in rare CI runs of the 2-process stages, after their outputs were complete), and the launcher then reports
+    the whole launch as failed. So the streams are flushed and the process exits without that finalization."""
+    from rlhf_pipeline.distributed import finish_distributed, launched
+
+    if not launched():
+        return code
+    finish_distributed()  # a no-op when the stage destroyed its group, as every stage does
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv: Sequence[str] | None) -> int:
     logging.basicConfig(
         level=os.environ.get("RLHF_LOG_LEVEL", "WARNING").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
