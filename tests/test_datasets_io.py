@@ -145,7 +145,7 @@ def test_push_to_hub_uploads_data_and_manifest(tmp_path, monkeypatch):
 
     class FakeApi:
         def upload_file(self, **kw):
-            calls.append(("file", kw["repo_id"], kw["path_in_repo"], json.loads(open(kw["path_or_fileobj"]).read())))
+            calls.append(("file", kw["repo_id"], kw["path_in_repo"], json.loads(kw["path_or_fileobj"])))
 
     monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
     monkeypatch.setenv("HF_TOKEN", "hf_secret_token_value")
@@ -154,3 +154,5 @@ def test_push_to_hub_uploads_data_and_manifest(tmp_path, monkeypatch):
     assert calls[0] == ("data", "org/name")
     assert calls[1][:3] == ("file", "org/name", MANIFEST)
     assert "hf_secret_token_value" not in json.dumps(calls[1][3])
+    assert calls[1][3]["push"] == {"repo_id": "org/name", "pushed": True}
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["push"] == {"repo_id": "org/name", "pushed": True}

@@ -171,13 +171,18 @@ def test_finished_run_is_not_redone_and_pushes_only_the_model(pairs, tiny_policy
         def upload_folder(self, **kw):
             uploads.append(("upload", kw["repo_id"], kw["folder_path"], kw["ignore_patterns"]))
 
+        def upload_file(self, **kw):
+            uploads.append(("file", kw["repo_id"], kw["path_in_repo"], json.loads(kw["path_or_fileobj"])["push"]))
+
     monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
     args = train_args(pairs, tiny_policy, tmp_path / "once", "--algo", "rebel", "--max-steps", 2,
                       "--push-to-hub", "org/tiny-rebel")
     assert run(*args) == 0
     assert uploads == [("create", "org/tiny-rebel"),
                        ("upload", "org/tiny-rebel", str(tmp_path / "once"),
-                        ["checkpoints/*", "runs/*", "ref_logps/*", "rollout/*"])]
+                        ["checkpoints/*", "runs/*", "ref_logps/*", "rollout/*", "manifest.json"]),
+                       ("file", "org/tiny-rebel", "manifest.json", {"repo_id": "org/tiny-rebel", "pushed": True})]
+    assert json.loads((tmp_path / "once" / "manifest.json").read_text())["push"]["pushed"] is True
     stamp = (tmp_path / "once" / "manifest.json").read_text()
     capsys.readouterr()
     assert run(*args) == 0

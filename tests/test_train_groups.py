@@ -668,6 +668,9 @@ def test_push_to_hub_leaves_the_rollout_cache_out(data, tiny_policy, tmp_path, m
         def upload_folder(self, **kw):
             uploads.append(kw["ignore_patterns"])
 
+        def upload_file(self, **kw):
+            pass
+
     monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
     out = tmp_path / "grpo"
     assert run(*train_args(data, tiny_policy, out, "grpo", "--max-steps", 1, "--batch-size", 8,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from rlhf_pipeline.contracts import PROMPT_COLUMNS
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.files import MODEL_HINT, reading
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -87,7 +88,8 @@ def as_text(value: str | list[dict[str, str]]) -> str:
 def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str | None = None) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with reading("tokenizer", path, MODEL_HINT, only_damaged=True):
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if padding_side is not None:
         tok.padding_side = padding_side
     return tok

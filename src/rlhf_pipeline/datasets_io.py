@@ -27,19 +27,21 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from rlhf_pipeline import __version__
 from rlhf_pipeline.config import semantic_dict, to_dict
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.files import first_line, reading, writing
+from rlhf_pipeline.layout import MANIFEST, RUN_RECORD
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-RUN_RECORD = "run_started.json"  # an in-place output's config and inputs, written when it starts
+REWRITE_HINT = "run the stage that wrote it again (with --overwrite), or copy it again from where it came from"
+TRAINING_STAGES = ("sft", "train-rm", "train")  # outputs that are models, whose rows_out counts steps
 FILE_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _HUB_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?::(?P<split>[\w.-]+))?(?:@(?P<revision>[\w./-]+))?$")
 
@@ -104,7 +106,9 @@ def _load_raw(ref: DatasetRef) -> Dataset | DatasetDict:
                 f"{ref.location}: not a dataset directory (no dataset_info.json or dataset_dict.json); "
                 "pass a directory written by a stage or by Dataset.save_to_disk, or a .jsonl/.parquet file"
             )
-        ds = datasets.load_from_disk(str(path))
+        with reading("dataset", path, REWRITE_HINT):
+            ds = datasets.load_from_disk(str(path))
+        _check_rows(ref, ds)
     elif ref.kind == "file":
         builder = FILE_SUFFIXES[Path(ref.location).suffix]
         try:
@@ -119,6 +123,20 @@ def _load_raw(ref: DatasetRef) -> Dataset | DatasetDict:
             raise PipelineError(f"{ref}: no split '{ref.split}' (splits: {have})")
         return ds[ref.split]
     return ds
+
+
+def _check_rows(ref: DatasetRef, ds: Dataset | DatasetDict) -> None:
+    """A stage's output holds the rows its manifest counted: a data file cut short at a record batch's end reads
+    without an error, with fewer rows."""
+    manifest = read_manifest(ref)
+    if manifest is None or "rows_out" not in manifest or manifest.get("stage") in (None, *TRAINING_STAGES):
+        return
+    expected = manifest["rows_out"]
+    have = {split: d.num_rows for split, d in ds.items()} if isinstance(expected, dict) and hasattr(ds, "items") \
+        else getattr(ds, "num_rows", None)
+    if have != expected:
+        raise PipelineError(f"{ref.location}: holds {have} rows where its {MANIFEST} counted {expected}: a data file is "
+                            f"damaged or incomplete; {REWRITE_HINT}")
 
 
 def load_dataset_ref(ref: DatasetRef) -> Dataset:
@@ -150,7 +168,12 @@ def read_manifest(ref: DatasetRef) -> dict[str, Any] | None:
     """The manifest of a stage output, or None for data that no stage wrote."""
     if ref.kind == "dir":
         path = Path(ref.location) / MANIFEST
-        return json.loads(path.read_text()) if path.exists() else None
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except ValueError as e:
+            raise PipelineError(f"{path}: damaged ({type(e).__name__}: {e}); {REWRITE_HINT}") from e
     if ref.kind == "hub":
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError
@@ -266,8 +289,9 @@ class StageOutput:
         out.save(dataset, rows_in=n, dropped={...})
     """
 
-    def __init__(self, stage: str, config: Any, inputs: list[DatasetRef]):
+    def __init__(self, stage: str, config: Any, inputs: list[DatasetRef], pusher: Pusher | None = None):
         self.stage = stage
+        self.pusher = pusher or push_dataset_dir  # uploads the output to --push-to-hub's repo
         self.config = config
         self.inputs = inputs
         self.path = Path(config.output).expanduser()
@@ -290,13 +314,16 @@ class StageOutput:
             diffs.append("the input data changed")
         return diffs
 
-    def done(self, resume: bool | None = None) -> bool:
+    def done(self, resume: bool | None = None, push: bool = True) -> bool:
         """True when the output already holds this exact run; raises when it holds another one.
 
         ``resume`` is for stages that fill their output in place (training): True continues an unfinished output
         (no manifest yet) when it was started with the same config and inputs, False refuses it with a hint to pass
         ``--resume``; None means the stage cannot resume. Afterwards ``self.replace`` says whether an existing
         output must be removed before the run starts (``--overwrite``).
+
+        A finished output whose ``--push-to-hub`` upload is still pending is uploaded now (``push``; by the main
+        process), without recomputing anything.
         """
         self.replace = False
         clean_stale(self.path)
@@ -327,10 +354,15 @@ class StageOutput:
             raise PipelineError(
                 f"--output {self.path}: exists but holds no completed stage output (no {MANIFEST}); {hint}"
             )
-        diffs = self._same_run(json.loads(manifest_path.read_text()))
+        manifest = read_manifest(DatasetRef("dir", str(self.path)))
+        diffs = self._same_run(manifest)
         if not diffs:
             log.info("%s: %s already holds this run (same config and inputs); skipping", self.stage, self.path)
-            print(f"[{self.stage}] {self.path} is complete for this config and inputs; nothing to do")
+            pending = self.push_pending(manifest)
+            print(f"[{self.stage}] {self.path} is complete for this config and inputs; "
+                  f"{'pushing it to ' + self.config.push_to_hub if pending else 'nothing to do'}")
+            if pending and push and _main_process():
+                self.push(manifest)
             return True
         if self.config.overwrite:
             log.info("%s: replacing %s (%s)", self.stage, self.path, "; ".join(diffs))
@@ -347,6 +379,35 @@ class StageOutput:
         record = {"stage": self.stage, "config": to_dict(self.config), "inputs": self.input_records}
         # atomically: a record truncated by a kill would make the output unreadable to --resume and --overwrite
         write_text_atomic(self.path / RUN_RECORD, json.dumps(record, indent=2, default=str) + "\n")
+
+    def push_pending(self, manifest: dict[str, Any] | None = None) -> bool:
+        """Whether ``--push-to-hub`` asks for an upload that this output has not had yet."""
+        repo = getattr(self.config, "push_to_hub", None)
+        if not repo:
+            return False
+        if manifest is None:
+            manifest = read_manifest(DatasetRef("dir", str(self.path))) or {}
+        record = manifest.get(PUSH) or {}
+        return not (record.get("repo_id") == repo and record.get("pushed"))
+
+    def push(self, manifest: dict[str, Any]) -> None:
+        """Upload the finished output to ``--push-to-hub``'s repo with its manifest, then record in the local
+        manifest that it was pushed. A failure is one line; the manifest then records the push as pending, so that
+        the same command run again uploads it without recomputing anything."""
+        repo = self.config.push_to_hub
+        pushed = dict(manifest, **{PUSH: {"repo_id": repo, "pushed": True}})
+        try:
+            self.pusher(self.path, repo, (json.dumps(pushed, indent=2, default=str) + "\n").encode())
+        except Exception as e:  # the Hub's and the network's errors are many kinds
+            manifest[PUSH] = {"repo_id": repo, "pushed": False}
+            write_text_atomic(self.path / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
+            raise PipelineError(
+                f"--push-to-hub {repo}: the upload failed ({type(e).__name__}: {redact(first_line(e))}); {self.path} "
+                f"is complete and its {MANIFEST} records the push as pending: run the same command again to upload "
+                "it (nothing is recomputed); check HF_TOKEN, the network, and that HF_HUB_OFFLINE is not set"
+            ) from None
+        write_text_atomic(self.path / MANIFEST, json.dumps(pushed, indent=2, default=str) + "\n")
+        print(f"[{self.stage}] pushed to https://huggingface.co/{_hub_kind(self.pusher)}{repo}")
 
     def manifest(
         self,
@@ -368,6 +429,8 @@ class StageOutput:
             "rows_out": rows_out,
             "dropped": dict(sorted((dropped or {}).items())),
             **(extra or {}),
+            **({PUSH: {"repo_id": self.config.push_to_hub, "pushed": False}}
+               if getattr(self.config, "push_to_hub", None) else {}),
         }
 
     def write_manifest(self, manifest: dict[str, Any], directory: Path | None = None) -> None:
@@ -394,12 +457,16 @@ class StageOutput:
             else data.num_rows
         )
         manifest = self.manifest(rows_in=rows_in, rows_out=rows_out, dropped=dropped, extra=extra)
-        with atomic_directory(self.path) as tmp:
+        with writing(self.path, needed=_nbytes(data)), atomic_directory(self.path) as tmp:
             data.save_to_disk(str(tmp))
             self.write_manifest(manifest, tmp)
-        print(f"[{self.stage}] wrote {self.path} ({_rows_text(rows_out)}) in {manifest['wall_time_s']:.1f}s")
-        if self.config.push_to_hub:
-            push_to_hub(data, self.path / MANIFEST, self.config.push_to_hub)
+        return self.published(manifest)
+
+    def published(self, manifest: dict[str, Any]) -> Path:
+        """Say that the output is written (its manifest in place), then push it to the Hub if asked."""
+        print(f"[{self.stage}] wrote {self.path} ({_rows_text(manifest['rows_out'])}) in {manifest['wall_time_s']:.1f}s")
+        if self.push_pending(manifest):
+            self.push(manifest)
         return self.path
 
 
@@ -409,13 +476,45 @@ def _rows_text(rows_out: int | dict[str, int]) -> str:
     return f"{rows_out} rows"
 
 
-def push_to_hub(data: Dataset | DatasetDict, manifest_path: Path, repo_id: str) -> None:
-    """Upload a finished output and its manifest. The token is read from the environment by huggingface_hub."""
+Pusher = Callable[[Path, str, bytes], None]  # (output directory, repo id, the manifest to upload beside it)
+PUSH = "push"  # the manifest's record of --push-to-hub: {"repo_id": ..., "pushed": true/false}
+
+
+def push_dataset_dir(path: Path, repo_id: str, manifest: bytes) -> None:
+    """Upload a finished dataset output and its manifest to a Hub dataset repo. The token is read from the
+    environment (HF_TOKEN) by huggingface_hub."""
+    import datasets
     from huggingface_hub import HfApi
 
-    log.info("pushing to the Hub dataset repo %s", repo_id)
-    data.push_to_hub(repo_id)
-    HfApi().upload_file(
-        path_or_fileobj=str(manifest_path), path_in_repo=MANIFEST, repo_id=repo_id, repo_type="dataset"
-    )
-    print(f"pushed to https://huggingface.co/datasets/{repo_id}")
+    log.info("pushing %s to the Hub dataset repo %s", path, repo_id)
+    datasets.load_from_disk(str(path)).push_to_hub(repo_id)
+    HfApi().upload_file(path_or_fileobj=manifest, path_in_repo=MANIFEST, repo_id=repo_id, repo_type="dataset")
+
+
+push_dataset_dir.hub_kind = "datasets/"  # type: ignore[attr-defined]
+
+
+def _hub_kind(pusher: Pusher) -> str:
+    return getattr(pusher, "hub_kind", "")
+
+
+def redact(text: str) -> str:
+    """``text`` without the Hub token (an error message can quote a request's headers)."""
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        token = os.environ.get(name)
+        if token and len(token) >= 4:
+            text = text.replace(token, "***")
+    return re.sub(r"\bhf_[A-Za-z0-9]{20,}\b", "hf_***", text)
+
+
+def _main_process() -> bool:
+    """The main process of a launch (or the only process): the one that uploads."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _nbytes(data: Dataset | DatasetDict) -> int | None:
+    try:
+        parts = data.values() if hasattr(data, "values") else [data]
+        return sum(d.data.nbytes for d in parts)
+    except Exception:  # an estimate for the error line only
+        return None

@@ -33,6 +33,8 @@ PLOTS_DIR = "plots"
 ITERATION_STAGES = ("generate", "score", "filter", "train", "eval")
 ITER_DIR = re.compile(r"^iter_(\d+)$")
 
+MANIFEST = "manifest.json"  # in every stage output, written last: the output is complete
+RUN_RECORD = "run_started.json"  # an in-place output's config and inputs, written when it starts
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 REF_LOGPS_CACHE = "ref_logps"

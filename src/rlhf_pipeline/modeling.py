@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.files import MODEL_HINT, reading
+from rlhf_pipeline.layout import MANIFEST, RUN_RECORD
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +54,11 @@ def check_model_ref(
     if path.is_dir():
         if model and not (path / MODEL_CONFIG).is_file():
             raise PipelineError(f"{flag} {ref}: a directory without {MODEL_CONFIG}, so not a model; pass {hint}")
+        if (path / RUN_RECORD).is_file() and not (path / MANIFEST).is_file():
+            raise PipelineError(
+                f"{flag} {ref}: an unfinished training run (no {MANIFEST}): its model is not the finished one; "
+                f"finish it with --resume, or pass one of its checkpoints ({ref}/checkpoints/step_N)"
+            )
         if tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
             what = "a model but no tokenizer" if model else "no tokenizer"
             raise PipelineError(
@@ -128,9 +135,10 @@ def load_causal_lm(path: str, dtype: str = "auto", trust_remote_code: bool = Fal
     from transformers import AutoModelForCausalLM
 
     device = device or default_device()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
-    )
+    with reading("model", path, MODEL_HINT, only_damaged=True):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
+        )
     return model.to(device).eval()
 
 
@@ -138,9 +146,10 @@ def load_reward_model(path: str, dtype: str = "auto", trust_remote_code: bool = 
     from transformers import AutoModelForSequenceClassification
 
     device = device or default_device()
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
-    )
+    with reading("model", path, MODEL_HINT, only_damaged=True):
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
+        )
     return model.to(device).eval()
 
 

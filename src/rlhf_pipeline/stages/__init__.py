@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from rlhf_pipeline.config import parse_config
 from rlhf_pipeline.errors import FailedElsewhere, PipelineError, UserCodeError
+from rlhf_pipeline.files import writing
 
 C = TypeVar("C")
 
@@ -53,7 +54,9 @@ def _run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv
     )
     try:
         config = parse_config(config_cls, argv, prog)
-        main_fn(config)
+        again = "run the same command again" + (" with --resume" if hasattr(config, "resume") else "")
+        with writing(getattr(config, "output", None) or os.getcwd(), again=again):
+            main_fn(config)
     except FailedElsewhere:  # another process of the launch failed, and the main process says why
         if os.environ.get("RLHF_DEBUG"):
             raise

@@ -284,7 +284,7 @@ def _evaluate(config: EvalConfig, accelerator) -> Path:
 
     def begin():
         ref = parse_ref(config.prompts)
-        out = StageOutput("eval", config, inputs=[ref])
+        out = StageOutput("eval", config, inputs=[ref], pusher=push_samples)
         if out.done(resume=True):  # the parts are stage outputs of their own: an unfinished eval continues
             return None
         return out, _check_inputs(config, ref)  # before the output directory is made: a mistake leaves nothing
@@ -355,17 +355,16 @@ def _report(config: EvalConfig, out, own: dict[str, Path], baseline: dict[str, P
     )
     for name, values in columns.items():
         samples = samples.add_column(name, values)
-    from rlhf_pipeline.datasets_io import atomic_directory, push_to_hub, write_text_atomic
+    from rlhf_pipeline.datasets_io import atomic_directory, write_text_atomic
 
     with atomic_directory(out.path / EVAL_SAMPLES) as tmp:
         samples.save_to_disk(str(tmp))
     write_text_atomic(out.path / EVAL_RESULTS, json.dumps(results, indent=2) + "\n")
     manifest = out.manifest(rows_in=generated.num_rows, rows_out=generated.num_rows,
                             extra={"eval": results, "processes": processes})
-    if config.push_to_hub:  # before the manifest: a failed upload leaves the evaluation unfinished, to be rerun
-        out.write_manifest(dict(manifest), directory=out.path / EVAL_SAMPLES)
-        push_to_hub(samples, out.path / EVAL_SAMPLES / "manifest.json", config.push_to_hub)
     out.write_manifest(manifest)
+    if out.push_pending(manifest):  # a failed upload is one line; the evaluation stays finished, the push pending
+        out.push(manifest)
     shown = dict(scores, **({"combined": results["combined"]} if "combined" in results else {}))
     for name, s in shown.items():
         line = f"[eval] {name}: mean reward {s['mean']:.4f}"
@@ -373,6 +372,16 @@ def _report(config: EvalConfig, out, own: dict[str, Path], baseline: dict[str, P
         if s["win_rate"] is not None:
             line += f", win rate {s['win_rate']:.3f} against the baseline (mean {s['baseline_mean']:.4f})"
         print(line)
+
+
+def push_samples(path: Path, repo_id: str, manifest: bytes) -> None:
+    """``--push-to-hub``: the samples (prompts, responses, rewards), with the evaluation's manifest beside them."""
+    from rlhf_pipeline.datasets_io import push_dataset_dir
+
+    push_dataset_dir(path / EVAL_SAMPLES, repo_id, manifest)
+
+
+push_samples.hub_kind = "datasets/"  # type: ignore[attr-defined]
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

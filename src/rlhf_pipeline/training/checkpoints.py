@@ -7,14 +7,19 @@ Output directory of a training stage::
     OUTPUT/metrics.jsonl     one JSON object per logged step ({"step", "loss/train", ...}); TensorBoard in OUTPUT/runs
     OUTPUT/checkpoints/step_N/   a save_pretrained model + state/ (optimizer, scheduler, RNG) + trainer_state.json
 
-``--resume`` continues from the newest complete checkpoint; checkpoints are written to a temporary name and
-renamed, so a crash while saving leaves the previous one intact. ``--save-total-limit N`` keeps the newest N
-(older ones are deleted only after a newer one is complete); the manifest lists the checkpoints that remain.
+Checkpoints are written to a temporary name (``step_N.tmp``), flushed to the disk and sealed with ``files.json`` (every
+file and its size, ``rlhf_pipeline.files.seal``), then renamed: a kill at any point leaves at most one ``.tmp``, never
+taken for complete and removed by the next save. ``--resume`` continues from the newest checkpoint that is whole (its
+files as sealed, each readable: ``rlhf_pipeline.files.verify``) and loads; a damaged one is named in a warning and set
+aside as ``step_N.damaged`` (kept, never deleted), and the run goes on from the one before. ``--save-total-limit N``
+keeps the newest N (older ones are deleted only after a newer one is complete); the manifest lists the checkpoints
+that remain.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -22,9 +27,14 @@ from typing import Any
 
 from rlhf_pipeline.training import lora
 from rlhf_pipeline.distributed import on_main_process, unwrap
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.files import first_line, seal, verify, writing
 from rlhf_pipeline.layout import CHECKPOINTS
 
+log = logging.getLogger(__name__)
+
 TRAINER_STATE = "trainer_state.json"
+DAMAGED = ".damaged"  # the suffix of a checkpoint that --resume found damaged and set aside
 
 
 def save_model(accelerator, model, tokenizer, path: Path) -> None:
@@ -54,11 +64,20 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    save_model(accelerator, model, tokenizer, tmp)
-    accelerator.save_state(str(tmp / "state"), **_state_options(accelerator, model)[0])
-    accelerator.wait_for_everyone()
+    try:
+        with writing(output, needed=_size(latest_checkpoint(output)), what=f"the checkpoint of step {state['step']}",
+                     again="run the same command again with --resume: it goes on from the newest checkpoint"):
+            save_model(accelerator, model, tokenizer, tmp)
+            accelerator.save_state(str(tmp / "state"), **_state_options(accelerator, model)[0])
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+                seal(tmp)
+    except BaseException:
+        if accelerator.is_main_process:  # free the space a failed save took; the checkpoints before it stay
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if accelerator.is_main_process:
-        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         if keep is not None:
@@ -78,6 +97,66 @@ def load_checkpoint(accelerator, model, checkpoint: Path) -> dict[str, Any]:
     warning, ``real_tokens``, ``all_tokens``, ``seconds``)."""
     accelerator.load_state(str(checkpoint / "state"), **_state_options(accelerator, model)[1])
     return json.loads((checkpoint / TRAINER_STATE).read_text())
+
+
+def resume_checkpoint(accelerator, model, output: Path) -> tuple[Path | None, dict[str, Any]]:
+    """Load the newest checkpoint under ``output`` that is whole and loads; returns it and its trainer state, or
+    ``(None, {})`` when there is none. A damaged one is named in a warning and set aside as ``step_N.damaged``; when
+    checkpoints exist and none of them loads, one error line says so. Every process checks the same files and agrees
+    on whether the load worked, so all of them resume from the same step."""
+    checkpoints = list_checkpoints(output)
+    problems = []
+    for checkpoint in reversed(checkpoints):
+        problem = verify(checkpoint)
+        if problem is None:
+            try:
+                state = load_checkpoint(accelerator, model, checkpoint)
+            except Exception as e:  # torch, safetensors and DeepSpeed each raise their own kinds
+                problem = f"loading it failed ({type(e).__name__}: {first_line(e)})"
+        if _everywhere(accelerator, problem is None):
+            return checkpoint, state
+        problem = problem or "loading it failed on another process"
+        problems.append(problem)
+        aside = _unused(checkpoint.with_name(checkpoint.name + DAMAGED))
+        if accelerator.is_main_process:
+            log.warning("checkpoint %s is damaged: %s; set aside as %s, resuming from the one before", checkpoint,
+                        problem, aside.name)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            os.rename(checkpoint, aside)
+        accelerator.wait_for_everyone()
+    if checkpoints:
+        raise PipelineError(
+            f"--resume: none of the {len(checkpoints)} checkpoint(s) under {output / CHECKPOINTS} loads (the newest: "
+            f"{problems[0]}); they are kept as step_N{DAMAGED}; pass --overwrite to start the run over"
+        )
+    return None, {}
+
+
+def _size(directory: Path | None) -> int | None:
+    """The bytes a directory's files take (a checkpoint's: about what the next one needs)."""
+    if directory is None:
+        return None
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def _everywhere(accelerator, ok: bool) -> bool:
+    """Whether ``ok`` holds on every process of the run."""
+    if accelerator.num_processes == 1:
+        return ok
+    import torch
+
+    flag = torch.tensor([0.0 if ok else 1.0], device=accelerator.device)
+    return float(accelerator.reduce(flag, reduction="sum").item()) == 0.0
+
+
+def _unused(path: Path) -> Path:
+    n = 1
+    candidate = path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
 
 
 def _state_options(accelerator, model) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -102,11 +181,12 @@ def _state_options(accelerator, model) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def list_checkpoints(output: Path) -> list[Path]:
-    """The complete checkpoints under ``output``, oldest first (a ``.tmp`` one is still being written)."""
+    """The complete checkpoints under ``output``, oldest first (a ``.tmp`` one is still being written, a
+    ``.damaged`` one was set aside by :func:`resume_checkpoint`)."""
     root = output / CHECKPOINTS
     if not root.exists():
         return []
-    return sorted(p for p in root.glob("step_*") if p.suffix != ".tmp" and (p / TRAINER_STATE).exists())
+    return sorted(p for p in root.glob("step_*") if not p.suffix and (p / TRAINER_STATE).exists())
 
 
 def latest_checkpoint(output: Path) -> Path | None:

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
-from rlhf_pipeline.training.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, save_model
+from rlhf_pipeline.training.checkpoints import resume_checkpoint, save_checkpoint, save_model
 from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import METRICS
 from rlhf_pipeline.training.lora import LoraOptions, add_adapters, load_kwargs
 
@@ -173,7 +174,8 @@ def load_trainable(config: TrainOptions, loader: Callable[..., Any]):
     import torch
 
     torch.manual_seed(config.seed)
-    model = loader(config.model, trust_remote_code=config.trust_remote_code, **load_kwargs(config))
+    with reading("model", config.model, MODEL_HINT, only_damaged=True):
+        model = loader(config.model, trust_remote_code=config.trust_remote_code, **load_kwargs(config))
     model.config.use_cache = False
     disable_dropout(model)  # before the adapters: --lora-dropout is theirs
     if config.gradient_checkpointing:
@@ -383,8 +385,7 @@ def train(
     output.mkdir(parents=True, exist_ok=True)
     model.train()
 
-    checkpoint = latest_checkpoint(output) if config.resume else None
-    totals_so_far = load_checkpoint(accelerator, model, checkpoint) if checkpoint is not None else {}
+    checkpoint, totals_so_far = resume_checkpoint(accelerator, model, output) if config.resume else (None, {})
     step = totals_so_far.get("step", 0)
     if checkpoint is not None:
         accelerator.print(f"resuming from {checkpoint} (step {step})")

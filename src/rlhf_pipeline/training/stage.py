@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 from rlhf_pipeline.training.checkpoints import list_checkpoints
 from rlhf_pipeline.distributed import cpu_deepspeed_backend, finish_distributed, on_main_process
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.layout import CHECKPOINTS, REF_LOGPS_CACHE, ROLLOUT_CACHE
+from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
 
 if TYPE_CHECKING:
     from rlhf_pipeline.datasets_io import StageOutput
@@ -92,16 +92,16 @@ class TrainingRun:
         manifest, then say so on the console."""
         if not self.started:
             raise RuntimeError(f"{self.output.stage}: run.finish(...) before run.start(); the run has no output")
-        out, config = self.output, self.output.config
+        out = self.output
 
         def write() -> None:
             checkpoints = [str(p.relative_to(out.path)) for p in list_checkpoints(out.path)]
             manifest = out.manifest(rows_in=run.rows_in, rows_out=run.result.steps, dropped=run.dropped,
                                     extra={**run.extra, "checkpoints": checkpoints})
-            if config.push_to_hub:  # before the manifest: a failed upload leaves the run unfinished, to be rerun
-                push_model_to_hub(out.path, config.push_to_hub)
             out.write_manifest(manifest)
             print(f"[{out.stage}] {run.summary}; model in {out.path}")
+            if out.push_pending(manifest):  # a failed upload is one line; the run stays finished, the push pending
+                out.push(manifest)
 
         on_main_process(self.accelerator, write)
         self.completed = True
@@ -144,7 +144,7 @@ def training_run(stage: str, config: TrainOptions, inputs: list) -> Iterator[Tra
     from rlhf_pipeline.datasets_io import StageOutput
 
     try:
-        out = StageOutput(stage, config, inputs=inputs)
+        out = StageOutput(stage, config, inputs=inputs, pusher=push_model_to_hub)
         accelerator = make_accelerator(config)
         finished = out.done(resume=config.resume)
         accelerator.wait_for_everyone()  # every process has looked before the main process changes anything
@@ -182,9 +182,9 @@ def training_record(name: str, result: TrainResult, dd, sampling: dict | None, t
     )
 
 
-def push_model_to_hub(output: Path, repo_id: str) -> None:
-    """Upload the final model (not the checkpoints, logs, cached reference log-probs or PPO rollout). The token comes from the
-    environment (HF_TOKEN), read by huggingface_hub."""
+def push_model_to_hub(output: Path, repo_id: str, manifest: bytes) -> None:
+    """Upload the final model and its manifest (not the checkpoints, logs, cached reference log-probs or PPO rollout).
+    The token comes from the environment (HF_TOKEN), read by huggingface_hub."""
     from huggingface_hub import HfApi
 
     api = HfApi()
@@ -193,9 +193,9 @@ def push_model_to_hub(output: Path, repo_id: str) -> None:
         folder_path=str(output),
         repo_id=repo_id,
         repo_type="model",
-        ignore_patterns=[f"{CHECKPOINTS}/*", "runs/*", f"{REF_LOGPS_CACHE}/*", f"{ROLLOUT_CACHE}/*"],
+        ignore_patterns=[f"{CHECKPOINTS}/*", "runs/*", f"{REF_LOGPS_CACHE}/*", f"{ROLLOUT_CACHE}/*", MANIFEST],
     )
-    print(f"pushed to https://huggingface.co/{repo_id}")
+    api.upload_file(path_or_fileobj=manifest, path_in_repo=MANIFEST, repo_id=repo_id, repo_type="model")
 
 
 # ----------------------------------------------------------------------------------------------------------------
