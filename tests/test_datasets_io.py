@@ -156,3 +156,19 @@ def test_push_to_hub_uploads_data_and_manifest(tmp_path, monkeypatch):
     assert "hf_secret_token_value" not in json.dumps(calls[1][3])
     assert calls[1][3]["push"] == {"repo_id": "org/name", "pushed": True}
     assert json.loads((tmp_path / "out" / MANIFEST).read_text())["push"] == {"repo_id": "org/name", "pushed": True}
+
+
+def test_a_pending_push_is_not_complete_for_iterate_and_is_uploaded_by_the_stage(tmp_path, monkeypatch):
+    """rlhf iterate asks ``done(push=False)`` and ``push_pending()``: an output whose upload failed is launched again
+    (the stage then uploads it without recomputing); once pushed, and for another repo, as it should be."""
+    uploads = []
+    out = StageOutput("unit", Cfg(output=str(tmp_path / "out")), [])
+    out.save(Dataset.from_dict({"x": [1]}), rows_in=1)  # no push asked: nothing pending
+    assert not out.push_pending()
+    pusher = lambda path, repo, manifest: uploads.append((repo, json.loads(manifest)["push"]))  # noqa: E731
+    again = StageOutput("unit", Cfg(output=str(tmp_path / "out"), push_to_hub="org/a"), [], pusher=pusher)
+    assert again.done(push=False) and again.push_pending() and uploads == []
+    assert again.done() and uploads == [("org/a", {"repo_id": "org/a", "pushed": True})]
+    assert not again.push_pending()
+    other = StageOutput("unit", Cfg(output=str(tmp_path / "out"), push_to_hub="org/b"), [], pusher=pusher)
+    assert other.push_pending()  # another repo has not had it

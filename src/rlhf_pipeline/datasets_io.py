@@ -358,10 +358,10 @@ class StageOutput:
         diffs = self._same_run(manifest)
         if not diffs:
             log.info("%s: %s already holds this run (same config and inputs); skipping", self.stage, self.path)
-            pending = self.push_pending(manifest)
+            pending = push and self.push_pending(manifest)
             print(f"[{self.stage}] {self.path} is complete for this config and inputs; "
                   f"{'pushing it to ' + self.config.push_to_hub if pending else 'nothing to do'}")
-            if pending and push and _main_process():
+            if pending and _main_process():
                 self.push(manifest)
             return True
         if self.config.overwrite:

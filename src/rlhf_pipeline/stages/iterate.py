@@ -311,8 +311,9 @@ def check(steps: Sequence[Step]) -> None:
 
 
 def is_complete(step: Step) -> bool:
-    """Whether ``step.output`` holds this exact run (the stage's own reuse check, made without launching it).
-    Raises when it holds a run with another config (and --overwrite was not given)."""
+    """Whether ``step.output`` holds this exact run (the stage's own reuse check, made without launching it), its
+    ``--push-to-hub`` upload included. Raises when it holds a run with another config (and --overwrite was not
+    given)."""
     from rlhf_pipeline.datasets_io import StageOutput, parse_ref
 
     if not (step.output / "manifest.json").exists():
@@ -320,7 +321,7 @@ def is_complete(step: Step) -> bool:
     config = _stage_config(step)
     out = StageOutput(step.stage, config, inputs=[parse_ref(getattr(config, INPUT_FIELD[step.stage]))])
     resume = True if step.stage in TRAINING_STAGES or step.stage == "eval" else None
-    return out.done(resume=resume)
+    return out.done(resume=resume, push=False) and not out.push_pending()  # a pending upload: the stage does it
 
 
 def _log(run: Path, record: dict[str, Any]) -> None:
