@@ -175,3 +175,20 @@ def launch_failure(res) -> str:
     noise = ("FutureWarning", "return func(*args, **kwargs)")
     errors = "\n".join(line for line in res.stderr.splitlines() if not any(n in line for n in noise))
     return f"exit status {res.returncode}\n--- stdout (end) ---\n{res.stdout[-3000:]}\n--- stderr ---\n{errors[-6000:]}"
+
+
+def crash_after_checkpoint(monkeypatch, step: int) -> None:
+    """Make the next training run stop as Ctrl-C would (exit status 130) right after it writes its step-``step``
+    checkpoint; the run after it (``--resume``) saves as usual."""
+    from rlhf_pipeline.training import loop
+
+    real_save = loop.save_checkpoint
+
+    def save_then_stop(accelerator, model, tokenizer, output, state, **kwargs):
+        path = real_save(accelerator, model, tokenizer, output, state, **kwargs)
+        if state["step"] == step:
+            monkeypatch.setattr(loop, "save_checkpoint", real_save)
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_stop)

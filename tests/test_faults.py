@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import pytest
 
-from conftest import LENGTH_REWARD, logged, max_weight_diff, run
+from conftest import LENGTH_REWARD, crash_after_checkpoint, logged, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
@@ -380,19 +380,8 @@ def test_an_unfinished_training_output_is_not_taken_as_a_model(kit, tmp_path, ca
 
 def interrupted(kit, out: Path, monkeypatch, common: list, at: int) -> None:
     """A run of ``common`` stopped by Ctrl-C right after its step-``at`` checkpoint."""
-    from rlhf_pipeline.training import loop
-
-    real_save = loop.save_checkpoint
-
-    def save_then_stop(accelerator, model, tokenizer, output, state, **kwargs):
-        path = real_save(accelerator, model, tokenizer, output, state, **kwargs)
-        if state["step"] == at:
-            raise KeyboardInterrupt
-        return path
-
-    monkeypatch.setattr(loop, "save_checkpoint", save_then_stop)
+    crash_after_checkpoint(monkeypatch, at)
     assert run("train", *common, "--output", out) == 130
-    monkeypatch.setattr(loop, "save_checkpoint", real_save)
 
 
 CHECKPOINT_DAMAGE = {

@@ -219,3 +219,13 @@ def test_score_and_eval_take_an_accelerate_launcher(tmp_path):
                                              "rlhf_pipeline.stages.eval"]
     for name in ("iter_1/generate", "iter_1/filter", "iter_1/train"):
         assert by_name[name].command[0] == sys.executable
+
+
+def test_a_reward_model_and_a_reward_function_are_both_given_to_score(tmp_path):
+    """Several reward sources (what GDPO reads): score gets both, and eval scores with both by default."""
+    steps = plan(config(tmp_path, iterations=1, algo="gdpo", reward_fn="task.py:brief"))
+    score = next(s for s in steps if s.stage == "score")
+    assert score.args[score.args.index("--reward-model") + 1] == "rm"
+    assert score.args[score.args.index("--reward-fn") + 1] == "task.py:brief"
+    with pytest.raises(ValueError, match="give reward_model, reward_fn, or both"):
+        config(tmp_path, reward_model=None)

@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from rlhf_pipeline.algorithms import ALGORITHMS, PAIRS, compute_pair_loss, names
 from rlhf_pipeline.losses import (
     PairLossParams,
+    cpo_loss,
     dpo_loss,
     ipo_loss,
+    orpo_loss,
     rebel_loss,
     simpo_loss,
 )
@@ -203,8 +205,9 @@ def test_accuracy_counts_no_win_within_float_noise(lt):
              ref_chosen_logps=t(-2.0, -2.0), ref_rejected_logps=t(-3.0, -3.0),
              chosen_rewards=t(1.0, 1.0), rejected_rewards=t(0.0, 0.0),
              chosen_lengths=t(4.0, 4.0), rejected_lengths=t(4.0, 4.0))
-    if not ALGORITHMS[lt].needs_reference:  # reference-free (SimPO): the same gaps on the policy's log-probs alone
-        x["policy_chosen_logps"] = t(-2.0 + 2e-4, -1.5)  # /|y| = 4: a 5e-5 gap, then a 0.5 one
+    if not ALGORITHMS[lt].needs_reference:  # reference-free: the same gaps on the policy's log-probs alone
+        # SimPO and ORPO compare mean token log-probs (/|y| = 4: a 5e-5 gap, then a 0.5 one); CPO sequence sums
+        x["policy_chosen_logps"] = t(-2.0 + (5e-5 if lt == "cpo" else 2e-4), -1.5)
         x["policy_rejected_logps"] = t(-2.0, -3.5)
     _, metrics = compute_pair_loss(lt, _params_for(lt), **x)
     assert metrics["accuracy"].tolist() == [0.0, 1.0], lt
@@ -214,9 +217,10 @@ def test_accuracy_counts_no_win_within_float_noise(lt):
 def test_pair_algorithm_properties():
     pairs = [ALGORITHMS[n] for n in names(PAIRS)]
     assert {"rebel", "dpo", "cdpo", "ipo", "simpo"} <= {a.name for a in pairs}
-    assert {a.name for a in pairs if not a.needs_reference} == {"simpo"}
+    assert {a.name for a in pairs if not a.needs_reference} == {"simpo", "orpo", "cpo"}
     assert {a.name for a in pairs if a.uses_rewards} == {"rebel"}
-    assert {a.name for a in pairs if a.length_normalized} == {"simpo"}
+    assert {a.name for a in pairs if a.length_normalized} == {"simpo", "orpo", "cpo"}
+    assert {a.name for a in pairs if a.sft_term} == {"orpo", "cpo"}
     assert {a.name for a in pairs if a.logp_at_sampling_temperature} == {"rebel"}
 
 
@@ -236,9 +240,12 @@ def test_dispatch_matches_direct_functions_and_margins():
         "cdpo": dpo_loss(pc, pr, rc, rr, beta=0.1, label_smoothing=0.1),
         "ipo": ipo_loss(pc, pr, rc, rr, beta=0.1),
         "simpo": simpo_loss(pc, pr, x["chosen_lengths"], x["rejected_lengths"], beta=0.1, gamma=0.5),
+        "orpo": orpo_loss(pc, pr, x["chosen_lengths"], x["rejected_lengths"], beta=0.1),
+        "cpo": cpo_loss(pc, pr, x["chosen_lengths"], beta=0.1),
     }
     margins = {"rebel": [1.4, -2.0], "dpo": [0.07, -0.1], "cdpo": [0.07, -0.1],
-               "ipo": [0.07, -0.1], "simpo": [0.1 * (-0.25 + 2 / 3), 0.1 * (-1.5 + 0.2)]}
+               "ipo": [0.07, -0.1], "simpo": [0.1 * (-0.25 + 2 / 3), 0.1 * (-1.5 + 0.2)],
+               "orpo": [0.1 * (-0.25 + 2 / 3), 0.1 * (-1.5 + 0.2)], "cpo": [0.1, -0.2]}
     for lt in names(PAIRS):
         loss, metrics = compute_pair_loss(lt, _params_for(lt), **x)
         close(loss, direct[lt], 0.0)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from rlhf_pipeline import algorithms
 from rlhf_pipeline.algorithms import groups as rl
 from rlhf_pipeline.training import loop as trainer
-from conftest import LENGTH_REWARD, free_port, launch_failure, logged, max_weight_diff, run
+from conftest import LENGTH_REWARD, crash_after_checkpoint, free_port, launch_failure, logged, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
@@ -54,7 +54,19 @@ def data(tmp_path_factory, tiny_policy, bundled_prompts) -> Path:
                "--mode", "groups", "--test-size", 8) == 0
     assert run("filter", "--input", d / "scored", "--output", d / "pairs", "--tokenizer", tiny_policy,
                "--test-size", 8) == 0
+    # two reward sources, for GDPO: the length reward and one for short answers, each kept in rewards_<key>
+    (d / "short.py").write_text("def reward(prompts, responses, **columns):\n"
+                                "    return [-len(r) / 10 for r in responses]\n")
+    assert run("score", "--input", d / "gen", "--output", d / "scored2", "--reward-fn", f"{d}/reward.py:reward",
+               "--reward-fn", f"{d}/short.py:reward", "--reward-weights", 1, 0.5) == 0
+    assert run("filter", "--input", d / "scored2", "--output", d / "groups_two_sources", "--tokenizer", tiny_policy,
+               "--mode", "groups", "--test-size", 8) == 0
     return d
+
+
+def split_for(algo: str) -> str:
+    """GDPO trains on data scored by several sources; the others on the one-source groups."""
+    return "groups_two_sources" if algorithms.get(algo).reward_sources else "groups"
 
 
 def train_args(data: Path, policy: str, out: Path, algo: str, *extra, critic: str | None = None,
@@ -359,8 +371,8 @@ def test_each_algo_trains_every_parameter_and_saves_loadable_outputs(algo, data,
     out = tmp_path / algo
     critic = tiny_rm if algo == "ppo" else None
     assert run(*train_args(data, tiny_policy, out, algo, "--batch-size", 8, "--epochs", 2, "--learning-rate", 1e-3,
-                           critic=critic)) == 0
-    groups = load_from_disk(str(data / "groups"))
+                           critic=critic, split=split_for(algo))) == 0
+    groups = load_from_disk(str(data / split_for(algo)))
     n_train = sum(len(r) for r in groups["train"]["rewards"])
     n_test = sum(len(r) for r in groups["test"]["rewards"])
     steps = 2 * (n_train // 8)  # --epochs 2 are the PPO epochs over the one rollout
@@ -371,8 +383,10 @@ def test_each_algo_trains_every_parameter_and_saves_loadable_outputs(algo, data,
     assert len(eval_curve) == 2 and all(math.isfinite(x) for x in eval_curve)  # before any update, and at the end
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     keys = set().union(*records)
-    assert {"loss/train", "loss/train_policy_loss", "kl/train_kl_to_ref", "ppo/train_clip_frac", "grad_norm",
+    assert {"loss/train", "loss/train_policy_loss", "kl/train_kl_to_ref", "policy/train_entropy", "grad_norm",
             "lr"} <= keys
+    if algorithms.get(algo).policy_loss_fn().__name__ in ("clipped_surrogate", "_cispo"):
+        assert "ppo/train_clip_frac" in keys
     assert ("loss/train_value_loss" in keys) == (algo == "ppo")
 
     assert not unchanged_parameters(Path(tiny_policy), out), "policy parameters that did not change"
@@ -388,9 +402,10 @@ def test_each_algo_trains_every_parameter_and_saves_loadable_outputs(algo, data,
     manifest = json.loads((out / "manifest.json").read_text())
     training = manifest["training"]
     assert training["algo"] == algo and training["steps"] == steps
-    # the KL weight: 0.05 by default, DAPO's and GSPO's own 0 (their defaults fill the options left unset)
+    # the KL weight: 0.05 by default, DAPO's, GSPO's, CISPO's and SPPO's own 0 (their defaults fill the options left
+    # unset)
     assert training["rl_params"]["algo"] == algo
-    assert training["rl_params"]["kl_coef"] == (0.0 if algo in ("dapo", "gspo") else 0.05)
+    assert training["rl_params"]["kl_coef"] == (0.0 if algo in ("dapo", "gspo", "cispo", "sppo") else 0.05)
     assert training["logp_temperature"] == 0.8  # the sampling temperature, read from the lineage
     assert training["ref_model"] == tiny_policy
     assert training["critic_model"] == critic
@@ -427,15 +442,39 @@ def test_each_algo_trains_every_parameter_and_saves_loadable_outputs(algo, data,
         by_group: dict[int, list[float]] = {}
         for s in train_rollout:
             by_group.setdefault(s["group"], []).append(s["reward"])
-        for s in train_rollout:
+        gdpo = gdpo_scores(train_rollout, manifest["training"]["rl_params"]["reward_weights"]) \
+            if algo == "gdpo" else None
+        for i, s in enumerate(train_rollout):
             rs = by_group[s["group"]]
-            if algo in ("grpo", "dapo", "gspo"):
+            if algo in ("grpo", "dapo", "gspo", "cispo", "sapo"):
                 score = (s["reward"] - statistics.fmean(rs)) / (statistics.stdev(rs) + 1e-4)
             elif algo == "dr_grpo":
                 score = s["reward"] - statistics.fmean(rs)
+            elif algo == "sppo":  # eta (1) x (mean Bradley-Terry win probability against the others - 1/2)
+                wins = [1 / (1 + math.exp(other - s["reward"])) for other in rs]
+                score = (sum(wins) - 0.5) / (len(rs) - 1) - 0.5
+            elif algo == "gdpo":
+                score = gdpo[i]
             else:
                 score = s["reward"] - (sum(rs) - s["reward"]) / (len(rs) - 1)
             assert s["advantages"] == pytest.approx([score] * len(s["advantages"]), abs=1e-6)
+
+
+def gdpo_scores(samples: list[dict], weights: list[float]) -> list[float]:
+    """GDPO's scores in plain Python: per source, (r - group mean) / (group stdev + 1e-4); the weighted sum; then
+    standardised over every sample (stdev + 1e-4)."""
+    by_group: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_group.setdefault(s["group"], []).append(i)
+    summed = [0.0] * len(samples)
+    for members in by_group.values():
+        for k, w in enumerate(weights):
+            values = [samples[i]["source_rewards"][k] for i in members]
+            mean, sd = statistics.fmean(values), statistics.stdev(values)
+            for i, v in zip(members, values):
+                summed[i] += w * (v - mean) / (sd + 1e-4)
+    mean, sd = statistics.fmean(summed), statistics.stdev(summed)
+    return [(x - mean) / (sd + 1e-4) for x in summed]
 
 
 def test_ppo_needs_a_critic_and_groups_need_group_data(data, tiny_policy, tmp_path, capsys):
@@ -555,6 +594,51 @@ def test_batch_times_accumulation_is_invariant_for_the_sequence_level_options(al
                            "--gradient-accumulation-steps", 4)) == 0
     assert logged(tmp_path / "b2") == pytest.approx(logged(tmp_path / "b8"), abs=1e-5)
     assert max_weight_diff(tmp_path / "b2", tmp_path / "b8") < 1e-4
+
+
+@pytest.mark.parametrize("algo, extra", [("cispo", []), ("sapo", ["--entropy-coef", 0.01]), ("sppo", []),
+                                         ("gdpo", [])])
+def test_the_2026_entries_are_invariant_to_batch_times_accumulation_and_resume(algo, extra, data, uneven,
+                                                                               stop_prone_policy, tiny_policy,
+                                                                               tmp_path, monkeypatch):
+    """CISPO (a token mean over the step), SAPO with an entropy bonus, SPPO (one squared error per response) and
+    GDPO (several rewards): batch 8 x accumulation 1 and batch 2 x accumulation 4 give the same run, and a run cut
+    after its step-2 checkpoint and resumed equals the uninterrupted one."""
+    if algo == "gdpo":
+        source, policy, split = data, tiny_policy, "groups_two_sources"
+    else:
+        source, policy, split = uneven, stop_prone_policy, "groups"
+    common = ["--max-steps", 4, "--learning-rate", 1e-3, *extra]
+    assert run(*train_args(source, policy, tmp_path / "b8", algo, *common, "--batch-size", 8, split=split)) == 0
+    assert run(*train_args(source, policy, tmp_path / "b2", algo, *common, "--batch-size", 2,
+                           "--gradient-accumulation-steps", 4, split=split)) == 0
+    assert logged(tmp_path / "b2") == pytest.approx(logged(tmp_path / "b8"), abs=1e-5)
+    assert max_weight_diff(tmp_path / "b2", tmp_path / "b8") < 1e-4
+    assert len(logged(tmp_path / "b8", "policy/train_entropy")) == 4
+
+    cut = [*common, "--batch-size", 8, "--save-every", 2]
+    crash_after_checkpoint(monkeypatch, 2)
+    assert run(*train_args(source, policy, tmp_path / "cut", algo, *cut, split=split)) == 130
+    assert run(*train_args(source, policy, tmp_path / "cut", algo, *cut, "--resume", split=split)) == 0
+    assert logged(tmp_path / "cut") == pytest.approx(logged(tmp_path / "b8"), abs=1e-6)
+    assert max_weight_diff(tmp_path / "cut", tmp_path / "b8") < 1e-5
+
+
+def test_the_entropy_bonus_changes_the_update_and_is_refused_outside_the_ppo_family(uneven, stop_prone_policy,
+                                                                                    tiny_policy, tmp_path, capsys):
+    common = ["--max-steps", 2, "--learning-rate", 1e-3, "--batch-size", 8]
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "plain", "grpo", *common)) == 0
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "bonus", "grpo", *common,
+                           "--entropy-coef", 0.5)) == 0
+    plain, bonus = logged(tmp_path / "plain"), logged(tmp_path / "bonus")
+    entropy = logged(tmp_path / "bonus", "policy/train_entropy")
+    # the logged loss includes the bonus: at step 1 (same weights) the difference is -0.5 x the step's entropy
+    assert bonus[0] == pytest.approx(plain[0] - 0.5 * entropy[0], abs=1e-5)
+    assert max_weight_diff(tmp_path / "plain", tmp_path / "bonus") > 1e-6
+    capsys.readouterr()
+    assert run("train", "--algo", "dpo", "--model", tiny_policy, "--data", uneven / "groups", "--output",
+               tmp_path / "dpo", "--entropy-coef", 0.1) == 1
+    assert "--entropy-coef is for the PPO family's policy losses, not --algo dpo" in capsys.readouterr().err
 
 
 def test_filter_drops_groups_of_equal_rewards_and_shapes_overlong_rewards(uneven, stop_prone_policy, tmp_path):
@@ -690,12 +774,12 @@ def test_simpo_margin_keeps_its_default():
 # ---------------------------------------------------------------------------------------------------- ZeRO-3
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo", "gspo"])
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo", "gspo", "cispo", "sppo"])
 def test_two_process_zero3_equals_one_process(algo, data, tiny_policy, tiny_rm, tmp_path, request):
     """2 processes x batch 4 under DeepSpeed ZeRO-3 (CPU, gloo) against 1 process x batch 4 x accumulation 2; for
     PPO the critic is partitioned too (policy and critic are one module, one engine). DAPO runs on responses of
     uneven lengths, so that its token mean over the whole step is tested across processes."""
-    if algo in ("dapo", "gspo"):
+    if algo in ("dapo", "gspo", "cispo"):
         data, tiny_policy = request.getfixturevalue("uneven"), request.getfixturevalue("stop_prone_policy")
     critic = tiny_rm if algo == "ppo" else None
     common = ["--max-steps", 3, "--learning-rate", 1e-3, "--batch-size", 4]

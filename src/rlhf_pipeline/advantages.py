@@ -199,6 +199,43 @@ def group_norm(rewards: torch.Tensor, eps: float = 1e-4, scale: bool = True) -> 
     return centered / (r.std(dim=-1, keepdim=True, correction=1) + eps)
 
 
+def win_rates(rewards: torch.Tensor) -> torch.Tensor:
+    """SPPO's estimate of each response's probability of beating the policy that sampled it, (G, n) → (G, n):
+    ``P(y_i ≻ π_t) ≈ mean_{j≠i} σ(r_i − r_j)``, the Bradley-Terry preference of a reward model between it and each
+    other response of its group (Wu et al. 2024, §4: the win rate against the other samples, estimated with a
+    preference model; with a reward model's scores, Bradley-Terry). The rewards' scale matters: ``σ`` reads them as
+    log-odds. Raises for n < 2."""
+    n = _groups(rewards)
+    r = rewards.detach()
+    pairwise = torch.sigmoid(r.unsqueeze(-1) - r.unsqueeze(-2))  # [.., i, j] = σ(r_i − r_j); the diagonal is 1/2
+    return (pairwise.sum(dim=-1) - 0.5) / (n - 1)
+
+
+def decoupled_group_norm(rewards: torch.Tensor, groups: torch.Tensor, weights: torch.Tensor,
+                         eps: float = 1e-4) -> torch.Tensor:
+    """GDPO (Liu et al. 2026, arXiv 2601.05242): several rewards, each normalised within its group before they are
+    summed, then the sum normalised over the batch. ``rewards`` (N, K): K reward sources for N samples; ``groups``
+    (N,): each sample's group; ``weights`` (K,). Per source ``(r_k − group mean_k) / (group std_k + eps)`` (unbiased
+    std, as :func:`group_norm`), the weighted sum over k, then ``(s − mean(s)) / (std(s) + eps)`` over all N. As
+    TRL's ``multi_objective_aggregation="normalize_then_sum"`` (``GRPOTrainer._generate_and_score_completions``).
+    A group of one sample contributes 0 for every source (it has no group to be compared with)."""
+    if rewards.dim() != 2 or groups.shape != rewards.shape[:1] or weights.shape != rewards.shape[1:]:
+        raise ValueError(f"rewards must be (N, K), groups (N,), weights (K,); got {tuple(rewards.shape)}, "
+                         f"{tuple(groups.shape)}, {tuple(weights.shape)}")
+    r = rewards.detach()
+    normed = torch.zeros_like(r)
+    for g in groups.unique():
+        where = groups == g
+        if int(where.sum()) < 2:
+            continue
+        block = r[where]
+        normed[where] = (block - block.mean(dim=0)) / (block.std(dim=0, correction=1) + eps)
+    summed = (normed * weights.to(r.dtype)).sum(dim=-1)
+    if summed.numel() < 2:
+        return summed - summed
+    return (summed - summed.mean()) / (summed.std(correction=1) + eps)
+
+
 def reinforce_pp_returns(rewards: torch.Tensor, gamma: float = 1.0, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Discounted returns-to-go ``G_t = r_t + γ·G_{t+1}`` per sequence, (B, T) → (B, T), 0 at masked positions.
 

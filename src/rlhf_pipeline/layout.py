@@ -59,7 +59,8 @@ METRIC_GROUPS = {
     "margin": "reward", "accuracy": "reward", "chosen_reward": "reward", "rejected_reward": "reward",
     "chosen_logratio": "logp", "rejected_logratio": "logp", "logratio": "logp",
     "kl": "kl", "kl_to_ref": "kl", "approx_kl": "kl",
-    "clip_frac": "ppo", "ratio_mean": "ppo",
+    "clip_frac": "ppo", "ratio_mean": "ppo", "gate_mean": "ppo",
+    "entropy": "policy", "logratio_mean": "logp", "target_mean": "reward",
 }
 
 

@@ -291,6 +291,21 @@ def _recomputable(head):
 
 def _chunk_logps(head, hidden: Tensor, targets: Tensor, softcap: float | None, temperature: float) -> Tensor:
     """Log-probs of ``targets`` (n,) under ``softmax(softcap(head(hidden)) / temperature)``, hidden (n, H)."""
+    logits = _chunk_logits(head, hidden, softcap, temperature)
+    # log_softmax(x)[y] = x[y] - logsumexp(x), without allocating a second (n, V) tensor for the full log_softmax.
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _chunk_logps_entropy(head, hidden: Tensor, targets: Tensor, softcap: float | None,
+                         temperature: float) -> tuple[Tensor, Tensor]:
+    """:func:`_chunk_logps` and the entropy of each row's distribution, ``logsumexp(x) − Σ softmax(x)·x``."""
+    logits = _chunk_logits(head, hidden, softcap, temperature)
+    norm = torch.logsumexp(logits, dim=-1)
+    entropy = norm - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - norm, entropy
+
+
+def _chunk_logits(head, hidden: Tensor, softcap: float | None, temperature: float) -> Tensor:
     logits = head(hidden)  # (n, V) in the model's dtype
     # Upcast half precision to float32 for the softmax (float64 models stay float64).
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -300,8 +315,7 @@ def _chunk_logps(head, hidden: Tensor, targets: Tensor, softcap: float | None, t
         logits = torch.tanh(logits / softcap) * softcap
     if temperature != 1.0:
         logits = logits / temperature
-    # log_softmax(x)[y] = x[y] - logsumexp(x), without allocating a second (n, V) tensor for the full log_softmax.
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return logits
 
 
 def _response_rows(inner, body, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
@@ -332,7 +346,16 @@ def _response_rows(inner, body, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
-    """Per-token log-probs of every response token in ``batch``.
+    """Per-token log-probs of every response token in ``batch`` (``(logps, seq_index)``: see
+    :func:`token_logps_and_entropy`, which also gives each position's entropy)."""
+    logps, seq_index, _ = _token_pass(model, batch, temperature, chunk_size, entropy=False)
+    return logps, seq_index
+
+
+def token_logps_and_entropy(model, batch: Batch, temperature: float = 1.0,
+                            chunk_size: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token log-probs of every response token in ``batch``, and the entropy of the policy's distribution (at
+    ``temperature``) at each of those positions.
 
     Runs the decoder body once over (B, T), keeps the hidden states at positions t whose next token (t + 1) is a
     response token, and applies the LM head only to those N rows, ``chunk_size`` rows at a time.
@@ -346,9 +369,15 @@ def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int |
             :func:`default_chunk_rows` of the head's vocabulary.
 
     Returns:
-        ``(logps, seq_index)``: logps (N,) in float32 (float64 for a float64 model), ordered by sequence then position;
-        seq_index (N,) long, the sequence (0..S-1) each log-prob belongs to. Differentiable when grad is enabled.
+        ``(logps, seq_index, entropy)``: logps (N,) in float32 (float64 for a float64 model), ordered by sequence then
+        position; seq_index (N,) long, the sequence (0..S-1) each log-prob belongs to; entropy (N,) like logps, in
+        nats. Differentiable when grad is enabled.
     """
+    return _token_pass(model, batch, temperature, chunk_size, entropy=True)
+
+
+def _token_pass(model, batch: Batch, temperature: float, chunk_size: int | None,
+                entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}; greedy decoding has no log-probs to match")
     if chunk_size is not None and chunk_size < 1:
@@ -366,18 +395,19 @@ def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int |
     checkpoint = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in head.parameters()))
     if checkpoint:
         head = _recomputable(head)
+    chunk = _chunk_logps_entropy if entropy else _chunk_logps
     pieces = []
     for start in range(0, rows.shape[0], chunk_size):
         args = (head, rows[start : start + chunk_size], targets[start : start + chunk_size], softcap, temperature)
         if checkpoint:
-            pieces.append(torch.utils.checkpoint.checkpoint(_chunk_logps, *args, use_reentrant=False))
+            piece = torch.utils.checkpoint.checkpoint(chunk, *args, use_reentrant=False)
         else:
-            pieces.append(_chunk_logps(*args))
-    if pieces:
-        logps = torch.cat(pieces)
-    else:  # every response is empty
-        logps = rows.new_zeros((0,), dtype=torch.promote_types(rows.dtype, torch.float32))
-    return logps, seq_index
+            piece = chunk(*args)
+        pieces.append(piece if entropy else (piece,))
+    empty = rows.new_zeros((0,), dtype=torch.promote_types(rows.dtype, torch.float32))  # every response is empty
+    logps = torch.cat([p[0] for p in pieces]) if pieces else empty
+    entropies = (torch.cat([p[1] for p in pieces]) if pieces else empty) if entropy else None
+    return logps, seq_index, entropies
 
 
 def sequence_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int | None = None) -> Tensor:

@@ -1,4 +1,5 @@
-"""Pairwise preference losses (REBEL, DPO, cDPO, IPO, SimPO) and KTO's unpaired loss as pure functions of tensors.
+"""Pairwise preference losses (REBEL, DPO, cDPO, IPO, SimPO, ORPO, CPO) and KTO's unpaired loss as pure functions of
+tensors.
 Imports torch, and ``advantages`` (torch only too) for its masked mean.
 
 Conventions shared by every function here:
@@ -104,6 +105,7 @@ class PairLossParams:
     label_smoothing: float = 0.0  # cDPO ε in (0, 0.5); must be 0 for plain DPO
     gamma: float = 0.5  # SimPO target margin γ
     nll_coef: float = 0.0  # DPO family: α of the NLL term on the chosen response (RPO); 0 = none
+    sft_coef: float = 1.0  # ORPO / CPO: weight of their own NLL term on the chosen response (CPO's α, ORPO's 1)
 
 
 # The pair terms: (params, policy_chosen, policy_rejected, **the inputs the algorithm needs) -> (loss (B,), margin (B,),
@@ -147,6 +149,44 @@ def simpo_terms(p, pc, pr, chosen_lengths, rejected_lengths):
     c = pc / chosen_lengths.detach().to(pc.dtype)
     r = pr / rejected_lengths.detach().to(pr.dtype)
     return simpo_loss(pc, pr, chosen_lengths, rejected_lengths, p.beta, p.gamma), p.beta * (c - r), c, r
+
+
+def orpo_loss(policy_chosen_logps, policy_rejected_logps, chosen_lengths, rejected_lengths, beta: float,
+              sft_coef: float = 1.0) -> torch.Tensor:
+    """ORPO (Hong et al. 2024, eq. 6-7), reference-free: the chosen response's NLL plus λ times the odds-ratio term,
+    ``sft_coef · (−logπc/|yc|) − β · log σ(log odds(yc) − log odds(yr))``, where each response's probability is its
+    mean token probability ``P = exp(logπ/|y|)`` and ``log odds = log P − log(1 − P)``. β is the paper's λ (TRL's
+    ``ORPOConfig.beta``, default 0.1). As TRL's ``ORPOTrainer.odds_ratio_loss`` (``trl/experimental/orpo``), which
+    subtracts ``β · mean(log σ(...))`` from the chosen cross-entropy; here per pair (the NLL normalised by the pair's
+    own length), so the value does not depend on how a batch is cut."""
+    _positive("beta", beta)
+    c = policy_chosen_logps / chosen_lengths.detach().to(policy_chosen_logps.dtype)
+    r = policy_rejected_logps / rejected_lengths.detach().to(policy_rejected_logps.dtype)
+    # log(1 − exp(x)) for x < 0, stable near 0 (a response of probability ~1 has log odds → +inf, not NaN)
+    log_odds = (c - r) - (torch.log(-torch.expm1(c)) - torch.log(-torch.expm1(r)))
+    return sft_coef * -c - beta * F.logsigmoid(log_odds)
+
+
+def cpo_loss(policy_chosen_logps, policy_rejected_logps, chosen_lengths, beta: float,
+             sft_coef: float = 1.0) -> torch.Tensor:
+    """CPO (Xu et al. 2024, eq. 3-5), reference-free: ``−log σ(β(logπc − logπr)) + sft_coef · (−logπc/|yc|)``, DPO's
+    sigmoid on the policy's own sequence log-probs plus a behaviour-cloning NLL on the chosen response. As TRL's
+    ``CPOTrainer`` with ``loss_type="sigmoid"`` and ``cpo_alpha`` (default 1.0; its NLL is the cross-entropy over the
+    micro-batch's chosen tokens, here per pair)."""
+    _positive("beta", beta)
+    nll = -policy_chosen_logps / chosen_lengths.detach().to(policy_chosen_logps.dtype)
+    return -F.logsigmoid(beta * (policy_chosen_logps - policy_rejected_logps)) + sft_coef * nll
+
+
+def orpo_terms(p, pc, pr, chosen_lengths, rejected_lengths):
+    c = pc / chosen_lengths.detach().to(pc.dtype)
+    r = pr / rejected_lengths.detach().to(pr.dtype)
+    loss = orpo_loss(pc, pr, chosen_lengths, rejected_lengths, p.beta, p.sft_coef)
+    return loss, p.beta * (c - r), c, r  # the implicit rewards TRL logs: β · mean token log-prob
+
+
+def cpo_terms(p, pc, pr, chosen_lengths, rejected_lengths):
+    return cpo_loss(pc, pr, chosen_lengths, p.beta, p.sft_coef), p.beta * (pc - pr), pc, pr
 
 
 # ---------------------------------------------------------------------------------------------------- KTO (unpaired)
@@ -348,6 +388,100 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
             "approx_kl": masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, m),
             "ratio_mean": masked_mean(ratio, m),
         }
+    return loss, metrics
+
+
+def _per_token_advantages(advantages: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    advantages = advantages.detach()
+    if advantages.shape == logp.shape:
+        return advantages
+    if logp.dim() == 2 and advantages.shape == logp.shape[:1]:
+        return advantages.unsqueeze(-1).expand_as(logp)  # one advantage per sequence → every token
+    raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected per-token {tuple(logp.shape)} or, for "
+                     f"(B, T) inputs, per-sequence ({logp.shape[0]},)")
+
+
+def _token_ratios(logp, old_logp, advantages, mask):
+    """(mask as bool, per-token advantages (0 on padding), log ρ (0 on padding), ρ) of a per-token policy loss."""
+    m = _ppo_mask(mask, logp)
+    _same_shape(logp, old_logp=old_logp)
+    adv = torch.where(m, _per_token_advantages(advantages, logp), 0)
+    token_log_ratio = torch.where(m, logp - old_logp.detach(), 0)  # padding → ρ = 1, finite whatever it held
+    return m, adv, token_log_ratio, torch.exp(token_log_ratio)
+
+
+def _ratio_metrics(m, token_log_ratio, ratio) -> dict[str, torch.Tensor]:
+    """``approx_kl`` (k3 of KL(old ‖ new) from the sampled tokens' ratios, ρ − 1 − log ρ) and ``ratio_mean``."""
+    return {"approx_kl": masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, m),
+            "ratio_mean": masked_mean(ratio, m)}
+
+
+def cispo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      max_weight: float, reduction: str = "token", *, max_tokens: int | None = None,
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4-5): REINFORCE weighted by the clipped importance ratio with its
+    gradient stopped, ``−sg(min(ρ, max_weight)) · A · logp`` per token. Unlike the clipped surrogate no token's
+    gradient is dropped: a clipped ratio only caps the token's weight. As TRL's ``loss_type="cispo"``
+    (``clamp(coef_1, max=epsilon_high).detach() · advantages · per_token_logps``, ``epsilon_high`` being the cap
+    itself, 5.0 recommended after ScaleRL). Metrics: ``clip_frac`` (tokens whose weight was capped), ``approx_kl``,
+    ``ratio_mean``, as :func:`ppo_policy_loss`."""
+    _positive("max_weight", max_weight)
+    m, adv, token_log_ratio, ratio = _token_ratios(logp, old_logp, advantages, mask)
+    weight = ratio.clamp(max=max_weight).detach()
+    per_token = -weight * adv * torch.where(m, logp, 0)
+    loss = _reduce(per_token, m, reduction, max_tokens)
+    with torch.no_grad():
+        metrics = {"clip_frac": masked_mean((ratio > max_weight).to(per_token.dtype), m),
+                   **_ratio_metrics(m, token_log_ratio, ratio)}
+    return loss, metrics
+
+
+def sapo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                     temperature_pos: float, temperature_neg: float, reduction: str = "token", *,
+                     max_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft gate instead of the hard clip, per token
+    ``−A · σ(τ(ρ − 1)) · 4/τ`` with ``τ = temperature_pos`` where A > 0, ``temperature_neg`` elsewhere. At ρ = 1 its
+    gradient is the plain policy gradient ``−A·∇logp``; away from 1 it fades smoothly (``4σ(1−σ)`` times it) instead
+    of dropping to 0. As TRL's ``loss_type="sapo"`` (``sapo_temperature_pos`` 1.0, ``sapo_temperature_neg`` 1.05).
+    Metrics: ``gate_mean`` (the mean of ``4σ(1−σ)``, the factor on each token's gradient: 1 on-policy),
+    ``approx_kl``, ``ratio_mean``."""
+    _positive("temperature_pos", temperature_pos)
+    _positive("temperature_neg", temperature_neg)
+    m, adv, token_log_ratio, ratio = _token_ratios(logp, old_logp, advantages, mask)
+    tau = torch.where(adv > 0, adv.new_tensor(temperature_pos), adv.new_tensor(temperature_neg))
+    gate = torch.sigmoid(tau * (ratio - 1))
+    per_token = -adv * gate * 4 / tau
+    loss = _reduce(per_token, m, reduction, max_tokens)
+    with torch.no_grad():
+        metrics = {"gate_mean": masked_mean(4 * gate * (1 - gate), m), **_ratio_metrics(m, token_log_ratio, ratio)}
+    return loss, metrics
+
+
+def sppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+              reduction: str = "sequence", *, max_tokens: int | None = None,
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SPPO (Wu et al. 2024, eq. 3.5 / Algorithm 1): regress each response's sequence log-ratio to the policy it was
+    sampled from onto its target, ``(log π(y|x) − log π_t(y|x) − η(P(y ≻ π_t | x) − 1/2))²``; the caller puts
+    ``η(P − 1/2)`` in ``targets`` (per sequence (B,), or per token with the same value on every token of a sequence,
+    of which the first is read). One squared error per sequence, whatever ``reduction`` (they are averaged over the
+    sequences; ``"sum"`` sums them for a caller that divides by a count over more than this input). Metrics:
+    ``logratio_mean`` (the mean sequence log-ratio), ``target_mean``."""
+    m = _ppo_mask(mask, logp)
+    _same_shape(logp, old_logp=old_logp)
+    if logp.dim() != 2:
+        raise ValueError(f"sppo_loss needs (B, T) inputs, got shape {tuple(logp.shape)}")
+    targets = targets.detach()
+    if targets.shape == logp.shape:
+        targets = targets[:, 0]
+    if targets.shape != logp.shape[:1]:
+        raise ValueError(f"targets has shape {tuple(targets.shape)}; expected ({logp.shape[0]},) or {tuple(logp.shape)}")
+    logratio = torch.where(m, logp - old_logp.detach(), 0).sum(dim=-1)  # (B,)
+    per_sequence = (logratio - targets) ** 2
+    has_tokens = m.any(dim=-1)
+    loss = torch.where(has_tokens, per_sequence, 0).sum() if reduction == "sum" else masked_mean(per_sequence,
+                                                                                                  has_tokens)
+    with torch.no_grad():
+        metrics = {"logratio_mean": masked_mean(logratio, has_tokens), "target_mean": masked_mean(targets, has_tokens)}
     return loss, metrics
 
 

@@ -70,6 +70,11 @@ class RLParams:
     loss_aggregation: str = "sequence"  # sequence | token | sequence_sum_norm (see GroupTask)
     max_tokens: int | None = None  # sequence_sum_norm's constant: the generation's token limit
     group_std: bool = True  # GRPO's group baseline divides by the group's std (False: Dr. GRPO)
+    eta: float = 1.0  # SPPO: the target log-ratio is eta * (P(win) - 1/2)
+    sapo_temperature_pos: float = 1.0  # SAPO: the gate's temperature where A > 0
+    sapo_temperature_neg: float = 1.05  # SAPO: where A <= 0
+    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss); 0 = logged only
+    reward_weights: tuple[float, ...] | None = None  # GDPO: one weight per reward source, in the data's order
 
 
 def clipped_surrogate(logp, old, advantages, mask, params: RLParams, reduction: str):
@@ -79,6 +84,31 @@ def clipped_surrogate(logp, old, advantages, mask, params: RLParams, reduction: 
 
     return ppo_policy_loss(logp, old, advantages, mask, clip=params.clip, clip_high=params.clip_high,
                            importance=params.importance, reduction=reduction, max_tokens=params.max_tokens)
+
+
+def _cispo(logp, old, advantages, mask, params: RLParams, reduction: str):
+    """CISPO's policy loss (``losses.cispo_policy_loss``): the importance weight is capped at ``1 + clip_high``."""
+    from rlhf_pipeline.losses import cispo_policy_loss
+
+    return cispo_policy_loss(logp, old, advantages, mask, max_weight=1.0 + params.clip_high, reduction=reduction,
+                             max_tokens=params.max_tokens)
+
+
+def _sapo(logp, old, advantages, mask, params: RLParams, reduction: str):
+    """SAPO's policy loss (``losses.sapo_policy_loss``), its gate's temperatures from ``params``."""
+    from rlhf_pipeline.losses import sapo_policy_loss
+
+    return sapo_policy_loss(logp, old, advantages, mask, params.sapo_temperature_pos, params.sapo_temperature_neg,
+                            reduction=reduction, max_tokens=params.max_tokens)
+
+
+def _sppo(logp, old, advantages, mask, params: RLParams, reduction: str):
+    """SPPO's regression (``losses.sppo_loss``): the advantages carry each response's target η(P − 1/2)."""
+    from rlhf_pipeline.losses import sppo_loss
+
+    if reduction != "sequence":
+        raise ValueError("SPPO's loss is one squared error per response: --loss-aggregation must be sequence")
+    return sppo_loss(logp, old, advantages, mask)
 
 
 @dataclass(frozen=True)
@@ -96,7 +126,8 @@ class GroupAlgorithm:
     ``defaults`` are its fields that differ for this algorithm (``rlhf train`` options left unset take them);
     ``filter`` are ``rlhf filter`` options that ``rlhf iterate`` and ``rlhf demo`` pass for it (DAPO's removal of
     groups with equal rewards, say). ``scales_by_std`` declares a baseline that divides by the group's std, which
-    ``--scale-rewards`` switches.
+    ``--scale-rewards`` switches. ``reward_sources`` declares scores made from each reward source's own column
+    (GDPO: ``rlhf score`` with several sources), by :func:`rlhf_pipeline.advantages.decoupled_group_norm`.
     """
 
     name: str
@@ -106,6 +137,7 @@ class GroupAlgorithm:
     policy_loss: Callable | str = clipped_surrogate
     uses_critic: bool = False
     scales_by_std: bool = False
+    reward_sources: bool = False
     defaults: dict[str, Any] = field(default_factory=dict)
     filter: dict[str, Any] = field(default_factory=dict)
     demo: dict[str, Any] = field(default_factory=dict)
@@ -176,12 +208,23 @@ def check_groups(ds, source: str) -> None:
     require_types(ds, SCORED_KINDS, source, hint)
 
 
-def flatten_groups(ds, source: str) -> dict[str, list]:
-    """One sample per response: ``group`` (row of ``ds``), ``prompt_token_ids``, ``response_token_ids``, ``reward``."""
+def flatten_groups(ds, source: str, source_columns: Sequence[str] = ()) -> dict[str, list]:
+    """One sample per response: ``group`` (row of ``ds``), ``prompt_token_ids``, ``response_token_ids``, ``reward``;
+    with ``source_columns`` (each reward source's ``rewards_<key>``), ``source_rewards``: the sample's reward from
+    each, in that order."""
 
     out: dict[str, list] = {"group": [], "prompt_token_ids": [], "response_token_ids": [], "reward": []}
+    if source_columns:
+        out["source_rewards"] = []
+        per_source = [ds[c] for c in source_columns]
     for g, (prompt, responses, rewards) in enumerate(zip(ds["prompt_token_ids"], ds["response_token_ids"],
                                                          ds["rewards"])):
+        if source_columns:
+            for column, values in zip(source_columns, per_source):
+                if len(values[g]) != len(responses):
+                    raise PipelineError(f"{source}: row {g} has {len(responses)} responses but {len(values[g])} "
+                                        f"rewards in {column}")
+            out["source_rewards"].extend(map(list, zip(*(values[g] for values in per_source))))
         if len(responses) != len(rewards):
             raise PipelineError(f"{source}: row {g} has {len(responses)} responses but {len(rewards)} rewards")
         for response, reward in zip(responses, rewards):
@@ -253,7 +296,12 @@ def compute_advantages(samples: dict[str, list], params: RLParams) -> dict[str, 
         rewards = (rewards - rewards.mean()) / (rewards.std() + 1e-8)
     groups = torch.tensor(samples["group"])
     baseline = algo.baseline_fn()
-    if baseline is not None:  # the group baseline, group by group (filtering can leave groups uneven)
+    if getattr(algo, "reward_sources", False):  # GDPO: each source normalised in its group, summed, normalised
+        from rlhf_pipeline.advantages import decoupled_group_norm
+
+        scores = decoupled_group_norm(torch.tensor(samples["source_rewards"], dtype=torch.float64), groups,
+                                      torch.tensor(params.reward_weights, dtype=torch.float64))
+    elif baseline is not None:  # the group baseline, group by group (filtering can leave groups uneven)
         scores = torch.empty_like(rewards)
         for g in groups.unique():
             where = groups == g
@@ -344,7 +392,7 @@ class GroupTask:
     def loss(self, model, rows):
         import torch
 
-        from rlhf_pipeline.logprobs import build_batch, token_logps, token_values
+        from rlhf_pipeline.logprobs import build_batch, token_logps_and_entropy, token_values
         from rlhf_pipeline.losses import kl_estimate, value_loss
 
         p = self.params
@@ -352,7 +400,7 @@ class GroupTask:
         device = next(policy.parameters()).device
         batch = build_batch([r["prompt_token_ids"] for r in rows], [r["response_token_ids"] for r in rows],
                             self.pad_id, self.pack_ratio).to(device)
-        logps, seq = token_logps(policy, batch, temperature=self.temperature)
+        logps, seq, entropies = token_logps_and_entropy(policy, batch, temperature=self.temperature)
         dtype = logps.dtype
 
         def column(name):
@@ -376,6 +424,17 @@ class GroupTask:
         loss = loss * scale
         per_sample_count = mask.sum(dim=1).clamp(min=1)
         out = {"policy_loss": loss.detach().expand(len(rows))}
+        entropy = rollout_layout(entropies if p.entropy_coef else entropies.detach(), seq)
+        per_token_entropy = torch.where(mask, entropy, 0)
+        if p.entropy_coef:  # the bonus, aggregated as the policy loss is (sequence, token, or sum over max_tokens)
+            if aggregation == "sequence":
+                bonus = (per_token_entropy.sum(dim=1) / per_sample_count).mean()
+            elif aggregation == "token":
+                bonus = per_token_entropy.sum() * scale
+            else:
+                bonus = (per_token_entropy.sum(dim=1) / p.max_tokens).mean()
+            loss = loss - p.entropy_coef * bonus
+        out["entropy"] = (per_token_entropy.sum(dim=1) / per_sample_count).detach()
         if p.kl_mode == "loss" and p.kl_coef:
             per_token_kl = torch.where(mask, kl_estimate(logp, ref, kind=p.kl_estimator), 0)
             kl = per_token_kl.sum(dim=1) / per_sample_count
@@ -445,6 +504,13 @@ def _group_norm(rewards, params):
     from rlhf_pipeline.advantages import group_norm
 
     return group_norm(rewards, scale=params.group_std)
+
+
+def _sppo_targets(rewards, params):
+    """SPPO's target for each response: η(P(y ≻ π_t) − 1/2), P its Bradley-Terry win rate against its group."""
+    from rlhf_pipeline.advantages import win_rates
+
+    return params.eta * (win_rates(rewards) - 0.5)
 
 
 def _rloo(rewards, params):
@@ -519,6 +585,16 @@ class GroupOptions:
         None, help="GRPO-style group baseline: (r - group mean) divided by the group's std (group, default) or not "
         "(none, Dr. GRPO's default)."
     )
+    entropy_coef: float = option(
+        0.0, help="PPO family: weight of an entropy bonus, the policy's mean token entropy subtracted from the loss "
+        "(aggregated as the policy loss is); 0 = none. The entropy is logged (policy/entropy) either way."
+    )
+    sapo_temperature_pos: Optional[float] = option(
+        None, help="SAPO: temperature of the soft gate on tokens with a positive advantage (default 1.0, TRL's)."
+    )
+    sapo_temperature_neg: Optional[float] = option(
+        None, help="SAPO: temperature of the soft gate on the other tokens (default 1.05, TRL's)."
+    )
 
     def check_options(self, algorithm) -> None:
         """The group options' ranges, and none of them for an algorithm of another family."""
@@ -547,6 +623,18 @@ class GroupOptions:
             raise ValueError("--critic-learning-rate must be > 0")
         if self.value_clip is not None and self.value_clip <= 0:
             raise ValueError("--value-clip must be > 0")
+        if self.entropy_coef < 0:
+            raise ValueError("--entropy-coef must be >= 0")
+        if self.entropy_coef and algorithm.data != GROUPS:
+            raise ValueError(f"--entropy-coef is for the PPO family's policy losses, not --algo {algorithm.name}")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+            if getattr(algorithm, "policy_loss", None) is not _sapo:
+                raise ValueError(f"--{name.replace('_', '-')} is SAPO's (--algo sapo), not --algo {algorithm.name}'s")
 
     def rl_params(self, sampling: dict | None = None, longest_response: Callable[[], int] = lambda: 1) -> RLParams:
         """``groups.RLParams`` from the options given, the algorithm's defaults for those left unset. ``--clip``
@@ -566,7 +654,9 @@ class GroupOptions:
             kl_estimator=self.kl_estimator or ("k1" if self.kl_mode == "reward" else "k3"), gamma=self.discount,
             lam=self.lam, vf_coef=self.vf_coef, value_clip=self.value_clip, normalize_rewards=self.normalize_rewards,
             importance=self.importance_level, loss_aggregation=self.loss_aggregation,
-            group_std=None if self.scale_rewards is None else self.scale_rewards == "group", **sides,
+            group_std=None if self.scale_rewards is None else self.scale_rewards == "group",
+            eta=getattr(self, "eta", None), entropy_coef=self.entropy_coef,
+            sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg, **sides,
         )
         if params.loss_aggregation == "sequence_sum_norm":
             params.max_tokens = int((sampling or {}).get("max_new_tokens") or longest_response())
@@ -589,7 +679,25 @@ def _critic_source(config, ref) -> str:
                         "--critic-model (a reward model directory, e.g. from rlhf train-rm)")
 
 
-def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, output: Path):
+def _reward_sources(dd, ref) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """GDPO's inputs: each reward source's column and weight, as ``rlhf score`` recorded them in the data's lineage."""
+    from rlhf_pipeline.datasets_io import find_in_lineage
+
+    sources = (find_in_lineage([ref], "reward") or {}).get("sources") or []
+    if len(sources) < 2:
+        raise PipelineError(f"{ref}: --algo gdpo normalises each reward source within its group, and this data was "
+                            "scored with one source; score it with several (rlhf score --reward-model ... --reward-fn "
+                            "..., or --reward-fn twice)")
+    columns = tuple(s["column"] for s in sources)
+    for split, ds in dd.items():
+        missing = [c for c in columns if c not in ds.column_names]
+        if missing:
+            raise PipelineError(f"{ref}:{split}: missing column(s) {', '.join(missing)}, the rewards of each source "
+                                "that rlhf score wrote; filter the scored data with rlhf filter --mode groups")
+    return columns, tuple(float(s.get("weight", 1.0)) for s in sources)
+
+
+def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, output: Path, source_columns=()):
     """The flattened samples of each split with old_logps, ref_logps, (old_values,) advantages (, returns): from
     OUTPUT/rollout when an interrupted run made them, else computed now and kept there."""
     import datasets
@@ -599,7 +707,8 @@ def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, out
 
     def compute():
         uses_critic = config.algorithm.uses_critic
-        samples = {split: flatten_groups(ds, f"{config.data}:{split}") for split, ds in dd.items()}
+        samples = {split: flatten_groups(ds, f"{config.data}:{split}", source_columns)
+                   for split, ds in dd.items()}
         reference = None
         if config.ref_model and params.kl_coef and config.ref_model != config.model:  # else: the rollout's own
             reference = load_causal_lm(config.ref_model, dtype="float32" if not config.bf16 else "bfloat16",
@@ -648,6 +757,9 @@ def train(config) -> Path:
         sampling = find_in_lineage([ref], "sampling")
         params = config.rl_params(sampling, lambda: max(
             (len(r) for ds in dd.values() for rs in ds["response_token_ids"] for r in rs), default=1))
+        source_columns = ()
+        if config.algorithm.reward_sources:
+            source_columns, params.reward_weights = _reward_sources(dd, ref)
         temperature = logp_temperature(config.algorithm, config.temperature, sampling, str(ref))
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)
@@ -675,7 +787,7 @@ def train(config) -> Path:
 
         def task(run, setup):
             rollout["data"] = data = _rollout(config, params, run.accelerator, setup.model, dd, temperature, pad,
-                                              run.path)
+                                              run.path, source_columns)
             return GroupTask(params, temperature, pad, config.pack_ratio), data["train"], data.get("test")
 
         def record(run, result):
@@ -733,3 +845,20 @@ register(GroupAlgorithm(
     "gspo", _undiscounted_returns, "GRPO with one clipped importance ratio per sequence", baseline=_group_norm,
     scales_by_std=True, defaults={"importance": "sequence", "clip": 3e-4, "clip_high": 4e-4, "kl_coef": 0.0},
     demo={"learning_rate": 2e-4}))
+register(GroupAlgorithm(
+    "cispo", _undiscounted_returns, "GRPO's baseline; REINFORCE weighted by the importance ratio capped at "
+    "1 + clip-high, its gradient stopped (no token dropped)", baseline=_group_norm, scales_by_std=True,
+    policy_loss=_cispo, defaults={"clip_high": 4.0, "loss_aggregation": "token", "kl_coef": 0.0},
+    demo={"learning_rate": 2e-4}))
+register(GroupAlgorithm(
+    "sapo", _undiscounted_returns, "GRPO with a soft, temperature-controlled gate on the ratio instead of the clip",
+    baseline=_group_norm, scales_by_std=True, policy_loss=_sapo,
+    demo={"learning_rate": 2e-4, "kl_mode": "loss", "kl_coef": 0.02}))
+register(GroupAlgorithm(
+    "gdpo", _undiscounted_returns, "GRPO on several rewards, each normalised within its group, summed, then "
+    "normalised over the batch", reward_sources=True,
+    demo={"learning_rate": 2e-4, "kl_mode": "loss", "kl_coef": 0.02}))
+register(GroupAlgorithm(
+    "sppo", _undiscounted_returns, "self-play: regress each response's log-ratio onto eta x (its win rate "
+    "against its group - 1/2)", baseline=_sppo_targets, policy_loss=_sppo,
+    defaults={"kl_coef": 0.0}, demo={"learning_rate": 2e-4}))

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Optional
 
-from rlhf_pipeline.algorithms.registry import PAIRS, Family, register, register_family, resolve, with_defaults
+from rlhf_pipeline.algorithms.registry import (ALGORITHMS, PAIRS, Family, register, register_family, resolve,
+                                               with_defaults)
 from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import PAIR_TOKEN_COLUMNS, REF_LOGP_COLUMNS, require_columns, require_types
 
@@ -41,6 +42,7 @@ class PairAlgorithm:
     logp_at_sampling_temperature: bool = False  # REBEL's code takes log-probs at the sampling temperature
     label_smoothing: bool = False  # the loss is cDPO's: --label-smoothing > 0 is required (and refused elsewhere)
     nll_term: bool = True  # --nll-coef may add an NLL term on the chosen response (RPO)
+    sft_term: bool = False  # the loss has an NLL term of its own, weighted by --sft-coef (ORPO, CPO)
     defaults: dict[str, Any] = field(default_factory=dict)  # PairLossParams fields that differ from its defaults
     demo: dict[str, Any] = field(default_factory=dict)  # rlhf train options that make rlhf demo learn
     filter: dict[str, Any] = field(default_factory=dict)  # rlhf filter options that iterate and demo pass
@@ -236,7 +238,7 @@ class PairTask:
 # ----------------------------------------------------------------------------------------------------------------
 # The family's options and recipe
 
-BETA_HELP = "DPO/cDPO/IPO/SimPO/KTO strength (default 0.1; 2.0 for SimPO)."
+BETA_HELP = "DPO/cDPO/IPO/SimPO/KTO strength, ORPO's lambda, CPO's beta (default 0.1; 2.0 for SimPO)."
 
 
 @dataclass(kw_only=True)
@@ -247,7 +249,7 @@ class PairOptions:
 
     eta: float = option(
         1.0, help="REBEL: scale of the log-ratio regression, ((logratio_c - logratio_r)/eta - (r_c - r_r))^2. "
-        "REBEL's UltraFeedback runs use 1e6."
+        "REBEL's UltraFeedback runs use 1e6. SPPO: the target log-ratio of a response is eta x (its win rate - 1/2)."
     )
     reward_gap_scale: Literal["none", "rms"] = option(
         "none", help="REBEL: rms divides the reward gaps (chosen - rejected) by their root mean square over the train "
@@ -261,6 +263,10 @@ class PairOptions:
     )
     label_smoothing: Optional[float] = option(None, help="cDPO: probability that a label is flipped (default 0.1).")
     gamma: float = option(0.5, help="SimPO: target reward margin.")
+    sft_coef: Optional[float] = option(
+        None, help="ORPO / CPO: weight of their NLL term on the chosen response (default 1.0: ORPO's loss, CPO's "
+        "alpha; TRL's cpo_alpha)."
+    )
 
     def check_options(self, algorithm) -> None:
         """The pair options' ranges, and the ones this algorithm cannot take."""
@@ -290,6 +296,13 @@ class PairOptions:
                 )
         if self.gamma < 0:
             raise ValueError("--gamma must be >= 0")
+        if self.sft_coef is not None:
+            if self.sft_coef < 0:
+                raise ValueError("--sft-coef must be >= 0")
+            if not getattr(algorithm, "sft_term", False):
+                which = ", ".join(a.name for a in ALGORITHMS.values() if getattr(a, "sft_term", False))
+                raise ValueError(f"--sft-coef weighs the NLL term of {which}; --algo {algorithm.name} has none "
+                                 "(the DPO family's is --nll-coef)")
 
     def loss_params(self):
         """(the pair algorithm, its ``losses.PairLossParams``): the options given, the algorithm's defaults for the
@@ -299,7 +312,7 @@ class PairOptions:
             raise ValueError(f"--algo {algorithm.name} trains on {algorithm.data} and has no pair loss")
         return algorithm, pair_loss_params(algorithm, eta=self.eta, beta=self.beta,
                                            label_smoothing=self.label_smoothing, gamma=self.gamma,
-                                           nll_coef=self.nll_coef)
+                                           nll_coef=self.nll_coef, sft_coef=self.sft_coef)
 
 
 def train(config) -> Path:
@@ -370,3 +383,9 @@ register(PairAlgorithm(
 register(PairAlgorithm(
     "simpo", "rlhf_pipeline.losses:simpo_terms", "reference-free, length-normalised, target margin gamma",
     needs_reference=False, length_normalized=True, defaults={"beta": 2.0}, demo={"learning_rate": 3e-4}))
+register(PairAlgorithm(
+    "orpo", "rlhf_pipeline.losses:orpo_terms", "reference-free: the chosen NLL + beta x the log odds ratio term",
+    needs_reference=False, length_normalized=True, nll_term=False, sft_term=True, demo={"learning_rate": 3e-4}))
+register(PairAlgorithm(
+    "cpo", "rlhf_pipeline.losses:cpo_terms", "reference-free: -log sigmoid(beta x log-prob gap) + the chosen NLL",
+    needs_reference=False, length_normalized=True, nll_term=False, sft_term=True, demo={"learning_rate": 3e-4}))

@@ -124,6 +124,15 @@ def gold_reward(prompts: list, responses: list[str], **columns: Any) -> list[flo
     return [polarity(r) for r in responses]
 
 
+BRIEF_WORDS = 12  # the length brevity_reward likes best
+
+
+def brevity_reward(prompts: list, responses: list[str], **columns: Any) -> list[float]:
+    """A second reward for the demo's several-source runs (GDPO): reviews near :data:`BRIEF_WORDS` words score
+    highest, ``−|words − 12| / 4``. It says nothing about sentiment; the gold reward does not read it."""
+    return [-abs(len(_WORD.findall(r.lower())) - BRIEF_WORDS) / 4 for r in responses]
+
+
 def prompt_rows(held_out: bool) -> list[dict[str, str]]:
     """The training prompts (``held_out=False``, 640) or the held-out evaluation prompts (160)."""
     rows = []

@@ -37,6 +37,7 @@ from rlhf_pipeline.layout import EVAL_RESULTS, SUMMARY, iteration_dir
 from rlhf_pipeline.tiny import TINY_HEAD_DIM
 
 GOLD = "rlhf_pipeline.demo.task:gold_reward"
+BREVITY = "rlhf_pipeline.demo.task:brevity_reward"
 
 
 @dataclass(kw_only=True)
@@ -96,6 +97,8 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
         prompts_per_iteration=config.prompts_per_iteration,
         algo=config.algo,
         reward_model=str(run / "reward_model"),
+        # an algorithm that reads each reward source (GDPO) gets a second one beside the reward model
+        reward_fn=BREVITY if getattr(algorithm, "reward_sources", False) else None,
         eval_prompts=str(data["eval_prompts"]),
         generate={"n": config.n, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,
                   "engine": "hf", "seed": config.seed, "batch_size": 64},

@@ -93,7 +93,8 @@ class IterateConfig(OutputOptions):
         "iteration to the next."
     )
     reward_model: Optional[str] = option(None, help="Reward model that scores the samples.")
-    reward_fn: Optional[str] = option(None, help="Or a python reward function (module:function or file.py:function).")
+    reward_fn: Optional[str] = option(None, help="And/or a python reward function (module:function or file.py:function); "
+                                      "with both, rlhf score combines them (GDPO keeps each source's own rewards).")
     eval_prompts: Optional[str] = option(
         None, help="Held-out prompts: when set, the starting policy and every iteration's policy are evaluated."
     )
@@ -115,8 +116,9 @@ class IterateConfig(OutputOptions):
     )
 
     def __post_init__(self) -> None:
-        if (self.reward_model is None) == (self.reward_fn is None):
-            raise ValueError("give exactly one of reward_model and reward_fn")
+        if self.reward_model is None and self.reward_fn is None:
+            raise ValueError("give reward_model, reward_fn, or both (rlhf score then combines the two; set their "
+                             "weights with score: {reward_weights: [...]})")
         if self.iterations < 1:
             raise ValueError("iterations must be at least 1")
         if self.prompts_per_iteration is not None and self.prompts_per_iteration < 1:
