@@ -208,3 +208,34 @@ def test_shared_prefill_generate_raises_no_future_warning(tiny_policy):
         out = engine.generate(prompts, [0, 1, 2], sampling)
     assert engine.share_prefill is True  # the path that passes a cache to generate was taken
     assert all(len(c.token_ids) == 2 for c in out)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.8, 1.0), (1.0, 0.9)])
+def test_sampler_logprobs_are_the_trainers_under_the_distribution_sampled_from(tiny_policy, temperature, top_p):
+    """The log-probs the engine records are those of the distribution each token was drawn from. Without truncation
+    that is the trainer's own recomputation at the same temperature (``logprobs.token_logps``), to float noise; with
+    top-p < 1 the sampler's distribution is renormalised over the nucleus, so each token's sampler log-prob exceeds
+    the trainer's by −log(nucleus mass) ≥ 0, and the samples are the same with or without recording."""
+    import dataclasses
+
+    import torch
+
+    from rlhf_pipeline.logprobs import build_batch, token_logps
+
+    tok, prompts, sampling = _setup(tiny_policy, n=3, max_new_tokens=10, temperature=temperature)
+    sampling = dataclasses.replace(sampling, top_p=top_p)
+    engine = HFEngine(tiny_policy, tok, batch_size=2)
+    recorded = engine.generate(prompts, [0, 1, 2], sampling, logprobs=True)
+    plain = engine.generate(prompts, [0, 1, 2], sampling)
+    assert [c.token_ids for c in recorded] == [c.token_ids for c in plain] and plain[0].logprobs is None
+    pairs = [(p, ids, lp) for p, c in zip(prompts, recorded) for ids, lp in zip(c.token_ids, c.logprobs)]
+    assert all(len(ids) == len(lp) for _, ids, lp in pairs)
+    batch = build_batch([p for p, _, _ in pairs], [ids for _, ids, _ in pairs], pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        trainer, _ = token_logps(engine.model, batch, temperature=temperature)
+    sampler = torch.tensor([x for _, _, lp in pairs for x in lp], dtype=trainer.dtype)
+    gap = sampler - trainer
+    if top_p == 1.0:
+        assert gap.abs().max() < 1e-4, gap.abs().max()
+    else:
+        assert gap.min() > -1e-4 and gap.max() > 1e-3  # the nucleus's renormalisation, never below the trainer's

@@ -271,3 +271,18 @@ def test_progress_bar_follows_tqdm_disable(monkeypatch):
     for value, disabled in (("1", True), ("true", True), ("", False), ("0", False)):
         monkeypatch.setenv("TQDM_DISABLE", value)
         assert bars_disabled() is disabled
+
+
+def test_sampled_logprobs_are_read_per_position_and_a_put_back_stop_token_has_none():
+    def logprob(value):
+        return SimpleNamespace(logprob=value, rank=1, decoded_token="x")
+
+    first = out(1, [5, 6], "stop", EOT)  # the stop token left out by vLLM: put back, without a log-prob of its own
+    first.logprobs = [{5: logprob(-0.5)}, {6: logprob(-1.25)}]
+    second = out(0, [8, EOS], "stop", None)
+    second.logprobs = [{8: logprob(-2.0), 9: logprob(-0.1)}, {EOS: logprob(-0.75)}]
+    c = completion_from_outputs([first, second], STOPS, logprobs=True)
+    assert c.token_ids == [[8, EOS], [5, 6, EOT]]
+    assert c.logprobs[0] == [-2.0, -0.75]
+    assert c.logprobs[1][:2] == [-0.5, -1.25] and c.logprobs[1][2] != c.logprobs[1][2]  # NaN
+    assert completion_from_outputs([second], STOPS).logprobs is None

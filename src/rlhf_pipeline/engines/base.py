@@ -26,13 +26,18 @@ class Completion:
     texts: list[str]
     token_ids: list[list[int]]
     finish_reasons: list[str]  # "stop" or "length"
+    # with ``logprobs``: each sampled token's log-prob as the sampler drew it (after temperature, top-k and top-p)
+    logprobs: list[list[float]] | None = None
 
 
 class Engine(Protocol):
     name: str
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings) -> list[Completion]:
-        """Sample ``sampling.n`` responses for each prompt (token ids); ``seeds`` has one seed per prompt."""
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings,
+                 logprobs: bool = False) -> list[Completion]:
+        """Sample ``sampling.n`` responses for each prompt (token ids); ``seeds`` has one seed per prompt. With
+        ``logprobs`` each completion carries its tokens' log-probs under the distribution they were sampled from:
+        the model's, divided by the temperature, renormalised over what top-k and top-p kept."""
         ...
 
     def close(self) -> None:

@@ -151,6 +151,39 @@ def sampling_processors(sampling: SamplingSettings):
     return processors
 
 
+class SampledLogprobs:
+    """A logits processor placed after the sampling ones that records, for every row, the log-prob of the token
+    sampled at each step under the processed scores it was drawn from (``log_softmax`` of what the temperature,
+    top-k and top-p warpers left). A processor sees the token sampled at step t only at step t + 1 (as the last
+    column of ``input_ids``), so it keeps step t's scores until then; :meth:`finish` takes the last step's from the
+    output. Memory: one step's scores, and a float per row per step."""
+
+    def __init__(self):
+        self.previous = None
+        self.steps: list = []
+
+    def __call__(self, input_ids, scores):
+        if self.previous is not None:
+            self.steps.append(self._take(self.previous, input_ids[:, -1]))
+        self.previous = scores
+        return scores
+
+    def finish(self, last_tokens):
+        """(rows, steps) log-probs of the whole generation, given the tokens sampled at its last step."""
+        import torch
+
+        if self.previous is not None:
+            self.steps.append(self._take(self.previous, last_tokens))
+            self.previous = None
+        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros((len(last_tokens), 0))
+
+    @staticmethod
+    def _take(scores, tokens):
+        import torch
+
+        return torch.log_softmax(scores.float(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
 def cache_keyword() -> str:
     """The name transformers gives a KV cache, in ``generate``'s keyword arguments and in model outputs: ``cache``
     where it has renamed ``past_key_values`` (it then warns with a FutureWarning on every ``generate`` given the old
@@ -300,8 +333,10 @@ class HFEngine:
                         type(self.model).__name__)
         return ok
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings,
+                 logprobs: bool = False) -> list[Completion]:
         import torch
+        from transformers import LogitsProcessorList
 
         processors = sampling_processors(sampling)
         stop_ids = set(sampling.stop_token_ids)
@@ -325,16 +360,21 @@ class HFEngine:
                     self.share_prefill = self._check_shared_prefill(input_ids, attention_mask, sampling)
                 if self.batch_size == 1:  # alone in its batch: its own seed, as vLLM's per-request seeds
                     torch.manual_seed(seeds[batch[0]])
+                recorder = SampledLogprobs() if logprobs else None
+                used = LogitsProcessorList([*processors, recorder]) if recorder is not None else processors
                 with torch.no_grad():
-                    out = self._sample(input_ids, attention_mask, sampling, processors, share=bool(self.share_prefill))
+                    out = self._sample(input_ids, attention_mask, sampling, used, share=bool(self.share_prefill))
                 new_tokens = out[:, width:].tolist()  # (B * n, T), rows of one prompt are adjacent
+                sampled = recorder.finish(out[:, -1]).tolist() if recorder is not None else None
                 for row, i in enumerate(batch):
-                    cut = [cut_at_stop(t, stop_ids) for t in new_tokens[row * sampling.n : (row + 1) * sampling.n]]
+                    rows = range(row * sampling.n, (row + 1) * sampling.n)
+                    cut = [cut_at_stop(new_tokens[r], stop_ids) for r in rows]
                     token_ids = [c[0] for c in cut]
                     results[i] = Completion(
                         texts=self.tokenizer.batch_decode(token_ids, skip_special_tokens=True),
                         token_ids=token_ids,
                         finish_reasons=[c[1] for c in cut],
+                        logprobs=None if sampled is None else [sampled[r][: len(t)] for r, t in zip(rows, token_ids)],
                     )
                 bar.update(len(batch))
         return results  # type: ignore[return-value]

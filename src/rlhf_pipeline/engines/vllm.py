@@ -44,15 +44,20 @@ def completion_from_outputs(
     outputs: Sequence[Any],
     stop_token_ids: Sequence[int],
     decode: Callable[[list[list[int]]], list[str]] | None = None,
+    logprobs: bool = False,
 ) -> Completion:
     """One ``RequestOutput.outputs`` list (``CompletionOutput``-like objects) as a :class:`Completion`.
 
     Samples are ordered by ``.index``; the stop token stays in (is put back into) ``token_ids``. ``decode`` turns the
-    ids into texts; without it ``.text`` is used. Aborted, failed or refused requests raise ``RuntimeError``.
+    ids into texts; without it ``.text`` is used. With ``logprobs`` each sample's ``.logprobs`` (one
+    ``{token: Logprob}`` per position, requested with ``SamplingParams(logprobs=0)``) gives each sampled token's
+    log-prob; a stop token vLLM left out of the output and that is put back has none of its own: NaN. Aborted,
+    failed or refused requests raise ``RuntimeError``.
     """
     stops = set(stop_token_ids)
     token_ids: list[list[int]] = []
     reasons: list[str] = []
+    sampled: list[list[float]] = []
     ordered = sorted(outputs, key=lambda o: o.index)
     for out in ordered:
         ids = list(out.token_ids)
@@ -70,8 +75,13 @@ def completion_from_outputs(
             raise RuntimeError(f"vLLM request did not finish: finish_reason={reason!r} for sample {out.index}")
         token_ids.append(ids)
         reasons.append(reason)
+        if logprobs:
+            given = out.logprobs or []
+            sampled.append([float(given[k][t].logprob) if k < len(given) and t in given[k] else float("nan")
+                            for k, t in enumerate(ids)])
     texts = decode(token_ids) if decode is not None else [o.text for o in ordered]
-    return Completion(texts=list(texts), token_ids=token_ids, finish_reasons=reasons)
+    return Completion(texts=list(texts), token_ids=token_ids, finish_reasons=reasons,
+                      logprobs=sampled if logprobs else None)
 
 
 # vLLM's CPU backend reads --gpu-memory-utilization as the fraction of the machine's (NUMA node's) memory to reserve,
@@ -210,15 +220,20 @@ class VLLMEngine:
             seeded_sampling=True,  # every request carries its prompt's seed
             tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len,  # an EngineArgs field, forwarded through LLM(**kwargs)
+            # a sampled token's log-prob as it was drawn: after temperature, top-k and top-p (vLLM's default,
+            # raw_logprobs, is before all of them)
+            logprobs_mode="processed_logprobs",
         )
 
     def close(self) -> None:
         shutdown(self.llm)
 
-    def _params(self, seed: int, sampling: SamplingSettings):
+    def _params(self, seed: int, sampling: SamplingSettings, logprobs: bool = False):
         from vllm import SamplingParams
 
         extra = {"top_k": sampling.top_k} if sampling.top_k > 0 else {}
+        if logprobs:
+            extra["logprobs"] = 0  # the sampled token's only
         return SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,
@@ -231,19 +246,20 @@ class VLLMEngine:
             **extra,
         )
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings,
+                 logprobs: bool = False) -> list[Completion]:
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         # Token prompts, never text: vLLM tokenizes a text prompt with add_special_tokens=True, which puts a second
         # BOS in front of a chat template that already starts with one (the double-BOS pitfall).
         requests = [{"prompt_token_ids": list(ids)} for ids in prompts]
-        params = [self._params(seed, sampling) for seed in seeds]
+        params = [self._params(seed, sampling, logprobs) for seed in seeds]
         with engine_death_as_error("generating"):
             results = self.llm.generate(requests, params, use_tqdm=not bars_disabled())
         if len(results) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(results)} results for {len(prompts)} prompts")
         decode = partial(self.tokenizer.batch_decode, skip_special_tokens=True)  # the HF engine's decode
-        return [completion_from_outputs(r.outputs, sampling.stop_token_ids, decode) for r in results]
+        return [completion_from_outputs(r.outputs, sampling.stop_token_ids, decode, logprobs) for r in results]
 
 
 class VLLMRewardModel:
