@@ -17,8 +17,15 @@ from conftest import run
 
 
 def columns(path: Path) -> dict:
+    """Every column but the sampler's log-probs, which depend on how prompts share a batch to float noise (the same
+    tokens sampled: :func:`logprobs_close`)."""
     ds = load_from_disk(str(path))
-    return {c: ds[c] for c in ds.column_names}
+    return {c: ds[c] for c in ds.column_names if c != "response_logprobs"}
+
+
+def logprobs_close(a: Path, b: Path) -> bool:
+    flat = [[x for rs in load_from_disk(str(p))["response_logprobs"] for r in rs for x in r] for p in (a, b)]
+    return len(flat[0]) == len(flat[1]) and max(abs(x - y) for x, y in zip(*flat)) < 1e-4
 
 
 def manifest(path: Path) -> dict:
@@ -63,6 +70,7 @@ def test_a_run_starts_and_stops_its_own_local_ray(tiny_policy, bundled_prompts, 
     assert not ray.is_initialized()
     assert run(*args, "--output", tmp_path / "local") == 0
     assert columns(tmp_path / "ray") == columns(tmp_path / "local")
+    assert logprobs_close(tmp_path / "ray", tmp_path / "local")
 
 
 @pytest.fixture(scope="module")

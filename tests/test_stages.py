@@ -180,7 +180,7 @@ def test_generate_closes_its_engine_even_when_sampling_fails(tiny_policy, small_
     args = ["--model", tiny_policy, "--prompts", small_prompts, "--n", 2, "--max-new-tokens", 4, "--engine", "hf"]
     assert run("generate", *args, "--output", tmp_path / "ok") == 0
     assert closed == ["hf"]
-    monkeypatch.setattr("rlhf_pipeline.engines.hf.HFEngine.generate", lambda *a: 1 / 0)
+    monkeypatch.setattr("rlhf_pipeline.engines.hf.HFEngine.generate", lambda *a, **kw: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         run("generate", *args, "--output", tmp_path / "failed")
     assert closed == ["hf", "hf"] and not (tmp_path / "failed").exists()

@@ -236,6 +236,61 @@ def decoupled_group_norm(rewards: torch.Tensor, groups: torch.Tensor, weights: t
     return (summed - summed.mean()) / (summed.std(correction=1) + eps)
 
 
+ROLLOUT_CORRECTIONS = ("none", "tis", "mask", "sequence_mask")
+
+
+def rollout_correction(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                       cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token weights (B, T) that correct for the sampler and the trainer disagreeing on the sampled tokens'
+    log-probs (different kernels and precision, top-k/top-p truncation), from ``w = exp(trainer − sampler)``, the
+    ratio π_old/π_sampler of the trainer's recomputation of the sampling policy to the sampler's own numbers:
+
+    - ``tis``: truncated importance sampling, ``min(w, cap)`` (TRL's ``vllm_importance_sampling_mode`` "token_truncate";
+      verl's token-level ``rollout_is``);
+    - ``mask``: 1 where ``1/cap ≤ w ≤ cap``, else 0 (IcePop, arXiv 2510.18855; TRL's "token_mask");
+    - ``sequence_mask``: 1 for every token of a sequence whose geometric-mean ratio ``exp(mean_t log w)`` is within
+      ``[1/cap, cap]``, else 0 (DeepSeek-V3.2's sequence masking; verl's ``rollout_rs="geometric"``);
+    - ``none``: 1.
+
+    A token whose sampler log-prob is unknown (NaN) gets weight 1 and counts as unknown. Padding gets 0. Also returns
+    metrics: ``kl_sampler``, the mean over tokens of the k3 estimate of KL(sampler ‖ trainer), ``w − 1 − log w``;
+    ``corrected_fraction``, the fraction of tokens truncated or masked; ``weight_mean``; ``unknown_fraction``.
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"mode must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
+    if not cap > 1.0:
+        raise ValueError(f"cap must be > 1, got {cap}")
+    m = _token_mask(mask, trainer_logp)
+    known = m & ~torch.isnan(sampler_logp)
+    log_w = torch.where(known, trainer_logp.detach() - torch.nan_to_num(sampler_logp), 0)
+    w = torch.exp(log_w)
+    ones = torch.ones_like(w)
+    if mode == "tis":
+        weights, corrected = w.clamp(max=cap), known & (w > cap)
+    elif mode == "mask":
+        inside = (w >= 1.0 / cap) & (w <= cap)
+        weights, corrected = torch.where(inside, ones, 0), known & ~inside
+    elif mode == "sequence_mask":
+        count = known.sum(dim=-1).clamp(min=1)
+        geometric = torch.exp(log_w.sum(dim=-1) / count)  # (B,)
+        inside = ((geometric >= 1.0 / cap) & (geometric <= cap)).unsqueeze(-1).expand_as(w)
+        weights, corrected = torch.where(inside, ones, 0), m & ~inside
+    else:
+        weights, corrected = ones, torch.zeros_like(m)
+    weights = torch.where(known, weights, ones)
+    if mode == "sequence_mask":  # the whole sequence goes, its unknown tokens with it
+        weights = torch.where(corrected, 0, weights)
+    weights = torch.where(m, weights, 0)
+    n = m.sum().clamp(min=1)
+    metrics = {
+        "kl_sampler": float(torch.where(known, torch.expm1(log_w) - log_w, 0).sum() / known.sum().clamp(min=1)),
+        "corrected_fraction": float(corrected.sum() / n),
+        "weight_mean": float(torch.where(m, weights, 0).sum() / n),
+        "unknown_fraction": float((m & ~known).sum() / n),
+    }
+    return weights, metrics
+
+
 def reinforce_pp_returns(rewards: torch.Tensor, gamma: float = 1.0, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Discounted returns-to-go ``G_t = r_t + γ·G_{t+1}`` per sequence, (B, T) → (B, T), 0 at masked positions.
 

@@ -49,11 +49,18 @@ GENERATIONS_COLUMNS = ("prompt_id", "responses")
 SCORED_COLUMNS = ("prompt_id", "responses", "rewards")
 # What the per-response columns of scored generations hold (checked where present).
 SCORED_KINDS = {"responses": "list of text", "rewards": "list of number", "prompt_token_ids": "list of int",
-                "response_token_ids": "list of list of int", "finish_reasons": "list of text"}
+                "response_token_ids": "list of list of int", "finish_reasons": "list of text",
+                "response_logprobs": "list of list of number"}
 # Each reward source's own rewards, when rlhf score combines several: ``rewards_<key>`` (stages.score.reward_sources).
 SOURCE_REWARDS_PREFIX = "rewards_"
 # Scored columns that hold one entry per response (n per prompt): pairs mode replaces them, groups mode keeps them.
 PER_RESPONSE_COLUMNS = ("responses", "response_token_ids", "rewards", "finish_reasons")
+# The sampler's log-prob of each sampled token, as it drew it (after temperature, top-k and top-p: the manifest's
+# ``sampling`` says which), one list per response; rlhf generate writes it, score keeps it, filter carries it to
+# each response it keeps under the names below. Optional: data without it trains, without rollout correction.
+SAMPLER_LOGPROBS = "response_logprobs"
+SAMPLER_LOGPROBS_OUT = {"pairs": ("chosen_logprobs", "rejected_logprobs"), "unpaired": ("completion_logprobs",),
+                        "best": ("completion_logprobs",), "groups": (SAMPLER_LOGPROBS,)}
 
 # The chosen and rejected response of each pair as rlhf filter --mode pairs writes them: text, token ids, reward.
 CHOSEN_REJECTED_COLUMNS = (

@@ -40,6 +40,7 @@ the same update for any micro-batch or process split of an optimizer step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,7 @@ from typing import Any, Callable, ClassVar, Literal, Optional, Sequence
 
 from rlhf_pipeline.algorithms.registry import ALGORITHMS, GROUPS, Family, register, register_family, resolve, with_defaults
 from rlhf_pipeline.config import option
-from rlhf_pipeline.contracts import GROUP_COLUMNS, SCORED_KINDS, require_columns, require_types
+from rlhf_pipeline.contracts import GROUP_COLUMNS, SAMPLER_LOGPROBS, SCORED_KINDS, require_columns, require_types
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CRITIC, ROLLOUT_CACHE
 from rlhf_pipeline.modeling import peel
@@ -75,6 +76,8 @@ class RLParams:
     sapo_temperature_neg: float = 1.05  # SAPO: where A <= 0
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss); 0 = logged only
     reward_weights: tuple[float, ...] | None = None  # GDPO: one weight per reward source, in the data's order
+    rollout_correction: str = "none"  # none | tis | mask | sequence_mask (advantages.rollout_correction)
+    rollout_correction_cap: float = 2.0
 
 
 def clipped_surrogate(logp, old, advantages, mask, params: RLParams, reduction: str):
@@ -214,6 +217,9 @@ def flatten_groups(ds, source: str, source_columns: Sequence[str] = ()) -> dict[
     each, in that order."""
 
     out: dict[str, list] = {"group": [], "prompt_token_ids": [], "response_token_ids": [], "reward": []}
+    sampler = ds[SAMPLER_LOGPROBS] if SAMPLER_LOGPROBS in ds.column_names else None
+    if sampler is not None:
+        out["sampler_logps"] = []
     if source_columns:
         out["source_rewards"] = []
         per_source = [ds[c] for c in source_columns]
@@ -227,11 +233,17 @@ def flatten_groups(ds, source: str, source_columns: Sequence[str] = ()) -> dict[
             out["source_rewards"].extend(map(list, zip(*(values[g] for values in per_source))))
         if len(responses) != len(rewards):
             raise PipelineError(f"{source}: row {g} has {len(responses)} responses but {len(rewards)} rewards")
-        for response, reward in zip(responses, rewards):
+        for j, (response, reward) in enumerate(zip(responses, rewards)):
             if reward is None or not math.isfinite(reward):
                 raise PipelineError(f"{source}: row {g} has a reward of {reward}; rescore it (rlhf score)")
             out["group"].append(g)
             out["prompt_token_ids"].append(list(prompt))
+            if sampler is not None:
+                logps = sampler[g][j]
+                if len(logps) != len(response):
+                    raise PipelineError(f"{source}: row {g} has a response of {len(response)} tokens but "
+                                        f"{len(logps)} sampler log-probs in {SAMPLER_LOGPROBS}")
+                out["sampler_logps"].append([float("nan") if x is None else float(x) for x in logps])
             out["response_token_ids"].append(list(response))
             out["reward"].append(float(reward))
     return out
@@ -331,6 +343,18 @@ def compute_advantages(samples: dict[str, list], params: RLParams) -> dict[str, 
     return out
 
 
+def correction_weights(samples: dict[str, list], params: RLParams) -> tuple[list[list[float]], dict[str, float]]:
+    """The rollout correction's per-token weights of every sample (``advantages.rollout_correction`` of the trainer's
+    ``old_logps`` against the sampler's ``sampler_logps``) and its metrics over them."""
+    from rlhf_pipeline.advantages import rollout_correction
+
+    old, mask = padded(samples["old_logps"])
+    sampler, _ = padded(samples["sampler_logps"])
+    weights, metrics = rollout_correction(old, sampler, mask, params.rollout_correction,
+                                          params.rollout_correction_cap)
+    return unpadded(weights, mask), metrics
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The loss
 
@@ -415,6 +439,8 @@ class GroupTask:
 
         logp = rollout_layout(logps, seq)
         advantages, _ = column("advantages")
+        if "correction" in rows[0]:  # the rollout correction weighs each token's policy-gradient term
+            advantages = advantages * column("correction")[0]
         aggregation = p.loss_aggregation
         if aggregation == "token":
             scale, reduction = self.token_scale(len(rows), mask), "sum"
@@ -456,6 +482,14 @@ class GroupTask:
             out["value_loss"] = vloss.detach().expand(len(rows))
         with torch.no_grad():
             out["kl_to_ref"] = torch.where(mask, logp - ref, 0).sum(dim=1)  # k1 summed over the response
+            if "sampler_logps" in rows[0]:  # how far the sampler's numbers are from the trainer's, per response
+                sampler, _ = column("sampler_logps")
+                known = mask & ~torch.isnan(sampler)
+                log_w = torch.where(known, old - torch.nan_to_num(sampler), 0)
+                out["kl_sampler"] = (torch.expm1(log_w) - log_w).sum(dim=1) / known.sum(dim=1).clamp(min=1)
+                if "correction" in rows[0]:
+                    weights, _ = column("correction")
+                    out["correction_weight"] = weights.sum(dim=1) / per_sample_count
             for k, v in metrics.items():
                 out[k] = v.expand(len(rows))
         return loss, out, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
@@ -595,6 +629,13 @@ class GroupOptions:
     sapo_temperature_neg: Optional[float] = option(
         None, help="SAPO: temperature of the soft gate on the other tokens (default 1.05, TRL's)."
     )
+    rollout_correction: Optional[Literal["none", "tis", "mask", "sequence_mask"]] = option(
+        None, help="PPO family: correct for the sampler's log-probs differing from the trainer's, w = pi_old/"
+        "pi_sampler per token: tis = min(w, cap); mask = drop tokens with w outside [1/cap, cap]; sequence_mask = drop "
+        "responses whose geometric-mean w is outside it; none. Default: tis when the data carries the sampler's "
+        "log-probs (rlhf generate writes them), else none."
+    )
+    rollout_correction_cap: float = option(2.0, help="PPO family: the cap C of --rollout-correction (> 1).")
 
     def check_options(self, algorithm) -> None:
         """The group options' ranges, and none of them for an algorithm of another family."""
@@ -625,6 +666,15 @@ class GroupOptions:
             raise ValueError("--value-clip must be > 0")
         if self.entropy_coef < 0:
             raise ValueError("--entropy-coef must be >= 0")
+        if not self.rollout_correction_cap > 1:
+            raise ValueError("--rollout-correction-cap must be > 1")
+        if self.rollout_correction not in (None, "none"):
+            if algorithm.data != GROUPS:
+                raise ValueError(f"--rollout-correction is for the PPO family's policy losses, not --algo "
+                                 f"{algorithm.name}")
+            if getattr(algorithm, "policy_loss", None) is _sppo:
+                raise ValueError("--rollout-correction weighs policy-gradient terms; SPPO regresses log-ratios onto "
+                                 "targets, so leave it out for --algo sppo")
         if self.entropy_coef and algorithm.data != GROUPS:
             raise ValueError(f"--entropy-coef is for the PPO family's policy losses, not --algo {algorithm.name}")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
@@ -679,6 +729,34 @@ def _critic_source(config, ref) -> str:
                         "--critic-model (a reward model directory, e.g. from rlhf train-rm)")
 
 
+def _rollout_correction(config, dd, ref) -> tuple[str, float]:
+    """--rollout-correction as asked, or its default: tis where every split carries the sampler's log-probs (and
+    the algorithm's loss is a policy gradient), else none. Asked for on data without them: one line."""
+    has_sampler = all(SAMPLER_LOGPROBS in ds.column_names for ds in dd.values())
+    asked = config.rollout_correction
+    if asked not in (None, "none") and not has_sampler:
+        raise PipelineError(f"{ref}: --rollout-correction {asked} needs the sampler's log-probs ({SAMPLER_LOGPROBS}), "
+                            "which this data does not carry (it was generated before rlhf generate kept them, or "
+                            "elsewhere); generate it again, or leave out --rollout-correction")
+    if asked is None:
+        asked = "tis" if has_sampler and getattr(config.algorithm, "policy_loss", None) is not _sppo else "none"
+    return asked, config.rollout_correction_cap
+
+
+def _correction_record(train, params: RLParams) -> dict[str, Any] | None:
+    """The manifest's record of the rollout correction: its mode and cap, and over the train split how far the
+    sampler's log-probs were from the trainer's and what the correction did (None: no sampler log-probs)."""
+    if "sampler_logps" not in train.column_names:
+        return None
+    samples = {"old_logps": train["old_logps"], "sampler_logps": train["sampler_logps"]}
+    mode = params.rollout_correction if params.rollout_correction != "none" else "tis"  # "none": measured as tis
+    _, metrics = correction_weights(samples, dataclasses.replace(params, rollout_correction=mode))
+    return {"mode": params.rollout_correction, "cap": params.rollout_correction_cap,
+            "kl_sampler": metrics["kl_sampler"], "unknown_fraction": metrics["unknown_fraction"],
+            **({"corrected_fraction": metrics["corrected_fraction"], "weight_mean": metrics["weight_mean"]}
+               if params.rollout_correction != "none" else {})}
+
+
 def _reward_sources(dd, ref) -> tuple[tuple[str, ...], tuple[float, ...]]:
     """GDPO's inputs: each reward source's column and weight, as ``rlhf score`` recorded them in the data's lineage."""
     from rlhf_pipeline.datasets_io import find_in_lineage
@@ -723,6 +801,8 @@ def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, out
             s["ref_logps"] = (rollout_pass(accelerator, reference, s, pad, temperature, batch, config.pack_ratio,
                                            values=False)["logps"] if reference is not None else s["old_logps"])
             s.update(compute_advantages(s, params))
+            if params.rollout_correction != "none":
+                s["correction"] = correction_weights(s, params)[0]
         del reference
         return datasets.DatasetDict({split: datasets.Dataset.from_dict(s) for split, s in samples.items()})
 
@@ -760,6 +840,7 @@ def train(config) -> Path:
         source_columns = ()
         if config.algorithm.reward_sources:
             source_columns, params.reward_weights = _reward_sources(dd, ref)
+        params.rollout_correction, params.rollout_correction_cap = _rollout_correction(config, dd, ref)
         temperature = logp_temperature(config.algorithm, config.temperature, sampling, str(ref))
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)
@@ -800,6 +881,7 @@ def train(config) -> Path:
                 "ref_model": config.ref_model or config.model, "critic_model": critic_path,
                 "samples": {split: data[split].num_rows for split in data},
                 "mean_reward": statistics.fmean(rewards) if rewards else None,
+                "rollout_correction": _correction_record(data["train"], params),
                 **training_summary(result),
             }
             return StageRun(

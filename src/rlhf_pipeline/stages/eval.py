@@ -176,7 +176,7 @@ def _sample_and_score(config: EvalConfig, model: str, directory: Path, accelerat
     from rlhf_pipeline.distributed import on_main_process
 
     gen = generate.GenerateConfig(
-        output=str(directory / "generate"), model=model, prompts=config.prompts,
+        output=str(directory / "generate"), model=model, prompts=config.prompts, logprobs=False,
         **options_of(config, SamplingOptions),
     )
     on_main_process(accelerator, lambda: generate.main(gen))

@@ -28,6 +28,8 @@ from rlhf_pipeline.config import OutputOptions, check_test_size, option
 from rlhf_pipeline.contracts import (
     CHOSEN_REJECTED_COLUMNS,
     PER_RESPONSE_COLUMNS,
+    SAMPLER_LOGPROBS,
+    SAMPLER_LOGPROBS_OUT,
     SCORED_COLUMNS,
     UNPAIRED_COLUMNS,
     SCORED_KINDS,
@@ -143,7 +145,8 @@ def build_rows(
         _tokenize_missing(batch, tokenizer, prompt_column)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
-    carried = [c for c in batch if c not in PER_RESPONSE_COLUMNS and c != "prompt_token_ids"]
+    sampler = batch.get(SAMPLER_LOGPROBS)
+    carried = [c for c in batch if c not in PER_RESPONSE_COLUMNS and c not in ("prompt_token_ids", SAMPLER_LOGPROBS)]
     out: dict[str, list] = {c: [] for c in carried}
     out.update({"prompt_token_ids": [], **{c: [] for c in _WORK_COLUMNS}})
     if mode in ("pairs", "best"):
@@ -151,6 +154,9 @@ def build_rows(
             out[key] = []
     else:
         for key in PER_RESPONSE_COLUMNS:
+            out[key] = []
+    if sampler is not None:
+        for key in SAMPLER_LOGPROBS_OUT[mode]:
             out[key] = []
 
     for k in range(len(batch["prompt_token_ids"])):
@@ -172,6 +178,9 @@ def build_rows(
             out["_response_too_long"].append(decision.response_problems.get("response_too_long", 0))
             out["_response_truncated"].append(decision.response_problems.get("response_truncated", 0))
             best, worst = decision.pair or (0, 0)
+            if sampler is not None:
+                for key, j in zip(SAMPLER_LOGPROBS_OUT[mode], (best, worst)):
+                    out[key].append(sampler[k][j])
             if mode == "best":
                 out["completion"].append(batch["responses"][k][best])
                 out["completion_token_ids"].append(ids[best])
@@ -192,6 +201,8 @@ def build_rows(
             out["response_token_ids"].append(ids)
             out["rewards"].append(rewards)
             out["finish_reasons"].append(fr if fr is not None else ["stop"] * len(ids))
+            if sampler is not None:
+                out[SAMPLER_LOGPROBS].append(sampler[k])
     return out
 
 
@@ -332,9 +343,10 @@ def build_unpaired_rows(
         _tokenize_missing(batch, tokenizer, prompt_column)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
-    carried = [c for c in batch if c not in PER_RESPONSE_COLUMNS and c != "prompt_token_ids"]
+    sampler = batch.get(SAMPLER_LOGPROBS)
+    carried = [c for c in batch if c not in PER_RESPONSE_COLUMNS and c not in ("prompt_token_ids", SAMPLER_LOGPROBS)]
     columns = [*carried, "prompt_token_ids", "response_index", "completion", "completion_token_ids", "reward",
-               "desirable", "finish_reason", *_UNPAIRED_WORK]
+               "desirable", "finish_reason", *_UNPAIRED_WORK, *(("completion_logprobs",) if sampler is not None else ())]
     out: dict[str, list] = {c: [] for c in columns}
     for k, row in enumerate(indices):
         ids, rewards = batch["response_token_ids"][k], batch["rewards"][k]
@@ -357,6 +369,8 @@ def build_unpaired_rows(
             out["reward"].append(float(rewards[j]))
             out["desirable"].append(desirable)
             out["finish_reason"].append(fr[j] if fr is not None else "stop")
+            if sampler is not None:
+                out["completion_logprobs"].append(sampler[k][j])
             out["_prompt_row"].append(row)
             out["_drop"].append(decision.reason or "")
             for c, v in counts.items():

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from rlhf_pipeline.config import OutputOptions, option
-from rlhf_pipeline.contracts import GENERATED_COLUMNS
+from rlhf_pipeline.contracts import GENERATED_COLUMNS, SAMPLER_LOGPROBS
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.sharding import parse_shard, request_seed, shard_indices
@@ -56,6 +56,10 @@ class GenerateConfig(SamplingOptions, OutputOptions):
         "own rows)."
     )
     use_chat_template: bool = option(True, help="Apply the tokenizer's chat template (when it has one).")
+    logprobs: bool = option(
+        True, help="Keep each sampled token's log-prob as the sampler drew it (after temperature, top-k and top-p) "
+        "in response_logprobs, for the PPO family's rollout correction (--rollout-correction)."
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the sampling options' checks
@@ -114,7 +118,7 @@ def sample(config: GenerateConfig, tokenizer, prompt_ids: list[list[int]], seeds
         max_model_len=config.max_model_len,
     )
     try:
-        return engine.name, engine.generate(prompt_ids, seeds, sampling)
+        return engine.name, engine.generate(prompt_ids, seeds, sampling, logprobs=config.logprobs)
     finally:
         engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
 
@@ -201,24 +205,24 @@ def main(config: GenerateConfig) -> Path:
         ids = [str(x) for x in ds["id"]]
     else:
         ids = [make_prompt_id(v) for v in prompt_values]
-    generated = Dataset.from_dict(
-        {
-            "prompt_id": ids,
-            "prompt_token_ids": prompt_ids,
-            "responses": [c.texts for c in completions],
-            "response_token_ids": [c.token_ids for c in completions],
-            "finish_reasons": [c.finish_reasons for c in completions],
-        },
-        features=Features(
-            {
-                "prompt_id": Value("string"),
-                "prompt_token_ids": List(Value("int32")),
-                "responses": List(Value("string")),
-                "response_token_ids": List(List(Value("int32"))),
-                "finish_reasons": List(Value("string")),
-            }
-        ),
-    )
+    columns = {
+        "prompt_id": ids,
+        "prompt_token_ids": prompt_ids,
+        "responses": [c.texts for c in completions],
+        "response_token_ids": [c.token_ids for c in completions],
+        "finish_reasons": [c.finish_reasons for c in completions],
+    }
+    features = {
+        "prompt_id": Value("string"),
+        "prompt_token_ids": List(Value("int32")),
+        "responses": List(Value("string")),
+        "response_token_ids": List(List(Value("int32"))),
+        "finish_reasons": List(Value("string")),
+    }
+    if config.logprobs:
+        columns[SAMPLER_LOGPROBS] = [c.logprobs for c in completions]
+        features[SAMPLER_LOGPROBS] = List(List(Value("float32")))
+    generated = Dataset.from_dict(columns, features=Features(features))
     result = concatenate_datasets([generated.select_columns(["prompt_id"]), ds, generated.remove_columns("prompt_id")], axis=1)
     stopped = sum(r == "stop" for c in completions for r in c.finish_reasons)
     out.save(
@@ -237,6 +241,11 @@ def main(config: GenerateConfig) -> Path:
                          "gpus_per_replica": config.gpus_per_replica, "ray_address": config.ray_address},
             "responses": {"total": stopped + sum(c.finish_reasons.count("length") for c in completions),
                           "stopped": stopped},
+            "sampler_logprobs": {
+                "column": SAMPLER_LOGPROBS, "engine": engine_name, "dtype": "float32",
+                "computed": "each sampled token's log-prob under the distribution it was drawn from: log_softmax of "
+                            "the logits / temperature, renormalised over what top-k and top-p kept",
+            } if config.logprobs else None,
         },
     )
     return out.path
