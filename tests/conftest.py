@@ -192,3 +192,16 @@ def crash_after_checkpoint(monkeypatch, step: int) -> None:
         return path
 
     monkeypatch.setattr(loop, "save_checkpoint", save_then_stop)
+
+
+def make_pairs(d: Path, policy: str, prompts: str, limit: int, test_size: int, max_new_tokens: int = 16,
+               *extra_generate) -> Path:
+    """generate (n=4) -> score (LENGTH_REWARD) -> filter (pairs) -> ref-logps into ``d``: gen, scored, pairs, ref."""
+    (d / "reward.py").write_text(LENGTH_REWARD)
+    assert run("generate", "--model", policy, "--prompts", prompts, "--output", d / "gen", "--n", 4,
+               "--max-new-tokens", max_new_tokens, "--limit", limit, *extra_generate) == 0
+    assert run("score", "--input", d / "gen", "--output", d / "scored", "--reward-fn", f"{d}/reward.py:reward") == 0
+    assert run("filter", "--input", d / "scored", "--output", d / "pairs", "--tokenizer", policy,
+               "--test-size", test_size) == 0
+    assert run("ref-logps", "--model", policy, "--input", d / "pairs", "--output", d / "ref") == 0
+    return d

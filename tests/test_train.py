@@ -13,7 +13,7 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 
 from rlhf_pipeline.training import loop as trainer
-from conftest import LENGTH_REWARD, crash_after_checkpoint, free_port, launch_failure, logged, max_weight_diff, run
+from conftest import crash_after_checkpoint, free_port, launch_failure, logged, make_pairs, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
@@ -23,15 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory, tiny_policy, bundled_prompts) -> Path:
     """Pairs (with reference log-probs at the sampling temperature) from generate -> score -> filter -> ref-logps."""
-    d = tmp_path_factory.mktemp("train_data")
-    (d / "reward.py").write_text(LENGTH_REWARD)
-    assert run("generate", "--model", tiny_policy, "--prompts", bundled_prompts, "--output", d / "gen", "--n", 4,
-               "--max-new-tokens", 16, "--limit", 56) == 0
-    assert run("score", "--input", d / "gen", "--output", d / "scored", "--reward-fn", f"{d}/reward.py:reward") == 0
-    assert run("filter", "--input", d / "scored", "--output", d / "pairs", "--tokenizer", tiny_policy,
-               "--test-size", 8) == 0
-    assert run("ref-logps", "--model", tiny_policy, "--input", d / "pairs", "--output", d / "ref") == 0
-    return d
+    return make_pairs(tmp_path_factory.mktemp("train_data"), tiny_policy, bundled_prompts, limit=56, test_size=8)
 
 
 def train_args(pairs: Path, policy: str, out: Path, *extra, data: str = "ref") -> list:

@@ -55,6 +55,11 @@ class TrainOptions(OutputOptions, LoraOptions):
     adam_epsilon: float = option(1e-8, help="AdamW epsilon.")
     warmup_ratio: float = option(0.1, help="Fraction of the steps spent warming the learning rate up (then cosine).")
     max_grad_norm: float = option(1.0, help="Clip the global gradient norm to this value (0 = no clipping).")
+    max_nonfinite_steps: int = option(
+        5, help="A step whose loss or gradients are not finite is skipped (no update, counted in the metrics); this "
+        "many in a row stop the run with the step and the last finite loss, nothing saved as finished.",
+        semantic=False,
+    )
     bf16: bool = option(False, help="bfloat16 mixed precision.")
     gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass to save memory.")
     pack_ratio: float = option(
@@ -259,6 +264,46 @@ class DivergenceWatch:
                 "--eta or pass --reward-gap-scale rms)")
 
 
+def anywhere(accelerator, flag: bool) -> bool:
+    """Whether ``flag`` holds on any process of the run (every process gets the same answer)."""
+    if accelerator.num_processes == 1:
+        return flag
+    import torch
+
+    value = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+    return float(accelerator.reduce(value, reduction="sum").item()) > 0
+
+
+def finite(value) -> bool:
+    import torch
+
+    return bool(torch.isfinite(value.detach()).all()) if hasattr(value, "detach") else math.isfinite(float(value))
+
+
+def weights_finite(accelerator, model) -> bool:
+    """Whether every weight of the model is finite, on every process (under ZeRO-3 each checks its partitions)."""
+    import torch
+
+    ok = True
+    for p in model.parameters():
+        local = getattr(p, "ds_tensor", None)
+        data = local if local is not None else p.data
+        if data.numel() and not bool(torch.isfinite(data).all()):
+            ok = False
+            break
+    return not anywhere(accelerator, not ok)
+
+
+def nonfinite_stop(step: int, skipped_in_a_row: int, last_loss: float | None) -> PipelineError:
+    last = f"the last finite loss was {last_loss:.6g}" if last_loss is not None else "no step had a finite loss"
+    return PipelineError(
+        f"step {step}: the loss or the gradients were not finite for {skipped_in_a_row} steps in a row (each skipped, "
+        f"no update applied); {last}. Lower --learning-rate, keep --max-grad-norm on, try without --bf16, and check the "
+        "data for extreme or non-finite rewards; nothing was saved as a finished model (--max-nonfinite-steps sets "
+        "how many in a row stop the run)"
+    )
+
+
 def add_to_sums(sums: dict[str, float], loss, metrics: dict[str, Any], n: int, weight: float = 1.0) -> None:
     """Accumulate a micro-batch's mean loss and per-example metrics as sums over examples (``_n`` counts them)."""
     sums["loss"] = sums.get("loss", 0.0) + weight * float(loss.detach()) * n
@@ -306,6 +351,7 @@ class TrainResult:
     real_tokens: int
     all_tokens: int  # token positions processed, padding included
     seconds: float
+    skipped_steps: int = 0  # steps whose loss or gradients were not finite: no update applied
 
 
 @dataclass
@@ -397,6 +443,10 @@ def train(
         metrics.log(0, metric_names(baseline, "eval"))
 
     first_loss = last_loss = totals_so_far.get("first_loss")
+    last_loss = totals_so_far.get("last_loss", last_loss)
+    skipped = totals_so_far.get("skipped_steps", 0)
+    skipped_in_a_row = totals_so_far.get("skipped_in_a_row", 0)
+    engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
     real_tokens = totals_so_far.get("real_tokens", 0)
     all_tokens = totals_so_far.get("all_tokens", 0)
     started = time.time() - totals_so_far.get("seconds", 0.0)
@@ -409,6 +459,7 @@ def train(
         batch_ids = global_batches(train_ds.num_rows, setup.global_size, config.seed, epoch)[position]
         t0 = time.time()
         sums: dict[str, float] = {}
+        bad = False  # a micro-batch's loss, or the step's gradients, not finite on some process
         if hasattr(task, "begin_step"):
             task.begin_step(accelerator, model, train_ds.select(batch_ids), len(batch_ids) // config.batch_size)
         for ids in micro_batches(batch_ids, lengths, config.batch_size, world, config.gradient_accumulation_steps, rank):
@@ -416,13 +467,33 @@ def train(
             with accelerator.accumulate(model), accelerator.autocast():
                 # autocast by hand: logprobs calls the decoder and LM head directly, not model.forward
                 loss, per_example, (real, total) = task.loss(model, batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and config.max_grad_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                    if grad_norm is not None:
-                        sums["grad_norm"] = float(grad_norm) / world  # the same value on every process
-                optimizer.step()
-                optimizer.zero_grad()
+                bad = anywhere(accelerator, not finite(loss)) or bad
+                sync = accelerator.sync_gradients
+                if engine is not None:  # DeepSpeed: its step is taken here, or skipped (see skip_deepspeed_step)
+                    engine.set_gradient_accumulation_boundary(is_boundary=sync)
+                    engine.backward(loss)
+                    if sync:
+                        bad = bad or deepspeed_grads_nonfinite(engine)
+                        if bad:
+                            skip_deepspeed_step(engine)
+                        else:
+                            engine.step()
+                            grad_norm = engine.get_global_grad_norm()  # before clipping, as DeepSpeed computed it
+                            if config.max_grad_norm > 0 and grad_norm is not None:
+                                sums["grad_norm"] = float(grad_norm) / world  # the same value on every process
+                else:
+                    accelerator.backward(loss)
+                    if sync:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
+                        if grad_norm is not None:
+                            bad = bad or not finite(grad_norm)  # the same on every process (all-reduced grads)
+                            if config.max_grad_norm > 0 and not bad:
+                                sums["grad_norm"] = float(grad_norm) / world  # the same value on every process
+                        if not bad:
+                            optimizer.step()
+                        optimizer.zero_grad()
+            if bad:  # its metrics are not finite either: the step is counted, not averaged
+                continue
             add_to_sums(sums, loss, per_example, len(ids))
             sums["_real"] = sums.get("_real", 0.0) + real
             sums["_total"] = sums.get("_total", 0.0) + total
@@ -431,32 +502,48 @@ def train(
         scheduler.step()
         step += 1
         bar.update(1)
-        totals = reduce_sums(accelerator, sums)
-        n, real, total = totals.pop("_n"), totals.pop("_real"), totals.pop("_total")
-        real_tokens += int(real)
-        all_tokens += int(total)
-        step_loss = totals["loss"] / n
-        first_loss = step_loss if first_loss is None else first_loss
-        last_loss = step_loss
-        warning = watch.check(step, step_loss, totals.get("grad_norm"))
-        if warning is not None and accelerator.is_main_process:
-            log.warning(warning)
-        if step % config.logging_steps == 0 or step == total_steps:
-            values = metric_names({k: v / n for k, v in totals.items() if k != "grad_norm"}, "train")
-            if "grad_norm" in totals:
-                values["grad_norm"] = totals["grad_norm"]
-            values["lr"] = step_lr
-            values["epoch"] = step / setup.steps_per_epoch
-            values["throughput/tokens_per_s"] = real / max(time.time() - t0, 1e-9)
-            values["throughput/real_token_fraction"] = real / max(total, 1)
-            metrics.log(step, values)
-            bar.set_postfix(loss=f"{step_loss:.4f}")
+        if bad:
+            skipped += 1
+            skipped_in_a_row += 1
+            if accelerator.is_main_process:
+                log.warning("step %d: the loss or the gradients were not finite; the step was skipped (no update), "
+                            "%d in a row", step, skipped_in_a_row)
+            metrics.log(step, {"train/skipped_steps": skipped, "lr": step_lr})
+            if skipped_in_a_row >= config.max_nonfinite_steps:
+                raise nonfinite_stop(step, skipped_in_a_row, last_loss)
+        else:
+            skipped_in_a_row = 0
+            totals = reduce_sums(accelerator, sums)
+            n, real, total = totals.pop("_n"), totals.pop("_real"), totals.pop("_total")
+            real_tokens += int(real)
+            all_tokens += int(total)
+            step_loss = totals["loss"] / n
+            first_loss = step_loss if first_loss is None else first_loss
+            last_loss = step_loss
+            warning = watch.check(step, step_loss, totals.get("grad_norm"))
+            if warning is not None and accelerator.is_main_process:
+                log.warning(warning)
+            if step % config.logging_steps == 0 or step == total_steps:
+                values = metric_names({k: v / n for k, v in totals.items() if k != "grad_norm"}, "train")
+                if "grad_norm" in totals:
+                    values["grad_norm"] = totals["grad_norm"]
+                values["lr"] = step_lr
+                values["epoch"] = step / setup.steps_per_epoch
+                values["throughput/tokens_per_s"] = real / max(time.time() - t0, 1e-9)
+                values["throughput/real_token_fraction"] = real / max(total, 1)
+                values["train/skipped_steps"] = skipped
+                metrics.log(step, values)
+                bar.set_postfix(loss=f"{step_loss:.4f}")
         if config.eval_every and step % config.eval_every == 0 and step < total_steps:
             metrics.log(step, metric_names(evaluate(accelerator, model, task, eval_ds, config.eval_batch_size), "eval"))
         if config.save_every and step % config.save_every == 0 and step < total_steps:
+            if not weights_finite(accelerator, model):
+                raise PipelineError(f"step {step}: the weights hold non-finite values; no checkpoint was written. Lower "
+                                    "--learning-rate and resume from the last checkpoint")
             state = {"step": step, "epoch": epoch, "first_loss": first_loss, "first_grad_norm": watch.first_grad_norm,
                      "divergence_warned": watch.warned,
-                     "real_tokens": real_tokens,
+                     "real_tokens": real_tokens, "last_loss": last_loss, "skipped_steps": skipped,
+                     "skipped_in_a_row": skipped_in_a_row,
                      "all_tokens": all_tokens, "seconds": time.time() - started}
             save_checkpoint(accelerator, model, tokenizer, output, state, keep=config.save_total_limit)
     bar.close()
@@ -465,8 +552,45 @@ def train(
     if final_eval:
         metrics.log(step, metric_names(final_eval, "eval"))
     accelerator.wait_for_everyone()
+    if not weights_finite(accelerator, model):
+        raise PipelineError(f"step {step}: the trained weights hold non-finite values, so no model was saved as the "
+                            "finished output; lower --learning-rate (and resume from a checkpoint, or start over)")
     save_model(accelerator, model, tokenizer, output)
     accelerator.wait_for_everyone()
     if config.report_to != "none":
         accelerator.end_training()
-    return TrainResult(step, first_loss, last_loss, final_eval, real_tokens, all_tokens, time.time() - started)
+    return TrainResult(step, first_loss, last_loss, final_eval, real_tokens, all_tokens, time.time() - started,
+                       skipped_steps=skipped)
+
+
+def deepspeed_grads_nonfinite(engine) -> bool:
+    """After the boundary backward: whether this step's reduced gradients hold inf or NaN on any process. ZeRO's
+    optimizers check their own partitions and all-reduce the verdict (``has_overflow``, what DeepSpeed's fp16 loss
+    scaler uses); otherwise every process checks the gradients it holds."""
+    import torch
+
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "has_overflow"):
+        try:
+            return bool(optimizer.has_overflow(partition_gradients=True))
+        except TypeError:
+            return bool(optimizer.has_overflow())
+    local = any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in engine.module.parameters())
+    flag = torch.tensor([1.0 if local else 0.0], device=engine.device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag)
+    return bool(flag.item() > 0)
+
+
+def skip_deepspeed_step(engine) -> None:
+    """Leave out the optimizer step DeepSpeed's ``engine.step()`` would take at this boundary: drop the step's
+    gradients as its step does afterwards (ZeRO's ``zero_grad`` also restarts its micro-step count, so the next
+    step's first micro-batch overwrites the gradient partitions instead of adding to them), and advance the
+    learning-rate schedule and the engine's step counters as a step that was skipped for overflow would."""
+    if hasattr(engine.optimizer, "zero_grad"):
+        engine.optimizer.zero_grad()
+    engine.zero_grad()
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.step()
+    engine.skipped_steps += 1
+    engine.global_steps += 1

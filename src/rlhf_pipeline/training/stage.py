@@ -167,6 +167,7 @@ def training_summary(result: TrainResult) -> dict[str, Any]:
         "loss_last_step": result.last_loss,
         "eval": result.final_eval,
         "real_token_fraction": result.real_tokens / max(result.all_tokens, 1),
+        "skipped_steps": result.skipped_steps,
         "seconds": round(result.seconds, 2),
     }
 
