@@ -263,3 +263,30 @@ def test_the_gpu_trainer_scripts_flops_full_lora_and_reference_by_hand():
     # rank 4 on q 64->64, k 64->32, v 64->32, o 64->64, gate/up 64->176, down 176->64 of each layer; no LM head
     per_layer = 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + 3 * (64 + 176))
     assert script.lora_param_count(config, 4) == 2 * per_layer == 9_344
+
+
+def test_a_lower_is_better_entry_is_judged_on_ours_against_its_target(tmp_path):
+    """memory_growth_* entries: ``ours`` is an exponent, met when at most the target; the table and the status say so."""
+    flat = Entry("memory_growth_x", ours=0.05, peer=1.0, unit="exponent", ratio=0.05, target=0.2, notes="n",
+                 lower_is_better=True)
+    grows = Entry("memory_growth_y", ours=0.61, peer=1.0, unit="exponent", ratio=0.61, target=0.2, notes="n",
+                  lower_is_better=True)
+    assert flat.met is True and grows.met is False
+    assert flat.status() == "ok: 0.05 vs at most 0.2" and grows.status().startswith("MISSED")
+    write_results(tmp_path, [flat, grows], {}, [])
+    table = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "| `memory_growth_y` | 0.61 | 1 | exponent | 0.61 | ours ≤ 0.2 | — | **no** |" in table
+
+
+def test_memory_bench_inputs_and_commands_cover_every_stage(tmp_path, tiny_policy):
+    """The memory bench's synthetic inputs load, and each stage's command runs on them (at 20 rows, in process)."""
+    from datasets import load_from_disk
+
+    from rlhf_pipeline.bench import memory
+    from conftest import run as rlhf
+
+    inputs = memory.make_inputs(tmp_path / "inputs", 20, tiny_policy)
+    assert {name: load_from_disk(str(path)).num_rows for name, path in inputs.items()} == {
+        "prompts": 20, "generations": 20, "scored": 20, "pairs": 20}
+    for stage in memory.STAGES:
+        assert rlhf(*memory.stage_argv(stage, inputs, tiny_policy, tmp_path / stage)[0:]) == 0, stage

@@ -1,4 +1,5 @@
-"""Sampling vs training: vLLM's log-probs of the tokens it sampled against ``rlhf_pipeline.logprobs``.
+"""Sampling vs training: vLLM's log-probs of the tokens it sampled (as ``rlhf generate`` stores them) against
+``rlhf_pipeline.logprobs``, in float32 and in bf16, and the rollout correction on them.
 
 REBEL's reference pass and the PPO family's importance ratios compute the sampling policy's log-probs with
 ``logprobs.token_logps`` at the sampling temperature, over the full tempered softmax. vLLM reports the sampled
@@ -6,8 +7,10 @@ tokens' log-probs in one of two modes (``LLM(logprobs_mode=...)``, ``vllm/v1/sam
 ``raw_logprobs`` (the default) is ``log_softmax(logits)`` before temperature, top-k and top-p; ``processed_logprobs``
 is taken after them, so under top-p it is renormalised over the nucleus. The trainer's number for a sampled token is
 therefore ``raw`` at temperature 1, ``processed`` when top-p is off, and ``processed + log(nucleus mass)`` under
-top-p. The tests check all three to float precision, so the one real gap, the top-p truncation that the trainer does
-not model (as REBEL does not), is measured and not mistaken for numerical noise.
+top-p. ``rlhf generate`` asks for ``processed`` (what the sampler drew from) and keeps it; the tests check it against
+the trainer to float precision at T = 1 and T = 0.8, and under top-p 0.9 that the whole gap is the nucleus
+renormalisation, so the one real gap, the truncation the trainer does not model (as REBEL does not), is measured and
+not mistaken for numerical noise; then both sides in bf16, and the rollout correction on these numbers.
 """
 
 import json
@@ -15,6 +18,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from conftest import run  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -84,40 +89,101 @@ def flat(rows):
     return [lp for _, _, lps in rows for lp in lps]
 
 
-def test_raw_logprobs_equal_ours_at_temperature_one(setup, stop_prone_policy, shared_vllm_engines):
-    import rlhf_pipeline.engines as engines
+def stored(tmp_path, policy, prompts_file, temperature, top_p, name):
+    """(prompt ids, response ids, the sampler's log-probs) as ``rlhf generate --engine vllm`` stored them."""
+    from datasets import load_from_disk
 
-    tok, prompts, model = setup
-    engine = engines.load_engine("vllm", stop_prone_policy, tok)  # the suite's shared engine, default logprobs mode
-    rows = sample(engine.llm, prompts, TOP_P)
-    theirs, (mine, _) = flat(rows), ours(model, rows, 1.0)
-    gap = max(abs(a - b) for a, b in zip(theirs, mine))
-    print(f"\n[logprobs] raw_logprobs vs token_logps(T=1): max |diff| {gap:.2e} over {len(mine)} tokens")
-    assert len(theirs) == len(mine) and gap < TOLERANCE
+    out = tmp_path / name
+    assert run("generate", "--engine", "vllm", "--model", policy, "--prompts", prompts_file, "--output", out,
+               "--n", 2, "--max-new-tokens", MAX_NEW, "--temperature", temperature, "--top-p", top_p) == 0
+    ds = load_from_disk(str(out))
+    return [(p, ids, lps) for p, rs, ls in zip(ds["prompt_token_ids"], ds["response_token_ids"],
+                                               ds["response_logprobs"]) for ids, lps in zip(rs, ls)]
 
 
-def test_processed_logprobs_equal_ours_at_the_sampling_temperature_up_to_the_nucleus(setup, stop_prone_policy):
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory, bundled_prompts):
+    d = tmp_path_factory.mktemp("logprob_prompts")
+    lines = Path(bundled_prompts).read_text().splitlines()[:8]
+    (d / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    return str(d / "prompts.jsonl")
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.8, 1.0), (1.0, 0.9)])
+def test_the_stored_sampler_logprobs_against_the_trainers(setup, stop_prone_policy, prompts_file, tmp_path,
+                                                          temperature, top_p):
+    """What rlhf generate keeps (vLLM's processed log-probs, float32) against ``token_logps`` at the same temperature:
+    equal to float precision without truncation; under top-p, above the trainer's by exactly −log(nucleus mass)."""
+    import torch
+
+    _, _, model = setup
+    rows = stored(tmp_path, stop_prone_policy, prompts_file, temperature, top_p, "gen")
+    theirs, (mine, dists) = flat(rows), ours(model, rows, temperature)
+    gaps = [a - b for a, b in zip(theirs, mine)]
+    assert len(theirs) == len(mine) and all(x == x for x in theirs)  # every token has its log-prob (no NaN)
+    if top_p == 1.0:
+        print(f"\n[logprobs] stored vs token_logps, T={temperature}, top-p 1: max |diff| "
+              f"{max(abs(g) for g in gaps):.2e} over {len(gaps)} tokens")
+        assert max(abs(g) for g in gaps) < TOLERANCE
+    else:
+        log_mass = torch.log(torch.cat([nucleus_mass(d, top_p) for d in dists])).tolist()
+        explained = max(abs(g + m) for g, m in zip(gaps, log_mass))
+        print(f"\n[logprobs] stored vs token_logps, T={temperature}, top-p {top_p}: mean gap "
+              f"{sum(gaps) / len(gaps):.4f} (= -log nucleus mass), unexplained max {explained:.2e}")
+        assert explained < TOLERANCE and sum(gaps) / len(gaps) > 10 * TOLERANCE
+
+
+def test_in_bfloat16_on_both_sides_the_gap_is_the_precisions(setup, stop_prone_policy):
+    """vLLM's CPU build in bf16 against the trainer in bf16 (what GPU users run): no truncation, the same
+    temperature, so the whole gap is the two sides' bf16 kernels; measured and bounded, and the rollout correction's
+    KL sees it where the float32 pair sees none."""
     import torch
     from vllm import LLM
 
-    tok, prompts, model = setup
-    llm = LLM(model=stop_prone_policy, dtype="float32", logprobs_mode="processed_logprobs")
+    from rlhf_pipeline.advantages import rollout_correction
+    from rlhf_pipeline.logprobs import build_batch, token_logps
+    from rlhf_pipeline.modeling import load_causal_lm
+
+    tok, prompt_ids, model32 = setup
+    llm = LLM(model=stop_prone_policy, dtype="bfloat16", logprobs_mode="processed_logprobs")
     try:
-        # top-p off: vLLM samples from exactly the distribution the trainer assumes
-        full = sample(llm, prompts, 1.0)
-        theirs, (mine, _) = flat(full), ours(model, full, TEMPERATURE)
-        gap_full = max(abs(a - b) for a, b in zip(theirs, mine))
-        # top-p 0.9: vLLM's log-prob is renormalised over the nucleus; the trainer's is not
-        nucleus = sample(llm, prompts, TOP_P)
-        theirs, (mine, dists) = flat(nucleus), ours(model, nucleus, TEMPERATURE)
-        log_mass = torch.log(torch.cat([nucleus_mass(d, TOP_P) for d in dists])).tolist()
-        truncation = [a - b for a, b in zip(theirs, mine)]  # = -log(mass) >= 0
-        explained = max(abs(t + m) for t, m in zip(truncation, log_mass))
+        rows = sample(llm, prompt_ids, 1.0)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    print(f"\n[logprobs] processed_logprobs vs token_logps(T={TEMPERATURE}), top-p 1: max |diff| {gap_full:.2e}; "
-          f"top-p {TOP_P}: vLLM - ours = -log(nucleus mass), mean {sum(truncation) / len(truncation):.4f}, "
-          f"max {max(truncation):.4f}, unexplained max {explained:.2e} over {len(truncation)} tokens")
-    assert gap_full < TOLERANCE
-    assert explained < TOLERANCE
-    assert sum(truncation) / len(truncation) > 10 * TOLERANCE  # the gap is real, not noise
+    model16 = load_causal_lm(stop_prone_policy, dtype="bfloat16", device=torch.device("cpu"))
+    batch = build_batch([r[0] for r in rows], [r[1] for r in rows], pad_id=0)
+    with torch.no_grad():
+        mine16, _ = token_logps(model16, batch, temperature=TEMPERATURE)
+    mine32, _ = ours(model32, rows, TEMPERATURE)
+    theirs = torch.tensor(flat(rows), dtype=torch.float64)
+    gap16 = (theirs - mine16.double()).abs()
+    gap32 = (theirs - torch.tensor(mine32, dtype=torch.float64)).abs()
+    mask = torch.ones(1, len(theirs), dtype=torch.bool)
+    _, kl16 = rollout_correction(mine16.double().unsqueeze(0), theirs.unsqueeze(0), mask, "tis", 2.0)
+    print(f"\n[logprobs] bf16 vLLM vs bf16 trainer, T={TEMPERATURE}: mean |diff| {gap16.mean():.2e}, max "
+          f"{gap16.max():.2e}, k3 KL {kl16['kl_sampler']:.2e}; vs the float32 trainer: mean {gap32.mean():.2e}, max "
+          f"{gap32.max():.2e} over {len(theirs)} tokens")
+    assert gap16.max() < 0.5 and gap16.mean() < 0.05  # bf16 noise, not a different distribution
+    assert kl16["kl_sampler"] < 1e-2
+
+
+def test_a_trainer_at_another_temperature_than_the_sampler_is_caught_by_the_correction(
+        setup, stop_prone_policy, prompts_file, tmp_path):
+    """The sampler at T = 0.8, the trainer at T = 1.0 (a mistake): the k3 KL between them rises far above the
+    matching pair's, and the correction acts (masking at cap 1.2 drops tokens; tis truncates some)."""
+    import torch
+
+    from rlhf_pipeline.advantages import rollout_correction
+
+    _, _, model = setup
+    rows = stored(tmp_path, stop_prone_policy, prompts_file, 0.8, 1.0, "gen_t08")
+    sampler = torch.tensor(flat(rows), dtype=torch.float64).unsqueeze(0)
+    mask = torch.ones_like(sampler, dtype=torch.bool)
+    matched = torch.tensor(ours(model, rows, 0.8)[0], dtype=torch.float64).unsqueeze(0)
+    other = torch.tensor(ours(model, rows, 1.0)[0], dtype=torch.float64).unsqueeze(0)
+    _, same = rollout_correction(matched, sampler, mask, "mask", 1.2)
+    _, off = rollout_correction(other, sampler, mask, "mask", 1.2)
+    print(f"\n[logprobs] sampler T=0.8 vs trainer T=0.8: k3 KL {same['kl_sampler']:.2e}; vs trainer T=1.0: "
+          f"{off['kl_sampler']:.2e}, mask at 1.2 drops {off['corrected_fraction']:.2%} of the tokens")
+    assert same["kl_sampler"] < 1e-6 and same["corrected_fraction"] == 0.0
+    assert off["kl_sampler"] > 1e-3 and off["corrected_fraction"] > 0.01

@@ -39,6 +39,7 @@ class Entry:
     details: dict[str, Any] = field(default_factory=dict)  # per-round figures, sizes, anything worth keeping
     ceiling: Optional[float] = None  # the best ratio this machine allows
     ceiling_target: Optional[float] = None  # the least fraction of the ceiling to reach
+    lower_is_better: bool = False  # ``ours`` itself is judged: at most ``target`` (a growth exponent, say)
 
     @property
     def ceiling_fraction(self) -> Optional[float]:
@@ -51,6 +52,8 @@ class Entry:
 
     @property
     def met(self) -> Optional[bool]:
+        if self.lower_is_better:
+            return None if self.target is None else self.ours <= self.target
         checks = []
         if self.target is not None and self.target_reachable:
             checks.append(self.ratio >= self.target)
@@ -62,6 +65,8 @@ class Entry:
         """How the entry stands, in words, for the console and the table's last column."""
         if self.met is None:
             return "—"
+        if self.lower_is_better:
+            return ("ok" if self.met else "MISSED") + f": {self.ours:.2f} vs at most {self.target:g}"
         parts = []
         if self.target is not None:
             parts.append(f"ratio {self.ratio:.2f} vs {self.target:g}" + ("" if self.target_reachable else
@@ -132,7 +137,8 @@ def write_results(output: Path, entries: list[Entry], context: dict[str, Any], r
               "|---|---|---|---|---|---|---|---|"]
     for e in entries:
         met = "—" if e.met is None else ("yes" if e.met else "**no**")
-        target = "—" if e.target is None else f"≥ {e.target:g}" + ("" if e.target_reachable else " (not judged here)")
+        target = "—" if e.target is None else (f"ours ≤ {e.target:g}" if e.lower_is_better else f"≥ {e.target:g}"
+                                               + ("" if e.target_reachable else " (not judged here)"))
         ceiling = "—" if e.ceiling is None else (
             f"{e.ceiling_fraction:.2f} of {e.ceiling:.2f}" + ("" if e.ceiling_target is None else
                                                              f" (≥ {e.ceiling_target:g})"))
