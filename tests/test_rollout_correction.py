@@ -138,6 +138,7 @@ def test_a_trainer_at_another_temperature_sees_the_gap_and_the_correction_acts(s
     assert record["kl_sampler"] > 1e-3 and 0 < record["corrected_fraction"] < 1
     assert record["weight_mean"] == pytest.approx(1 - record["corrected_fraction"])
     assert min(logged(tmp_path / "t1", "rollout/train_kl_sampler")) > 1e-3
+    assert max(logged(tmp_path / "t1", "rollout/train_corrected_fraction")) > 0
 
 
 def test_data_without_sampler_log_probs_trains_and_an_asked_correction_is_one_line(stages, tiny_policy, tmp_path,

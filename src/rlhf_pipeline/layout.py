@@ -61,7 +61,7 @@ METRIC_GROUPS = {
     "kl": "kl", "kl_to_ref": "kl", "approx_kl": "kl",
     "clip_frac": "ppo", "ratio_mean": "ppo", "gate_mean": "ppo",
     "entropy": "policy", "logratio_mean": "logp", "target_mean": "reward",
-    "kl_sampler": "rollout", "correction_weight": "rollout",
+    "kl_sampler": "rollout", "correction_weight": "rollout", "corrected_fraction": "rollout",
 }
 
 

@@ -490,6 +490,9 @@ class GroupTask:
                 if "correction" in rows[0]:
                     weights, _ = column("correction")
                     out["correction_weight"] = weights.sum(dim=1) / per_sample_count
+                    corrected = (known & (log_w.exp() > p.rollout_correction_cap) if p.rollout_correction == "tis"
+                                 else mask & (weights == 0))
+                    out["corrected_fraction"] = corrected.sum(dim=1) / per_sample_count
             for k, v in metrics.items():
                 out[k] = v.expand(len(rows))
         return loss, out, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
