@@ -303,3 +303,36 @@ def test_input_columns_named_like_pair_columns_are_kept_renamed(tmp_path, tiny_p
         assert all(isinstance(c, str) for c in ds["chosen"])
     assert manifest(tmp_path / "pairs")["renamed_columns"] == {"chosen": "source_chosen",
                                                                "rejected": "source_rejected"}
+
+
+def test_generate_samples_and_writes_a_chunk_of_prompts_at_a_time(tiny_policy, small_prompts, tmp_path, monkeypatch):
+    """Chunks of 5 prompts, written one after another, give the output of one chunk (at --batch-size 1 every prompt
+    is sampled from its own seed, so chunking changes nothing), with nothing left beside the output; the rows a
+    failed run was writing are removed."""
+    from datasets import load_from_disk
+
+    from rlhf_pipeline.stages import generate
+
+    args = ["--model", tiny_policy, "--prompts", small_prompts, "--n", 2, "--max-new-tokens", 6, "--engine", "hf",
+            "--batch-size", 1]
+    assert run("generate", *args, "--output", tmp_path / "whole") == 0
+    monkeypatch.setattr(generate, "CHUNK_PROMPTS", 5)
+    calls = []
+    real = generate.open_engine
+
+    def counting(config, tokenizer):
+        engine = real(config, tokenizer)
+        generate_once = engine.generate
+        monkeypatch.setattr(engine, "generate", lambda *a, **kw: calls.append(len(a[0])) or generate_once(*a, **kw))
+        return engine
+
+    monkeypatch.setattr(generate, "open_engine", counting)
+    assert run("generate", *args, "--output", tmp_path / "chunked") == 0
+    assert calls == [5, 5, 2]  # the 12 prompts
+    whole, chunked = load_from_disk(str(tmp_path / "whole")), load_from_disk(str(tmp_path / "chunked"))
+    assert whole.features == chunked.features and whole.to_dict() == chunked.to_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chunked", "prompts.jsonl", "whole"]
+    monkeypatch.setattr("rlhf_pipeline.engines.hf.HFEngine.generate", lambda *a, **kw: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        run("generate", *args, "--output", tmp_path / "failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chunked", "prompts.jsonl", "whole"]

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 PROMPT_COLUMNS = ("prompt", "messages")
 
 # What rlhf generate adds to the prompt columns (besides ``prompt_id``); a prompt dataset must not have them.
-GENERATED_COLUMNS = ("prompt_token_ids", "responses", "response_token_ids", "finish_reasons")
+GENERATED_COLUMNS = ("prompt_token_ids", "responses", "response_token_ids", "finish_reasons", "response_logprobs")
 # What rlhf score needs of generations (token ids and finish reasons are optional for data made elsewhere).
 GENERATIONS_COLUMNS = ("prompt_id", "responses")
 # What rlhf filter needs of scored generations.

@@ -232,7 +232,7 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     was, so readers only ever see a complete directory or none. What a killed write left (SIGKILL runs no cleanup)
     is removed first.
     """
-    clean_stale(path)
+    clean_stale(path, streams=False)  # the rows being saved may be in a scratch_writer's file
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
@@ -248,6 +248,43 @@ def atomic_directory(path: Path) -> Iterator[Path]:
             os.rename(old, path)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+class ScratchWriter:
+    """Rows written a batch at a time to an Arrow file (``datasets``' own ``ArrowWriter``), read back memory-mapped
+    by :meth:`finish`: what a stage makes row by row is never all in memory at once."""
+
+    def __init__(self, file: Path, features):
+        from datasets.arrow_writer import ArrowWriter
+
+        self.file = file
+        self.writer = ArrowWriter(features=features, path=str(file))
+        self.rows = 0
+
+    def write(self, columns: dict[str, list]) -> None:
+        self.writer.write_batch(columns)
+        self.rows += len(next(iter(columns.values()), []))
+
+    def finish(self) -> Dataset:
+        from datasets import Dataset
+
+        self.writer.finalize()
+        self.writer.close()
+        return Dataset.from_file(str(self.file))
+
+
+@contextlib.contextmanager
+def scratch_writer(path: Path, features) -> Iterator[ScratchWriter]:
+    """A :class:`ScratchWriter` into a hidden sibling of the output ``path`` (``.NAME.stream-*``), removed on the way
+    out, and by :func:`clean_stale` after a kill. Save what it holds before leaving the block."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.parent / f".{path.name}.stream-{uuid.uuid4().hex[:8]}"
+    scratch.mkdir()
+    try:
+        yield ScratchWriter(scratch / "data.arrow", features)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -268,11 +305,13 @@ def _field_defaults(config: Any) -> dict[str, Any]:
     return out
 
 
-def clean_stale(path: Path) -> None:
+def clean_stale(path: Path, streams: bool = True) -> None:
     """Remove temporary siblings that a killed run (SIGKILL, power loss) left next to ``path``: the new version
-    being written, and the old one being replaced (killed between :func:`atomic_directory`'s two renames)."""
+    being written, the old one being replaced (killed between :func:`atomic_directory`'s two renames), and the rows
+    a :func:`scratch_writer` was writing (``streams``; not when the output is being saved from one)."""
     if path.parent.exists():
-        for stale in [*path.parent.glob(f".{path.name}.tmp-*"), *path.parent.glob(f".{path.name}.old-*")]:
+        for stale in [*path.parent.glob(f".{path.name}.tmp-*"), *path.parent.glob(f".{path.name}.old-*"),
+                      *(path.parent.glob(f".{path.name}.stream-*") if streams else [])]:
             log.info("removing %s, left by an interrupted run", stale)
             shutil.rmtree(stale, ignore_errors=True)
 

@@ -101,12 +101,16 @@ def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | 
     return ds, column, rows, rows_total
 
 
-def sample(config: GenerateConfig, tokenizer, prompt_ids: list[list[int]], seeds: list[int], sampling):
-    """The engine's samples for these prompts (token ids) and seeds: ``(engine name, completions)``. The one path
-    from prompts to samples, for a local run and for each Ray replica alike; the engine is closed when it returns."""
+# Prompts sampled and written at a time: the stage holds one chunk's samples, not the whole output's. vLLM's samples
+# do not depend on it (a seed per prompt); the hf engine's do where --batch-size > 1 (its random stream restarts at
+# each chunk's first batch), as they depend on --batch-size.
+CHUNK_PROMPTS = 4096
+
+
+def open_engine(config: GenerateConfig, tokenizer):
     from rlhf_pipeline.engines import load_engine
 
-    engine = load_engine(
+    return load_engine(
         config.engine,
         config.model,
         tokenizer,
@@ -117,10 +121,17 @@ def sample(config: GenerateConfig, tokenizer, prompt_ids: list[list[int]], seeds
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_model_len=config.max_model_len,
     )
+
+
+def sample(config: GenerateConfig, tokenizer, prompt_ids: list[list[int]], seeds: list[int], sampling):
+    """The engine's samples for these prompts (token ids) and seeds: ``(engine name, completions)``, for each Ray
+    replica (a local run samples chunk by chunk with one engine, in :func:`main`); the engine is closed when it
+    returns."""
+    engine = open_engine(config, tokenizer)
     try:
         return engine.name, engine.generate(prompt_ids, seeds, sampling, logprobs=config.logprobs)
     finally:
-        engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
+        engine.close()
 
 
 def sample_replica(config: GenerateConfig, prompt_ids: list[list[int]], seeds: list[int], sampling):
@@ -162,10 +173,10 @@ def sample_on_ray(config: GenerateConfig, prompt_ids: list[list[int]], seeds: li
 
 
 def main(config: GenerateConfig) -> Path:
-    from datasets import Dataset, Features, List, Value, concatenate_datasets
+    from datasets import Features, List, Value, concatenate_datasets
 
     from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids
-    from rlhf_pipeline.datasets_io import StageOutput, parse_ref
+    from rlhf_pipeline.datasets_io import StageOutput, parse_ref, scratch_writer
     from rlhf_pipeline.engines import SamplingSettings
     from rlhf_pipeline.modeling import check_model_ref
 
@@ -181,8 +192,6 @@ def main(config: GenerateConfig) -> Path:
     ds, column, rows, rows_total = select_prompts(ref, config.offset, config.limit, config.shard)
 
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
-    prompt_values = ds[column]
-    prompt_ids = encode_prompts(tokenizer, prompt_values, config.use_chat_template)
     sampling = SamplingSettings(
         n=config.n,
         temperature=config.temperature,
@@ -192,62 +201,80 @@ def main(config: GenerateConfig) -> Path:
         seed=config.seed,
         stop_token_ids=tuple(stop_token_ids(tokenizer, config.model, config.trust_remote_code)),
     )
-    seeds = [request_seed(config.seed, r) for r in rows]
-    if config.executor == "ray":
-        engine_name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
-    else:
-        engine_name, completions = sample(config, tokenizer, prompt_ids, seeds, sampling)
-
-    if "prompt_id" in ds.column_names:
-        ids = [str(x) for x in ds["prompt_id"]]
-        ds = ds.remove_columns("prompt_id")
-    elif "id" in ds.column_names:
-        ids = [str(x) for x in ds["id"]]
-    else:
-        ids = [make_prompt_id(v) for v in prompt_values]
-    columns = {
-        "prompt_id": ids,
-        "prompt_token_ids": prompt_ids,
-        "responses": [c.texts for c in completions],
-        "response_token_ids": [c.token_ids for c in completions],
-        "finish_reasons": [c.finish_reasons for c in completions],
-    }
     features = {
         "prompt_id": Value("string"),
         "prompt_token_ids": List(Value("int32")),
         "responses": List(Value("string")),
         "response_token_ids": List(List(Value("int32"))),
         "finish_reasons": List(Value("string")),
+        **({SAMPLER_LOGPROBS: List(List(Value("float32")))} if config.logprobs else {}),
     }
-    if config.logprobs:
-        columns[SAMPLER_LOGPROBS] = [c.logprobs for c in completions]
-        features[SAMPLER_LOGPROBS] = List(List(Value("float32")))
-    generated = Dataset.from_dict(columns, features=Features(features))
-    result = concatenate_datasets([generated.select_columns(["prompt_id"]), ds, generated.remove_columns("prompt_id")], axis=1)
-    stopped = sum(r == "stop" for c in completions for r in c.finish_reasons)
-    out.save(
-        result,
-        rows_in=len(rows),
-        extra={
-            "sampling": {
-                **dataclasses.asdict(sampling),
-                "stop_token_ids": list(sampling.stop_token_ids),
-                "model": config.model,
-                "engine": engine_name,
-                "use_chat_template": config.use_chat_template,
+    counts = {"stop": 0, "length": 0}
+
+    def columns(part: dict, prompt_ids: list[list[int]], completions) -> dict[str, list]:
+        if "prompt_id" in part:
+            ids = [str(x) for x in part["prompt_id"]]
+        elif "id" in part:
+            ids = [str(x) for x in part["id"]]
+        else:
+            ids = [make_prompt_id(v) for v in part[column]]
+        for c in completions:
+            for reason in c.finish_reasons:
+                counts[reason] = counts.get(reason, 0) + 1
+        out = {"prompt_id": ids, "prompt_token_ids": prompt_ids, "responses": [c.texts for c in completions],
+               "response_token_ids": [c.token_ids for c in completions],
+               "finish_reasons": [c.finish_reasons for c in completions]}
+        if config.logprobs:
+            out[SAMPLER_LOGPROBS] = [c.logprobs for c in completions]
+        return out
+
+    with scratch_writer(out.path, Features(features)) as writer:
+        if config.executor == "ray":  # the replicas take their shards of every prompt at once
+            part = ds[:]
+            prompt_ids = encode_prompts(tokenizer, part[column], config.use_chat_template)
+            seeds = [request_seed(config.seed, r) for r in rows]
+            engine_name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
+            writer.write(columns(part, prompt_ids, completions))
+        else:
+            engine = open_engine(config, tokenizer)
+            engine_name = engine.name
+            try:
+                for start in range(0, ds.num_rows, CHUNK_PROMPTS):
+                    part = ds[start : start + CHUNK_PROMPTS]
+                    prompt_ids = encode_prompts(tokenizer, part[column], config.use_chat_template)
+                    seeds = [request_seed(config.seed, r) for r in rows[start : start + CHUNK_PROMPTS]]
+                    completions = engine.generate(prompt_ids, seeds, sampling, logprobs=config.logprobs)
+                    writer.write(columns(part, prompt_ids, completions))
+            finally:
+                engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
+        generated = writer.finish()
+        if "prompt_id" in ds.column_names:
+            ds = ds.remove_columns("prompt_id")
+        result = concatenate_datasets([generated.select_columns(["prompt_id"]), ds,
+                                       generated.remove_columns("prompt_id")], axis=1)
+        stopped = counts["stop"]
+        out.save(
+            result,
+            rows_in=len(rows),
+            extra={
+                "sampling": {
+                    **dataclasses.asdict(sampling),
+                    "stop_token_ids": list(sampling.stop_token_ids),
+                    "model": config.model,
+                    "engine": engine_name,
+                    "use_chat_template": config.use_chat_template,
+                },
+                "shard": {"spec": config.shard, "rows": [rows.start, rows.stop], "rows_total": rows_total},
+                "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),
+                             "gpus_per_replica": config.gpus_per_replica, "ray_address": config.ray_address},
+                "responses": {"total": stopped + counts["length"], "stopped": stopped},
+                "sampler_logprobs": {
+                    "column": SAMPLER_LOGPROBS, "engine": engine_name, "dtype": "float32",
+                    "computed": "each sampled token's log-prob under the distribution it was drawn from: log_softmax "
+                                "of the logits / temperature, renormalised over what top-k and top-p kept",
+                } if config.logprobs else None,
             },
-            "shard": {"spec": config.shard, "rows": [rows.start, rows.stop], "rows_total": rows_total},
-            "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),
-                         "gpus_per_replica": config.gpus_per_replica, "ray_address": config.ray_address},
-            "responses": {"total": stopped + sum(c.finish_reasons.count("length") for c in completions),
-                          "stopped": stopped},
-            "sampler_logprobs": {
-                "column": SAMPLER_LOGPROBS, "engine": engine_name, "dtype": "float32",
-                "computed": "each sampled token's log-prob under the distribution it was drawn from: log_softmax of "
-                            "the logits / temperature, renormalised over what top-k and top-p kept",
-            } if config.logprobs else None,
-        },
-    )
+        )
     return out.path
 
 

@@ -34,6 +34,7 @@ import math
 import re
 from array import array
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Optional, Sequence
 
@@ -230,10 +231,12 @@ def _rows_text(first: int, last: int) -> str:
     return f"row {first}" if first == last else f"rows {first}..{last}"
 
 
-def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations, prompts, responses,
-                  accelerator=None) -> tuple[list[float | None], dict[str, Any]]:
-    """One source's reward of every response (flattened as ``locations``), and what the manifest says of it. Under
-    ``accelerate launch`` this process scores its share only (see :func:`main`); the other entries are None."""
+def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: Locations, column: str,
+                  accelerator=None) -> tuple[tuple[array, array], dict[str, Any]]:
+    """One source's rewards of the responses this process scores (flattened as ``locations``: all of them, or its
+    share under ``accelerate launch``, see :func:`main`) as ``(indices, rewards)`` arrays, and what the manifest says
+    of the source. The texts are read from ``ds`` a slice at a time: a reward model's chunk of :data:`CHUNK_ROWS`
+    rows, a function's batch."""
     from rlhf_pipeline.distributed import world_and_rank
 
     world, rank = world_and_rank(accelerator)
@@ -250,66 +253,134 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations, 
             device=None if accelerator is None else accelerator.device,
             load_model=False,  # score() loads it while the conversations are encoded
         )
+        mine = (array("q"), array("d"))
         try:
-            flat = scorer.score(prompts, responses, world, rank)
+            for start, end in _row_chunks(locations, CHUNK_ROWS):
+                prompts, responses = _texts(ds, column, locations[start:end])
+                scorer.mode = None  # the fast path is checked on each chunk's longest sequence
+                for k, value in enumerate(scorer.score(prompts, responses, world, rank)):
+                    if value is not None:  # another process's share: None here
+                        mine[0].append(start + k)
+                        mine[1].append(value)
         finally:
             scorer.close()  # before the next source loads its model
-        return flat, {"reward_model": source.spec, "engine": config.engine, "truncated_sequences": scorer.truncated}
+        return mine, {"reward_model": source.spec, "engine": config.engine, "truncated_sequences": scorer.truncated}
 
     from rlhf_pipeline.chat import as_text
     from rlhf_pipeline.progress import bars_disabled
     from rlhf_pipeline.rewards import call_reward_fn
 
     passed = [c for c in ds.column_names if c not in NOT_PASSED]
-    per_row = {c: ds[c][:] for c in passed}
-    finish = ds["finish_reasons"][:] if "finish_reasons" in ds.column_names else None
-    flat: list[float | None] = [None] * len(locations)
+    read = [*passed, column, "responses", *(["finish_reasons"] if "finish_reasons" in ds.column_names else [])]
+    table = ds.select_columns(list(dict.fromkeys(read)))
+    mine = (array("q"), array("d"))
     # The batches of one process, dealt out in turn over the processes: each call sees the responses it would see in
     # one process, so a function of the whole batch gives the same rewards however many processes run.
     starts = list(range(0, len(locations), config.batch_size))[rank::world]
     for start in tqdm(starts, desc="score (fn)", unit="batch", disable=rank != 0 or bars_disabled()):
         chunk = locations[start : start + config.batch_size]
         batch = f"{_rows_text(chunk[0][0], chunk[-1][0])} (batch of {len(chunk)} response{'s' * (len(chunk) > 1)})"
-        columns = {c: [values[row] for row, _ in chunk] for c, values in per_row.items()}
-        if finish is not None:
-            columns["finish_reasons"] = [finish[row][j] for row, j in chunk]
-        flat[start : start + len(chunk)] = call_reward_fn(
+        first = chunk[0][0]
+        part = table[first : chunk[-1][0] + 1]  # this batch's rows only
+        columns = {c: [part[c][row - first] for row, _ in chunk] for c in passed}
+        if "finish_reasons" in part:
+            columns["finish_reasons"] = [part["finish_reasons"][row - first][j] for row, j in chunk]
+        values = call_reward_fn(
             fn,
-            [as_text(prompts[start + k]) for k in range(len(chunk))],
-            responses[start : start + len(chunk)],
+            [as_text(part[column][row - first]) for row, _ in chunk],
+            [part["responses"][row - first][j] for row, j in chunk],
             columns,
             name=source.spec,
             where=batch,
         )
-    return flat, {"reward_fn": source.spec}
+        mine[0].extend(range(start, start + len(chunk)))
+        mine[1].extend(values)
+    return mine, {"reward_fn": source.spec}
 
 
-def _merge_shares(shares: list[list[tuple[int, float]]], count: int) -> list[float]:
-    """The ``count`` rewards in their original order, from each process's ``(index, reward)`` pairs."""
-    merged: list[float] = [math.nan] * count
-    for share in shares:
-        for i, value in share:
+def _merge_shares(shares: list[tuple[array, array]], count: int) -> array:
+    """The ``count`` rewards in their original order, from each process's ``(indices, rewards)`` arrays."""
+    merged = array("d", [math.nan]) * count
+    for indices, values in shares:
+        for i, value in zip(indices, values):
             merged[i] = value
     return merged
 
 
-def _per_row(flat: list[float], locations: list[tuple[int, int]], num_rows: int) -> list[list[float]]:
-    rows: list[list[float]] = [[] for _ in range(num_rows)]
-    for (row, _), value in zip(locations, flat):
-        rows[row].append(value)
-    return rows
+def _per_row(flat: Sequence[float], locations: Locations, num_rows: int):
+    """The rewards as a column of one list per row (an Arrow list array made from the flat values and the rows'
+    offsets: no Python list per row, no Python float per reward)."""
+    import numpy as np
+    import pyarrow as pa
+
+    offsets = np.zeros(num_rows + 1, dtype=np.int64)
+    np.add.at(offsets, np.frombuffer(locations.rows, dtype=np.int64) + 1, 1)
+    values = np.frombuffer(flat, dtype=np.float64) if isinstance(flat, array) else np.asarray(flat, dtype=np.float64)
+    return pa.ListArray.from_arrays(pa.array(np.cumsum(offsets)), pa.array(values))
+
+
+class Locations:
+    """Where each response is, ``(row, j)``, indexed by the flattened response: two int arrays (12 bytes a response,
+    where a list of tuples takes about 100), sliced, indexed and iterated like the list of tuples they stand for."""
+
+    __slots__ = ("rows", "js")
+
+    def __init__(self, rows: array | None = None, js: array | None = None):
+        self.rows = array("q") if rows is None else rows
+        self.js = array("i") if js is None else js
+
+    def extend(self, first_row: int, counts: Sequence[int]) -> None:
+        for k, n in enumerate(counts):
+            self.rows.extend(repeat(first_row + k, n))
+            self.js.extend(range(n))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return Locations(self.rows[i], self.js[i])
+        return self.rows[i], self.js[i]
+
+    def __iter__(self):
+        return zip(self.rows, self.js)
 
 
 class _Work(NamedTuple):
-    """What every process of a scoring run reads before it scores: the output, the data, the flattened responses."""
+    """What every process of a scoring run reads before it scores: the output, the data (memory-mapped, read a slice
+    at a time), its prompt column, and where each response is (``locations``: (row, j), one per response)."""
 
     out: Any
     ref: Any
     ds: Any
     fns: dict[str, Any]
-    locations: list[tuple[int, int]]
-    prompts: list
-    responses: list[str]
+    locations: Locations
+    column: str
+
+
+# Rows whose texts a reward model encodes and scores at a time: the stage's memory does not grow with the dataset
+# (the encoded sequences of a chunk, not of every response, are held; batches are length-sorted within a chunk).
+CHUNK_ROWS = 2048
+
+
+def _texts(ds, column: str, locations: Locations) -> tuple[list, list[str]]:
+    """The prompt and the response text of each (row, j) of ``locations`` (consecutive rows), read from one slice."""
+    first = locations[0][0]
+    part = ds.select_columns([column, "responses"])[first : locations[-1][0] + 1]
+    return ([part[column][row - first] for row, _ in locations],
+            [part["responses"][row - first][j] for row, j in locations])
+
+
+def _row_chunks(locations: Locations, rows: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of ``locations`` that cover ``rows`` rows each (the last fewer)."""
+    from bisect import bisect_left
+
+    bounds, start = [], 0
+    while start < len(locations):
+        end = bisect_left(locations.rows, locations.rows[start] + rows, lo=start)
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
 def _read(config: ScoreConfig, processes: int) -> _Work | None:
@@ -338,14 +409,17 @@ def _read(config: ScoreConfig, processes: int) -> _Work | None:
     ds = load_dataset_ref(ref)
     column = _check_generations(ds, ref.name, sources)
 
-    # Flatten to one entry per response; (row, j) locates each. Columns are read into python lists once: indexing
-    # a datasets Column row by row decodes one Arrow row per access (~90 us each, seconds at 10^4 responses).
-    responses_per_row = ds["responses"][:]
-    locations = [(row, j) for row, rs in enumerate(responses_per_row) for j in range(len(rs))]
-    responses = [r for rs in responses_per_row for r in rs]
-    prompt_values = ds[column][:]
-    prompts = [prompt_values[row] for row, _ in locations]
-    return _Work(out, ref, ds, fns, locations, prompts, responses)
+    # One entry per response, (row, j) locating each: the counts come from the Arrow list lengths, a slice of rows at
+    # a time, so no text is read here (the texts are read a slice at a time as they are scored).
+    import pyarrow.compute as pc
+
+    locations = Locations()
+    first = 0
+    for part in ds.select_columns(["responses"]).with_format("arrow").iter(batch_size=CHUNK_ROWS):
+        counts = [n or 0 for n in pc.list_value_length(part["responses"]).to_pylist()]
+        locations.extend(first, counts)
+        first += len(counts)
+    return _Work(out, ref, ds, fns, locations, column)
 
 
 def main(config: ScoreConfig) -> Path:
@@ -370,15 +444,11 @@ def score(config: ScoreConfig, accelerator=None) -> Path:
         return Path(config.output).expanduser()
     sources = config.sources
 
-    def my_share() -> list[tuple[list[tuple[int, float]], dict[str, Any]]]:
-        share = []
-        for source in sources:
-            flat, record = _score_source(source, work.fns.get(source.key), config, work.ds, work.locations,
-                                         work.prompts, work.responses, accelerator)
-            share.append(([(i, v) for i, v in enumerate(flat) if v is not None], record))
-        return share
+    def my_share() -> list[tuple[tuple[array, array], dict[str, Any]]]:
+        return [_score_source(source, work.fns.get(source.key), config, work.ds, work.locations, work.column,
+                              accelerator) for source in sources]
 
-    shares = gather_guarded(accelerator, my_share)  # per process, per source: (its (index, reward) pairs, record)
+    shares = gather_guarded(accelerator, my_share)  # per process, per source: ((indices, rewards), record)
 
     def write() -> None:
         per_source = [_merge_shares([share[k][0] for share in shares], len(work.locations))
@@ -389,7 +459,7 @@ def score(config: ScoreConfig, accelerator=None) -> Path:
     return work.out.path
 
 
-def _write(config: ScoreConfig, work: _Work, per_source: list[list[float]], records: list[dict[str, Any]],
+def _write(config: ScoreConfig, work: _Work, per_source: list[array], records: list[dict[str, Any]],
            processes: int) -> None:
     """Check every reward, combine several sources, and write the scored dataset (the main process only)."""
     from datasets import List, Value
