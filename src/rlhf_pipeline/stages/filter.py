@@ -286,11 +286,9 @@ def main(config: FilterConfig) -> Path:
     kept = built.select([i for i, r in enumerate(reasons) if not r]).remove_columns(list(_WORK_COLUMNS))
     token_columns = ["prompt_token_ids"] + {"pairs": ["chosen_token_ids", "rejected_token_ids"],
                                             "best": ["completion_token_ids"]}.get(config.mode, ["response_token_ids"])
-    features = kept.features.copy()
     for name in token_columns:
-        features[name] = List(Value("int32")) if name != "response_token_ids" else List(List(Value("int32")))
-    # Dataset.cast writes the cast rows a batch at a time (cast_column would build the cast columns in memory)
-    kept = kept.cast(features)
+        feature = List(Value("int32")) if name != "response_token_ids" else List(List(Value("int32")))
+        kept = kept.cast_column(name, feature)
     if kept.num_rows == 0:
         raise PipelineError(
             f"{ref.name}: no rows survive the filters (dropped: {dict(dropped)}); "

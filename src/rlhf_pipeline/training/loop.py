@@ -30,7 +30,7 @@ from rlhf_pipeline.training.checkpoints import resume_checkpoint, save_checkpoin
 from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import FailedElsewhere, PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import METRICS
 from rlhf_pipeline.training.lora import LoraOptions, add_adapters, load_kwargs
@@ -294,13 +294,28 @@ def weights_finite(accelerator, model) -> bool:
     return not anywhere(accelerator, not ok)
 
 
-def nonfinite_stop(step: int, skipped_in_a_row: int, last_loss: float | None) -> PipelineError:
+def stop_everywhere(accelerator, message: str) -> PipelineError:
+    """The error that every process of the run raises at the same point, on a verdict they share: the main
+    process's is the one ``error:`` line; the others exit without a word (``FailedElsewhere``)."""
+    return PipelineError(message) if accelerator.is_main_process else FailedElsewhere(message)
+
+
+def nonfinite_stop(accelerator, step: int, skipped_in_a_row: int, last_loss: float | None) -> PipelineError:
     last = f"the last finite loss was {last_loss:.6g}" if last_loss is not None else "no step had a finite loss"
-    return PipelineError(
+    return stop_everywhere(
+        accelerator,
         f"step {step}: the loss or the gradients were not finite for {skipped_in_a_row} steps in a row (each skipped, "
         f"no update applied); {last}. Lower --learning-rate, keep --max-grad-norm on, try without --bf16, and check the "
         "data for extreme or non-finite rewards; nothing was saved as a finished model (--max-nonfinite-steps sets "
-        "how many in a row stop the run)"
+        "how many in a row stop the run)",
+    )
+
+
+def nonfinite_weights(accelerator, step: int, what: str) -> PipelineError:
+    return stop_everywhere(
+        accelerator,
+        f"step {step}: the weights hold non-finite values, so {what} was written; lower --learning-rate and start "
+        "over (--overwrite), or resume from an earlier checkpoint with the same options",
     )
 
 
@@ -464,6 +479,8 @@ def train(
             task.begin_step(accelerator, model, train_ds.select(batch_ids), len(batch_ids) // config.batch_size)
         for ids in micro_batches(batch_ids, lengths, config.batch_size, world, config.gradient_accumulation_steps, rank):
             batch = task.collate(train_ds.select(ids).to_list())
+            if engine is not None:
+                begin_deepspeed_micro_batch(engine)
             with accelerator.accumulate(model), accelerator.autocast():
                 # autocast by hand: logprobs calls the decoder and LM head directly, not model.forward
                 loss, per_example, (real, total) = task.loss(model, batch)
@@ -510,7 +527,7 @@ def train(
                             "%d in a row", step, skipped_in_a_row)
             metrics.log(step, {"train/skipped_steps": skipped, "lr": step_lr})
             if skipped_in_a_row >= config.max_nonfinite_steps:
-                raise nonfinite_stop(step, skipped_in_a_row, last_loss)
+                raise nonfinite_stop(accelerator, step, skipped_in_a_row, last_loss)
         else:
             skipped_in_a_row = 0
             totals = reduce_sums(accelerator, sums)
@@ -538,8 +555,7 @@ def train(
             metrics.log(step, metric_names(evaluate(accelerator, model, task, eval_ds, config.eval_batch_size), "eval"))
         if config.save_every and step % config.save_every == 0 and step < total_steps:
             if not weights_finite(accelerator, model):
-                raise PipelineError(f"step {step}: the weights hold non-finite values; no checkpoint was written. Lower "
-                                    "--learning-rate and resume from the last checkpoint")
+                raise nonfinite_weights(accelerator, step, "no checkpoint")
             state = {"step": step, "epoch": epoch, "first_loss": first_loss, "first_grad_norm": watch.first_grad_norm,
                      "divergence_warned": watch.warned,
                      "real_tokens": real_tokens, "last_loss": last_loss, "skipped_steps": skipped,
@@ -552,9 +568,8 @@ def train(
     if final_eval:
         metrics.log(step, metric_names(final_eval, "eval"))
     accelerator.wait_for_everyone()
-    if not weights_finite(accelerator, model):
-        raise PipelineError(f"step {step}: the trained weights hold non-finite values, so no model was saved as the "
-                            "finished output; lower --learning-rate (and resume from a checkpoint, or start over)")
+    if not weights_finite(accelerator, model):  # every non-finite step was skipped: a safety net, before any write
+        raise nonfinite_weights(accelerator, step, "no finished model")
     save_model(accelerator, model, tokenizer, output)
     accelerator.wait_for_everyone()
     if config.report_to != "none":
@@ -583,14 +598,52 @@ def deepspeed_grads_nonfinite(engine) -> bool:
 
 
 def skip_deepspeed_step(engine) -> None:
-    """Leave out the optimizer step DeepSpeed's ``engine.step()`` would take at this boundary: drop the step's
-    gradients as its step does afterwards (ZeRO's ``zero_grad`` also restarts its micro-step count, so the next
-    step's first micro-batch overwrites the gradient partitions instead of adding to them), and advance the
-    learning-rate schedule and the engine's step counters as a step that was skipped for overflow would."""
-    if hasattr(engine.optimizer, "zero_grad"):
-        engine.optimizer.zero_grad()
+    """Leave out the update that DeepSpeed's ``engine.step()`` would apply at this boundary, and do instead what that
+    step does when it finds an overflow (the skip DeepSpeed's fp16 loss scaling relies on, here taken for any
+    reason): the optimizer drops the window's gradients and restarts its micro-batch count, so the next window's
+    first micro-batch overwrites the gradient partitions instead of adding to them (ZeRO-3: ``_pre_step`` and
+    ``_overflow_clean_up`` of ``zero/stage3.py``'s step; ZeRO-1/2: the overflow branch of ``zero/stage_1_and_2.py``'s
+    step), and the engine counts a skipped step as its ``_take_model_step`` and ``step`` do. The master weights,
+    the Adam moments and their step counts are not touched: no optimizer step runs. The learning-rate schedule is
+    the loop's own and advances for every step, skipped or not, on every path."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "_overflow_clean_up"):  # ZeRO-3
+        if hasattr(optimizer, "_pre_step"):
+            optimizer._pre_step()
+        optimizer._overflow_clean_up(getattr(optimizer, "loss_scale", None))
+    elif hasattr(optimizer, "averaged_gradients") and hasattr(optimizer, "micro_step_id"):  # ZeRO-1/2
+        optimizer.micro_step_id = -1  # its INITIAL_MICRO_STEP_ID, as its step() sets first
+        if hasattr(optimizer, "_wait_for_offload_copies"):
+            optimizer._wait_for_offload_copies()
+        optimizer.zero_grad(set_to_none=True)
+        if hasattr(optimizer, "_release_preflattened_grad_buffers"):
+            optimizer._release_preflattened_grad_buffers()
+        if getattr(optimizer, "cpu_offload", False):
+            if hasattr(optimizer, "_offload_accumulated_param_ids"):
+                optimizer._offload_accumulated_param_ids = set()
+            optimizer.reset_cpu_buffers()
+        else:
+            all_grad_tensors = getattr(optimizer, "all_grad_tensors", {})
+            for k in list(optimizer.averaged_gradients):
+                optimizer.averaged_gradients[k] = None
+                all_grad_tensors[k] = None
+    elif hasattr(optimizer, "zero_grad"):  # no ZeRO: BF16_Optimizer clears its low- and high-precision gradients
+        optimizer.zero_grad()
     engine.zero_grad()
-    if engine.lr_scheduler is not None:
-        engine.lr_scheduler.step()
     engine.skipped_steps += 1
     engine.global_steps += 1
+    if hasattr(engine, "global_samples") and hasattr(engine, "train_batch_size"):
+        engine.global_samples += engine.train_batch_size()
+    if hasattr(engine, "micro_steps"):
+        engine.micro_steps += 1  # engine.step() counts itself, once per optimizer step in this loop
+
+
+def begin_deepspeed_micro_batch(engine) -> None:
+    """What ``engine.forward`` does first, for a loss that calls the model's parts directly (``logprobs`` runs the
+    decoder and the LM head, never ``engine.forward``): ZeRO's optimizers count the micro-batches of an accumulation
+    window there (``clear_backward_seen_flag``; ZeRO-3 adds a micro-batch's reduced gradient partition to the
+    window's only from its second micro-batch on, and without the count copies it over them, so all but the last
+    micro-batch's gradients were lost)."""
+    clear = getattr(engine.optimizer, "clear_backward_seen_flag", None)
+    if clear is not None:
+        clear()
