@@ -394,7 +394,7 @@ def test_score_with_the_trained_reward_model_equals_its_forward(rm_model, genera
 
 
 def test_mean_and_stderr_by_hand():
-    from rlhf_pipeline.stages.eval import mean_and_stderr
+    from rlhf_pipeline.evalstats import mean_and_stderr
 
     mean, stderr = mean_and_stderr([1, 2, 3, 4])
     assert mean == 2.5
@@ -404,7 +404,8 @@ def test_mean_and_stderr_by_hand():
 
 
 def test_win_counts_and_summarize_by_hand():
-    from rlhf_pipeline.stages.eval import summarize, win_counts
+    from rlhf_pipeline.evalstats import win_counts
+    from rlhf_pipeline.stages.eval import summarize
 
     ours = [[1.0, 0.0, 0.5], [0.2, 0.2, 0.9]]
     theirs = [[0.0, 0.0, 0.7], [0.1, 0.3, 0.9]]

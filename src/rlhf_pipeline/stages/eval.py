@@ -42,7 +42,6 @@ Output, filled in place and resumable (each part is a stage output that a rerun 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from typing import Any, Optional, Sequence
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import OutputOptions, option, options_of, override
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.evalstats import mean_and_stderr, win_counts
 from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.stages.score import RewardSource, check_reward_options, one_or_list, reward_sources
@@ -102,27 +102,6 @@ class EvalConfig(SamplingOptions, OutputOptions):
             raise ValueError("--score-batch-size must be at least 1")
         if self.max_length < 1:
             raise ValueError("--max-length must be at least 1")
-
-
-def mean_and_stderr(values: Sequence[float]) -> tuple[float, float | None]:
-    """Mean and its standard error (sample standard deviation / sqrt(count)); no error bar for one value."""
-    count = len(values)
-    mean = sum(values) / count
-    if count < 2:
-        return mean, None
-    var = sum((v - mean) ** 2 for v in values) / (count - 1)
-    return mean, math.sqrt(var / count)
-
-
-def win_counts(ours: Sequence[Sequence[float]], theirs: Sequence[Sequence[float]]) -> tuple[int, int, int]:
-    """(wins, ties, losses) of response j against response j of the same prompt, over prompts and j."""
-    wins = ties = losses = 0
-    for a, b in zip(ours, theirs):
-        for x, y in zip(a, b):
-            wins += x > y
-            ties += x == y
-            losses += x < y
-    return wins, ties, losses
 
 
 def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[float]] | None) -> dict[str, Any]:
