@@ -42,6 +42,7 @@ ROLLOUT_CACHE = "rollout"
 CRITIC = "critic"
 EVAL_RESULTS = "results.json"
 EVAL_SAMPLES = "samples"
+LM_EVAL_DIR = "lm_eval"  # rlhf eval --lm-eval: the harness's results.json
 
 
 def iteration_dir(run: Path, t: int) -> Path:

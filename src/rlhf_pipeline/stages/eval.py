@@ -35,6 +35,8 @@ Output, filled in place and resumable (each part is a stage output that a rerun 
                                    (score_<key>/ for each of several)
     OUTPUT/baseline/...            the same for a baseline model
     OUTPUT/samples/                one dataset: prompt, responses, the rewards of every scorer (and the baseline's)
+    OUTPUT/lm_eval/results.json    with --lm-eval: EleutherAI's harness on the model (rlhf_pipeline.harness), also
+                                   under "lm_eval" in results.json and the manifest
     OUTPUT/results.json            the numbers above (``rlhf report`` plots them)
     OUTPUT/manifest.json           written last
 """
@@ -46,13 +48,13 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import OutputOptions, option, options_of, override
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.evalstats import mean_and_stderr, win_counts
-from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES
+from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES, LM_EVAL_DIR
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.stages.score import RewardSource, check_reward_options, one_or_list, reward_sources
 
@@ -88,6 +90,16 @@ class EvalConfig(SamplingOptions, OutputOptions):
     batch_size: int = override(SamplingOptions, "batch_size", semantic=False)
     score_batch_size: int = option(16, help="Sequences per reward-model forward.", semantic=False)
     max_length: int = option(4096, help="Reward model: conversations longer than this keep their first tokens.")
+    lm_eval: Optional[list[str]] = option(
+        None, help="Also run EleutherAI's lm-eval harness on the model (pip install 'rlhf-pipeline[lm-eval]'): task "
+        "names (rlhf_arith, bundled; gsm8k, ... where the Hub is reachable), YAML task files or directories of them; "
+        "comma-separated, repeated or a YAML list. Results in OUTPUT/lm_eval/results.json and results.json."
+    )
+    lm_eval_backend: Optional[Literal["hf", "vllm"]] = option(
+        None, help="lm-eval's model backend (default: the --engine, auto meaning vllm when installed)."
+    )
+    lm_eval_limit: Optional[int] = option(None, help="lm-eval: evaluate only the first LIMIT rows of each task.")
+    lm_eval_num_fewshot: Optional[int] = option(None, help="lm-eval: few-shot examples (default: each task's own).")
 
     def __post_init__(self) -> None:
         self.reward_model = one_or_list(self.reward_model)
@@ -102,6 +114,13 @@ class EvalConfig(SamplingOptions, OutputOptions):
             raise ValueError("--score-batch-size must be at least 1")
         if self.max_length < 1:
             raise ValueError("--max-length must be at least 1")
+        from rlhf_pipeline.harness import parse_tasks
+
+        self.lm_eval = parse_tasks(self.lm_eval)
+        if self.lm_eval_limit is not None and self.lm_eval_limit < 1:
+            raise ValueError("--lm-eval-limit must be at least 1")
+        if self.lm_eval_num_fewshot is not None and self.lm_eval_num_fewshot < 0:
+            raise ValueError("--lm-eval-num-fewshot must be at least 0")
 
 
 def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[float]] | None) -> dict[str, Any]:
@@ -201,6 +220,10 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
         else:
             load_reward_fn(source.spec)
     select_prompts(ref, limit=config.limit)
+    if config.lm_eval:
+        from rlhf_pipeline.harness import check_tasks
+
+        check_tasks(config.lm_eval)
     if config.baseline is None or config.baseline == config.model:
         return None
     earlier = _earlier_eval(config.baseline)
@@ -283,9 +306,38 @@ def _evaluate(config: EvalConfig, accelerator) -> Path:
     own = _sample_and_score(config, config.model, out.path, accelerator)
     if config.baseline == config.model:
         baseline = own
+    if config.lm_eval:  # the main process alone: the harness loads its own model
+        on_main_process(accelerator, lambda: _lm_eval(config, out.path))
     processes = world_and_rank(accelerator)[0]
     on_main_process(accelerator, lambda: _report(config, out, own, baseline, baseline_desc, processes))
     return out.path
+
+
+def _lm_eval(config: EvalConfig, out_path: Path) -> dict[str, Any]:
+    """``--lm-eval``: EleutherAI's harness on the evaluated model (``harness.run_harness``), kept in
+    ``OUTPUT/lm_eval/results.json``, which a rerun of an unfinished evaluation reuses when it asked the same."""
+    from rlhf_pipeline.datasets_io import write_text_atomic
+    from rlhf_pipeline.engines import resolve_engine_name
+    from rlhf_pipeline.harness import run_harness
+
+    path = out_path / LM_EVAL_DIR / EVAL_RESULTS
+    backend = config.lm_eval_backend or resolve_engine_name(config.engine)
+    asked = {"model": config.model, "requested": config.lm_eval, "backend": backend, "limit": config.lm_eval_limit,
+             "num_fewshot": config.lm_eval_num_fewshot}
+    if path.is_file():
+        earlier = json.loads(path.read_text())
+        if all(earlier.get(k) == v for k, v in asked.items()):
+            return earlier
+    results = run_harness(
+        config.model, config.lm_eval, backend=backend, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
+        batch_size=config.batch_size, limit=config.lm_eval_limit, num_fewshot=config.lm_eval_num_fewshot,
+        seed=config.seed, vllm_options={"tensor_parallel_size": config.tensor_parallel_size,
+                                        "gpu_memory_utilization": config.gpu_memory_utilization,
+                                        "max_model_len": config.max_model_len},
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(results, indent=2) + "\n")
+    return results
 
 
 def _report(config: EvalConfig, out, own: dict[str, Path], baseline: dict[str, Path] | None,
@@ -325,6 +377,8 @@ def _report(config: EvalConfig, out, own: dict[str, Path], baseline: dict[str, P
         "stop_fraction": reasons.count("stop") / max(len(reasons), 1),
         "scores": scores,
     }
+    if config.lm_eval:
+        results["lm_eval"] = _lm_eval(config, out.path)  # written by now: read back
     if len(sources) > 1 and config.reward_weights:  # beside "scores", the scorers (rlhf report plots each of them)
         weights = config.reward_weights or [1.0] * len(sources)
         results["combined"] = combined_summary(sources, weights, ours_by_key,
@@ -351,6 +405,10 @@ def _report(config: EvalConfig, out, own: dict[str, Path], baseline: dict[str, P
         if s["win_rate"] is not None:
             line += f", win rate {s['win_rate']:.3f} against the baseline (mean {s['baseline_mean']:.4f})"
         print(line)
+    for task, r in (results.get("lm_eval") or {}).get("tasks", {}).items():
+        print(f"[eval] lm-eval {task}: " + ", ".join(
+            f"{m} {v['value']:.4f}" + (f" ± {v['stderr']:.4f}" if v["stderr"] is not None else "")
+            for m, v in r["metrics"].items() if v["value"] is not None))
 
 
 def push_samples(path: Path, repo_id: str, manifest: bytes) -> None:

@@ -98,6 +98,10 @@ class IterateConfig(OutputOptions):
     eval_prompts: Optional[str] = option(
         None, help="Held-out prompts: when set, the starting policy and every iteration's policy are evaluated."
     )
+    lm_eval: Optional[list[str]] = option(
+        None, help="With eval_prompts: every evaluation also runs these lm-eval tasks (rlhf eval --lm-eval; names, "
+        "YAML task files or directories, comma-separated or a list); rlhf report shows them per iteration."
+    )
     launchers: dict = option(
         default_factory=dict,
         help="Per-stage command prefix that behaves like python, e.g. {generate: conda run -n rlhf-vllm python, "
@@ -123,6 +127,11 @@ class IterateConfig(OutputOptions):
             raise ValueError("iterations must be at least 1")
         if self.prompts_per_iteration is not None and self.prompts_per_iteration < 1:
             raise ValueError("prompts_per_iteration must be at least 1")
+        from rlhf_pipeline.harness import parse_tasks
+
+        self.lm_eval = parse_tasks(self.lm_eval)
+        if self.lm_eval and not self.eval_prompts:
+            raise ValueError("lm_eval runs in every iteration's rlhf eval: set eval_prompts too")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -205,6 +214,8 @@ def eval_step(config: IterateConfig, run: Path, t: int, model: str) -> Step:
         for key in ("trust_remote_code", "max_length"):
             if key in config.score and key not in options:
                 options[key] = config.score[key]
+    if config.lm_eval and "lm_eval" not in options:  # the eval section's own lm_eval wins
+        options["lm_eval"] = config.lm_eval
     baseline = model if t == 0 else str(iteration_dir(run, 0) / "eval")
     name = step_name(t, "eval")
     output = iteration_dir(run, t) / "eval"

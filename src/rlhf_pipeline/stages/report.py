@@ -23,6 +23,7 @@ Writes (``--output``, default the run directory; each file replaced atomically):
     OUT/plots/loss.png                       train / eval loss on one global step axis (and SFT / RM curves)
     OUT/plots/logp_drift.png                 chosen / rejected log-ratio to the sampling policy
     OUT/plots/response_length.png            mean response tokens and fraction stopped, per policy
+    OUT/plots/lm_eval.png                    lm-eval metrics +- stderr per iteration (only with rlhf eval --lm-eval)
 
 A plot whose data is absent is not drawn (an older copy is removed) and report.md says why. The plots need
 matplotlib: ``pip install 'rlhf-pipeline[report]'``.
@@ -488,12 +489,46 @@ def _plot_lengths(data: dict[str, Any], path: Path) -> Optional[str]:
     return None
 
 
+def _lm_eval_points(iterations: list[dict[str, Any]]) -> dict[tuple[str, str], list[tuple[int, float, float]]]:
+    """(task, metric) -> (iteration, value, stderr or 0) from each eval's ``lm_eval`` (``rlhf eval --lm-eval``)."""
+    points: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
+    for it in iterations:
+        for task, r in (((it["eval"] or {}).get("lm_eval") or {}).get("tasks") or {}).items():
+            for metric, v in (r.get("metrics") or {}).items():
+                if v.get("value") is not None:
+                    points.setdefault((task, metric), []).append((it["iteration"], v["value"], v.get("stderr") or 0.0))
+    return points
+
+
+def _plot_lm_eval(data: dict[str, Any], path: Path) -> Optional[str]:
+    points = _lm_eval_points(data["iterations"])
+    if not points:
+        return "no lm_eval in iter_<t>/eval/results.json (rlhf iterate --lm-eval)"
+    tasks = list(dict.fromkeys(task for task, _ in points))
+    fig, axes = _figure(1, len(tasks))
+    fig.suptitle("lm-eval per iteration")
+    for ax, task in zip(axes[0], tasks):
+        for (name, metric), series in points.items():
+            if name == task:
+                ax.errorbar([p[0] for p in series], [p[1] for p in series], yerr=[p[2] for p in series],
+                            marker="o", capsize=4, label=f"{metric} (± stderr)")
+        ax.set_title(task)
+        ax.set_xlabel("iteration (policy after t iterations; 0 = start)")
+        ax.set_xticks(sorted({p[0] for (name, _), series in points.items() if name == task for p in series}))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    _save(fig, path)
+    return None
+
+
 PLOTS: list[tuple[str, str, Callable[[dict[str, Any], Path], Optional[str]]]] = [
     ("reward_per_iteration.png", "Held-out reward per iteration", _plot_rewards),
     ("loss.png", "Training loss", _plot_loss),
     ("logp_drift.png", "Log-ratio drift from the sampling policy", _plot_logp),
     ("response_length.png", "Response length", _plot_lengths),
+    ("lm_eval.png", "lm-eval per iteration", _plot_lm_eval),
 ]
+OPTIONAL_PLOTS = {"lm_eval.png"}  # a run without --lm-eval has no section for it in report.md
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -538,6 +573,20 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
         rows.append(row)
     lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _lm_eval_table(iterations: list[dict[str, Any]]) -> list[str]:
+    """One row per evaluated policy, one column per lm-eval task and metric (value ± stderr); empty without any."""
+    points = _lm_eval_points(iterations)
+    if not points:
+        return []
+    cells = {(key, t): f"{fmt(v)} ± {fmt(e)}" if e else fmt(v) for key, series in points.items() for t, v, e in series}
+    ts = sorted({t for series in points.values() for t, _, _ in series})
+    header = ["iter"] + [f"{task} {metric}" for task, metric in points]
+    lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join([str(t)] + [_cell(cells.get((key, t), MISSING)) for key in points]) + " |"
+              for t in ts]
     return lines
 
 
@@ -598,6 +647,11 @@ def _markdown(data: dict[str, Any], plots: list[tuple[str, str, Optional[str]]])
                  "stopped = fraction of responses that ended before the token limit.",
                  f"{MISSING}: not in the run."]
         lines += [f"- {n}" for n in notes] + [""]
+        lm_eval = _lm_eval_table(iterations)
+        if lm_eval:
+            lines += ["## lm-eval per iteration", "", *lm_eval, "",
+                      "- EleutherAI's lm-evaluation-harness on policy t (`eval/results.json` under `lm_eval`; "
+                      "`rlhf iterate --lm-eval`), value ± its standard error.", ""]
     else:
         lines += ["No iter_<t>/ directories in the run.", ""]
     runs = [name for name in TRAINING_RUNS if data.get(name)]
@@ -632,6 +686,8 @@ def write_report(run_dir: Path, output: Optional[Path] = None) -> Path:
         reason = draw(data, path)
         if reason is not None and path.exists():
             path.unlink()  # an older report's plot of data that is no longer there
+        if reason is not None and filename in OPTIONAL_PLOTS:
+            continue
         results.append((filename, title, reason))
     report = output / REPORT
     write_text_atomic(report, _markdown(data, results))
