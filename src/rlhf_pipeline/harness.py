@@ -210,7 +210,9 @@ def run_harness(model: str, tasks: Sequence[str], *, backend: Backend = "hf", dt
     elif backend == "vllm":
         args = {"pretrained": model, "dtype": dtype, "trust_remote_code": trust_remote_code, "seed": seed,
                 **{k: v for k, v in (vllm_options or {}).items() if v is not None}}
-        raw = lm_eval.simple_evaluate(model="vllm", model_args=args, batch_size="auto", **common)
+        # an int batch size, not "auto": with "auto" lm-eval asks vLLM for its progress bar, whose speed line divides
+        # by zero under TQDM_DISABLE=1 (vLLM 0.32)
+        raw = lm_eval.simple_evaluate(model="vllm", model_args=args, batch_size=batch_size, **common)
     else:
         raise ValueError(f"unknown lm-eval backend {backend!r}; expected hf or vllm")
     return {
