@@ -11,7 +11,12 @@ in the results). Per scorer:
 - ``mean``: the mean over prompts of each prompt's mean reward, and ``stderr``, its standard error
   (standard deviation over prompts / sqrt(number of prompts));
 - with ``--baseline``, ``win_rate``: response j of the policy against response j of the baseline on the same
-  prompt, for every prompt and j < n, a win counting 1 and a tie 1/2.
+  prompt, for every prompt and j < n, a win counting 1 and a tie 1/2;
+- for a reward function whose rewards are all 0 or 1 (a verifiable reward, ``rewards.verifiable``), ``pass_at_k``:
+  ``{"1": {"mean", "stderr"}, "2": ..., "<n>": ...}`` for k = 1, 2, 4, ... and n, the unbiased estimator of Chen et
+  al. 2021 per prompt (``evalstats.pass_at_k``), averaged over prompts; and ``maj_at_k`` the same way when the
+  function has ``extract_answer`` (is the most frequent answer among the first k right). The ground truth comes
+  from the prompts' column named by ``--reference-column``.
 
 Several reward models or functions (``--reward-model``/``--reward-fn`` take several, as in ``rlhf score``) are
 each a scorer, keyed as ``rlhf score`` keys them (``stages.score.reward_sources``: ``reward_model`` and ``reward_fn``
@@ -88,6 +93,10 @@ class EvalConfig(SamplingOptions, OutputOptions):
     batch_size: int = override(SamplingOptions, "batch_size", semantic=False)
     score_batch_size: int = option(16, help="Sequences per reward-model forward.", semantic=False)
     max_length: int = option(4096, help="Reward model: conversations longer than this keep their first tokens.")
+    reference_column: Optional[str] = option(
+        None, help="The prompts' column holding the ground truth, passed to reward functions as 'reference' (as rlhf "
+        "score's --reference-column); default: a column named reference, answer, solution or ground_truth."
+    )
 
     def __post_init__(self) -> None:
         self.reward_model = one_or_list(self.reward_model)
@@ -114,6 +123,26 @@ def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[fl
         wins, ties, losses = win_counts(rewards, baseline)
         total = wins + ties + losses
         result.update(wins=wins, ties=ties, losses=losses, win_rate=(wins + 0.5 * ties) / total if total else None)
+    return result
+
+
+def verifiable_summary(source: RewardSource, generated, ids: list[str], rewards: list[list[float]]) -> dict[str, Any]:
+    """pass@k (and maj@k) of a reward function whose rewards are all 0 or 1 (a verifiable reward: right or wrong),
+    ``rewards[i]`` those of prompt ``ids[i]``: ``{"pass_at_k": {"1": {"mean", "stderr"}, ...}}`` for k = 1, 2, 4, ...,
+    n (evalstats.k_ladder), and ``maj_at_k`` the same way when the function carries ``extract_answer(response)``
+    (the answer a response votes for, as rewards.verifiable's do); empty for anything else."""
+    from rlhf_pipeline.evalstats import maj_at_k_summary, pass_at_k_summary
+
+    if source.kind != "reward_fn" or not rewards or any(r not in (0.0, 1.0) for rs in rewards for r in rs):
+        return {}
+    from rlhf_pipeline.rewards import load_reward_fn
+
+    result: dict[str, Any] = {"pass_at_k": pass_at_k_summary(rewards)}
+    extract = getattr(load_reward_fn(source.spec), "extract_answer", None)
+    if callable(extract):
+        responses = dict(zip((str(x) for x in generated["prompt_id"]), generated["responses"]))
+        answers = [[extract(r) for r in responses[i]] for i in ids]
+        result["maj_at_k"] = maj_at_k_summary(answers, rewards)
     return result
 
 
@@ -164,7 +193,8 @@ def _sample_and_score(config: EvalConfig, model: str, directory: Path, accelerat
         paths[source.key] = score.score(score.ScoreConfig(
             output=str(directory / f"score_{source.key}"), input=str(paths["generate"]),
             batch_size=config.score_batch_size, max_length=config.max_length, dtype=config.dtype,
-            trust_remote_code=config.trust_remote_code, **{source.kind: source.spec},
+            trust_remote_code=config.trust_remote_code, reference_column=config.reference_column,
+            **{source.kind: source.spec},
         ), accelerator)
     return paths
 
@@ -189,6 +219,7 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     (None for a model, or none)."""
     from rlhf_pipeline.executors import check_ray_installed
     from rlhf_pipeline.stages.generate import select_prompts
+    from rlhf_pipeline.stages.score import check_reference_column
     from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.rewards import load_reward_fn
 
@@ -200,7 +231,8 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
             check_model_ref(source.flag, source.spec)
         else:
             load_reward_fn(source.spec)
-    select_prompts(ref, limit=config.limit)
+    prompts = select_prompts(ref, limit=config.limit)[0]
+    check_reference_column(prompts, ref.name, config.reference_column, "rlhf eval carries")
     if config.baseline is None or config.baseline == config.model:
         return None
     earlier = _earlier_eval(config.baseline)
@@ -312,6 +344,7 @@ def _report(config: EvalConfig, out, own: dict[str, Path], baseline: dict[str, P
             columns[f"baseline_rewards_{name}"] = theirs
             theirs_by_key[name] = theirs
         scores[name] = {"scorer": source.spec, **summarize([ours[i] for i in ids], theirs)}
+        scores[name].update(verifiable_summary(source, generated, ids, [ours[i] for i in ids]))
         columns[f"rewards_{name}"] = ours_by_key[name] = [ours[i] for i in ids]
 
     lengths = [len(t) for row in generated["response_token_ids"] for t in row]
@@ -350,6 +383,9 @@ def _report(config: EvalConfig, out, own: dict[str, Path], baseline: dict[str, P
         line += f" ± {s['stderr']:.4f}" if s["stderr"] is not None else ""
         if s["win_rate"] is not None:
             line += f", win rate {s['win_rate']:.3f} against the baseline (mean {s['baseline_mean']:.4f})"
+        if "pass_at_k" in s:
+            at_k = s["pass_at_k"]
+            line += f", pass@1 {at_k['1']['mean']:.3f}, pass@{config.n} {at_k[str(config.n)]['mean']:.3f}"
         print(line)
 
 
