@@ -4,7 +4,6 @@ against the alpaca-eval package's own fit), fixed reference answers, and a pairw
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 from pathlib import Path

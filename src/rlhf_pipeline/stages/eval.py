@@ -18,7 +18,12 @@ in the results). Per scorer:
   preferences are its Bradley-Terry probabilities ``sigmoid(r_ours - r_theirs)`` (their mean is
   ``length_controlled.raw_win_rate``), a function's are the outcomes;
 - with ``--reference``, ``reference``: the same numbers against fixed reference answers, one per prompt (as
-  AlpacaEval compares with GPT-4's), every response of the policy against its prompt's reference.
+  AlpacaEval compares with GPT-4's), every response of the policy against its prompt's reference;
+- for a reward function whose rewards are all 0 or 1 (a verifiable reward, ``rewards.verifiable``), ``pass_at_k``:
+  ``{"1": {"mean", "stderr"}, "2": ..., "<n>": ...}`` for k = 1, 2, 4, ... and n, the unbiased estimator of Chen et
+  al. 2021 per prompt (``evalstats.pass_at_k``), averaged over prompts; and ``maj_at_k`` the same way when the
+  function has ``extract_answer`` (is the most frequent answer among the first k right). The ground truth comes
+  from the prompts' column named by ``--reference-column``.
 
 With ``--judge MODEL``, a chat model compares every such pair itself (``rlhf_pipeline.judge``: a documented prompt,
 both orders, ties allowed), sampled greedily by the same engines; ``results.json``'s ``judge`` has, per comparison
@@ -117,6 +122,10 @@ class EvalConfig(SamplingOptions, OutputOptions):
     batch_size: int = override(SamplingOptions, "batch_size", semantic=False)
     score_batch_size: int = option(16, help="Sequences per reward-model forward.", semantic=False)
     max_length: int = option(4096, help="Reward model: conversations longer than this keep their first tokens.")
+    reference_column: Optional[str] = option(
+        None, help="The prompts' column holding the ground truth, passed to reward functions as 'reference' (as rlhf "
+        "score's --reference-column); default: a column named reference, answer, solution or ground_truth."
+    )
 
     def __post_init__(self) -> None:
         self.reward_model = one_or_list(self.reward_model)
@@ -153,6 +162,26 @@ def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[fl
         zeros = [[0] * len(r) for r in rewards], [[0] * len(r) for r in baseline]
         ours_len, theirs_len = (lengths, baseline_lengths) if lengths is not None else zeros
         result.update(reward_comparison(rewards, baseline, ours_len, theirs_len, bradley_terry))
+    return result
+
+
+def verifiable_summary(source: RewardSource, generated, ids: list[str], rewards: list[list[float]]) -> dict[str, Any]:
+    """pass@k (and maj@k) of a reward function whose rewards are all 0 or 1 (a verifiable reward: right or wrong),
+    ``rewards[i]`` those of prompt ``ids[i]``: ``{"pass_at_k": {"1": {"mean", "stderr"}, ...}}`` for k = 1, 2, 4, ...,
+    n (evalstats.k_ladder), and ``maj_at_k`` the same way when the function carries ``extract_answer(response)``
+    (the answer a response votes for, as rewards.verifiable's do); empty for anything else."""
+    from rlhf_pipeline.evalstats import maj_at_k_summary, pass_at_k_summary
+
+    if source.kind != "reward_fn" or not rewards or any(r not in (0.0, 1.0) for rs in rewards for r in rs):
+        return {}
+    from rlhf_pipeline.rewards import load_reward_fn
+
+    result: dict[str, Any] = {"pass_at_k": pass_at_k_summary(rewards)}
+    extract = getattr(load_reward_fn(source.spec), "extract_answer", None)
+    if callable(extract):
+        responses = dict(zip((str(x) for x in generated["prompt_id"]), generated["responses"]))
+        answers = [[extract(r) for r in responses[i]] for i in ids]
+        result["maj_at_k"] = maj_at_k_summary(answers, rewards)
     return result
 
 
@@ -212,7 +241,8 @@ def _score_all(config: EvalConfig, generations: Path, directory: Path, accelerat
         paths[source.key] = score.score(score.ScoreConfig(
             output=str(directory / f"score_{source.key}"), input=str(generations),
             batch_size=config.score_batch_size, max_length=config.max_length, dtype=config.dtype,
-            trust_remote_code=config.trust_remote_code, **{source.kind: source.spec},
+            trust_remote_code=config.trust_remote_code, reference_column=config.reference_column,
+            **{source.kind: source.spec},
         ), accelerator)
     return paths
 
@@ -362,6 +392,7 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     (None for a model, or none)."""
     from rlhf_pipeline.executors import check_ray_installed
     from rlhf_pipeline.stages.generate import select_prompts
+    from rlhf_pipeline.stages.score import check_reference_column
     from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.rewards import load_reward_fn
 
@@ -373,7 +404,8 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
             check_model_ref(source.flag, source.spec)
         else:
             load_reward_fn(source.spec)
-    select_prompts(ref, limit=config.limit)
+    prompts = select_prompts(ref, limit=config.limit)[0]
+    check_reference_column(prompts, ref.name, config.reference_column, "rlhf eval carries")
     if config.reference is not None:
         _reference_answers(config, ref)
     if config.judge is not None:
@@ -515,6 +547,7 @@ def _report(config: EvalConfig, out, own: dict[str, Path], others: dict[str, dic
             entry["reference"] = {"mean": ref["baseline_mean"], "stderr": ref["baseline_stderr"],
                                   **{k: v for k, v in ref.items() if k not in ("mean", "stderr", "baseline_mean",
                                                                                "baseline_stderr")}}
+        entry.update(verifiable_summary(source, generated, ids, ours))
         scores[name] = entry
         columns[f"rewards_{name}"] = ours
 
@@ -608,6 +641,9 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         line += f" ± {s['stderr']:.4f}" if s["stderr"] is not None else ""
         if s["win_rate"] is not None:
             line += f", {rate(s)} against the baseline (mean {s['baseline_mean']:.4f})"
+        if "pass_at_k" in s:
+            at_k, n = s["pass_at_k"], results["n"]
+            line += f", pass@1 {at_k['1']['mean']:.3f}, pass@{n} {at_k[str(n)]['mean']:.3f}"
         reference = s.get("reference")
         if reference and reference["win_rate"] is not None:
             line += f", {rate(reference)} against the references (mean {reference['mean']:.4f})"
