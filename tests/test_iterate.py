@@ -229,3 +229,19 @@ def test_a_reward_model_and_a_reward_function_are_both_given_to_score(tmp_path):
     assert score.args[score.args.index("--reward-fn") + 1] == "task.py:brief"
     with pytest.raises(ValueError, match="give reward_model, reward_fn, or both"):
         config(tmp_path, reward_model=None)
+
+
+def test_eval_reads_the_score_sections_reference_column_unless_it_sets_its_own(tmp_path):
+    """A verifiable reward needs its ground truth column in eval too: the training reward comes with it."""
+    fn = "rlhf_pipeline.rewards.verifiable:math_equal"
+
+    def eval_args(**sections):
+        steps = plan(config(tmp_path, iterations=1, eval_prompts="e.jsonl", reward_model=None, reward_fn=fn,
+                            **sections))
+        return next(s for s in steps if s.name == "iter_1/eval").args
+
+    args = eval_args(score={"reference_column": "answer"})
+    assert args[args.index("--reference-column") + 1] == "answer"
+    args = eval_args(score={"reference_column": "answer"}, eval={"reference_column": "gold"})
+    assert args[args.index("--reference-column") + 1] == "gold" and args.count("--reference-column") == 1
+    assert "--reference-column" not in eval_args()

@@ -34,6 +34,7 @@ LEVELS: list[tuple[int, str, str]] = [
     (1, "tiny", "the offline tiny tokenizer and models"),
     (1, "data.lm_eval.rlhf_arith", "the bundled lm-eval task's dataset loader (a file of data/, beside its jsonl)"),
     (1, "evalstats", "pure statistics of an evaluation: win rates, length control, pass@k"),
+    (1, "judge", "the pairwise judge's prompt, verdicts and both orders, as pure functions"),
     (2, "files", "whole files: damaged-file checks, sealed directories, a full disk as one line"),
     (2, "losses", "pure loss functions of tensors (they share advantages' masked mean)"),
     (2, "config", "option dataclasses, flags and YAML"),

@@ -14,20 +14,24 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from conftest import free_port, launch_failure, logged, make_pairs, max_weight_diff, run
+from conftest import crash_after_checkpoint, free_port, launch_failure, logged, make_pairs, max_weight_diff, run
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 REPO = Path(__file__).resolve().parents[1]
+NAN_STEP = 3  # the step of the nan_reward data whose global batch (4 pairs) holds the NaN reward
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory, tiny_policy, bundled_prompts) -> Path:
     d = make_pairs(tmp_path_factory.mktemp("nonfinite"), tiny_policy, bundled_prompts, limit=40, test_size=4,
                    max_new_tokens=12)
-    # the same pairs with one train pair's reward NaN: REBEL's loss on any batch that holds it is NaN
+    # the same pairs with one train pair's reward NaN: REBEL's loss on any batch that holds it is NaN. The pair is
+    # one of the third global batch of 4 (seed 0), so step NAN_STEP is skipped wherever the pair's micro-batch runs.
+    from rlhf_pipeline.training.loop import global_batches
+
     dd = load_from_disk(str(d / "ref"))
     rewards = list(dd["train"]["chosen_reward"])
-    rewards[5] = float("nan")
+    rewards[global_batches(len(rewards), 4, seed=0, epoch=0)[NAN_STEP - 1][0]] = float("nan")
     dd["train"] = dd["train"].remove_columns("chosen_reward").add_column("chosen_reward", rewards)
     dd.save_to_disk(str(d / "nan_reward"))
     (d / "nan_reward" / "manifest.json").write_text((d / "ref" / "manifest.json").read_text())  # the lineage
@@ -38,31 +42,50 @@ def train_args(data: Path, policy, out: Path, *extra) -> list:
     return ["train", "--model", policy, "--data", data, "--output", out, "--report-to", "none", *extra]
 
 
-def nan_on_calls(monkeypatch, calls: set[int]):
-    """PairTask.loss returns NaN on the given (1-based) calls: the training forward of those micro-batches."""
+def nan_on_calls(monkeypatch, calls: set[int]) -> dict:
+    """PairTask.loss returns NaN on the given (1-based) calls: the training forward of those micro-batches. Returns
+    the count, which a test may reset (``n``) and point at other calls (``calls``) for its next run."""
     from rlhf_pipeline.algorithms.pairs import PairTask
 
     real = PairTask.loss
-    count = {"n": 0}
+    count = {"n": 0, "calls": calls}
 
     def loss(self, model, rows):
         value, metrics, tokens = real(self, model, rows)
         if model.training:
             count["n"] += 1
-            if count["n"] in calls:
+            if count["n"] in count["calls"]:
                 value = value * float("nan")
         return value, metrics, tokens
 
     monkeypatch.setattr(PairTask, "loss", loss)
+    return count
+
+
+def skipped_by_step(out: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/skipped_steps"] for r in records if "train/skipped_steps" in r}
 
 
 def optimizer_state(checkpoint: Path) -> dict:
     return torch.load(checkpoint / "state" / "optimizer.bin", weights_only=True)["state"]
 
 
+def zero3_optimizer_state(checkpoint: Path, rank: int) -> dict:
+    """One process's partition of a ZeRO-3 checkpoint's optimizer: Adam's state (its step count and moments) and the
+    fp32 master weights (the learning rate, which the schedule moves every step, left out)."""
+    saved = torch.load(checkpoint / "state" / "pytorch_model" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                       weights_only=False)["optimizer_state_dict"]
+    return {**saved["optimizer_state_dict"]["state"], "master": dict(enumerate(saved["fp32_flat_groups"]))}
+
+
 def same_state(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k]
-                                        if isinstance(a[k][n], torch.Tensor))
+    """Two optimizer states ({param: {name: value}}) hold the same values, bit for bit."""
+    def equal(x, y) -> bool:
+        return torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+    return a.keys() == b.keys() and all(a[k].keys() == b[k].keys() and all(equal(a[k][n], b[k][n]) for n in a[k])
+                                        for k in a)
 
 
 def test_a_non_finite_loss_skips_its_step_and_nothing_changes(pairs, tiny_policy, tmp_path, monkeypatch):
@@ -74,9 +97,7 @@ def test_a_non_finite_loss_skips_its_step_and_nothing_changes(pairs, tiny_policy
     assert max_weight_diff(one, two) == 0.0  # the skipped step applied no update
     assert same_state(optimizer_state(one), optimizer_state(two))  # nor touched Adam's moments
     assert max_weight_diff(two, three) > 0 and not same_state(optimizer_state(two), optimizer_state(three))
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    skipped = {r["step"]: r["train/skipped_steps"] for r in records if "train/skipped_steps" in r}
-    assert skipped == {1: 0, 2: 1, 3: 1, 4: 1}
+    assert skipped_by_step(out) == {1: 0, 2: 1, 3: 1, 4: 1}
     assert all(math.isfinite(x) for x in logged(out)) and len(logged(out)) == 3  # step 2 logs no loss
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["training"]["skipped_steps"] == 1
@@ -141,21 +162,89 @@ def test_a_learning_rate_that_diverges_never_ends_as_a_finished_nan_model(pairs,
         assert not (out / "manifest.json").exists()
 
 
-def test_two_process_zero3_skips_the_same_step_as_one_process(pairs, tiny_policy, tmp_path):
-    """REBEL on pairs where one train pair's reward is NaN: whichever process holds it, every process skips that
-    step, and 2 processes x batch 2 under ZeRO-3 end where 1 process x batch 2 x accumulation 2 does."""
-    common = ["--algo", "rebel", "--temperature", 0.8, "--epochs", 1, "--learning-rate", 1e-3, "--batch-size", 2]
-    assert run(*train_args(pairs / "nan_reward", tiny_policy, tmp_path / "single", *common,
-                           "--gradient-accumulation-steps", 2)) == 0
-    single = json.loads((tmp_path / "single" / "manifest.json").read_text())["training"]
-    assert single["skipped_steps"] == 1
+def test_a_resumed_run_carries_the_skip_counters(pairs, tiny_policy, tmp_path, monkeypatch, capsys):
+    """The skipped-step total and the count in a row are in the checkpoints' trainer state: a run cut right after
+    its skipped step resumes to the same end as the run that was not cut, and a run cut inside a streak of
+    non-finite steps stops where the uncut one would."""
+    common = ["--algo", "rebel", "--temperature", 0.8, "--max-steps", 5, "--batch-size", 4, "--save-every", 1,
+              "--learning-rate", 1e-3]
+    assert run(*train_args(pairs / "nan_reward", tiny_policy, tmp_path / "full", *common)) == 0
+    crash_after_checkpoint(monkeypatch, NAN_STEP)
+    assert run(*train_args(pairs / "nan_reward", tiny_policy, tmp_path / "cut", *common)) == 130
+    assert json.loads((tmp_path / "cut" / "checkpoints" / f"step_00000{NAN_STEP}" / "trainer_state.json").read_text())[
+        "skipped_in_a_row"] == 1
+    assert run(*train_args(pairs / "nan_reward", tiny_policy, tmp_path / "cut", *common, "--resume")) == 0
+    assert skipped_by_step(tmp_path / "cut") == skipped_by_step(tmp_path / "full") == {1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+    assert logged(tmp_path / "cut") == pytest.approx(logged(tmp_path / "full"), abs=1e-6)
+    assert max_weight_diff(tmp_path / "cut", tmp_path / "full") < 1e-6
+    for out in ("cut", "full"):
+        assert json.loads((tmp_path / out / "manifest.json").read_text())["training"]["skipped_steps"] == 1
+
+    # NaN at steps 2 and 3 with --max-nonfinite-steps 2, cut after step 2: the resumed run stops at step 3
+    streak = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 6, "--batch-size", 2, "--save-every", 1,
+              "--learning-rate", 1e-3, "--max-nonfinite-steps", 2]
+    count = nan_on_calls(monkeypatch, {2, 3})
+    crash_after_checkpoint(monkeypatch, 2)
+    assert run(*train_args(pairs / "ref", tiny_policy, tmp_path / "streak", *streak)) == 130
+    count.update(n=0, calls={1})  # the resumed run's first training forward is step 3's
+    capsys.readouterr()
+    assert run(*train_args(pairs / "ref", tiny_policy, tmp_path / "streak", *streak, "--resume")) == 1
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: step 3: the loss or the gradients were not finite for 2 steps in a row"), line
+    assert f"the last finite loss was {logged(tmp_path / 'streak')[0]:.6g}" in line, line
+    assert not (tmp_path / "streak" / "manifest.json").exists()
+
+
+def launch_zero3(out: Path, *args) -> subprocess.CompletedProcess:
+    """``rlhf train ARGS`` on 2 processes under DeepSpeed ZeRO-3 on the CPU (gloo)."""
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
            str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"), "--main_process_port", str(free_port()),
-           "-m", "rlhf_pipeline.stages.train",
-           *map(str, train_args(pairs / "nan_reward", tiny_policy, tmp_path / "zero3", *common)[1:])]
+           "-m", "rlhf_pipeline.stages.train", *map(str, args), "--output", str(out)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+
+
+def test_two_process_zero3_skips_the_same_step_as_one_process(pairs, tiny_policy, tmp_path):
+    """REBEL on pairs where one train pair's reward is NaN: whichever process holds it, every process skips that
+    step, leaving the weights, Adam's moments and step counts and the fp32 master weights of every partition as
+    they were; 2 processes x batch 1 x accumulation 2 under ZeRO-3 end where 1 process x batch 2 x accumulation 2
+    does (the accumulation included: ZeRO-3 adds the window's micro-batches up, see begin_deepspeed_micro_batch)."""
+    data = ["--model", tiny_policy, "--data", pairs / "nan_reward", "--report-to", "none"]
+    common = ["--algo", "rebel", "--temperature", 0.8, "--max-steps", 5, "--learning-rate", 1e-3, "--save-every", 1,
+              "--gradient-accumulation-steps", 2]
+    assert run("train", *data, *common, "--batch-size", 2, "--output", tmp_path / "single") == 0
+    res = launch_zero3(tmp_path / "zero3", *data, *common, "--batch-size", 1)
     assert res.returncode == 0, launch_failure(res)
-    assert json.loads((tmp_path / "zero3" / "manifest.json").read_text())["training"]["skipped_steps"] == 1
+    for out in ("single", "zero3"):
+        assert json.loads((tmp_path / out / "manifest.json").read_text())["training"]["skipped_steps"] == 1
+        assert skipped_by_step(tmp_path / out) == {1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
     assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
+
+    before, skipped, after = (tmp_path / "zero3" / "checkpoints" / f"step_{s:06d}"
+                              for s in (NAN_STEP - 1, NAN_STEP, NAN_STEP + 1))
+    assert max_weight_diff(before, skipped) == 0.0 and max_weight_diff(skipped, after) > 0
+    for rank in (0, 1):
+        assert same_state(zero3_optimizer_state(before, rank), zero3_optimizer_state(skipped, rank))
+        assert not same_state(zero3_optimizer_state(skipped, rank), zero3_optimizer_state(after, rank))
+    before, skipped = (tmp_path / "single" / "checkpoints" / f"step_{s:06d}" for s in (NAN_STEP - 1, NAN_STEP))
+    assert max_weight_diff(before, skipped) == 0.0
+    assert same_state(optimizer_state(before), optimizer_state(skipped))
+
+
+def test_two_process_zero3_stops_with_one_line(pairs, tiny_policy, tmp_path):
+    """--max-nonfinite-steps 1 on the same data: both processes stop at the NaN step, the main one says why in one
+    line, and nothing is saved as finished."""
+    res = launch_zero3(tmp_path / "zero3", "--model", tiny_policy, "--data", pairs / "nan_reward", "--report-to",
+                       "none", "--algo", "rebel", "--temperature", 0.8, "--max-steps", 5, "--batch-size", 2,
+                       "--learning-rate", 1e-3, "--max-nonfinite-steps", 1)
+    assert res.returncode != 0, launch_failure(res)
+    lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, launch_failure(res)
+    expected = f"error: step {NAN_STEP}: the loss or the gradients were not finite for 1 step in a row"
+    assert lines[0].startswith(expected), lines[0]
+    assert f"the last finite loss was {logged(tmp_path / 'zero3')[-1]:.6g}" in lines[0], lines[0]
+    frames = [x for x in res.stderr.splitlines() if x.lstrip().startswith('File "') and "rlhf_pipeline" in x]
+    assert not frames, launch_failure(res)  # (the launcher prints its own traceback for a process that failed)
+    assert not (tmp_path / "zero3" / "manifest.json").exists()
+    assert not (tmp_path / "zero3" / "model.safetensors").exists()

@@ -236,3 +236,33 @@ def test_fmt():
     assert fmt(1234.5678) == "1235"
     assert fmt(123456.7) == "123457"
     assert fmt(1.5e-6) == "1.5e-06"
+
+
+def test_length_controlled_reference_judge_and_pass_at_k(full_run, capsys):
+    """A run whose evaluations have LC win rates, reference answers, an LLM judge and pass@k: the table shows each
+    beside the raw figure, and the judge/pass@k plot is drawn (a run without them leaves it out)."""
+    assert report_cli([str(full_run)]) == 0
+    assert "judge_and_pass_at_k" not in (full_run / "report.md").read_text()
+    for t in (0, 1, 2):
+        path = full_run / f"iter_{t}" / "eval" / "results.json"
+        r = json.loads(path.read_text())
+        s = r["scores"]["reward_fn"]
+        if t:
+            s.update(lc_win_rate=0.5 + 0.05 * t, lc_stderr=0.02)
+        s["reference"] = {"mean": 0.2, "stderr": 0.01, "win_rate": 0.3 + 0.1 * t, "wins": 1, "ties": 0, "losses": 1,
+                          "lc_win_rate": 0.25 + 0.1 * t, "lc_stderr": 0.03}
+        s["pass_at_k"] = {"1": {"mean": 0.1 * t, "stderr": 0.01}, "2": {"mean": 0.15 * t, "stderr": 0.02}}
+        s["maj_at_k"] = {"2": {"mean": 0.12 * t, "stderr": 0.02}}
+        r["judge"] = {"model": "judge-m", "reference": {"win_rate": 0.4 + 0.1 * t, "lc_win_rate": 0.35 + 0.1 * t,
+                                                        "lc_stderr": 0.04, "consistency": 0.75}}
+        path.write_text(json.dumps(r))
+    assert report_cli([str(full_run)]) == 0
+    assert_png(full_run / "plots" / "judge_and_pass_at_k.png")
+    md = (full_run / "report.md").read_text()
+    assert "(plots/judge_and_pass_at_k.png)" in md
+    rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
+    header = [c.strip() for c in rows["iter"].split("|")[1:-1]]
+    cells = dict(zip(header, [c.strip() for c in rows["2"].split("|")[1:-1]]))
+    assert cells["reward_fn win rate (W/T/L), LC"] == "0.75 (6/0/2), LC 0.6 ± 0.02"
+    assert cells["reward_fn win rate vs references, LC"] == "0.5, LC 0.45 ± 0.03"
+    assert cells["judge vs reference: win rate, LC (consistency)"] == "0.6, LC 0.55 ± 0.04 (0.75)"

@@ -193,3 +193,31 @@ def test_stage_modules_import_without_side_effects():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_eval_against_references_with_a_judge_on_the_vllm_engine(policy, prompts, tmp_path):
+    """rlhf eval --reference --judge with --engine vllm: the judge (here the policy itself, so the suite's engine
+    serves it) answers every comparison in both orders through vLLM; what it wrote is read verdict by verdict, and
+    what could not be read is counted."""
+    from rlhf_pipeline.judge import parse_verdict
+
+    (tmp_path / "rewards.py").write_text(REWARD_FN)
+    rows = [json.loads(line) for line in Path(prompts).read_text().splitlines()]
+    refs = write_jsonl(tmp_path / "refs.jsonl", [{"id": r["id"], "output": "a reference " * (i % 3 + 1)}
+                                                 for i, r in enumerate(rows)])
+    out = tmp_path / "eval"
+    assert run("eval", "--model", policy, "--prompts", prompts, "--reward-fn", f"{tmp_path}/rewards.py:reward",
+               "--engine", "vllm", "--n", 2, "--max-new-tokens", MAX_NEW, "--reference", refs, "--judge", policy,
+               "--judge-max-new-tokens", 24, "--output", out) == 0
+    results = json.loads((out / "results.json").read_text())
+    judge = results["judge"]["reference"]
+    answers = load_from_disk(str(out / "judge_reference" / "generate"))
+    assert manifest(out / "judge_reference" / "generate")["sampling"]["engine"] == "vllm"
+    assert answers.num_rows == judge["verdicts"] == 2 * judge["comparisons"] == 2 * 2 * len(rows)
+    verdicts = {i: parse_verdict(r[0]) for i, r in zip(answers["prompt_id"], answers["responses"])}
+    assert judge["unreadable"] == sum(v is None for v in verdicts.values())
+    samples = load_from_disk(str(out / "samples"))
+    for pid, row in zip(samples["prompt_id"], samples["judge_reference_verdicts"]):
+        assert row == [(verdicts[f"{pid}|{j}|0|0"] or "?") + (verdicts[f"{pid}|{j}|0|1"] or "?") for j in range(2)]
+    reference = results["scores"]["reward_fn"]["reference"]
+    assert reference["win_rate"] is not None and reference["length_controlled"]["comparisons"] == 2 * len(rows)

@@ -16,7 +16,8 @@ as ``rlhf iterate`` runs them:
 6. ``rlhf report``: ``DIR/report.md`` and ``DIR/plots/``, and ``DIR/summary.json``::
 
     {"iterations": [{"iteration": t, "gold_reward_mean", "gold_reward_stderr", "rm_reward_mean",
-                     "rm_win_rate_vs_base"}, ...]}          # iteration 0 is the SFT policy (win rate 0.5: itself)
+                     "rm_win_rate_vs_base", "rm_lc_win_rate_vs_base", ...}, ...]}
+    # iteration 0 is the SFT policy (win rate 0.5: itself); LC: the length-controlled win rate
 
 Interrupted (Ctrl-C, a crash), the same command resumes at the first unfinished stage and redoes nothing that
 finished. Everything is seeded; the sizes below are the defaults, and the options change them.
@@ -124,7 +125,9 @@ def summary(run: Path, iterations: int) -> dict:
             "rm_reward_mean": rm["mean"],
             "rm_reward_stderr": rm["stderr"],
             "rm_win_rate_vs_base": rm["win_rate"],
+            "rm_lc_win_rate_vs_base": rm.get("lc_win_rate"),
             "gold_win_rate_vs_base": gold["win_rate"],
+            "gold_lc_win_rate_vs_base": gold.get("lc_win_rate"),
             "response_tokens_mean": results["response_tokens_mean"],
         })
     first, last = rows[0], rows[-1]
@@ -163,10 +166,12 @@ def main(config: DemoConfig) -> Path:
     write_text_atomic(run / SUMMARY, json.dumps(result, indent=2) + "\n")
     report = write_report(run, run)
     print(f"[demo] finished in {time.time() - started:.0f}s; report: {report}")
-    print(f"[demo] {'iteration':>9} {'gold reward':>18} {'RM reward':>10} {'RM win rate':>12}")
+    print(f"[demo] {'iteration':>9} {'gold reward':>18} {'RM reward':>10} {'RM win rate':>12} {'LC':>6}")
     for row in result["iterations"]:
+        lc = row["rm_lc_win_rate_vs_base"]
         print(f"[demo] {row['iteration']:>9} {row['gold_reward_mean']:>+9.3f} ± {row['gold_reward_stderr']:.3f} "
-              f"{row['rm_reward_mean']:>+10.3f} {row['rm_win_rate_vs_base']:>12.3f}")
+              f"{row['rm_reward_mean']:>+10.3f} {row['rm_win_rate_vs_base']:>12.3f} "
+              + (f"{lc:>6.3f}" if lc is not None else f"{'-':>6}"))
     if result["gold_gain_in_combined_stderr"] is not None:
         print(f"[demo] gold reward gain {result['gold_gain']:+.3f} = "
               f"{result['gold_gain_in_combined_stderr']:.1f} combined standard errors")

@@ -11,17 +11,36 @@ in the results). Per scorer:
 - ``mean``: the mean over prompts of each prompt's mean reward, and ``stderr``, its standard error
   (standard deviation over prompts / sqrt(number of prompts));
 - with ``--baseline``, ``win_rate``: response j of the policy against response j of the baseline on the same
-  prompt, for every prompt and j < n, a win counting 1 and a tie 1/2.
+  prompt, for every prompt and j < n, a win counting 1 and a tie 1/2;
+- beside it, ``lc_win_rate`` and ``lc_stderr``: AlpacaEval 2's length-controlled win rate, the judge's preference
+  modelled on the responses' length difference and read at none (``evalstats.length_controlled_win_rate`` says
+  how, and how it compares with the ``alpaca-eval`` package's); ``length_controlled`` has the fit. A reward model's
+  preferences are its Bradley-Terry probabilities ``sigmoid(r_ours - r_theirs)`` (their mean is
+  ``length_controlled.raw_win_rate``), a function's are the outcomes;
+- with ``--reference``, ``reference``: the same numbers against fixed reference answers, one per prompt (as
+  AlpacaEval compares with GPT-4's), every response of the policy against its prompt's reference;
+- for a reward function whose rewards are all 0 or 1 (a verifiable reward, ``rewards.verifiable``), ``pass_at_k``:
+  ``{"1": {"mean", "stderr"}, "2": ..., "<n>": ...}`` for k = 1, 2, 4, ... and n, the unbiased estimator of Chen et
+  al. 2021 per prompt (``evalstats.pass_at_k``), averaged over prompts; and ``maj_at_k`` the same way when the
+  function has ``extract_answer`` (is the most frequent answer among the first k right). The ground truth comes
+  from the prompts' column named by ``--reference-column``.
+
+With ``--judge MODEL``, a chat model compares every such pair itself (``rlhf_pipeline.judge``: a documented prompt,
+both orders, ties allowed), sampled greedily by the same engines; ``results.json``'s ``judge`` has, per comparison
+("baseline", "reference"), the win rate (the mean preference, ± its standard error over prompts), its LC win rate,
+the unreadable verdicts (counted, never guessed), how often the two orders agree, and how often the judge picked
+the answer shown first. The samples get each response's preference and both verdicts.
 
 Several reward models or functions (``--reward-model``/``--reward-fn`` take several, as in ``rlhf score``) are
 each a scorer, keyed as ``rlhf score`` keys them (``stages.score.reward_sources``: ``reward_model`` and ``reward_fn``
 for the only one of their kind, else ``reward_fn_<name>``). With two or more and ``--reward-weights``,
 ``results.json`` also has ``combined``: the same numbers for ``rlhf score``'s combination,
 ``sum_k w_k (r_k - mean_k) / (std_k + eps)`` (without weights each source is reported on its own: a gold function
-evaluated beside a reward model, as the demo does, is not a combination anyone trains on). Its statistics are the *baseline's* (the mean and standard deviation of each source over
-the baseline's responses), so the policy and the baseline are put on one scale, the baseline's combined mean is 0,
-and evaluations against one baseline (every iteration of ``rlhf iterate``) are comparable; without a baseline they
-are the evaluated samples' own, and the combined mean is 0 by construction (its win rate and per-source numbers are
+evaluated beside a reward model, as the demo does, is not a combination anyone trains on). Its statistics are the
+*baseline's* (the mean and standard deviation of each source over the baseline's responses), so the policy and the
+baseline are put on one scale, the baseline's combined mean is 0, and evaluations against one baseline (every
+iteration of ``rlhf iterate``) are comparable; without a baseline they are the evaluated samples' own, and the
+combined mean is 0 by construction (its win rate and per-source numbers are
 what to read then). The statistics used are in ``combined.statistics``.
 
 ``--baseline`` is a model (sampled here with the same settings and seed) or the output directory of an earlier
@@ -34,7 +53,11 @@ Output, filled in place and resumable (each part is a stage output that a rerun 
     OUTPUT/score_reward_model/     ... scored by the reward model (rlhf score); score_reward_fn/ for the function
                                    (score_<key>/ for each of several)
     OUTPUT/baseline/...            the same for a baseline model
-    OUTPUT/samples/                one dataset: prompt, responses, the rewards of every scorer (and the baseline's)
+    OUTPUT/reference/...           the reference answers as generations (one per prompt), scored
+    OUTPUT/judge_<baseline|reference>/prompts, generate/
+                                   the judge's prompts (each comparison, both orders) and its answers
+    OUTPUT/samples/                one dataset: prompt, responses, the rewards of every scorer (and the baseline's
+                                   and the references'), the judge's preferences and verdicts
     OUTPUT/lm_eval/results.json    with --lm-eval: EleutherAI's harness on the model (rlhf_pipeline.harness), also
                                    under "lm_eval" in results.json and the manifest
     OUTPUT/results.json            the numbers above (``rlhf report`` plots them)
@@ -53,7 +76,8 @@ from typing import Any, Literal, Optional, Sequence
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import OutputOptions, option, options_of, override
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.evalstats import mean_and_stderr, win_counts
+from rlhf_pipeline.evalstats import mean_and_stderr, pair_indices, preference_comparison, reward_comparison
+from rlhf_pipeline.judge import TEMPLATE_VERSION
 from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES, LM_EVAL_DIR
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.stages.score import RewardSource, check_reward_options, one_or_list, reward_sources
@@ -85,11 +109,25 @@ class EvalConfig(SamplingOptions, OutputOptions):
     baseline: Optional[str] = option(
         None, help="Compare with this model, or with the output directory of an earlier rlhf eval on the same prompts."
     )
+    reference: Optional[str] = option(
+        None, help="Compare with fixed reference answers, one per prompt, as AlpacaEval does (a dataset directory, "
+        ".json/.jsonl/.parquet file or Hub id with a prompt_id, prompt or instruction column to match the prompts "
+        "by, and a response, output or reference column); instead of, or beside, --baseline."
+    )
+    judge: Optional[str] = option(
+        None, help="A chat model that judges the evaluated responses against the baseline's and the references' "
+        "(pairwise, both orders; rlhf_pipeline.judge has the prompt), sampled greedily with --engine."
+    )
+    judge_max_new_tokens: int = option(256, help="Tokens the judge may write for its reason and verdict.")
     n: int = override(SamplingOptions, "n", 1)
     # Left out of eval's own reuse check; the generate step in OUTPUT/generate checks it against its manifest.
     batch_size: int = override(SamplingOptions, "batch_size", semantic=False)
     score_batch_size: int = option(16, help="Sequences per reward-model forward.", semantic=False)
     max_length: int = option(4096, help="Reward model: conversations longer than this keep their first tokens.")
+    reference_column: Optional[str] = option(
+        None, help="The prompts' column holding the ground truth, passed to reward functions as 'reference' (as rlhf "
+        "score's --reference-column); default: a column named reference, answer, solution or ground_truth."
+    )
     lm_eval: Optional[list[str]] = option(
         None, help="Also run EleutherAI's lm-eval harness on the model (pip install 'rlhf-pipeline[lm-eval]'): task "
         "names (rlhf_arith, bundled; gsm8k, ... where the Hub is reachable), YAML task files or directories of them; "
@@ -114,6 +152,10 @@ class EvalConfig(SamplingOptions, OutputOptions):
             raise ValueError("--score-batch-size must be at least 1")
         if self.max_length < 1:
             raise ValueError("--max-length must be at least 1")
+        if self.judge_max_new_tokens < 1:
+            raise ValueError("--judge-max-new-tokens must be at least 1")
+        if self.judge is not None and self.baseline is None and self.reference is None:
+            raise ValueError("--judge compares two answers: give --baseline, --reference, or both")
         from rlhf_pipeline.harness import parse_tasks
 
         self.lm_eval = parse_tasks(self.lm_eval)
@@ -123,16 +165,42 @@ class EvalConfig(SamplingOptions, OutputOptions):
             raise ValueError("--lm-eval-num-fewshot must be at least 0")
 
 
-def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[float]] | None) -> dict[str, Any]:
-    """One scorer's numbers: ``rewards[i]`` are prompt i's rewards (``baseline`` aligned with them, or None)."""
+def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[float]] | None,
+              lengths: Sequence[Sequence[int]] | None = None, baseline_lengths: Sequence[Sequence[int]] | None = None,
+              bradley_terry: bool = False) -> dict[str, Any]:
+    """One scorer's numbers: ``rewards[i]`` are prompt i's rewards (``baseline`` aligned with them, or None; one
+    reward per prompt for reference answers), ``lengths`` the responses' lengths in characters for the
+    length-controlled win rate (without them it is fitted with no length term), ``bradley_terry`` for a reward
+    model's scores (see :func:`evalstats.reward_comparison`)."""
     mean, stderr = mean_and_stderr([sum(r) / len(r) for r in rewards])
     result: dict[str, Any] = {"mean": mean, "stderr": stderr, "baseline_mean": None, "baseline_stderr": None,
-                              "win_rate": None, "wins": None, "ties": None, "losses": None}
+                              "win_rate": None, "wins": None, "ties": None, "losses": None,
+                              "lc_win_rate": None, "lc_stderr": None, "length_controlled": None}
     if baseline is not None:
         result["baseline_mean"], result["baseline_stderr"] = mean_and_stderr([sum(r) / len(r) for r in baseline])
-        wins, ties, losses = win_counts(rewards, baseline)
-        total = wins + ties + losses
-        result.update(wins=wins, ties=ties, losses=losses, win_rate=(wins + 0.5 * ties) / total if total else None)
+        zeros = [[0] * len(r) for r in rewards], [[0] * len(r) for r in baseline]
+        ours_len, theirs_len = (lengths, baseline_lengths) if lengths is not None else zeros
+        result.update(reward_comparison(rewards, baseline, ours_len, theirs_len, bradley_terry))
+    return result
+
+
+def verifiable_summary(source: RewardSource, generated, ids: list[str], rewards: list[list[float]]) -> dict[str, Any]:
+    """pass@k (and maj@k) of a reward function whose rewards are all 0 or 1 (a verifiable reward: right or wrong),
+    ``rewards[i]`` those of prompt ``ids[i]``: ``{"pass_at_k": {"1": {"mean", "stderr"}, ...}}`` for k = 1, 2, 4, ...,
+    n (evalstats.k_ladder), and ``maj_at_k`` the same way when the function carries ``extract_answer(response)``
+    (the answer a response votes for, as rewards.verifiable's do); empty for anything else."""
+    from rlhf_pipeline.evalstats import maj_at_k_summary, pass_at_k_summary
+
+    if source.kind != "reward_fn" or not rewards or any(r not in (0.0, 1.0) for rs in rewards for r in rs):
+        return {}
+    from rlhf_pipeline.rewards import load_reward_fn
+
+    result: dict[str, Any] = {"pass_at_k": pass_at_k_summary(rewards)}
+    extract = getattr(load_reward_fn(source.spec), "extract_answer", None)
+    if callable(extract):
+        responses = dict(zip((str(x) for x in generated["prompt_id"]), generated["responses"]))
+        answers = [[extract(r) for r in responses[i]] for i in ids]
+        result["maj_at_k"] = maj_at_k_summary(answers, rewards)
     return result
 
 
@@ -141,7 +209,8 @@ def _scorers(config: EvalConfig) -> list[RewardSource]:
 
 
 def combined_summary(sources: list[RewardSource], weights: Sequence[float], ours: dict[str, list[list[float]]],
-                     theirs: dict[str, list[list[float]]] | None) -> dict[str, Any]:
+                     theirs: dict[str, list[list[float]]] | None, lengths: Sequence[Sequence[int]] | None = None,
+                     baseline_lengths: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     """The numbers of :func:`summarize` for the weighted combination of several scorers, every source standardised
     with the baseline's statistics (``theirs``: per source key, the baseline's rewards per prompt), or with the
     evaluated samples' own (``ours``) when there is no baseline."""
@@ -158,7 +227,7 @@ def combined_summary(sources: list[RewardSource], weights: Sequence[float], ours
             at += size
         return rows
 
-    summary = summarize(combine(ours), combine(theirs) if theirs is not None else None)
+    summary = summarize(combine(ours), combine(theirs) if theirs is not None else None, lengths, baseline_lengths)
     return {
         "weights": {s.key: w for s, w in zip(sources, weights)},
         "statistics_from": "baseline" if theirs is not None else "evaluated samples",
@@ -170,7 +239,7 @@ def combined_summary(sources: list[RewardSource], weights: Sequence[float], ours
 def _sample_and_score(config: EvalConfig, model: str, directory: Path, accelerator=None) -> dict[str, Path]:
     """Generate with ``model`` into ``directory/generate`` and score it with every scorer. Under ``accelerate
     launch`` the main process samples (the other processes wait) and every process scores its share."""
-    from rlhf_pipeline.stages import generate, score
+    from rlhf_pipeline.stages import generate
     from rlhf_pipeline.distributed import on_main_process
 
     gen = generate.GenerateConfig(
@@ -178,14 +247,148 @@ def _sample_and_score(config: EvalConfig, model: str, directory: Path, accelerat
         **options_of(config, SamplingOptions),
     )
     on_main_process(accelerator, lambda: generate.main(gen))
-    paths = {"generate": directory / "generate"}
-    for source in _scorers(config):  # each scored alone (raw rewards): the combination is made in main
+    return _score_all(config, directory / "generate", directory, accelerator)
+
+
+def _score_all(config: EvalConfig, generations: Path, directory: Path, accelerator=None) -> dict[str, Path]:
+    """Score ``generations`` with every scorer into ``directory/score_<key>`` (each alone, raw rewards: the
+    combination is made in _report)."""
+    from rlhf_pipeline.stages import score
+
+    paths = {"generate": generations}
+    for source in _scorers(config):
         paths[source.key] = score.score(score.ScoreConfig(
-            output=str(directory / f"score_{source.key}"), input=str(paths["generate"]),
+            output=str(directory / f"score_{source.key}"), input=str(generations),
             batch_size=config.score_batch_size, max_length=config.max_length, dtype=config.dtype,
-            trust_remote_code=config.trust_remote_code, **{source.kind: source.spec},
+            trust_remote_code=config.trust_remote_code, reference_column=config.reference_column,
+            **{source.kind: source.spec},
         ), accelerator)
     return paths
+
+
+# Columns of a --reference dataset, in the order they are looked for.
+REFERENCE_KEYS = ("prompt_id", "id", "prompt", "instruction")
+REFERENCE_ANSWERS = ("response", "output", "reference")
+
+
+def _reference_answers(config: EvalConfig, prompts_ref) -> dict[str, str]:
+    """``--reference``: one answer per evaluated prompt, by prompt_id. A reference row is matched to a prompt by
+    ``prompt_id`` (or ``id``) when both have one, else by the prompt's text (its last user turn) against the reference's
+    ``prompt`` or ``instruction`` (AlpacaEval's files have ``instruction`` and ``output``)."""
+    from rlhf_pipeline.chat import as_text
+    from rlhf_pipeline.datasets_io import load_dataset_ref, parse_ref
+    from rlhf_pipeline.stages.generate import ids_of_prompts, select_prompts
+
+    name = f"--reference {config.reference}"
+    refs = load_dataset_ref(parse_ref(config.reference))
+    answer = next((c for c in REFERENCE_ANSWERS if c in refs.column_names), None)
+    if answer is None:
+        raise PipelineError(f"{name}: has no answer column ({', '.join(REFERENCE_ANSWERS)}); its columns are "
+                            f"{', '.join(refs.column_names)}: rename the one with the reference answers")
+    prompts, column, _, _ = select_prompts(prompts_ref, limit=config.limit)
+    ids = ids_of_prompts(prompts, column)
+    own_id = next((c for c in ("prompt_id", "id") if c in prompts.column_names), None)
+    ref_id = next((c for c in ("prompt_id", "id") if c in refs.column_names), None)
+    if own_id is not None and ref_id is not None:
+        keys, theirs = ids, [str(x) for x in refs[ref_id]]
+    else:
+        key = next((c for c in ("prompt", "instruction") if c in refs.column_names), None)
+        if key is None:
+            raise PipelineError(f"{name}: has no column to match the prompts by ({', '.join(REFERENCE_KEYS)}); its "
+                                f"columns are {', '.join(refs.column_names)}")
+        keys = [as_text(p).strip() for p in prompts[column]]
+        theirs = [as_text(p).strip() for p in refs[key]]
+    by_key: dict[str, str] = {}
+    for row, (k, text) in enumerate(zip(theirs, refs[answer])):
+        if not isinstance(text, str):
+            raise PipelineError(f"{name}: row {row}: the {answer} column holds {type(text).__name__}, not text")
+        by_key.setdefault(k, text)
+    missing = [k for k in keys if k not in by_key]
+    if missing:
+        raise PipelineError(f"{name}: has no answer for {len(missing)} of the {len(keys)} evaluated prompts (e.g. "
+                            f"{missing[0][:80]!r}); give one answer per prompt of --prompts (and --limit)")
+    return {i: by_key[k] for i, k in zip(ids, keys)}
+
+
+def _reference_scores(config: EvalConfig, prompts_ref, own: dict[str, Path], directory: Path, accelerator=None
+                      ) -> dict[str, Path]:
+    """The reference answers as generations (``directory/generate``: the evaluated prompts, one response each),
+    scored by every scorer as the policy's samples are."""
+    from datasets import load_from_disk
+
+    from rlhf_pipeline.datasets_io import atomic_directory
+    from rlhf_pipeline.distributed import on_main_process
+
+    def write() -> None:
+        if (directory / "generate").exists():
+            return
+        answers = _reference_answers(config, prompts_ref)
+        generated = load_from_disk(str(own["generate"]))
+        keep = [c for c in generated.column_names if c not in ("prompt_token_ids", "response_token_ids",
+                                                                "responses", "finish_reasons", "response_logprobs")]
+        rows = generated.select_columns(keep)
+        rows = rows.add_column("responses", [[answers[str(i)]] for i in rows["prompt_id"]])
+        rows = rows.add_column("finish_reasons", [["stop"]] * rows.num_rows)
+        with atomic_directory(directory / "generate") as tmp:
+            rows.save_to_disk(str(tmp))
+
+    on_main_process(accelerator, write)
+    return _score_all(config, directory / "generate", directory, accelerator)
+
+
+def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory: Path, accelerator=None) -> Path:
+    """``--judge``: every comparison of the evaluated responses (``ours``, a generations dataset) with the other
+    side's (``theirs``), in both orders, as a prompt dataset ``directory/prompts``; the judge's answers are
+    ``directory/generate`` (rlhf generate, greedy). Returns that directory."""
+    from datasets import Dataset
+
+    from rlhf_pipeline.chat import as_text
+    from rlhf_pipeline.datasets_io import atomic_directory
+    from rlhf_pipeline.distributed import on_main_process
+    from rlhf_pipeline.judge import judge_prompts
+    from rlhf_pipeline.stages import generate
+
+    def run() -> None:
+        if not (directory / "prompts").exists():
+            ids, prompts, our_texts, their_texts = _aligned_texts(ours, theirs, _flag(config, target))
+            rows = {"prompt_id": [], "prompt": []}
+            for i, j, k in pair_indices(our_texts, their_texts):
+                for order, text in enumerate(judge_prompts(as_text(prompts[i]), our_texts[i][j], their_texts[i][k])):
+                    rows["prompt_id"].append(_judge_id(ids[i], j, k, order))
+                    rows["prompt"].append(text)
+            with atomic_directory(directory / "prompts") as tmp:
+                Dataset.from_dict(rows).save_to_disk(str(tmp))
+        options = {**options_of(config, SamplingOptions), "n": 1, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                   "max_new_tokens": config.judge_max_new_tokens, "limit": None}
+        generate.main(generate.GenerateConfig(output=str(directory / "generate"), model=config.judge,
+                                              prompts=str(directory / "prompts"), logprobs=False, **options))
+
+    on_main_process(accelerator, run)
+    return directory / "generate"
+
+
+def _flag(config: EvalConfig, target: str) -> str:
+    return f"--{target} {getattr(config, target)}"
+
+
+def _judge_id(prompt_id: str, ours: int, theirs: int, order: int) -> str:
+    return f"{prompt_id}|{ours}|{theirs}|{order}"
+
+
+def _aligned_texts(ours: Path, theirs: Path, label: str):
+    """``(prompt ids, prompts, our responses, their responses)`` per prompt of ``ours``, theirs aligned by id."""
+    from datasets import load_from_disk
+
+    mine = load_from_disk(str(ours))
+    other = load_from_disk(str(theirs))
+    column = next(c for c in ("prompt", "messages") if c in mine.column_names)
+    by_id = dict(zip(map(str, other["prompt_id"]), other["responses"]))
+    ids = [str(x) for x in mine["prompt_id"]]
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise PipelineError(f"{label}: has no samples for {len(missing)} of the {len(ids)} prompts (e.g. prompt_id "
+                            f"{missing[0]}); evaluate both on the same --prompts and --limit")
+    return ids, mine[column], mine["responses"], [by_id[i] for i in ids]
 
 
 def _earlier_eval(path: str) -> Path | None:
@@ -208,6 +411,7 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     (None for a model, or none)."""
     from rlhf_pipeline.executors import check_ray_installed
     from rlhf_pipeline.stages.generate import select_prompts
+    from rlhf_pipeline.stages.score import check_reference_column
     from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.rewards import load_reward_fn
 
@@ -219,7 +423,12 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
             check_model_ref(source.flag, source.spec)
         else:
             load_reward_fn(source.spec)
-    select_prompts(ref, limit=config.limit)
+    prompts = select_prompts(ref, limit=config.limit)[0]
+    check_reference_column(prompts, ref.name, config.reference_column, "rlhf eval carries")
+    if config.reference is not None:
+        _reference_answers(config, ref)
+    if config.judge is not None:
+        check_model_ref("--judge", config.judge)
     if config.lm_eval:
         from rlhf_pipeline.engines import resolve_engine_name
         from rlhf_pipeline.harness import check_tasks
@@ -261,7 +470,7 @@ def _baseline_scores(config: EvalConfig, earlier: Path | None, out_dir: Path, ac
     if earlier is None:
         return _sample_and_score(config, config.baseline, out_dir / "baseline", accelerator), config.baseline
     previous_model = json.loads((earlier / "manifest.json").read_text())["config"]["model"]
-    return ({s.key: earlier / f"score_{s.key}" for s in _scorers(config)},
+    return ({"generate": earlier / "generate", **{s.key: earlier / f"score_{s.key}" for s in _scorers(config)}},
             f"{previous_model} (samples of {earlier})")
 
 
@@ -287,15 +496,16 @@ def _evaluate(config: EvalConfig, accelerator) -> Path:
 
     def begin():
         ref = parse_ref(config.prompts)
-        out = StageOutput("eval", config, inputs=[ref], pusher=push_samples)
+        inputs = [ref] + ([parse_ref(config.reference)] if config.reference is not None else [])
+        out = StageOutput("eval", config, inputs=inputs, pusher=push_samples)
         if out.done(resume=True):  # the parts are stage outputs of their own: an unfinished eval continues
             return None
-        return out, _check_inputs(config, ref)  # before the output directory is made: a mistake leaves nothing
+        return out, _check_inputs(config, ref), ref  # before the output directory is made: a mistake leaves nothing
 
     begun = guarded(accelerator, begin)
     if begun is None:
         return Path(config.output).expanduser()
-    out, earlier = begun
+    out, earlier, prompts_ref = begun
 
     def start() -> None:
         if out.replace:
@@ -309,8 +519,18 @@ def _evaluate(config: EvalConfig, accelerator) -> Path:
         baseline = own
     if config.lm_eval:  # the main process alone: the harness loads its own model
         on_main_process(accelerator, lambda: _lm_eval(config, out.path))
+    others = {}  # what the evaluated samples are compared with: "baseline", "reference"
+    if baseline is not None:
+        others["baseline"] = baseline
+    if config.reference is not None:
+        others["reference"] = _reference_scores(config, prompts_ref, own, out.path / "reference", accelerator)
+    judged = {}
+    if config.judge is not None:
+        for target, paths in others.items():
+            judged[target] = _judge(config, target, own["generate"], paths["generate"], out.path / f"judge_{target}",
+                                    accelerator)
     processes = world_and_rank(accelerator)[0]
-    on_main_process(accelerator, lambda: _report(config, out, own, baseline, baseline_desc, processes))
+    on_main_process(accelerator, lambda: _report(config, out, own, others, baseline_desc, judged, processes))
     return out.path
 
 
@@ -341,49 +561,72 @@ def _lm_eval(config: EvalConfig, out_path: Path) -> dict[str, Any]:
     return results
 
 
-def _report(config: EvalConfig, out, own: dict[str, Path], baseline: dict[str, Path] | None,
-            baseline_desc: str | None, processes: int) -> None:
-    """The numbers, the samples and the manifest (the main process only)."""
+def _report(config: EvalConfig, out, own: dict[str, Path], others: dict[str, dict[str, Path]],
+            baseline_desc: str | None, judged: dict[str, Path], processes: int) -> None:
+    """The numbers, the samples and the manifest (the main process only). ``others`` are the scored samples the
+    evaluated ones are compared with ("baseline", "reference"), ``judged`` the judge's answers for each."""
     from datasets import load_from_disk
 
     generated = load_from_disk(str(own["generate"]))
+    ids = [str(x) for x in generated["prompt_id"]]
+    texts = {"ours": generated["responses"]}
+    for target, paths in others.items():
+        texts[target] = _aligned_texts(own["generate"], paths["generate"], _flag(config, target))[3]
+    lengths = {side: [[len(t) for t in row] for row in rows] for side, rows in texts.items()}
     scores, columns, ours_by_key, theirs_by_key = {}, {}, {}, {}
     sources = _scorers(config)
     for source in sources:
         name = source.key
-        ids, ours = _rewards_by_prompt(own[name])
-        theirs = None
-        if baseline is not None:
-            _, base = _rewards_by_prompt(baseline[name])
-            missing = [i for i in ids if i not in base]
+        bradley_terry = source.kind == "reward_model"
+        ours_map = _rewards_by_prompt(own[name])[1]
+        ours = ours_by_key[name] = [ours_map[i] for i in ids]
+        theirs = {}
+        for target, paths in others.items():
+            by_id = _rewards_by_prompt(paths[name])[1]
+            missing = [i for i in ids if i not in by_id]
             if missing:
                 raise PipelineError(
-                    f"--baseline {config.baseline}: has no samples for {len(missing)} of the {len(ids)} prompts "
-                    f"(e.g. prompt_id {missing[0]}); evaluate both on the same --prompts and --limit"
+                    f"{_flag(config, target)}: has no samples for {len(missing)} of the {len(ids)} prompts (e.g. "
+                    f"prompt_id {missing[0]}); evaluate both on the same --prompts and --limit"
                 )
-            theirs = [base[i] for i in ids]
-            columns[f"baseline_rewards_{name}"] = theirs
-            theirs_by_key[name] = theirs
-        scores[name] = {"scorer": source.spec, **summarize([ours[i] for i in ids], theirs)}
-        columns[f"rewards_{name}"] = ours_by_key[name] = [ours[i] for i in ids]
+            theirs[target] = [by_id[i] for i in ids]
+            columns[f"{target}_rewards_{name}"] = theirs[target]
+        if "baseline" in theirs:
+            theirs_by_key[name] = theirs["baseline"]
+        entry = {"scorer": source.spec, **summarize(ours, theirs.get("baseline"), lengths["ours"],
+                                                    lengths.get("baseline"), bradley_terry)}
+        if "reference" in theirs:
+            ref = summarize(ours, theirs["reference"], lengths["ours"], lengths["reference"], bradley_terry)
+            entry["reference"] = {"mean": ref["baseline_mean"], "stderr": ref["baseline_stderr"],
+                                  **{k: v for k, v in ref.items() if k not in ("mean", "stderr", "baseline_mean",
+                                                                               "baseline_stderr")}}
+        entry.update(verifiable_summary(source, generated, ids, ours))
+        scores[name] = entry
+        columns[f"rewards_{name}"] = ours
 
-    lengths = [len(t) for row in generated["response_token_ids"] for t in row]
     reasons = [r for row in generated["finish_reasons"] for r in row]
     results = {
         "model": config.model,
         "baseline": baseline_desc,
+        "reference": config.reference,
         "num_prompts": generated.num_rows,
         "n": config.n,
-        "response_tokens_mean": sum(lengths) / max(len(lengths), 1),
+        "response_tokens_mean": _mean([len(t) for row in generated["response_token_ids"] for t in row]),
+        "response_chars_mean": _mean([x for row in lengths["ours"] for x in row]),
         "stop_fraction": reasons.count("stop") / max(len(reasons), 1),
         "scores": scores,
     }
     if config.lm_eval:
         results["lm_eval"] = _lm_eval(config, out.path)  # written by now: read back
     if len(sources) > 1 and config.reward_weights:  # beside "scores", the scorers (rlhf report plots each of them)
-        weights = config.reward_weights or [1.0] * len(sources)
-        results["combined"] = combined_summary(sources, weights, ours_by_key,
-                                               theirs_by_key if baseline is not None else None)
+        results["combined"] = combined_summary(sources, config.reward_weights, ours_by_key,
+                                               theirs_by_key if "baseline" in others else None,
+                                               lengths["ours"], lengths.get("baseline"))
+    if judged:
+        results["judge"] = {"model": config.judge, "template": TEMPLATE_VERSION}
+        for target, path in judged.items():
+            results["judge"][target], judge_columns = _judge_results(path, ids, texts["ours"], texts[target], target)
+            columns.update(judge_columns)
     samples = generated.select_columns(
         [c for c in generated.column_names if c not in ("prompt_token_ids", "response_token_ids")]
     )
@@ -399,17 +642,82 @@ def _report(config: EvalConfig, out, own: dict[str, Path], baseline: dict[str, P
     out.write_manifest(manifest)
     if out.push_pending(manifest):  # a failed upload is one line; the evaluation stays finished, the push pending
         out.push(manifest)
-    shown = dict(scores, **({"combined": results["combined"]} if "combined" in results else {}))
+    for line in summary_lines(results):
+        print(line)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
+
+def _judge_results(path: Path, ids: list[str], ours: list[list[str]], theirs: list[list[str]], target: str):
+    """The judge's numbers against ``target`` (:func:`evalstats.preference_comparison` and
+    :func:`judge.judge_summary`) and the samples' columns: per response, its preference and the verdicts of both
+    orders (``"AB"``: A when shown first, B when shown second; ``?`` for a verdict that could not be read)."""
+    from datasets import load_from_disk
+
+    from rlhf_pipeline.judge import combine_orders, judge_summary, parse_verdict
+
+    answers = load_from_disk(str(path))
+    verdict = {str(i): parse_verdict(r[0]) for i, r in zip(answers["prompt_id"], answers["responses"])}
+    preferences, differences, prompts, pairs = [], [], [], []
+    per_row_pref: list[list] = [[] for _ in ids]
+    per_row_verdicts: list[list[str]] = [[] for _ in ids]
+    for i, j, k in pair_indices(ours, theirs):
+        first, second = (verdict[_judge_id(ids[i], j, k, order)] for order in (0, 1))
+        preference = combine_orders(first, second)
+        preferences.append(preference)
+        differences.append(len(ours[i][j]) - len(theirs[i][k]))
+        prompts.append(i)
+        pairs.append((first, second))
+        per_row_pref[i].append(preference)
+        per_row_verdicts[i].append((first or "?") + (second or "?"))
+    numbers = {**preference_comparison(preferences, differences, prompts), **judge_summary(pairs)}
+    return numbers, {f"judge_{target}_preference": per_row_pref, f"judge_{target}_verdicts": per_row_verdicts}
+
+
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    """What ``rlhf eval`` prints: per scorer the mean reward and the win rates, raw and length-controlled."""
+
+    def rate(s: dict[str, Any]) -> str:
+        text = f"win rate {s['win_rate']:.3f}"
+        fit = s.get("length_controlled")
+        if fit is not None:
+            # a reward model's LC is fitted on its Bradley-Terry probabilities: their mean is the raw figure beside it
+            soft = f"mean preference {fit['raw_win_rate']:.3f}, " if fit["preferences"] == "bradley-terry" else ""
+            text += f" ({soft}LC {fit['win_rate']:.3f}" + (f" ± {fit['stderr']:.3f}" if fit["stderr"] is not None
+                                                           else "") + ")"
+        return text
+
+    lines = []
+    shown = dict(results["scores"], **({"combined": results["combined"]} if "combined" in results else {}))
     for name, s in shown.items():
         line = f"[eval] {name}: mean reward {s['mean']:.4f}"
         line += f" ± {s['stderr']:.4f}" if s["stderr"] is not None else ""
         if s["win_rate"] is not None:
-            line += f", win rate {s['win_rate']:.3f} against the baseline (mean {s['baseline_mean']:.4f})"
-        print(line)
+            line += f", {rate(s)} against the baseline (mean {s['baseline_mean']:.4f})"
+        if "pass_at_k" in s:
+            at_k, n = s["pass_at_k"], results["n"]
+            line += f", pass@1 {at_k['1']['mean']:.3f}, pass@{n} {at_k[str(n)]['mean']:.3f}"
+        reference = s.get("reference")
+        if reference and reference["win_rate"] is not None:
+            line += f", {rate(reference)} against the references (mean {reference['mean']:.4f})"
+        lines.append(line)
     for task, r in (results.get("lm_eval") or {}).get("tasks", {}).items():
-        print(f"[eval] lm-eval {task}: " + ", ".join(
+        lines.append(f"[eval] lm-eval {task}: " + ", ".join(
             f"{m} {v['value']:.4f}" + (f" ± {v['stderr']:.4f}" if v["stderr"] is not None else "")
             for m, v in r["metrics"].items() if v["value"] is not None))
+    judge = results.get("judge") or {}
+    for target in ("baseline", "reference"):
+        j = judge.get(target)
+        if j is None:
+            continue
+        line = f"[eval] judge {judge['model']} against the {target}: "
+        line += rate(j) if j["win_rate"] is not None else "no verdict could be read"
+        line += (f"; {j['unreadable']} of {j['verdicts']} verdicts unreadable, the two orders agree on "
+                 + (f"{j['consistency']:.0%}" if j["consistency"] is not None else "none") + " of the comparisons")
+        lines.append(line)
+    return lines
 
 
 def push_samples(path: Path, repo_id: str, manifest: bytes) -> None:

@@ -74,6 +74,17 @@ def make_prompt_id(value: str | list) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def ids_of_prompts(part, column: str) -> list[str]:
+    """The ``prompt_id`` of each prompt of ``part`` (a dataset or a batch's columns): its own ``prompt_id`` or
+    ``id`` column, else :func:`make_prompt_id` of the prompt."""
+    names = getattr(part, "column_names", part)
+    if "prompt_id" in names:
+        return [str(x) for x in part["prompt_id"]]
+    if "id" in names:
+        return [str(x) for x in part["id"]]
+    return [make_prompt_id(v) for v in part[column]]
+
+
 def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | None = None):
     """The prompts a run samples for, checked: ``(dataset of the selected rows, prompt column, rows, rows_total)``.
     ``rlhf eval`` calls it too, to check its prompts before it makes its output directory."""
@@ -212,12 +223,7 @@ def main(config: GenerateConfig) -> Path:
     counts = {"stop": 0, "length": 0}
 
     def columns(part: dict, prompt_ids: list[list[int]], completions) -> dict[str, list]:
-        if "prompt_id" in part:
-            ids = [str(x) for x in part["prompt_id"]]
-        elif "id" in part:
-            ids = [str(x) for x in part["id"]]
-        else:
-            ids = [make_prompt_id(v) for v in part[column]]
+        ids = ids_of_prompts(part, column)
         for c in completions:
             for reason in c.finish_reasons:
                 counts[reason] = counts.get(reason, 0) + 1

@@ -210,8 +210,9 @@ def eval_step(config: IterateConfig, run: Path, t: int, model: str) -> Step:
     options = _section(config.eval, "eval", allowed_extra={"reward_model", "reward_fn"})
     if "reward_model" not in options and "reward_fn" not in options:
         options.update(reward_model=config.reward_model, reward_fn=config.reward_fn)
-        # the training reward model, read as the score stage reads it (ArmoRM needs trust_remote_code)
-        for key in ("trust_remote_code", "max_length"):
+        # the training reward, read as the score stage reads it (ArmoRM needs trust_remote_code; a verifiable
+        # reward function its reference column)
+        for key in ("trust_remote_code", "max_length", "reference_column"):
             if key in config.score and key not in options:
                 options[key] = config.score[key]
     if config.lm_eval and "lm_eval" not in options:  # the eval section's own lm_eval wins

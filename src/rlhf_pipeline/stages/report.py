@@ -276,8 +276,7 @@ def _plot_rewards(data: dict[str, Any], path: Path) -> Optional[str]:
     scorers = _scorers(data["iterations"])
     if not scorers:
         return "no iter_<t>/eval/results.json with scores in the run"
-    with_win = [s for s in scorers if any((e.get("scores") or {}).get(s, {}).get("win_rate") is not None
-                                          for _, e in evals)]
+    with_win = [s for s in scorers if any(_compared((e.get("scores") or {}).get(s, {})) for _, e in evals)]
     fig, axes = _figure(2 if with_win else 1, len(scorers))
     fig.suptitle("Held-out reward per iteration")
     for col, name in enumerate(scorers):
@@ -300,20 +299,86 @@ def _plot_rewards(data: dict[str, Any], path: Path) -> Optional[str]:
         ax.legend()
         if with_win:
             ax = axes[1][col]
-            wins = [(t, s["win_rate"]) for t, s in points if s.get("win_rate") is not None]
-            if wins:
-                ax.plot([w[0] for w in wins], [w[1] for w in wins], marker="o", color="tab:green",
-                        label="win rate vs baseline")
-                ax.axhline(0.5, color="gray", linestyle=":", label="0.5 (even)")
-                ax.set_xticks(sorted({w[0] for w in wins}))
-                ax.legend()
-            else:
+            drawn = _plot_win_rates(ax, [(t, s, "baseline") for t, s in points]
+                                    + [(t, s["reference"], "references") for t, s in points if s.get("reference")])
+            if not drawn:
                 ax.text(0.5, 0.5, "no baseline", ha="center", va="center", transform=ax.transAxes)
             ax.set_ylim(0, 1)
-            ax.set_title(f"win rate vs baseline: {name}")
+            ax.set_title(f"win rate, raw and length-controlled: {name}")
             ax.set_xlabel("iteration")
             ax.set_ylabel("win rate")
             ax.grid(alpha=0.3)
+    _save(fig, path)
+    return None
+
+
+def _compared(s: dict[str, Any]) -> bool:
+    """Whether a scorer's numbers compare the policy with anything (a baseline or reference answers)."""
+    return s.get("win_rate") is not None or (s.get("reference") or {}).get("win_rate") is not None
+
+
+def _plot_win_rates(ax, points: list[tuple[int, dict[str, Any], str]]) -> bool:
+    """The raw win rate (solid) and the length-controlled one (dashed, ± its standard error) per iteration, for
+    each side compared with ("baseline", "references", "judge vs ..."). Returns whether anything was drawn."""
+    sides = list(dict.fromkeys(side for _, _, side in points))
+    drawn = False
+    for color, side in zip(("tab:green", "tab:purple", "tab:orange", "tab:brown"), sides):
+        mine = [(t, s) for t, s, other in points if other == side]
+        raw = [(t, s["win_rate"]) for t, s in mine if s.get("win_rate") is not None]
+        lc = [(t, s["lc_win_rate"], s.get("lc_stderr") or 0.0) for t, s in mine if s.get("lc_win_rate") is not None]
+        if raw:
+            ax.plot([w[0] for w in raw], [w[1] for w in raw], marker="o", color=color, label=f"vs {side}")
+        if lc:
+            ax.errorbar([w[0] for w in lc], [w[1] for w in lc], yerr=[w[2] for w in lc], marker="^", capsize=4,
+                        linestyle="--", color=color, label=f"vs {side}, length-controlled")
+        drawn = drawn or bool(raw or lc)
+    if drawn:
+        ax.axhline(0.5, color="gray", linestyle=":", label="0.5 (even)")
+        ax.set_xticks(sorted({t for t, _, _ in points}))
+        ax.legend(fontsize="small")
+    return drawn
+
+
+def _plot_judge_and_pass(data: dict[str, Any], path: Path) -> Optional[str]:
+    """The LLM judge's win rates (raw and length-controlled) and every verifiable scorer's pass@k, per iteration."""
+    evals = [(it["iteration"], it["eval"]) for it in data["iterations"] if it["eval"]]
+    judged = [(t, e["judge"][side], f"{side} (judge)") for t, e in evals for side in ("baseline", "reference")
+              if (e.get("judge") or {}).get(side)]
+    passing = [name for name in _scorers(data["iterations"])
+               if any((e.get("scores") or {}).get(name, {}).get("pass_at_k") for _, e in evals)]
+    if not judged and not passing:
+        return "no LLM judge (rlhf eval --judge) and no pass@k (a 0/1 reward function with --n > 1) in the run"
+    fig, axes = _figure(1, bool(judged) + len(passing))
+    col = 0
+    if judged:
+        ax = axes[0][col]
+        _plot_win_rates(ax, judged)
+        ax.set_ylim(0, 1)
+        ax.set_title(f"LLM judge: {(evals[-1][1].get('judge') or {}).get('model', '')}")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("win rate")
+        ax.grid(alpha=0.3)
+        col += 1
+    for name in passing:
+        ax = axes[0][col]
+        ks = sorted({int(k) for _, e in evals for k in ((e.get("scores") or {}).get(name, {}).get("pass_at_k") or {})})
+        for kind, marker in (("pass_at_k", "o"), ("maj_at_k", "s")):
+            for k in ks:
+                pts = [(t, v[str(k)]) for t, e in evals
+                       if (v := ((e.get("scores") or {}).get(name, {}).get(kind) or {})) and str(k) in v]
+                if pts:
+                    ax.errorbar([p[0] for p in pts], [p[1]["mean"] for p in pts],
+                                yerr=[p[1].get("stderr") or 0.0 for p in pts], marker=marker, capsize=4,
+                                linestyle="-" if kind == "pass_at_k" else ":",
+                                label=f"{kind.split('_')[0]}@{k}")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"pass@k: {name}")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("fraction of prompts")
+        ax.set_xticks(sorted({t for t, _ in evals}))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        col += 1
     _save(fig, path)
     return None
 
@@ -526,9 +591,11 @@ PLOTS: list[tuple[str, str, Callable[[dict[str, Any], Path], Optional[str]]]] = 
     ("loss.png", "Training loss", _plot_loss),
     ("logp_drift.png", "Log-ratio drift from the sampling policy", _plot_logp),
     ("response_length.png", "Response length", _plot_lengths),
+    ("judge_and_pass_at_k.png", "LLM judge and pass@k per iteration", _plot_judge_and_pass),
     ("lm_eval.png", "lm-eval per iteration", _plot_lm_eval),
 ]
-OPTIONAL_PLOTS = {"lm_eval.png"}  # a run without --lm-eval has no section for it in report.md
+# Plots of options a run may not use: left out of report.md, rather than listed as not drawn, when it did not.
+OPTIONAL_PLOTS = {"judge_and_pass_at_k.png", "lm_eval.png"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -542,9 +609,15 @@ def _wall(manifest: Optional[dict[str, Any]]) -> str:
 def _iteration_table(data: dict[str, Any]) -> list[str]:
     iterations = data["iterations"]
     scorers = _scorers(iterations)
+    evals = [it["eval"] or {} for it in iterations]
+    with_reference = [n for n in scorers if any((ev.get("scores") or {}).get(n, {}).get("reference") for ev in evals)]
+    judged = [side for side in ("baseline", "reference") if any((ev.get("judge") or {}).get(side) for ev in evals)]
     header = ["iter"]
     for name in scorers:
-        header += [f"{name} reward (mean ± stderr)", f"{name} win rate (W/T/L)"]
+        header += [f"{name} reward (mean ± stderr)", f"{name} win rate (W/T/L), LC"]
+        if name in with_reference:
+            header.append(f"{name} win rate vs references, LC")
+    header += [f"judge vs {side}: win rate, LC (consistency)" for side in judged]
     header += ["train loss (first → last)", "eval loss (final)", "eval accuracy (final)",
                "gen. tokens", "gen. stopped", "eval tokens", "eval stopped",
                "wall time s (generate / score / filter / train / eval)"]
@@ -555,14 +628,15 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
         for name in scorers:
             s = (ev.get("scores") or {}).get(name)
             if not s or s.get("mean") is None:
-                row += [MISSING, MISSING]
+                row += [MISSING, MISSING] + [MISSING] * (name in with_reference)
                 continue
             row.append(f"{fmt(s['mean'])} ± {fmt(s.get('stderr'))}")
-            if s.get("win_rate") is None:
-                row.append(MISSING)
-            else:
-                wtl = [s.get(k) for k in ("wins", "ties", "losses")]
-                row.append(fmt(s["win_rate"]) + (f" ({'/'.join(map(str, wtl))})" if None not in wtl else ""))
+            row.append(_win_cell(s, counts=True))
+            if name in with_reference:
+                row.append(_win_cell(s.get("reference") or {}))
+        for side in judged:
+            j = (ev.get("judge") or {}).get(side) or {}
+            row.append(_win_cell(j) + (f" ({fmt(j['consistency'])})" if j.get("consistency") is not None else ""))
         first, last = _first_last(metrics, "loss/train")
         row.append(MISSING if first is None else f"{fmt(first)} → {fmt(last)}")
         row.append(fmt(_first_last(metrics, "loss/eval")[1]))
@@ -588,6 +662,18 @@ def _lm_eval_table(iterations: list[dict[str, Any]]) -> list[str]:
     lines += ["| " + " | ".join([str(t)] + [_cell(cells.get((key, t), MISSING)) for key in points]) + " |"
               for t in ts]
     return lines
+
+
+def _win_cell(s: dict[str, Any], counts: bool = False) -> str:
+    """``0.62 (W/T/L), LC 0.58 ± 0.03``: a raw win rate, its counts, and the length-controlled one."""
+    if s.get("win_rate") is None:
+        return MISSING
+    wtl = [s.get(k) for k in ("wins", "ties", "losses")]
+    text = fmt(s["win_rate"]) + (f" ({'/'.join(map(str, wtl))})" if counts and None not in wtl else "")
+    if s.get("lc_win_rate") is not None:
+        text += f", LC {fmt(s['lc_win_rate'])}" + (f" ± {fmt(s['lc_stderr'])}" if s.get("lc_stderr") is not None
+                                                    else "")
+    return text
 
 
 def _eval_setup(iterations: list[dict[str, Any]]) -> list[str]:
@@ -641,6 +727,8 @@ def _markdown(data: dict[str, Any], plots: list[tuple[str, str, Optional[str]]])
         setups = _eval_setup(iterations)
         notes = ["Reward, win rate and eval tokens/stopped: held-out `eval/results.json` of policy t"
                  + (f" ({'; '.join(setups)})" if setups else "") + ".",
+                 "LC: AlpacaEval 2's length-controlled win rate (the judge's preference read at equal response "
+                 "lengths; a reward model's preferences are its Bradley-Terry probabilities), ± its standard error.",
                  "Train loss, eval loss and eval accuracy: `train/metrics.jsonl` of iteration t "
                  "(eval accuracy: reward/accuracy).",
                  "Gen. tokens/stopped: the `generate/` dataset of iteration t (sampled from policy t−1); "
@@ -660,6 +748,8 @@ def _markdown(data: dict[str, Any], plots: list[tuple[str, str, Optional[str]]])
         lines += [_training_run_line(name, data[name]) for name in runs] + [""]
     lines += ["## Plots", ""]
     for filename, title, reason in plots:
+        if reason is not None and filename in OPTIONAL_PLOTS:
+            continue  # of a feature the run did not use
         if reason is None:
             lines += [f"### {title}", "", f"![{title}]({PLOTS_DIR}/{filename})", ""]
         else:

@@ -23,6 +23,15 @@ Each source's raw rewards go in a column of their own, ``rewards_<key>`` (:func:
 ``rewards`` is ``sum_k w_k (r_k - mean_k) / (std_k + 1e-6)``, the statistics taken over every response of the
 dataset; the manifest records each source's spec, column, weight and statistics. One source alone is not
 standardised: ``rewards`` is its raw reward, as it always was.
+
+Verifiable rewards (a final answer checked against the ground truth: ``rlhf_pipeline.rewards.verifiable``'s
+``math_equal``, ``exact_match``, ``regex_match``, and the format check ``boxed_format``)::
+
+    rlhf score --input out/gen --output out/scored --reference-column answer \
+        --reward-fn rlhf_pipeline.rewards.verifiable:math_equal
+
+``--reference-column NAME`` passes the column NAME (carried from the prompts through ``rlhf generate``) to every
+reward function as the keyword ``reference``.
 """
 
 from __future__ import annotations
@@ -175,6 +184,11 @@ class ScoreConfig(OutputOptions):
         semantic=False,  # the same rewards either way (measured within 1e-7): a scored output is reused across engines
     )
     trust_remote_code: bool = option(False, help="Allow custom model code (needed for ArmoRM); off by default.")
+    reference_column: Optional[str] = option(
+        None, help="The column holding each prompt's ground truth (carried from the prompt dataset through rlhf "
+        "generate), passed to reward functions as the keyword 'reference' (see rlhf_pipeline.rewards.verifiable); "
+        "default: the functions read a column named reference, answer, solution or ground_truth."
+    )
 
     def __post_init__(self) -> None:
         self.reward_model = one_or_list(self.reward_model)
@@ -211,6 +225,17 @@ def _check_generations(ds, source: str, sources: Sequence[RewardSource] = ()) ->
             raise PipelineError(f"{source}: already has a '{taken[0]}' column, where rlhf score would put the rewards "
                                 "of a source (already scored?); remove or rename that column")
     return prompt_column(ds, source)
+
+
+def check_reference_column(ds, source: str, name: str | None, carried: str) -> None:
+    """A ``--reference-column`` that ``ds`` (read from ``source``) lacks is one line: the columns it has, and the fix
+    (``carried`` says how the column gets there)."""
+    if name is not None and name not in ds.column_names:
+        raise PipelineError(
+            f"{source}: has no column '{name}' for --reference-column (its columns: {', '.join(ds.column_names)}); "
+            f"give the prompts a '{name}' column ({carried} the prompt dataset's columns) or name the column that "
+            "holds the ground truth"
+        )
 
 
 def _check_not_a_shard(ref) -> None:
@@ -271,7 +296,9 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: 
     from rlhf_pipeline.rewards import call_reward_fn
 
     passed = [c for c in ds.column_names if c not in NOT_PASSED]
-    read = [*passed, column, "responses", *(["finish_reasons"] if "finish_reasons" in ds.column_names else [])]
+    reference = config.reference_column  # checked by _read: the dataset has it
+    read = [*passed, column, "responses", *(["finish_reasons"] if "finish_reasons" in ds.column_names else []),
+            *([reference] if reference else [])]
     table = ds.select_columns(list(dict.fromkeys(read)))
     mine = (array("q"), array("d"))
     # The batches of one process, dealt out in turn over the processes: each call sees the responses it would see in
@@ -285,6 +312,8 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: 
         columns = {c: [part[c][row - first] for row, _ in chunk] for c in passed}
         if "finish_reasons" in part:
             columns["finish_reasons"] = [part["finish_reasons"][row - first][j] for row, j in chunk]
+        if reference:  # the named column as "reference", in place of any column of that name
+            columns["reference"] = [part[reference][row - first] for row, _ in chunk]
         values = call_reward_fn(
             fn,
             [as_text(part[column][row - first]) for row, _ in chunk],
@@ -408,6 +437,7 @@ def _read(config: ScoreConfig, processes: int) -> _Work | None:
         return None
     ds = load_dataset_ref(ref)
     column = _check_generations(ds, ref.name, sources)
+    check_reference_column(ds, ref.name, config.reference_column, "rlhf generate carries")
 
     # One entry per response, (row, j) locating each: the counts come from the Arrow list lengths, a slice of rows at
     # a time, so no text is read here (the texts are read a slice at a time as they are scored).

@@ -13,6 +13,13 @@ split. The global batch is sorted by length and cut into micro-batches of ``batc
 sequence. The loss is a per-example mean, so batch 8 x accumulation 1, batch 1 x accumulation 8 and 2 processes x
 batch 4 all compute the same update.
 
+Non-finite steps. A step whose loss (any micro-batch, any process) or gradients are not finite applies no update:
+every process reaches the same verdict (an all-reduced flag per micro-batch; the global gradient norm on one
+process; under DeepSpeed ZeRO's own all-reduced overflow check of the gradient partitions, before the engine's
+step, which this loop takes itself instead of through ``accelerator.backward`` so that it can leave it out: see
+:func:`skip_deepspeed_step`). ``--max-nonfinite-steps`` in a row stop the run with one error line; weights that are
+not finite are never saved.
+
 What a run writes (the final model, metrics.jsonl, checkpoints/) is described in ``rlhf_pipeline.training.checkpoints``.
 """
 
@@ -304,10 +311,10 @@ def nonfinite_stop(accelerator, step: int, skipped_in_a_row: int, last_loss: flo
     last = f"the last finite loss was {last_loss:.6g}" if last_loss is not None else "no step had a finite loss"
     return stop_everywhere(
         accelerator,
-        f"step {step}: the loss or the gradients were not finite for {skipped_in_a_row} steps in a row (each skipped, "
-        f"no update applied); {last}. Lower --learning-rate, keep --max-grad-norm on, try without --bf16, and check the "
-        "data for extreme or non-finite rewards; nothing was saved as a finished model (--max-nonfinite-steps sets "
-        "how many in a row stop the run)",
+        f"step {step}: the loss or the gradients were not finite for {skipped_in_a_row} "
+        f"step{'s' if skipped_in_a_row != 1 else ''} in a row (each skipped, no update applied); {last}. Lower "
+        "--learning-rate, keep --max-grad-norm on, try without --bf16, and check the data for extreme or non-finite "
+        "rewards; nothing was saved as a finished model (--max-nonfinite-steps sets how many in a row stop the run)",
     )
 
 
@@ -495,8 +502,11 @@ def train(
                             skip_deepspeed_step(engine)
                         else:
                             engine.step()
+                            # DeepSpeed skips a step itself when the norm it computes is not finite (every process
+                            # alike): counted as skipped too
+                            bad = not engine.was_step_applied()
                             grad_norm = engine.get_global_grad_norm()  # before clipping, as DeepSpeed computed it
-                            if config.max_grad_norm > 0 and grad_norm is not None:
+                            if config.max_grad_norm > 0 and grad_norm is not None and not bad:
                                 sums["grad_norm"] = float(grad_norm) / world  # the same value on every process
                 else:
                     accelerator.backward(loss)

@@ -9,7 +9,9 @@ others from ``.logits``.
 
 Python function: ``module:function`` or ``path/to/file.py:function`` with the signature
 ``reward(prompts: list[str], responses: list[str], **columns) -> list[float]``; ``columns`` holds the dataset's
-extra columns (``label``, ``prompt_id``, ...) and ``finish_reasons``, each aligned with ``responses``.
+extra columns (``label``, ``prompt_id``, ...) and ``finish_reasons``, each aligned with ``responses`` (and
+``reference``, the ground truth, with ``--reference-column``). Built-in verifiable rewards (a final answer checked
+against the ground truth, a format check) are in :mod:`rlhf_pipeline.rewards.verifiable`.
 
 Several sources (reward models and functions) combine by "normalise, then sum" (:func:`combine_rewards`): each
 source is standardised on its own, ``(r_k - mean_k) / (std_k + eps)``, and the standardised rewards are summed with
@@ -102,6 +104,11 @@ def call_reward_fn(
     at = f" on {where}" if where else ""
     try:
         values = fn(prompts, responses, **columns)
+    except PipelineError as e:
+        if isinstance(e, UserCodeError):
+            raise
+        # a one-line problem with the data, from the built-in functions (rewards.verifiable): no traceback to read
+        raise PipelineError(f"{label}{at}: {e}") from None
     except Exception as e:
         raise UserCodeError(f"{label} raised{at}: {one_line(e)}", e) from e
     try:

@@ -1,0 +1,245 @@
+"""Verifiable rewards: built-in reward functions that check a response against a ground-truth answer (1.0 right,
+0.0 wrong), for ``rlhf score`` and ``rlhf eval``::
+
+    rlhf eval --model runs/sft --prompts gsm8k_test.jsonl --n 8 --reference-column answer \\
+        --reward-fn rlhf_pipeline.rewards.verifiable:math_equal --output runs/eval_math
+
+Each is an ordinary reward function (``fn(prompts, responses, **columns) -> list[float]``, see
+:mod:`rlhf_pipeline.rewards`) and reads the ground truth from the keyword ``reference``: the column that
+``--reference-column NAME`` names is passed as ``reference``; without that option, the first of the columns
+``reference``, ``answer``, ``solution``, ``ground_truth`` that the dataset has (:data:`REFERENCE_COLUMNS`). The
+prompt dataset's extra columns travel through ``rlhf generate``, so a jsonl of ``{"prompt": ..., "answer": ...}``
+is all it takes.
+
+- :func:`math_equal`: the response's final answer is mathematically equal to the reference, checked by
+  ``math-verify`` (``pip install 'rlhf-pipeline[verify]'``): ``\\boxed{\\frac{1}{2}}`` equals ``0.5``, ``1,234``
+  equals ``1234``. A response with no final answer (see :func:`extract_answer`) is wrong.
+- :func:`exact_match`: the final answer (or, when none is found, the whole response) equals the reference after
+  :func:`normalize_answer`.
+- :func:`regex_match`: the reference is a regular expression; right when ``re.search`` finds it in the response.
+- :func:`boxed_format`: a format check, no reference: exactly one ``\\boxed{...}``, and it is not empty.
+
+The final answer (:func:`extract_answer`): the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``); else what
+follows the last GSM8K-style ``#### ``; else what follows the last "answer is" / "answer:" ("The final answer is
+$42$." gives ``42``). The reference goes through the same extraction, so a GSM8K ``answer`` column (a worked
+solution ending in ``#### 72``) serves as it is; a reference with none of these is taken whole.
+
+Majority voting: :func:`math_equal` and :func:`exact_match` carry ``extract_answer(response) -> str | None``, the
+canonical answer a response votes for (the normalised final answer), which ``rlhf eval`` uses for maj@k. Answers
+are compared as normalised strings, so ``0.5`` and ``\\frac{1}{2}`` are two different votes (math-verify compares
+two expressions; it does not give a canonical form to count).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+from typing import Any, Sequence
+
+from rlhf_pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+# Where the reference answers are read from when --reference-column is not given: the first of these columns.
+REFERENCE_COLUMNS = ("reference", "answer", "solution", "ground_truth")
+# Seconds math-verify may spend parsing one answer, or comparing two, before the response counts as wrong.
+MATH_VERIFY_TIMEOUT = 5
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_GSM8K = re.compile(r"####\s*([^\n]+)")
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
+# Stripped from both ends of an answer: whitespace, sentence punctuation, quotes, markdown emphasis, TeX's $.
+_SURROUNDING = " \t\r\n.,;:!?\"'`*$"
+
+
+def _boxed_contents(text: str) -> list[str]:
+    """The content of every ``\\boxed{...}`` / ``\\fbox{...}`` of ``text`` with balanced braces, in order (one not
+    closed is left out)."""
+    found = []
+    for match in _BOXED.finditer(text):
+        depth, start = 1, match.end()
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                found.append(text[start:i])
+                break
+    return found
+
+
+def _strip_math(answer: str) -> str:
+    """An answer without surrounding whitespace, ``$...$``, ``\\(...\\)`` and a sentence's final period."""
+    answer = answer.strip()
+    if answer.startswith("\\(") and answer.endswith("\\)"):
+        answer = answer[2:-2]
+    return answer.strip(_SURROUNDING)
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a response (see the module docstring): the last ``\\boxed{}``, else the last ``#### X``,
+    else the last "answer is X" (up to the end of its line or sentence); None when there is none or it is empty."""
+    boxed = _boxed_contents(text)
+    if boxed:
+        answer = boxed[-1]
+    else:
+        matches = _GSM8K.findall(text) or _ANSWER_IS.findall(text)
+        if not matches:
+            return None
+        # up to the end of the sentence: a period followed by a space or the end (not a decimal point)
+        answer = re.split(r"\.(?:\s|$)", matches[-1], maxsplit=1)[0]
+    answer = _strip_math(answer)
+    return answer or None
+
+
+def normalize_answer(answer: str) -> str:
+    """How :func:`exact_match` compares answers: case folded; runs of whitespace made one space; whitespace,
+    ``.,;:!?``, quotes, ``*`` and ``$`` stripped from both ends (brackets are kept: ``(1, 2)`` is a tuple); thousands
+    separators removed from numbers (``1,234,567`` -> ``1234567``; a comma followed by three digits and no fourth)."""
+    answer = re.sub(r"\s+", " ", answer.casefold()).strip(_SURROUNDING)
+    return re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", answer)
+
+
+def _references(columns: dict[str, Any], count: int, fn: str) -> list[str]:
+    """The reference answer of each response, as text: the ``reference`` column (what --reference-column passes),
+    else the first of :data:`REFERENCE_COLUMNS` present."""
+    for name in REFERENCE_COLUMNS:
+        if name in columns:
+            values = list(columns[name])
+            break
+    else:
+        have = ", ".join(sorted(c for c in columns if c != "finish_reasons")) or "none"
+        raise PipelineError(
+            f"{fn} needs each prompt's ground truth, and the data has no column {', '.join(REFERENCE_COLUMNS[:-1])} or "
+            f"{REFERENCE_COLUMNS[-1]} (its extra columns: {have}); pass --reference-column NAME"
+        )
+    if len(values) != count:
+        raise ValueError(f"{fn}: {len(values)} references for {count} responses")
+    ids = columns.get("prompt_id")
+    for i, value in enumerate(values):
+        if value is None:
+            at = f" (prompt_id {ids[i]})" if ids is not None else ""
+            raise PipelineError(f"{fn}: response {i} of the batch{at} has no reference answer (null); give every "
+                                "prompt one")
+    return [str(v) for v in values]
+
+
+def _reference_answer(reference: str) -> str:
+    return extract_answer(reference) or _strip_math(reference)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# math_equal
+
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError:
+        raise PipelineError("math_equal needs the math-verify package: pip install 'rlhf-pipeline[verify]'") from None
+    return math_verify
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_timeout() -> None:
+    log.warning("math_equal runs outside the main thread, where math-verify's timeout (signal.alarm) cannot work: "
+                "parsing and comparing run without a time limit")
+
+
+def _timeout() -> int | None:
+    """math-verify's time limit: it uses ``signal.alarm``, which Python allows on the main thread only (elsewhere it
+    raises ValueError: math-verify would fail every call). ``rlhf score`` calls reward functions on its main thread
+    (each process of an ``accelerate launch`` has its own); off it (a user's thread pool), no limit, with a warning."""
+    if threading.current_thread() is threading.main_thread():
+        return MATH_VERIFY_TIMEOUT
+    _warn_no_timeout()
+    return None
+
+
+def math_equal(prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> list[float]:
+    """1.0 when the response's final answer (:func:`extract_answer`) is mathematically equal to the reference's,
+    by math-verify's ``parse`` and ``verify``; 0.0 otherwise, a response without a final answer included. An answer
+    math-verify cannot parse, or that takes longer than :data:`MATH_VERIFY_TIMEOUT` seconds, is wrong."""
+    mv = _math_verify()
+    references = _references(columns, len(responses), "math_equal")
+    limit = _timeout()
+    config = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
+
+    def parse(answer: str):
+        # Boxed, so that math-verify's LaTeX extraction reads the whole answer (and plain numbers as well)
+        return mv.parse("\\boxed{" + answer + "}", extraction_config=config, parsing_timeout=limit)
+
+    golds: dict[str, Any] = {}
+    values = []
+    for response, reference in zip(responses, references):
+        answer = extract_answer(response)
+        if answer is None:
+            values.append(0.0)
+            continue
+        if reference not in golds:
+            golds[reference] = parse(_reference_answer(reference))
+        gold, target = golds[reference], parse(answer)
+        ok = bool(gold) and bool(target) and mv.verify(gold, target, timeout_seconds=limit)
+        values.append(1.0 if ok else 0.0)
+    return values
+
+
+def _canonical(response: str) -> str | None:
+    answer = extract_answer(response)
+    if answer is None:
+        return None
+    return normalize_answer(answer) or None
+
+
+math_equal.extract_answer = _canonical  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exact_match, regex_match, boxed_format
+
+def _exact_answer(response: str) -> str:
+    answer = extract_answer(response)
+    return normalize_answer(answer if answer is not None else response)
+
+
+def exact_match(prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> list[float]:
+    """1.0 when the final answer (or, when none is found, the whole response) equals the reference's after
+    :func:`normalize_answer`."""
+    references = _references(columns, len(responses), "exact_match")
+    return [1.0 if _exact_answer(r) == normalize_answer(_reference_answer(ref)) else 0.0
+            for r, ref in zip(responses, references)]
+
+
+exact_match.extract_answer = lambda response: _exact_answer(response) or None  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
+
+
+def regex_match(prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> list[float]:
+    """1.0 when the reference, a Python regular expression, matches somewhere in the response (``re.search``; use
+    ``^...$`` to match the whole response, ``(?i)`` to ignore case)."""
+    references = _references(columns, len(responses), "regex_match")
+    ids = columns.get("prompt_id")
+    values = []
+    for i, (response, pattern) in enumerate(zip(responses, references)):
+        try:
+            compiled = _compiled(pattern)
+        except re.error as e:
+            at = f" (prompt_id {ids[i]})" if ids is not None else ""
+            raise PipelineError(f"response {i} of the batch{at}: the reference {pattern!r} is not a regular "
+                                f"expression ({e}); fix it in the prompt dataset") from None
+        values.append(1.0 if compiled.search(response) else 0.0)
+    return values
+
+
+def boxed_format(prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> list[float]:
+    """1.0 when the response has exactly one ``\\boxed{...}`` (or ``\\fbox``) and its content is not empty; needs no
+    reference."""
+    values = []
+    for response in responses:
+        boxed = _boxed_contents(response)
+        one = len(_BOXED.findall(response)) == 1 and len(boxed) == 1 and boxed[0].strip() != ""
+        values.append(1.0 if one else 0.0)
+    return values

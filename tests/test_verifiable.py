@@ -1,0 +1,320 @@
+"""Verifiable rewards: pass@k and maj@k (evalstats), the built-in reward functions (rewards.verifiable), and
+--reference-column through rlhf score and rlhf eval."""
+
+import json
+import math
+import re
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+
+from conftest import run, write_jsonl
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.evalstats import (
+    at_k_summary,
+    k_ladder,
+    maj_at_k,
+    maj_at_k_summary,
+    pass_at_k,
+    pass_at_k_summary,
+)
+from rlhf_pipeline.rewards import verifiable as V
+
+# ---------------------------------------------------------------------------------------------------------------
+# pass@k and maj@k
+
+
+def test_pass_at_k_hand_worked():
+    # n=5, c=2, k=2: 1 - C(3,2)/C(5,2) = 1 - 3/10 = 0.7
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7, abs=1e-12)
+    # k=1 is the fraction correct: 2/5
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4, abs=1e-12)
+    # n=4, c=1, k=3: 1 - C(3,3)/C(4,3) = 1 - 1/4
+    assert pass_at_k(4, 1, 3) == pytest.approx(0.75, abs=1e-12)
+    # none correct: 0; all correct: 1
+    assert pass_at_k(8, 0, 4) == 0.0
+    assert pass_at_k(8, 8, 1) == 1.0
+
+
+def test_pass_at_k_is_one_when_fewer_than_k_are_wrong():
+    # n - c < k: every draw of k holds a correct sample (n=4, c=2, k=3: 2 wrong < 3)
+    assert pass_at_k(4, 2, 3) == 1.0
+    assert pass_at_k(4, 1, 4) == 1.0
+    # n - c == k: exactly one draw of k misses: 1 - 1/C(4,2) with c=2, k=2
+    assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6, abs=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 9, 16])
+def test_pass_at_k_equals_the_naive_binomial_and_the_enumeration(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            naive = 1 - math.comb(n - c, k) / math.comb(n, k)
+            assert pass_at_k(n, c, k) == pytest.approx(naive, abs=1e-12), (n, c, k)
+            if n <= 9:  # every draw of k of the n samples, the first c of them correct
+                draws = list(combinations(range(n), k))
+                hit = sum(any(i < c for i in d) for d in draws) / len(draws)
+                assert pass_at_k(n, c, k) == pytest.approx(hit, abs=1e-12)
+
+
+def test_pass_at_k_is_stable_where_the_binomials_overflow_a_float():
+    # C(2000, 1000) overflows a float: the product form stays in [0, 1] and matches exact integer arithmetic
+    n, c, k = 2000, 3, 1000
+    exact = 1 - math.comb(n - c, k) / math.comb(n, k)  # Python's int / int division is exact to a float
+    assert pass_at_k(n, c, k) == pytest.approx(exact, rel=1e-12)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+
+
+def test_k_ladder():
+    assert k_ladder(1) == [1]
+    assert k_ladder(4) == [1, 2, 4]
+    assert k_ladder(6) == [1, 2, 4, 6]
+    assert k_ladder(8) == [1, 2, 4, 8]
+
+
+def test_maj_at_k_by_hand():
+    answers = ["3", "4", "4", "3", "3"]
+    correct = [1, 0, 0, 1, 1]
+    assert maj_at_k(answers, correct, 1) == 1.0  # "3"
+    assert maj_at_k(answers, correct, 2) == 1.0  # "3" and "4" tie: the earliest, "3"
+    assert maj_at_k(answers, correct, 3) == 0.0  # "4" twice
+    assert maj_at_k(answers, correct, 4) == 1.0  # 2 - 2: "3" came first
+    assert maj_at_k(answers, correct, 5) == 1.0
+    # no answer casts no vote; none at all is wrong
+    assert maj_at_k([None, "7", None], [0, 1, 0], 1) == 0.0
+    assert maj_at_k([None, "7", None], [0, 1, 0], 3) == 1.0
+    assert maj_at_k([None, None, "5", "6", "6"], [0, 0, 1, 0, 0], 5) == 0.0
+
+
+def test_summaries_are_means_over_prompts_with_stderr():
+    correct = [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+    s = pass_at_k_summary(correct)
+    assert list(s) == ["1", "2", "4"]
+    # pass@1 per prompt: 1/4, 2/4, 0 -> mean 0.25, sd 0.25, stderr 0.25/sqrt(3)
+    assert s["1"]["mean"] == pytest.approx(0.25) and s["1"]["stderr"] == pytest.approx(0.25 / math.sqrt(3))
+    # pass@2: 1 - C(3,2)/C(4,2) = 0.5, 1 - 1/6, 0
+    assert s["2"]["mean"] == pytest.approx((0.5 + 5 / 6) / 3)
+    assert s["4"]["mean"] == pytest.approx(2 / 3)
+    m = maj_at_k_summary([["a", "b", "b", "b"], ["x", "x", "y", "y"], ["p", "q", "r", "s"]], correct)
+    # maj@1: 1, 1, 0; maj@2: 1 ("a" first), 1, 0; maj@4: "b" wrong -> 0, "x" first of the 2-2 tie -> 1, 0
+    assert [m[k]["mean"] for k in ("1", "2", "4")] == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+    assert at_k_summary([{1: 1.0}])["1"] == {"mean": 1.0, "stderr": None}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reward functions
+
+
+def test_extract_answer_and_normalisation():
+    assert V.extract_answer(r"so \boxed{1} then \boxed{\frac{1}{2}}.") == r"\frac{1}{2}"  # the last, braces nested
+    assert V.extract_answer("She sold 24.\n#### 1,234") == "1,234"
+    assert V.extract_answer("Thus the final answer is $42$. Done") == "42"
+    assert V.extract_answer("The answer is 0.5.") == "0.5"  # the decimal point stays, the full stop goes
+    assert V.extract_answer("I think 7") is None
+    assert V.extract_answer(r"\boxed{ }") is None
+    assert V.normalize_answer("  The  Answer, ") == "the answer"
+    assert V.normalize_answer("1,234,567.5") == "1234567.5"
+    assert V.normalize_answer("(1, 234)") == "(1, 234)"  # a space after the comma: not a thousands separator
+    assert V.normalize_answer("(1,2)") == "(1,2)"
+
+
+def test_math_equal_on_real_cases():
+    pytest.importorskip("math_verify")
+    responses = [
+        r"Half of it: \boxed{\frac{1}{2}}",   # 1/2 vs 0.5
+        "Adding up.\n#### 1,234",              # thousands separator, GSM8K style
+        r"\boxed{\frac{\sqrt{2}}{2}}",         # sqrt(2)/2 in another form
+        r"\boxed{3}",                           # wrong
+        r"So the answer is $\frac{1}{2}$.",     # "answer is" form, in TeX
+        "it is 0.5",                            # no final answer: wrong
+        "#### 1233",                            # wrong number
+    ]
+    references = ["0.5", "1234", r"\sqrt{2}/2", "4", "0.5", "0.5", "Work... #### 1,234"]
+    assert V.math_equal([""] * 7, responses, answer=references) == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    # the canonical answer a response votes for
+    assert V.math_equal.extract_answer(responses[1]) == "1234"
+    assert V.math_equal.extract_answer(responses[5]) is None
+
+
+def test_math_equal_works_off_the_main_thread():
+    """math-verify's timeout is signal.alarm, which raises off the main thread: math_equal turns it off there."""
+    pytest.importorskip("math_verify")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        values = pool.submit(V.math_equal, ["", ""], [r"\boxed{0.5}", r"\boxed{2}"], reference=["1/2", "3"]).result()
+    assert values == [1.0, 0.0]
+
+
+def test_math_equal_without_math_verify_is_one_line(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_math_verify(name, *args, **kwargs):
+        if name == "math_verify":
+            raise ImportError("No module named 'math_verify'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_math_verify)
+    with pytest.raises(PipelineError, match=re.escape("pip install 'rlhf-pipeline[verify]'")):
+        V.math_equal([""], [r"\boxed{1}"], reference=["1"])
+
+
+def test_exact_match():
+    responses = ["The answer is 1,234.", " YES ", r"\boxed{Paris}", "Paris is lovely", "#### 72"]
+    references = ["1234", "yes.", "paris", "Paris", "Natalia sold 48/2 = 24 clips in May.\n#### 72"]
+    assert V.exact_match([""] * 5, responses, reference=references) == [1.0, 1.0, 1.0, 0.0, 1.0]
+    assert V.exact_match.extract_answer(" YES ") == "yes"  # the whole response when no final answer is found
+
+
+def test_regex_match_and_a_bad_pattern():
+    assert V.regex_match(["", "", ""], ["abc", "xyz", "ABC"], solution=["b+", "^a", "(?i)^abc$"]) == [1.0, 0.0, 1.0]
+    with pytest.raises(PipelineError, match=r"response 1 of the batch \(prompt_id p2\): the reference 'a\(' is not"):
+        V.regex_match(["", ""], ["a", "b"], answer=["a", "a("], prompt_id=["p1", "p2"])
+
+
+def test_boxed_format():
+    responses = [r"\boxed{4}", r"\boxed{}", r"\boxed{1} or \boxed{2}", "4", r"\boxed{4", r"so \boxed{ \frac{1}{2} }."]
+    assert V.boxed_format([""] * 6, responses) == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_reference_column_lookup_order_and_missing():
+    # "reference" (what --reference-column passes) comes before "answer"
+    assert V.exact_match([""], ["a"], reference=["a"], answer=["b"]) == [1.0]
+    assert V.exact_match([""], ["a"], ground_truth=["a"]) == [1.0]
+    with pytest.raises(PipelineError, match="no column reference, answer, solution or ground_truth .*label"):
+        V.exact_match([""], ["a"], label=["x"])
+    with pytest.raises(PipelineError, match="no reference answer"):
+        V.exact_match([""], ["a"], answer=[None], prompt_id=["p0"])
+
+
+def test_verifiable_summary_only_for_0_1_reward_functions():
+    from rlhf_pipeline.stages.eval import verifiable_summary
+    from rlhf_pipeline.stages.score import RewardSource
+
+    generated = {"prompt_id": ["p0", "p1"], "responses": [["#### 1", "#### 2"], ["#### 3", "#### 3"]]}
+    source = RewardSource("reward_fn", "rlhf_pipeline.rewards.verifiable:exact_match", "reward_fn")
+    s = verifiable_summary(source, generated, ["p1", "p0"], [[0.0, 0.0], [1.0, 0.0]])
+    assert s["pass_at_k"]["1"]["mean"] == pytest.approx(0.25) and s["pass_at_k"]["2"]["mean"] == pytest.approx(0.5)
+    assert s["maj_at_k"]["1"]["mean"] == pytest.approx(0.5) and s["maj_at_k"]["2"]["mean"] == pytest.approx(0.5)
+    assert verifiable_summary(source, generated, ["p0", "p1"], [[0.5, 1.0], [0.0, 0.0]]) == {}
+    regex = RewardSource("reward_fn", "rlhf_pipeline.rewards.verifiable:regex_match", "reward_fn")
+    assert set(verifiable_summary(regex, generated, ["p0", "p1"], [[1.0, 0.0], [0.0, 0.0]])) == {"pass_at_k"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Through the CLI
+
+# A reward with an extract_answer of its own, for maj@k end to end: right when the response's first character is
+# one of the reference's characters; a response votes for its first character.
+FIRST_CHAR = '''
+def first_char(prompts, responses, **columns):
+    return [1.0 if r[:1] and r[:1] in ref else 0.0 for r, ref in zip(responses, columns["reference"])]
+
+
+first_char.extract_answer = lambda response: response[:1] or None
+'''
+
+PROMPTS = ["Write a short review of the movie Blue Canyon.", "Describe the park in one sentence.",
+           "What did you think of the lake?", "Give a one-sentence review of Night Train."]
+
+
+def sample_args(policy, prompts, out, n=4):
+    return ["--model", policy, "--prompts", prompts, "--output", out, "--n", n, "--max-new-tokens", 8,
+            "--temperature", 1.0, "--seed", 3]
+
+
+def test_eval_reports_pass_at_k_and_maj_at_k_computed_from_its_samples(tiny_policy, tmp_path, capsys):
+    from datasets import load_from_disk
+
+    # Regexes that some sampled responses match and some do not (a vowel, a space, anything, a digit).
+    answers = ["[aeiou]", " ", ".", "[0-9]"]
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p, "gold": a} for p, a in zip(PROMPTS, answers)])
+    fn = tmp_path / "first.py"
+    fn.write_text(FIRST_CHAR)
+    out = tmp_path / "eval"
+    capsys.readouterr()
+    assert run("eval", *sample_args(tiny_policy, prompts, out), "--reference-column", "gold",
+               "--reward-fn", "rlhf_pipeline.rewards.verifiable:regex_match", "--reward-fn", f"{fn}:first_char") == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    samples = load_from_disk(str(out / "samples"))
+    assert samples["gold"] == answers  # the prompts' column came through generate
+
+    regex = results["scores"]["reward_fn_regex_match"]
+    correct = [[1 if re.search(a, r) else 0 for r in rs] for a, rs in zip(samples["gold"], samples["responses"])]
+    assert samples["rewards_reward_fn_regex_match"] == correct
+    assert 0 < sum(map(sum, correct)) < 16  # some pass, some do not: the numbers below are not trivially 0 or 1
+    assert list(regex["pass_at_k"]) == ["1", "2", "4"] and "maj_at_k" not in regex
+    for k in (1, 2, 4):
+        per_prompt = [1 - math.comb(4 - sum(c), k) / math.comb(4, k) for c in correct]
+        assert regex["pass_at_k"][str(k)]["mean"] == pytest.approx(sum(per_prompt) / 4, abs=1e-12)
+    mean1 = regex["pass_at_k"]["1"]["mean"]
+    assert f"reward_fn_regex_match: mean reward {mean1:.4f}" in printed
+    assert f"pass@1 {mean1:.3f}, pass@4 {regex['pass_at_k']['4']['mean']:.3f}" in printed
+
+    first = results["scores"]["reward_fn_first_char"]
+    right = [[1 if r[:1] and r[:1] in a else 0 for r in rs] for a, rs in zip(samples["gold"], samples["responses"])]
+    assert samples["rewards_reward_fn_first_char"] == right
+    for k in (1, 2, 4):
+        majority = []
+        for a, rs in zip(samples["gold"], samples["responses"]):
+            votes = [r[:1] for r in rs[:k] if r[:1]]
+            best = max(votes, key=lambda v: (votes.count(v), -votes.index(v))) if votes else None
+            majority.append(1.0 if best is not None and best in a else 0.0)
+        assert first["maj_at_k"][str(k)]["mean"] == pytest.approx(sum(majority) / 4, abs=1e-12)
+
+
+def test_a_missing_reference_column_is_one_line_naming_the_dataset(tiny_policy, tmp_path, capsys):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p, "answer": "x"} for p in PROMPTS[:2]])
+    capsys.readouterr()
+    assert run("eval", *sample_args(tiny_policy, prompts, tmp_path / "eval", n=2), "--reference-column", "gold",
+               "--reward-fn", "rlhf_pipeline.rewards.verifiable:exact_match") == 1
+    err = capsys.readouterr().err
+    assert "p.jsonl: has no column 'gold' for --reference-column (its columns: prompt, answer)" in err
+    assert not (tmp_path / "eval").exists()
+
+    # rlhf score: the generations (which carry the prompts' columns) lack it
+    gen = tmp_path / "gen"
+    assert run("generate", *sample_args(tiny_policy, prompts, gen, n=2)) == 0
+    capsys.readouterr()
+    assert run("score", "--input", gen, "--output", tmp_path / "s1", "--reference-column", "gold",
+               "--reward-fn", "rlhf_pipeline.rewards.verifiable:exact_match") == 1
+    err = capsys.readouterr().err
+    assert "has no column 'gold' for --reference-column" in err and "answer" in err
+    assert err.count("\n") == 1, err
+
+    # a bad pattern in the reference column: one line, naming the rows and the prompt
+    rows = [{"prompt": PROMPTS[0], "answer": "a"}, {"prompt": PROMPTS[1], "answer": "(unclosed"}]
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows)
+    gen2 = tmp_path / "gen2"
+    assert run("generate", *sample_args(tiny_policy, bad, gen2, n=2)) == 0
+    capsys.readouterr()
+    assert run("score", "--input", gen2, "--output", tmp_path / "s2", "--reference-column", "answer",
+               "--reward-fn", "rlhf_pipeline.rewards.verifiable:regex_match") == 1
+    err = capsys.readouterr().err
+    assert "regex_match on rows 0..1" in err and "the reference '(unclosed' is not a regular expression" in err
+    assert err.count("\n") == 1, err
+    assert not (tmp_path / "s2" / "manifest.json").exists()
+
+
+def test_score_passes_the_named_column_as_reference(tiny_policy, tmp_path):
+    from datasets import load_from_disk
+
+    # "answer" would be found by default; --reference-column gold must win over it
+    rows = [{"prompt": p, "answer": "^$", "gold": "."} for p in PROMPTS[:2]]
+    gen = tmp_path / "gen"
+    assert run("generate", *sample_args(tiny_policy, write_jsonl(tmp_path / "p.jsonl", rows), gen, n=2)) == 0
+    assert run("score", "--input", gen, "--output", tmp_path / "s", "--reference-column", "gold",
+               "--reward-fn", "rlhf_pipeline.rewards.verifiable:regex_match") == 0
+    scored = load_from_disk(str(tmp_path / "s"))
+    assert scored["rewards"] == [[1.0 if r else 0.0 for r in rs] for rs in scored["responses"]]
+    assert run("score", "--input", gen, "--output", tmp_path / "s_default",
+               "--reward-fn", "rlhf_pipeline.rewards.verifiable:regex_match") == 0
+    default = load_from_disk(str(tmp_path / "s_default"))
+    assert default["rewards"] == [[0.0 if r else 1.0 for r in rs] for rs in default["responses"]]
+    assert json.loads((Path(tmp_path / "s") / "manifest.json").read_text())["config"]["reference_column"] == "gold"
