@@ -81,6 +81,20 @@ def test_lc_standard_error_is_the_clustered_one():
     assert fit["length_coef"] == 0.0
 
 
+def test_lc_standard_error_with_a_length_term_agrees_with_a_cluster_bootstrap():
+    """The delta-method sandwich s.e. against the spread of the LC win rate over 400 resamples of whole prompts."""
+    prefs, delta, cluster, _, _ = synthetic(5, prompts=80, noise=0.15)
+    fit = length_controlled_win_rate(prefs, delta, cluster)
+    rng = np.random.default_rng(6)
+    by_prompt = {c: [m for m, x in enumerate(cluster) if x == c] for c in set(cluster)}
+    draws = []
+    for b in range(400):
+        rows = [(m, k) for k, c in enumerate(rng.choice(sorted(by_prompt), len(by_prompt))) for m in by_prompt[c]]
+        draws.append(length_controlled_win_rate([prefs[m] for m, _ in rows], [delta[m] for m, _ in rows],
+                                                [k for _, k in rows])["win_rate"])
+    assert fit["stderr"] == pytest.approx(float(np.std(draws, ddof=1)), rel=0.2)
+
+
 def test_lc_of_a_judge_that_always_prefers_ours_is_finite_and_none_left_out():
     fit = length_controlled_win_rate([1.0, 1.0, None, 1.0, float("nan")], [3, -2, 5, 7, 1], [0, 0, 1, 1, 2])
     assert 0.99 < fit["win_rate"] < 1.0 and fit["comparisons"] == 3
@@ -272,10 +286,58 @@ def test_a_judge_whose_answers_cannot_be_read_is_counted_not_crashed_on(setup, t
     assert len(load_from_disk(str(out / "judge_reference" / "generate"))) == 24
 
 
+def test_references_match_by_id_when_both_sides_have_one(setup, tiny_policy, tmp_path):
+    """The eval prompts carry ``id``; a reference file with ``prompt_id`` (and no prompt text at all) matches by it."""
+    rows = setup["rows"]
+    refs = write_jsonl(tmp_path / "by_id.jsonl", [{"prompt_id": p["id"], "response": f"answer {i}"}
+                                                  for i, p in enumerate(reversed(rows))])
+    out = tmp_path / "eval"
+    assert run(*eval_args(tiny_policy, setup, out, "--reference", refs)) == 0
+    generated = load_from_disk(str(out / "reference" / "generate"))
+    expected = {p["id"]: [f"answer {5 - i}"] for i, p in enumerate(rows)}
+    assert dict(zip(generated["prompt_id"], generated["responses"])) == expected
+
+
+def test_a_rerun_reuses_the_judges_answers_unless_the_other_side_changed(setup, tiny_policy, tmp_path,
+                                                                          monkeypatch):
+    """An unfinished judged eval resumes without asking the judge again; when the side it was compared with has
+    changed since (an earlier evaluation given as --baseline, run again), its prompts and answers are made anew."""
+    from rlhf_pipeline.engines.hf import HFEngine
+
+    fake_judge(monkeypatch, setup["judge"], longer)
+    base = tmp_path / "base_eval"
+    assert run(*eval_args(setup["baseline"], setup, base)) == 0
+    out = tmp_path / "eval"
+    args = eval_args(tiny_policy, setup, out, "--baseline", base, "--judge", setup["judge"])
+    assert run(*args) == 0
+    first = json.loads((out / "results.json").read_text())["judge"]["baseline"]
+    (out / "manifest.json").unlink()  # as if the run had stopped before its last step
+    judged = HFEngine.generate
+
+    def refuse(self, *a, **kw):
+        assert Path(self.tokenizer.name_or_path) != Path(setup["judge"]), "the judge was asked again"
+        return judged(self, *a, **kw)
+
+    monkeypatch.setattr(HFEngine, "generate", refuse)
+    assert run(*args) == 0
+    assert json.loads((out / "results.json").read_text())["judge"]["baseline"] == first
+
+    (out / "manifest.json").unlink()
+    assert run(*eval_args(setup["baseline"], setup, base, "--seed", 7, "--overwrite")) == 0  # the baseline anew
+    monkeypatch.setattr(HFEngine, "generate", judged)
+    assert run(*args) == 0
+    theirs = load_from_disk(str(base / "generate"))["responses"]
+    samples = load_from_disk(str(out / "samples"))
+    expected = [[1.0 if len(a) > len(b) else 0.0 if len(a) < len(b) else 0.5 for a, b in zip(mine, their)]
+                for mine, their in zip(samples["responses"], theirs)]
+    assert samples["judge_baseline_preference"] == expected
+
+
 def test_reference_mistakes_are_one_line_and_leave_nothing(setup, tiny_policy, tmp_path, capsys):
     short = write_jsonl(tmp_path / "short.jsonl", [{"instruction": setup["rows"][0]["prompt"], "output": "x"}])
     no_answer = write_jsonl(tmp_path / "noanswer.jsonl", [{"instruction": "x", "text": "y"}])
-    cases = [(short, "has no answer for 5 of the 6 evaluated prompts"),
+    cases = [(short, "has no answer for 5 of the 6 evaluated prompts, matched by text (the prompts' last user turn "
+                     "against its instruction)"),
              (no_answer, "has no answer column (response, output, reference); its columns are instruction, text")]
     for refs, message in cases:
         out = tmp_path / "out"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import gc
 import math
 from importlib import resources
 from pathlib import Path
@@ -185,6 +186,13 @@ def summarize_results(raw: dict[str, Any]) -> dict[str, Any]:
     return tasks
 
 
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_harness(model: str, tasks: Sequence[str], *, backend: Backend = "hf", dtype: str = "auto",
                 trust_remote_code: bool = False, batch_size: int = 16, limit: Optional[int] = None,
                 num_fewshot: Optional[int] = None, seed: int = 0,
@@ -206,13 +214,29 @@ def run_harness(model: str, tasks: Sequence[str], *, backend: Backend = "hf", dt
 
         lm = HFLM(pretrained=load_causal_lm(model, dtype, trust_remote_code),
                   tokenizer=load_tokenizer(model, trust_remote_code), batch_size=batch_size)
-        raw = lm_eval.simple_evaluate(model=lm, **common)
+        try:
+            raw = lm_eval.simple_evaluate(model=lm, **common)
+        finally:
+            del lm  # the weights, before whatever runs next loads its own
+            gc.collect()
+            _empty_cuda_cache()
     elif backend == "vllm":
+        from lm_eval.api.registry import get_model
+
+        from rlhf_pipeline.engines.vllm import shutdown
+
         args = {"pretrained": model, "dtype": dtype, "trust_remote_code": trust_remote_code, "seed": seed,
                 **{k: v for k, v in (vllm_options or {}).items() if v is not None}}
         # an int batch size, not "auto": with "auto" lm-eval asks vLLM for its progress bar, whose speed line divides
         # by zero under TQDM_DISABLE=1 (vLLM 0.32)
-        raw = lm_eval.simple_evaluate(model="vllm", model_args=args, batch_size=batch_size, **common)
+        lm = get_model("vllm").create_from_arg_obj(args, {"batch_size": batch_size})
+        try:
+            raw = lm_eval.simple_evaluate(model=lm, **common)
+        finally:
+            # lm-eval never stops its engine; a judge or a vLLM reward model started after it needs the memory back
+            shutdown(lm.model)
+            del lm
+            gc.collect()
     else:
         raise ValueError(f"unknown lm-eval backend {backend!r}; expected hf or vllm")
     return {

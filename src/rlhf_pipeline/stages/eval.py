@@ -26,7 +26,8 @@ in the results). Per scorer:
   from the prompts' column named by ``--reference-column``.
 
 With ``--judge MODEL``, a chat model compares every such pair itself (``rlhf_pipeline.judge``: a documented prompt,
-both orders, ties allowed), sampled greedily by the same engines; ``results.json``'s ``judge`` has, per comparison
+both orders, ties allowed; a baseline that is the evaluated model itself is not judged), sampled greedily by the
+same engines; ``results.json``'s ``judge`` has, per comparison
 ("baseline", "reference"), the win rate (the mean preference, ± its standard error over prompts), its LC win rate,
 the unreadable verdicts (counted, never guessed), how often the two orders agree, and how often the judge picked
 the answer shown first. The samples get each response's preference and both verdicts.
@@ -290,24 +291,32 @@ def _reference_answers(config: EvalConfig, prompts_ref) -> dict[str, str]:
     own_id = next((c for c in ("prompt_id", "id") if c in prompts.column_names), None)
     ref_id = next((c for c in ("prompt_id", "id") if c in refs.column_names), None)
     if own_id is not None and ref_id is not None:
-        keys, theirs = ids, [str(x) for x in refs[ref_id]]
+        keys, key = ids, ref_id
+        how = f"by id (the prompts' {own_id} against its {ref_id})"
     else:
         key = next((c for c in ("prompt", "instruction") if c in refs.column_names), None)
         if key is None:
             raise PipelineError(f"{name}: has no column to match the prompts by ({', '.join(REFERENCE_KEYS)}); its "
                                 f"columns are {', '.join(refs.column_names)}")
         keys = [as_text(p).strip() for p in prompts[column]]
-        theirs = [as_text(p).strip() for p in refs[key]]
-    by_key: dict[str, str] = {}
-    for row, (k, text) in enumerate(zip(theirs, refs[answer])):
-        if not isinstance(text, str):
-            raise PipelineError(f"{name}: row {row}: the {answer} column holds {type(text).__name__}, not text")
-        by_key.setdefault(k, text)
+        how = f"by text (the prompts' last user turn against its {key})"
+    by_key: dict[str, tuple[int, str]] = {}
+    for row, (k, text) in enumerate(zip(refs[key], refs[answer])):
+        if k is None or not isinstance(text, str):
+            bad, what = (key, k) if k is None else (answer, text)
+            raise PipelineError(f"{name}: row {row}: the {bad} column holds {type(what).__name__}, not text; give "
+                                "every row a prompt and an answer")
+        k = str(k) if key == ref_id else as_text(k).strip()
+        if k in by_key and by_key[k][1] != text:
+            raise PipelineError(f"{name}: rows {by_key[k][0]} and {row} give different answers for the same prompt "
+                                f"({k[:80]!r}); keep one answer per prompt")
+        by_key.setdefault(k, (row, text))
     missing = [k for k in keys if k not in by_key]
     if missing:
-        raise PipelineError(f"{name}: has no answer for {len(missing)} of the {len(keys)} evaluated prompts (e.g. "
-                            f"{missing[0][:80]!r}); give one answer per prompt of --prompts (and --limit)")
-    return {i: by_key[k] for i, k in zip(ids, keys)}
+        raise PipelineError(f"{name}: has no answer for {len(missing)} of the {len(keys)} evaluated prompts, matched "
+                            f"{how} (e.g. {missing[0][:80]!r}); give one answer per prompt of --prompts (and "
+                            "--limit)")
+    return {i: by_key[k][1] for i, k in zip(ids, keys)}
 
 
 def _reference_scores(config: EvalConfig, prompts_ref, own: dict[str, Path], directory: Path, accelerator=None
@@ -343,13 +352,22 @@ def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory:
     from datasets import Dataset
 
     from rlhf_pipeline.chat import as_text
-    from rlhf_pipeline.datasets_io import atomic_directory
+    from rlhf_pipeline.datasets_io import atomic_directory, fingerprint, parse_ref, write_text_atomic
     from rlhf_pipeline.distributed import on_main_process
     from rlhf_pipeline.judge import judge_prompts
     from rlhf_pipeline.stages import generate
 
     def run() -> None:
+        # What the prompts were built from: a rerun of an unfinished eval whose other side changed since (an earlier
+        # evaluation given as --baseline, run again) builds them, and the judge's answers, anew.
+        compared = {side: fingerprint(parse_ref(str(path))) for side, path in (("ours", ours), ("theirs", theirs))}
+        record = directory / "compared.json"
+        if record.exists() and json.loads(record.read_text()) != compared:
+            for part in ("prompts", "generate"):
+                shutil.rmtree(directory / part, ignore_errors=True)
         if not (directory / "prompts").exists():
+            directory.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(record, json.dumps(compared) + "\n")
             ids, prompts, our_texts, their_texts = _aligned_texts(ours, theirs, _flag(config, target))
             rows = {"prompt_id": [], "prompt": []}
             for i, j, k in pair_indices(our_texts, their_texts):
@@ -451,10 +469,13 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     for source in _scorers(config):
         scored = earlier / f"score_{source.key}"
         previous = json.loads((scored / "manifest.json").read_text()) if (scored / "manifest.json").exists() else None
-        if previous is None or previous["config"].get(source.kind) != source.spec:
+        if (previous is None or previous["config"].get(source.kind) != source.spec
+                or previous["config"].get("reference_column") != config.reference_column):
             raise PipelineError(
                 f"--baseline {config.baseline}: that evaluation was not scored with {source.flag} "
-                f"{source.spec}; evaluate the baseline with the same scorers, or pass the baseline model instead"
+                f"{source.spec}" + (f" and --reference-column {config.reference_column}" if config.reference_column
+                                   else "") + "; evaluate the baseline with the same scorers, or pass the baseline "
+                "model instead"
             )
     return earlier
 
@@ -517,8 +538,6 @@ def _evaluate(config: EvalConfig, accelerator) -> Path:
     own = _sample_and_score(config, config.model, out.path, accelerator)
     if config.baseline == config.model:
         baseline = own
-    if config.lm_eval:  # the main process alone: the harness loads its own model
-        on_main_process(accelerator, lambda: _lm_eval(config, out.path))
     others = {}  # what the evaluated samples are compared with: "baseline", "reference"
     if baseline is not None:
         others["baseline"] = baseline
@@ -527,8 +546,12 @@ def _evaluate(config: EvalConfig, accelerator) -> Path:
     judged = {}
     if config.judge is not None:
         for target, paths in others.items():
+            if target == "baseline" and config.baseline == config.model:
+                continue  # the model against itself (rlhf iterate's iteration 0): a tie by construction, not judged
             judged[target] = _judge(config, target, own["generate"], paths["generate"], out.path / f"judge_{target}",
                                     accelerator)
+    if config.lm_eval:  # last, on the main process alone: the harness loads its own model and engine
+        on_main_process(accelerator, lambda: _lm_eval(config, out.path))
     processes = world_and_rank(accelerator)[0]
     on_main_process(accelerator, lambda: _report(config, out, own, others, baseline_desc, judged, processes))
     return out.path

@@ -19,13 +19,15 @@ Iteration t's generate sampled from policy t-1, its train made policy t and its 
 Writes (``--output``, default the run directory; each file replaced atomically):
 
     OUT/report.md                            per-iteration table, SFT / reward-model lines, links to the plots
-    OUT/plots/reward_per_iteration.png       held-out mean reward +- stderr (and win rate) per iteration
+    OUT/plots/reward_per_iteration.png       held-out mean reward +- stderr (and win rates, raw and LC) per iteration
     OUT/plots/loss.png                       train / eval loss on one global step axis (and SFT / RM curves)
     OUT/plots/logp_drift.png                 chosen / rejected log-ratio to the sampling policy
     OUT/plots/response_length.png            mean response tokens and fraction stopped, per policy
+    OUT/plots/judge_and_pass_at_k.png        the LLM judge's win rates and pass@k per iteration (only with them)
     OUT/plots/lm_eval.png                    lm-eval metrics +- stderr per iteration (only with rlhf eval --lm-eval)
 
-A plot whose data is absent is not drawn (an older copy is removed) and report.md says why. The plots need
+A plot whose data is absent is not drawn (an older copy is removed) and report.md says why; the two plots of options
+a run may not use are left out of report.md without a word when it did not use them. The plots need
 matplotlib: ``pip install 'rlhf-pipeline[report]'``.
 """
 
@@ -665,11 +667,15 @@ def _lm_eval_table(iterations: list[dict[str, Any]]) -> list[str]:
 
 
 def _win_cell(s: dict[str, Any], counts: bool = False) -> str:
-    """``0.62 (W/T/L), LC 0.58 ± 0.03``: a raw win rate, its counts, and the length-controlled one."""
+    """``0.62 (W/T/L), LC 0.58 ± 0.03``: a raw win rate, its counts, and the length-controlled one (for a reward
+    model with, before it, the mean of the Bradley-Terry preferences it was fitted on)."""
     if s.get("win_rate") is None:
         return MISSING
     wtl = [s.get(k) for k in ("wins", "ties", "losses")]
     text = fmt(s["win_rate"]) + (f" ({'/'.join(map(str, wtl))})" if counts and None not in wtl else "")
+    fit = s.get("length_controlled") or {}
+    if fit.get("preferences") == "bradley-terry":  # the LC fit's own raw figure: the mean of its preferences
+        text += f", mean pref. {fmt(fit['raw_win_rate'])}"
     if s.get("lc_win_rate") is not None:
         text += f", LC {fmt(s['lc_win_rate'])}" + (f" ± {fmt(s['lc_stderr'])}" if s.get("lc_stderr") is not None
                                                     else "")
