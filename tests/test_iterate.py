@@ -166,6 +166,10 @@ def test_ppo_family_plans_groups_a_fixed_reference_and_a_critic_carried_over(tmp
     check(steps)  # every stage parses its options
     grpo = plan(config(tmp_path, algo="grpo"))
     assert not any("--critic-model" in s.args for s in grpo)
+    # with a python reward alone, the critic starts from the policy (a new value head), then carries over
+    by_name = {s.name: s for s in plan(config(tmp_path, algo="ppo", reward_model=None, reward_fn="my_rewards:r"))}
+    assert arg("iter_1/train", "--critic-model") == "base"
+    assert arg("iter_2/train", "--critic-model") == str(run / "iter_1" / "train" / "critic")
     with pytest.raises(PipelineError, match="trains on groups"):
         plan(config(tmp_path, algo="grpo", filter={"mode": "pairs"}))
 
@@ -245,3 +249,62 @@ def test_eval_reads_the_score_sections_reference_column_unless_it_sets_its_own(t
     args = eval_args(score={"reference_column": "answer"}, eval={"reference_column": "gold"})
     assert args[args.index("--reference-column") + 1] == "gold" and args.count("--reference-column") == 1
     assert "--reference-column" not in eval_args()
+
+
+def test_the_topics_tasks_reward_by_hand():
+    from rlhf_pipeline.demo.topics import gold_reward, list_format_reward
+
+    responses = ["A hotel has a room, staff and a bed.", "It has a view, a lobby, a bed and breakfast.",
+                 "A hotel has a screen and a battery.", "Nothing comes to mind.", "The room and the plot."]
+    assert gold_reward([""] * 5, responses, topic=["hotel"] * 5) == pytest.approx([1.0, 1.0, -2 / 3, -1 / 3, 0.0])
+    # the topic's own name is no answer ("coffee" of "coffee shop"); "coffee" named as a thing elsewhere is wrong
+    assert gold_reward(["", ""], ["A coffee shop has pastries.", "A park has coffee."], topic=["coffee shop", "park"]
+                       ) == pytest.approx([1 / 3, -1 / 3])
+    assert list_format_reward([""] * 3, ["It has a bed.", "It has a bed. And a view.", "no period"]) == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="'topic' column"):
+        gold_reward([""], ["x"])
+
+
+def test_the_demo_plans_each_task_with_its_own_reward(tmp_path):
+    """reviews: a reward model trained on gold-labelled pairs; topics: its python reward, no reward model, PPO's
+    critic from the policy, and GDPO with a second function beside it."""
+    from rlhf_pipeline.demo import TASKS
+    from rlhf_pipeline.stages.demo import DemoConfig
+    from rlhf_pipeline.stages.demo import plan as demo_plan
+
+    def steps(task, algo):
+        run = tmp_path / task / algo
+        data = TASKS[task].write_data(run / "data", seed=0)
+        return {s.name: s.args for s in demo_plan(DemoConfig(output=str(run), task=task, algo=algo), run, data)}
+
+    def arg(args, flag):
+        return args[args.index(flag) + 1]
+
+    reviews, topics = steps("reviews", "ppo"), steps("topics", "ppo")
+    assert "reward_model" in reviews and "reward_model" not in topics
+    assert arg(reviews["iter_1/score"], "--reward-model").endswith("reward_model")
+    assert arg(topics["iter_1/score"], "--reward-fn") == "rlhf_pipeline.demo.topics:gold_reward"
+    assert "--reward-model" not in topics["iter_1/score"] and "--reward-model" not in topics["iter_0/eval"]
+    assert arg(topics["iter_1/train"], "--critic-model") == str(tmp_path / "topics" / "ppo" / "sft")
+    gdpo = steps("topics", "gdpo")["iter_1/score"]
+    at = gdpo.index("--reward-fn")
+    assert gdpo[at + 1 : at + 3] == ["rlhf_pipeline.demo.topics:gold_reward",
+                                    "rlhf_pipeline.demo.topics:list_format_reward"]
+
+
+@pytest.mark.slow
+def test_the_topics_demo_runs_ppo_on_its_python_reward(tmp_path):
+    """The second bundled task end to end at small sizes: no reward model, PPO's critic started from the policy."""
+    env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    run = tmp_path / "topics"
+    res = subprocess.run([sys.executable, "-m", "rlhf_pipeline.stages.demo", "--task", "topics", "--algo", "ppo",
+                          "--output", str(run), *DEMO_SMALL], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert not (run / "reward_model").exists()
+    training = json.loads((run / "iter_1" / "train" / "manifest.json").read_text())["training"]
+    assert training["critic_model"] == str(run / "sft")
+    summary = json.loads((run / "summary.json").read_text())
+    first, last = summary["iterations"]
+    assert first["rm_reward_mean"] is None and first["gold_win_rate_vs_base"] == 0.5
+    assert isinstance(last["gold_reward_mean"], float) and isinstance(last["gold_lc_win_rate_vs_base"], float)
+    assert "topics:" in res.stdout

@@ -477,13 +477,25 @@ def gdpo_scores(samples: list[dict], weights: list[float]) -> list[float]:
     return [(x - mean) / (sd + 1e-4) for x in summed]
 
 
-def test_ppo_needs_a_critic_and_groups_need_group_data(data, tiny_policy, tmp_path, capsys):
-    capsys.readouterr()
-    assert run(*train_args(data, tiny_policy, tmp_path / "ppo", "ppo", "--max-steps", 1)) == 1
-    err = capsys.readouterr().err.strip()
-    assert "--critic-model" in err and "\n" not in err and "Traceback" not in err, err
-    assert not (tmp_path / "ppo" / "manifest.json").exists()
+def test_ppo_without_a_reward_model_starts_its_critic_from_the_policy(data, tiny_policy, tmp_path):
+    """Data scored by a python function: the critic is the policy with a new value head (its backbone the
+    policy's), and it trains."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    out = tmp_path / "ppo"
+    assert run(*train_args(data, tiny_policy, out, "ppo", "--max-steps", 1, "--batch-size", 8,
+                           "--critic-learning-rate", 1e-12)) == 0
+    assert json.loads((out / "manifest.json").read_text())["training"]["critic_model"] == tiny_policy
+    critic = AutoModelForSequenceClassification.from_pretrained(out / "critic")
+    policy = AutoModelForCausalLM.from_pretrained(tiny_policy)
+    shared = {k: v for k, v in critic.model.state_dict().items()}
+    diffs = {k: (shared[k] - v).abs().max().item() for k, v in policy.model.state_dict().items()}
+    assert shared.keys() == diffs.keys() and max(diffs.values()) < 1e-6, diffs  # the policy's backbone, unmoved
+    assert critic.score.weight.shape[0] == 1
+
+
+def test_groups_need_group_data(data, tiny_policy, tmp_path, capsys):
+    capsys.readouterr()
     for algo in ("grpo", "ppo"):
         assert run(*train_args(data, tiny_policy, tmp_path / f"pairs_{algo}", algo, "--max-steps", 1, split="pairs",
                                critic=None)) == 1

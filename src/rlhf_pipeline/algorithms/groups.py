@@ -41,6 +41,7 @@ the same update for any micro-batch or process split of an optimizer step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,8 @@ from rlhf_pipeline.contracts import GROUP_COLUMNS, SAMPLER_LOGPROBS, SCORED_KIND
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CRITIC, ROLLOUT_CACHE
 from rlhf_pipeline.modeling import peel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -599,7 +602,8 @@ class GroupOptions:
                              "give every token the group-relative score undiscounted).")
     lam: float = option(0.95, help="PPO: GAE lambda.")
     critic_model: Optional[str] = option(
-        None, help="PPO: the critic's starting point, a reward model (default: the reward model of rlhf score)."
+        None, help="PPO: the critic's starting point (default: the reward model of rlhf score; with a python reward "
+        "function, or several sources, the policy --model with a new value head)."
     )
     critic_learning_rate: Optional[float] = option(None, help="PPO: the critic's peak learning rate "
                                                    "(default: --learning-rate).")
@@ -726,10 +730,13 @@ def _critic_source(config, ref) -> str:
     if reward.get("reward_model"):
         check_model_ref("the critic (the reward model that scored the data)", reward["reward_model"], tokenizer=False)
         return reward["reward_model"]
-    why = ("was scored with several reward sources, so no one reward model to start it from" if reward.get("sources")
-           else "was not scored with a reward model")
-    raise PipelineError(f"{config.data}: --algo {config.algo} needs a critic to start from, and the data {why}; pass "
-                        "--critic-model (a reward model directory, e.g. from rlhf train-rm)")
+    # No one reward model to start from (a python reward function, or several sources): the policy itself, with a
+    # new value head. It reads the policy's tokens by construction; the head starts near 0 and is fitted by the value
+    # loss from the first step.
+    why = "several reward sources" if reward.get("sources") else "no reward model"
+    log.info("%s: --algo %s: the data was scored with %s, so the critic starts from the policy %s with a new value "
+             "head (--critic-model sets another start)", config.data, config.algo, why, config.model)
+    return config.model
 
 
 def _rollout_correction(config, dd, ref) -> tuple[str, float]:

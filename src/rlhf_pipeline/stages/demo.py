@@ -29,16 +29,16 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 from rlhf_pipeline.algorithms import AlgoName, get, help_text
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import option
+from rlhf_pipeline.demo import DEFAULT_TASK, TASKS
 from rlhf_pipeline.layout import EVAL_RESULTS, SUMMARY, iteration_dir
 from rlhf_pipeline.tiny import TINY_HEAD_DIM
 
-GOLD = "rlhf_pipeline.demo.task:gold_reward"
-BREVITY = "rlhf_pipeline.demo.task:brevity_reward"
+TaskName = Literal[tuple(TASKS)]  # type: ignore[valid-type]
 
 
 @dataclass(kw_only=True)
@@ -46,6 +46,8 @@ class DemoConfig:
     """Run SFT, reward-model training, T RLHF iterations, evaluation and the report on a bundled task, on a CPU."""
 
     output: str = option("runs/demo", help="The run directory.")
+    task: TaskName = option(DEFAULT_TASK, help="The bundled task: " + "; ".join(
+        f"{t.name}: {t.summary}" for t in TASKS.values()) + ".")
     algo: AlgoName = option("rebel", help=f"The RLHF algorithm (rlhf train --algo): {help_text()}.")
     iterations: int = option(3, help="RLHF iterations.")
     prompts_per_iteration: int = option(320, help="Training prompts sampled per iteration (of 640).")
@@ -78,13 +80,14 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
     from rlhf_pipeline.stages.iterate import plan as iterate_plan
 
     algorithm = get(config.algo)
+    task = TASKS[config.task]
     common = {"batch_size": 16, "report_to": "none", "seed": config.seed}
     sft = Step("sft", "sft", [
         "--model", str(run / "base_policy"), "--data", str(data["sft"]), "--output", str(run / "sft"), "--resume",
         *option_args({**common, "epochs": config.sft_epochs, "learning_rate": 3e-3, "test_size": 64}),
         *(["--overwrite"] if config.overwrite else []),
     ], run / "sft")
-    rm = Step("reward_model", "train-rm", [
+    rm = None if not task.reward_model else Step("reward_model", "train-rm", [
         "--model", str(run / "sft"), "--data", str(data["preferences"]), "--output", str(run / "reward_model"),
         "--resume", *option_args({**common, "epochs": config.rm_epochs, "learning_rate": 1e-3, "test_size": 128}),
         *(["--overwrite"] if config.overwrite else []),
@@ -97,34 +100,37 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
         iterations=config.iterations,
         prompts_per_iteration=config.prompts_per_iteration,
         algo=config.algo,
-        reward_model=str(run / "reward_model"),
-        # an algorithm that reads each reward source (GDPO) gets a second one beside the reward model
-        reward_fn=BREVITY if getattr(algorithm, "reward_sources", False) else None,
+        # the reviews are scored by the reward model trained on them, the topics by their gold reward itself; an
+        # algorithm that reads each reward source (GDPO) gets a second one beside it
+        reward_model=str(run / "reward_model") if task.reward_model else None,
+        reward_fn=[f for f in ([] if task.reward_model else [task.gold])
+                   + ([task.second] if getattr(algorithm, "reward_sources", False) else [])] or None,
         eval_prompts=str(data["eval_prompts"]),
         generate={"n": config.n, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,
                   "engine": "hf", "seed": config.seed, "batch_size": 64},
         score={"batch_size": 64},
         filter={"mode": algorithm.data, "test_size": 0.1, "seed": config.seed},
         train={**common, "epochs": 1, **algorithm.demo, **config.train},
-        eval={"reward_fn": GOLD, "reward_model": str(run / "reward_model"), "n": config.eval_n,
+        eval={"reward_fn": task.gold, "reward_model": str(run / "reward_model") if task.reward_model else None,
+              "n": config.eval_n,
               "limit": config.eval_prompts, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,
               "engine": "hf", "seed": config.seed + 1000, "batch_size": 64, "score_batch_size": 64},
     )
-    return [sft, rm, *iterate_plan(loop, count_prompts(loop))]
+    return [sft, *([rm] if rm is not None else []), *iterate_plan(loop, count_prompts(loop))]
 
 
 def summary(run: Path, iterations: int) -> dict:
     rows = []
     for t in range(iterations + 1):
         results = json.loads((iteration_dir(run, t) / "eval" / EVAL_RESULTS).read_text())
-        gold, rm = results["scores"]["reward_fn"], results["scores"]["reward_model"]
+        gold, rm = results["scores"]["reward_fn"], results["scores"].get("reward_model") or {}
         rows.append({
             "iteration": t,
             "gold_reward_mean": gold["mean"],
             "gold_reward_stderr": gold["stderr"],
-            "rm_reward_mean": rm["mean"],
-            "rm_reward_stderr": rm["stderr"],
-            "rm_win_rate_vs_base": rm["win_rate"],
+            "rm_reward_mean": rm.get("mean"),  # None for a task without a reward model
+            "rm_reward_stderr": rm.get("stderr"),
+            "rm_win_rate_vs_base": rm.get("win_rate"),
             "rm_lc_win_rate_vs_base": rm.get("lc_win_rate"),
             "gold_win_rate_vs_base": gold["win_rate"],
             "gold_lc_win_rate_vs_base": gold.get("lc_win_rate"),
@@ -144,7 +150,6 @@ def main(config: DemoConfig) -> Path:
     import time
 
     from rlhf_pipeline.datasets_io import atomic_directory, clean_stale, write_text_atomic
-    from rlhf_pipeline.demo.task import write_task_data
     from rlhf_pipeline.stages.iterate import check, run_steps
     from rlhf_pipeline.stages.report import write_report
     from rlhf_pipeline.tiny import save_tiny_model
@@ -152,7 +157,7 @@ def main(config: DemoConfig) -> Path:
     started = time.time()
     run = Path(config.output).expanduser()
     run.mkdir(parents=True, exist_ok=True)
-    data = write_task_data(run / "data", seed=config.seed)  # the same bytes every time: safe to redo
+    data = TASKS[config.task].write_data(run / "data", seed=config.seed)  # the same bytes every time: safe to redo
     base = run / "base_policy"
     clean_stale(base)
     if not base.exists():
@@ -166,12 +171,15 @@ def main(config: DemoConfig) -> Path:
     write_text_atomic(run / SUMMARY, json.dumps(result, indent=2) + "\n")
     report = write_report(run, run)
     print(f"[demo] finished in {time.time() - started:.0f}s; report: {report}")
-    print(f"[demo] {'iteration':>9} {'gold reward':>18} {'RM reward':>10} {'RM win rate':>12} {'LC':>6}")
+    judge = "rm" if TASKS[config.task].reward_model else "gold"  # whose win rate against the SFT policy to show
+    print(f"[demo] {config.task}: {'iteration':>9} {'gold reward':>18} {'RM reward':>10} "
+          f"{judge.upper() if judge == 'rm' else 'gold'} win rate {'LC':>6}")
     for row in result["iterations"]:
-        lc = row["rm_lc_win_rate_vs_base"]
-        print(f"[demo] {row['iteration']:>9} {row['gold_reward_mean']:>+9.3f} ± {row['gold_reward_stderr']:.3f} "
-              f"{row['rm_reward_mean']:>+10.3f} {row['rm_win_rate_vs_base']:>12.3f} "
-              + (f"{lc:>6.3f}" if lc is not None else f"{'-':>6}"))
+        win, lc = row[f"{judge}_win_rate_vs_base"], row[f"{judge}_lc_win_rate_vs_base"]
+        rm = row["rm_reward_mean"]
+        print(f"[demo] {config.task}: {row['iteration']:>9} {row['gold_reward_mean']:>+9.3f} ± "
+              f"{row['gold_reward_stderr']:.3f} " + (f"{rm:>+10.3f}" if rm is not None else f"{'-':>10}")
+              + f" {win:>12.3f} " + (f"{lc:>6.3f}" if lc is not None else f"{'-':>6}"))
     if result["gold_gain_in_combined_stderr"] is not None:
         print(f"[demo] gold reward gain {result['gold_gain']:+.3f} = "
               f"{result['gold_gain_in_combined_stderr']:.1f} combined standard errors")

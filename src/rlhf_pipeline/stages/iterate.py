@@ -54,6 +54,7 @@ from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CRITIC, ITERATE_CONFIG, ITERATION_STAGES, STEPS_LOG, iteration_dir, step_name
 from rlhf_pipeline.stages import run_stage
+from rlhf_pipeline.stages.score import as_list, one_or_list
 
 STAGE_SECTIONS = ITERATION_STAGES
 TRAINING_STAGES = ("train", "sft", "train-rm")
@@ -89,12 +90,15 @@ class IterateConfig(OutputOptions):
     algo: AlgoName = option(
         "rebel", help=f"The training algorithm (rlhf train --algo): {help_text()}. The filter mode is the "
         "algorithm's kind of data (plus the filter options it asks for, such as DAPO's); the PPO family's KL "
-        "reference defaults to `model`; a critic (PPO's) starts from the reward model and carries over from one "
-        "iteration to the next."
+        "reference defaults to `model`; a critic (PPO's) starts from the reward model (without one, from `model` with "
+        "a new value head) and carries over from one iteration to the next."
     )
     reward_model: Optional[str] = option(None, help="Reward model that scores the samples.")
-    reward_fn: Optional[str] = option(None, help="And/or a python reward function (module:function or file.py:function); "
-                                      "with both, rlhf score combines them (GDPO keeps each source's own rewards).")
+    # One function is kept as a plain string, as before several existed (as rlhf score's --reward-fn).
+    reward_fn: Optional[list[str]] = option(
+        None, help="And/or a python reward function (module:function or file.py:function), or several; with two "
+        "or more sources, rlhf score combines them (GDPO keeps each source's own rewards)."
+    )
     eval_prompts: Optional[str] = option(
         None, help="Held-out prompts: when set, the starting policy and every iteration's policy are evaluated."
     )
@@ -120,6 +124,7 @@ class IterateConfig(OutputOptions):
     )
 
     def __post_init__(self) -> None:
+        self.reward_fn = one_or_list(self.reward_fn)
         if self.reward_model is None and self.reward_fn is None:
             raise ValueError("give reward_model, reward_fn, or both (rlhf score then combines the two; set their "
                              "weights with score: {reward_weights: [...]})")
@@ -249,7 +254,8 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
         sections["train"].setdefault("ref_model", config.model)
     for key, value in algorithm.filter.items():  # the algorithm's filter options (DAPO's), unless set in the config
         sections["filter"].setdefault(key, value)
-    critic = sections["train"].pop("critic_model", None) or config.reward_model
+    # PPO's critic starts from the reward model, else (a python reward) from the policy, and then carries over
+    critic = sections["train"].pop("critic_model", None) or config.reward_model or config.model
     for t in range(1, config.iterations + 1):
         it = iteration_dir(run, t)
         gen_opts = dict(sections["generate"], seed=base_seed + t - 1)
@@ -259,9 +265,6 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
         reward = {"reward_model": config.reward_model, "reward_fn": config.reward_fn}
         train_opts = dict(sections["train"])
         if algorithm.uses_critic:
-            if critic is None:
-                raise PipelineError(f"run config: --algo {config.algo} needs a critic to start from; set "
-                                    "reward_model or train: {critic_model: PATH}")
             train_opts["critic_model"] = critic
         specs = [
             ("generate", ["--model", policy, "--prompts", config.prompts], gen_opts),
@@ -395,8 +398,8 @@ def main(config: IterateConfig) -> Path:
     check_model_ref("--model", config.model)
     if config.reward_model is not None:
         check_model_ref("--reward-model", config.reward_model)
-    if config.reward_fn is not None:
-        check_reward_fn_spec(config.reward_fn)
+    for spec in as_list(config.reward_fn):
+        check_reward_fn_spec(spec)
     parse_ref(config.prompts)
     if config.eval_prompts is not None:
         parse_ref(config.eval_prompts)
