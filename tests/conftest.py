@@ -205,3 +205,27 @@ def make_pairs(d: Path, policy: str, prompts: str, limit: int, test_size: int, m
                "--test-size", test_size) == 0
     assert run("ref-logps", "--model", policy, "--input", d / "pairs", "--output", d / "ref") == 0
     return d
+
+
+def choice_logliks(model_dir: str, rows: list[dict]) -> list[list[float]]:
+    """The bundled lm-eval task's oracle (tests/test_lm_eval.py, tests/vllm_env/test_vllm_lm_eval.py): each choice's
+    summed log-prob after the task's prompt, computed directly: the prompt is rlhf_arith.yaml's
+    ``Question: {question}\\nAnswer:``, each continuation " " + the choice; the continuation's tokens are those of
+    the whole text after the prompt's (lm-eval's split, which keeps a word's merge across the boundary)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for row in rows:
+        context = f"Question: {row['question']}\nAnswer:"
+        scores = []
+        for choice in row["choices"]:
+            whole = tok(context + " " + choice)["input_ids"]
+            n_ctx = len(tok(context)["input_ids"])
+            with torch.no_grad():
+                logp = model(torch.tensor([whole])).logits[0].float().log_softmax(-1)  # (T, V)
+            scores.append(sum(logp[i - 1, whole[i]].item() for i in range(n_ctx, len(whole))))
+        out.append(scores)
+    return out

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import run
+from conftest import choice_logliks, run
 from rlhf_pipeline.harness import bundled_tasks_dir, parse_tasks
 
 ARITH = bundled_tasks_dir() / "rlhf_arith.jsonl"
@@ -22,29 +22,6 @@ REWARD = "def reward(prompts, responses, **columns):\n    return [float(len(r)) 
 
 def _rows() -> list[dict]:
     return [json.loads(line) for line in ARITH.read_text().splitlines()]
-
-
-def _choice_logliks(model_dir: str, rows: list[dict]) -> list[list[float]]:
-    """Each choice's summed log-prob after the task's prompt, computed directly: the prompt is rlhf_arith.yaml's
-    ``Question: {question}\\nAnswer:``, each continuation " " + the choice; the continuation's tokens are those of
-    the whole text after the prompt's (lm-eval's split, which keeps a word's merge across the boundary)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    for row in rows:
-        context = f"Question: {row['question']}\nAnswer:"
-        scores = []
-        for choice in row["choices"]:
-            whole = tok(context + " " + choice)["input_ids"]
-            n_ctx = len(tok(context)["input_ids"])
-            with torch.no_grad():
-                logp = model(torch.tensor([whole])).logits[0].float().log_softmax(-1)  # (T, V)
-            scores.append(sum(logp[i - 1, whole[i]].item() for i in range(n_ctx, len(whole))))
-        out.append(scores)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +40,7 @@ def test_parse_tasks_takes_commas_and_lists():
 
 def test_accuracy_is_the_models_own_choice_by_log_prob(harness_results, tiny_policy):
     rows = _rows()
-    logliks = _choice_logliks(tiny_policy, rows)
+    logliks = choice_logliks(tiny_policy, rows)
     hits = [max(range(len(s)), key=s.__getitem__) == r["answer"] for s, r in zip(logliks, rows)]
     # acc_norm divides each choice's log-prob by its length in characters (lm-eval's acc_norm)
     norm = [max(range(len(s)), key=lambda i: s[i] / len(r["choices"][i])) == r["answer"] for s, r in zip(logliks, rows)]
@@ -96,7 +73,7 @@ def test_a_users_yaml_file_with_absolute_data_files_runs_offline(tmp_path, tiny_
     task = results["tasks"]["my_arith"]
     assert task["rows"] == 5 and set(task["metrics"]) == {"acc"}
     rows = _rows()[:5]
-    hits = [max(range(4), key=s.__getitem__) == r["answer"] for s, r in zip(_choice_logliks(tiny_policy, rows), rows)]
+    hits = [max(range(4), key=s.__getitem__) == r["answer"] for s, r in zip(choice_logliks(tiny_policy, rows), rows)]
     assert task["metrics"]["acc"]["value"] == pytest.approx(sum(hits) / 5, abs=1e-12)
 
 

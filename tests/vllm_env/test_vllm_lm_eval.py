@@ -33,27 +33,15 @@ def vllm_distribution(tmp_path, monkeypatch):
 
 def test_vllm_backend_accuracy_is_the_models_own_choice(tiny_policy, vllm_distribution):
     pytest.importorskip("lm_eval")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from conftest import choice_logliks
     from rlhf_pipeline.harness import bundled_tasks_dir, run_harness
 
     results = run_harness(tiny_policy, ["rlhf_arith"], backend="vllm", dtype="float32", batch_size=8,
                           vllm_options={"max_model_len": 256})
     rows = [json.loads(line) for line in (bundled_tasks_dir() / "rlhf_arith.jsonl").read_text().splitlines()]
-    tok = AutoTokenizer.from_pretrained(tiny_policy)
-    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
-    hits = 0
-    for row in rows:  # the choice with the highest summed log-prob after the prompt, as in tests/test_lm_eval.py
-        context = f"Question: {row['question']}\nAnswer:"
-        scores = []
-        for choice in row["choices"]:
-            whole = tok(context + " " + choice)["input_ids"]
-            n_ctx = len(tok(context)["input_ids"])
-            with torch.no_grad():
-                logp = model(torch.tensor([whole])).logits[0].float().log_softmax(-1)  # (T, V)
-            scores.append(sum(logp[i - 1, whole[i]].item() for i in range(n_ctx, len(whole))))
-        hits += max(range(len(scores)), key=scores.__getitem__) == row["answer"]
+    # the choice with the highest summed log-prob after the prompt, as in tests/test_lm_eval.py
+    hits = sum(max(range(len(scores)), key=scores.__getitem__) == row["answer"]
+               for row, scores in zip(rows, choice_logliks(tiny_policy, rows)))
     task = results["tasks"]["rlhf_arith"]
     assert results["backend"] == "vllm" and task["rows"] == 20
     # vLLM's CPU kernels against transformers in float32: the same choices (a near-tie could flip one row)

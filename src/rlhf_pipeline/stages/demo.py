@@ -2,6 +2,7 @@
 
     rlhf demo                          # REBEL, into runs/demo
     rlhf demo --algo dpo --output runs/demo_dpo
+    rlhf demo --task topics --output runs/demo_topics   # the second task: a python reward, no reward model
 
 The task (``rlhf_pipeline.demo.task``): prompts ask for a short review of a named product; the gold reward is the
 sentiment polarity of the response, in [-1, 1]. The demo runs the real stages, each as its own process, exactly
@@ -18,6 +19,10 @@ as ``rlhf iterate`` runs them:
     {"iterations": [{"iteration": t, "gold_reward_mean", "gold_reward_stderr", "rm_reward_mean",
                      "rm_win_rate_vs_base", "rm_lc_win_rate_vs_base", ...}, ...]}
     # iteration 0 is the SFT policy (win rate 0.5: itself); LC: the length-controlled win rate
+
+``--task topics`` (``rlhf_pipeline.demo.topics``; the tasks are registered in ``rlhf_pipeline.demo.TASKS``) asks for
+three things that belong to a topic and has no reward model: step 3 is left out, and the iterations score with the
+gold reward itself, a verifiable python function (PPO's critic then starts from the SFT policy).
 
 Interrupted (Ctrl-C, a crash), the same command resumes at the first unfinished stage and redoes nothing that
 finished. Everything is seeded; the sizes below are the defaults, and the options change them.
