@@ -196,14 +196,14 @@ def test_verifiable_summary_only_for_0_1_reward_functions():
     from rlhf_pipeline.stages.eval import verifiable_summary
     from rlhf_pipeline.stages.score import RewardSource
 
-    generated = {"prompt_id": ["p0", "p1"], "responses": [["#### 1", "#### 2"], ["#### 3", "#### 3"]]}
+    responses = [["#### 3", "#### 3"], ["#### 1", "#### 2"]]  # two prompts' samples, aligned with the rewards
     source = RewardSource("reward_fn", "rlhf_pipeline.rewards.verifiable:exact_match", "reward_fn")
-    s = verifiable_summary(source, generated, ["p1", "p0"], [[0.0, 0.0], [1.0, 0.0]])
+    s = verifiable_summary(source, responses, [[0.0, 0.0], [1.0, 0.0]])
     assert s["pass_at_k"]["1"]["mean"] == pytest.approx(0.25) and s["pass_at_k"]["2"]["mean"] == pytest.approx(0.5)
     assert s["maj_at_k"]["1"]["mean"] == pytest.approx(0.5) and s["maj_at_k"]["2"]["mean"] == pytest.approx(0.5)
-    assert verifiable_summary(source, generated, ["p0", "p1"], [[0.5, 1.0], [0.0, 0.0]]) == {}
+    assert verifiable_summary(source, responses, [[0.5, 1.0], [0.0, 0.0]]) == {}
     regex = RewardSource("reward_fn", "rlhf_pipeline.rewards.verifiable:regex_match", "reward_fn")
-    assert set(verifiable_summary(regex, generated, ["p0", "p1"], [[1.0, 0.0], [0.0, 0.0]])) == {"pass_at_k"}
+    assert set(verifiable_summary(regex, responses, [[1.0, 0.0], [0.0, 0.0]])) == {"pass_at_k"}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -159,10 +159,9 @@ def length_controlled_win_rate(
     # delta method: d(win rate)/d(beta), through the sandwich covariance clustered by prompt
     grad = (p0 * (1 - p0)) @ x0 / len(y)
     p = _sigmoid(x @ beta)
-    hessian = (x * (p * (1 - p))[:, None]).T @ x + RIDGE * len(y) * np.eye(x.shape[1])
     scores = np.zeros((groups.max() + 1, x.shape[1]))
     np.add.at(scores, groups, x * (y - p)[:, None])
-    bread = np.linalg.pinv(hessian)
+    bread = np.linalg.pinv(_hessian(x, p))
     clusters_n = scores.shape[0]
     meat = scores.T @ scores * (clusters_n / (clusters_n - 1) if clusters_n > 1 else 1.0)
     variance = float(grad @ bread @ meat @ bread @ grad)
@@ -175,17 +174,22 @@ def length_controlled_win_rate(
     }
 
 
+def _hessian(x, p):
+    """The negative log-posterior's Hessian of the fit at predictions ``p``: the logistic part and the prior's."""
+    import numpy as np
+
+    return (x * (p * (1 - p))[:, None]).T @ x + RIDGE * len(p) * np.eye(x.shape[1])
+
+
 def _fit_logistic(x, y, iterations: int = 100):
     """Maximum likelihood for sigmoid(x @ beta) against soft targets ``y``, with the weak prior RIDGE (Newton)."""
     import numpy as np
 
     beta = np.zeros(x.shape[1])
-    prior = RIDGE * len(y)
     for _ in range(iterations):
         p = _sigmoid(x @ beta)
-        gradient = x.T @ (y - p) - prior * beta
-        hessian = (x * (p * (1 - p))[:, None]).T @ x + prior * np.eye(x.shape[1])
-        step = np.linalg.solve(hessian, gradient)
+        gradient = x.T @ (y - p) - RIDGE * len(y) * beta
+        step = np.linalg.solve(_hessian(x, p), gradient)
         beta = beta + step
         if np.abs(step).max() < 1e-10:
             break

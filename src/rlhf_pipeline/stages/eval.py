@@ -185,9 +185,10 @@ def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[fl
     return result
 
 
-def verifiable_summary(source: RewardSource, generated, ids: list[str], rewards: list[list[float]]) -> dict[str, Any]:
+def verifiable_summary(source: RewardSource, responses: list[list[str]], rewards: list[list[float]]
+                       ) -> dict[str, Any]:
     """pass@k (and maj@k) of a reward function whose rewards are all 0 or 1 (a verifiable reward: right or wrong),
-    ``rewards[i]`` those of prompt ``ids[i]``: ``{"pass_at_k": {"1": {"mean", "stderr"}, ...}}`` for k = 1, 2, 4, ...,
+    ``rewards[i]`` those of prompt i's ``responses[i]``: ``{"pass_at_k": {"1": {"mean", "stderr"}, ...}}`` for k = 1, 2, 4, ...,
     n (evalstats.k_ladder), and ``maj_at_k`` the same way when the function carries ``extract_answer(response)``
     (the answer a response votes for, as rewards.verifiable's do); empty for anything else."""
     from rlhf_pipeline.evalstats import maj_at_k_summary, pass_at_k_summary
@@ -199,8 +200,7 @@ def verifiable_summary(source: RewardSource, generated, ids: list[str], rewards:
     result: dict[str, Any] = {"pass_at_k": pass_at_k_summary(rewards)}
     extract = getattr(load_reward_fn(source.spec), "extract_answer", None)
     if callable(extract):
-        responses = dict(zip((str(x) for x in generated["prompt_id"]), generated["responses"]))
-        answers = [[extract(r) for r in responses[i]] for i in ids]
+        answers = [[extract(r) for r in row] for row in responses]
         result["maj_at_k"] = maj_at_k_summary(answers, rewards)
     return result
 
@@ -268,17 +268,20 @@ def _score_all(config: EvalConfig, generations: Path, directory: Path, accelerat
 
 
 # Columns of a --reference dataset, in the order they are looked for.
-REFERENCE_KEYS = ("prompt_id", "id", "prompt", "instruction")
+REFERENCE_IDS = ("prompt_id", "id")  # matched by id when the prompts have one of these too
+REFERENCE_TEXTS = ("prompt", "instruction")  # else by the prompt's text
+REFERENCE_KEYS = REFERENCE_IDS + REFERENCE_TEXTS
 REFERENCE_ANSWERS = ("response", "output", "reference")
 
 
-def _reference_answers(config: EvalConfig, prompts_ref) -> dict[str, str]:
+def _reference_answers(config: EvalConfig, prompts, column: str) -> dict[str, str]:
     """``--reference``: one answer per evaluated prompt, by prompt_id. A reference row is matched to a prompt by
     ``prompt_id`` (or ``id``) when both have one, else by the prompt's text (its last user turn) against the reference's
-    ``prompt`` or ``instruction`` (AlpacaEval's files have ``instruction`` and ``output``)."""
+    ``prompt`` or ``instruction`` (AlpacaEval's files have ``instruction`` and ``output``). ``prompts`` are the
+    evaluated prompts (``generate.select_prompts``), ``column`` their prompt column."""
     from rlhf_pipeline.chat import as_text
     from rlhf_pipeline.datasets_io import load_dataset_ref, parse_ref
-    from rlhf_pipeline.stages.generate import ids_of_prompts, select_prompts
+    from rlhf_pipeline.stages.generate import ids_of_prompts
 
     name = f"--reference {config.reference}"
     refs = load_dataset_ref(parse_ref(config.reference))
@@ -286,15 +289,14 @@ def _reference_answers(config: EvalConfig, prompts_ref) -> dict[str, str]:
     if answer is None:
         raise PipelineError(f"{name}: has no answer column ({', '.join(REFERENCE_ANSWERS)}); its columns are "
                             f"{', '.join(refs.column_names)}: rename the one with the reference answers")
-    prompts, column, _, _ = select_prompts(prompts_ref, limit=config.limit)
     ids = ids_of_prompts(prompts, column)
-    own_id = next((c for c in ("prompt_id", "id") if c in prompts.column_names), None)
-    ref_id = next((c for c in ("prompt_id", "id") if c in refs.column_names), None)
+    own_id = next((c for c in REFERENCE_IDS if c in prompts.column_names), None)
+    ref_id = next((c for c in REFERENCE_IDS if c in refs.column_names), None)
     if own_id is not None and ref_id is not None:
         keys, key = ids, ref_id
         how = f"by id (the prompts' {own_id} against its {ref_id})"
     else:
-        key = next((c for c in ("prompt", "instruction") if c in refs.column_names), None)
+        key = next((c for c in REFERENCE_TEXTS if c in refs.column_names), None)
         if key is None:
             raise PipelineError(f"{name}: has no column to match the prompts by ({', '.join(REFERENCE_KEYS)}); its "
                                 f"columns are {', '.join(refs.column_names)}")
@@ -327,11 +329,13 @@ def _reference_scores(config: EvalConfig, prompts_ref, own: dict[str, Path], dir
 
     from rlhf_pipeline.datasets_io import atomic_directory
     from rlhf_pipeline.distributed import on_main_process
+    from rlhf_pipeline.stages.generate import select_prompts
 
     def write() -> None:
         if (directory / "generate").exists():
             return
-        answers = _reference_answers(config, prompts_ref)
+        prompts, column, _, _ = select_prompts(prompts_ref, limit=config.limit)
+        answers = _reference_answers(config, prompts, column)
         generated = load_from_disk(str(own["generate"]))
         keep = [c for c in generated.column_names if c not in ("prompt_token_ids", "response_token_ids",
                                                                 "responses", "finish_reasons", "response_logprobs")]
@@ -441,10 +445,10 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
             check_model_ref(source.flag, source.spec)
         else:
             load_reward_fn(source.spec)
-    prompts = select_prompts(ref, limit=config.limit)[0]
+    prompts, column, _, _ = select_prompts(ref, limit=config.limit)
     check_reference_column(prompts, ref.name, config.reference_column, "rlhf eval carries")
     if config.reference is not None:
-        _reference_answers(config, ref)
+        _reference_answers(config, prompts, column)
     if config.judge is not None:
         check_model_ref("--judge", config.judge)
     if config.lm_eval:
@@ -623,7 +627,7 @@ def _report(config: EvalConfig, out, own: dict[str, Path], others: dict[str, dic
             entry["reference"] = {"mean": ref["baseline_mean"], "stderr": ref["baseline_stderr"],
                                   **{k: v for k, v in ref.items() if k not in ("mean", "stderr", "baseline_mean",
                                                                                "baseline_stderr")}}
-        entry.update(verifiable_summary(source, generated, ids, ours))
+        entry.update(verifiable_summary(source, texts["ours"], ours))
         scores[name] = entry
         columns[f"rewards_{name}"] = ours
 
