@@ -58,6 +58,27 @@ def test_alternate_without_warmup_times_every_call(monkeypatch):
     assert result["ratio"] == pytest.approx(0.5)  # the peer was faster: a ratio below 1
 
 
+def test_alternate_times_a_bound_in_the_same_rounds_as_both_sides(monkeypatch):
+    """``also``: more callables timed within the same rounds, the order rotating, so that a bound on ours (the score
+    entry's forwards alone) is measured beside it rather than after it."""
+    clock = FakeClock()
+    monkeypatch.setattr(common.time, "perf_counter", clock)
+    calls = []
+
+    def side(name, cost):
+        def run():
+            calls.append(name)
+            clock.spend(cost)
+            return name
+        return run
+
+    result = alternate(side("ours", 2.0), side("peer", 6.0), rounds=3, also={"bound": side("bound", 1.5)})
+    assert calls == ["ours", "peer", "bound",  # the warm-up
+                     "ours", "peer", "bound", "peer", "bound", "ours", "bound", "ours", "peer"]
+    assert result["bound_seconds"] == [1.5] * 3 and result["bound_median"] == 1.5 and result["bound_value"] == "bound"
+    assert result["ratio"] == pytest.approx(3.0)
+
+
 @pytest.mark.parametrize("power", [0.5, 1.0, 2.0])
 def test_growth_exponent_recovers_a_power_law(power):
     sizes = [250, 1000, 4000]

@@ -171,6 +171,7 @@ def test_run_produces_the_entries_and_the_record(tmp_path, monkeypatch):
         assert "Peer:" in e.notes and "Ours:" in e.notes
     ceiling = entries[1].details["forward_only"]
     assert ceiling["batched_seconds"] > 0 and ceiling["one_by_one_seconds"] > 0
+    assert len(ceiling["fraction_per_round"]) == len(ceiling["batched_seconds_per_round"]) == 1  # the same rounds
     assert ceiling["ceiling_ratio"] == pytest.approx(entries[1].peer / ceiling["batched_seconds"], rel=1e-2)
     assert "Ceiling on this machine" in entries[1].notes and "{" not in entries[2].notes  # every field filled in
     (record,) = records

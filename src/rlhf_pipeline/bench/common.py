@@ -77,34 +77,36 @@ class Entry:
         return ("ok" if self.met else "MISSED") + ": " + "; ".join(parts)
 
 
-def alternate(ours: Callable[[], Any], peer: Callable[[], Any], rounds: int, warmup: bool = True) -> dict[str, Any]:
+def alternate(ours: Callable[[], Any], peer: Callable[[], Any], rounds: int, warmup: bool = True,
+              also: Optional[dict[str, Callable[[], Any]]] = None) -> dict[str, Any]:
     """Time ``ours()`` and ``peer()`` alternately for ``rounds`` rounds (after one untimed warm-up call of each).
 
     Returns the per-round seconds of both sides, their medians and ``ratio = median(peer) / median(ours)`` (> 1:
-    ours is faster), plus the last value each side returned.
+    ours is faster), plus the last value each side returned. ``also`` names more callables timed in the same
+    rounds (``<name>_seconds``, ``<name>_median``, ``<name>_value``): a bound on ours measured beside it, so that the
+    machine's drift over the run moves both alike instead of one measured after the other.
     """
+    sides = [("ours", ours), ("peer", peer), *(also or {}).items()]
     results: dict[str, Any] = {}
     if warmup:
-        results["ours_value"], results["peer_value"] = ours(), peer()
-    times: dict[str, list[float]] = {"ours": [], "peer": []}
+        for side, fn in sides:
+            results[f"{side}_value"] = fn()
+    times: dict[str, list[float]] = {side: [] for side, _ in sides}
     for r in range(rounds):
-        # Swap the order every round, so neither side always runs on a machine the other just warmed or heated.
-        order = (("ours", ours), ("peer", peer)) if r % 2 == 0 else (("peer", peer), ("ours", ours))
+        # Rotate the order every round (ours, peer / peer, ours with two sides), so that no side always runs on a
+        # machine another just warmed or heated.
+        order = sides[r % len(sides):] + sides[: r % len(sides)]
         for side, fn in order:
             gc.collect()
             t0 = time.perf_counter()
             results[f"{side}_value"] = fn()
             times[side].append(time.perf_counter() - t0)
-    ours_s, peer_s = statistics.median(times["ours"]), statistics.median(times["peer"])
-    return {
-        "ours_seconds": times["ours"],
-        "peer_seconds": times["peer"],
-        "ours_median": ours_s,
-        "peer_median": peer_s,
-        "ratio": peer_s / ours_s,
-        "ours_value": results.get("ours_value"),
-        "peer_value": results.get("peer_value"),
-    }
+    for side, _ in sides:
+        results[f"{side}_seconds"] = times[side]
+        results[f"{side}_median"] = statistics.median(times[side])
+        results.setdefault(f"{side}_value", None)
+    results["ratio"] = results["peer_median"] / results["ours_median"]
+    return results
 
 
 def growth_exponent(sizes: list[float], seconds: list[float]) -> float:
