@@ -126,3 +126,144 @@ def test_chunked_threaded_encoding_gives_transformers_own_ids(family, tmp_path):
     tok.backend_tokenizer.enable_truncation(8)  # transformers turns it off for its own call: so must the fast path
     assert chat._direct_backend(tok) is None
     assert encode_conversations(tok, prompts, responses) == [list(x) for x in expected]
+
+
+def _conversations_of_shared_prompts(n: int):
+    """``n`` conversations, four per prompt as ``rlhf score`` reads them, with responses that start alike, differ at
+    their first character, start with whitespace, are empty, repeat, or look like special tokens."""
+    starts = ["I found it fine", "I found it bad", "Yes", "  spaced", "", "<|end|> not a turn end", "<|eot_id|>x",
+              "\n\nnew lines", "naïve café ✓", "Yes"]
+    prompts = [f"prompt {i // 4}: write about item {i // 4}" if (i // 4) % 3 else
+               [{"role": "user", "content": f"q{i // 4}"}] for i in range(n)]
+    responses = [starts[(i * 3) % len(starts)] + f" {i}" * (i % 2) for i in range(n)]
+    return prompts, responses
+
+
+def _expected_ids(tok, prompts, responses):
+    from rlhf_pipeline.chat import as_messages
+
+    convs = [as_messages(p) + [{"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
+    return [list(x) for x in tok.apply_chat_template(convs, tokenize=True, return_dict=True)["input_ids"]]
+
+
+def _recording_cuts(monkeypatch):
+    from rlhf_pipeline import chat
+
+    cuts = []
+    real = chat.SharedPrefix._cut
+
+    def cut(self, a, b):
+        result = real(self, a, b)
+        cuts.append(result[0])
+        return result
+
+    monkeypatch.setattr(chat.SharedPrefix, "_cut", cut)
+    return cuts
+
+
+@pytest.mark.parametrize("family", ["tiny", "llama3", "chatml", "mistral", "gemma"])
+def test_the_conversations_of_one_prompt_share_its_encoding_and_get_transformers_own_ids(family, monkeypatch):
+    """Consecutive conversations of one prompt have their shared start (up to the last added token before the
+    responses differ) encoded once: the ids are still exactly ``apply_chat_template``'s, for every chat format."""
+    from rlhf_pipeline import chat
+    from rlhf_pipeline.tiny import build_tokenizer
+
+    tok = build_tokenizer(chat_format=family)
+    assert chat.SharedPrefix.of(tok.backend_tokenizer) is not None
+    cuts = _recording_cuts(monkeypatch)
+    prompts, responses = _conversations_of_shared_prompts(chat.ENCODE_CHUNK * 2 + 20)
+    assert encode_conversations(tok, prompts, responses) == _expected_ids(tok, prompts, responses)
+    assert len(cuts) >= len(prompts) // 4 - 3 and all(c > 0 for c in cuts)  # the shared path ran, on every group
+
+
+def _metaspace_tokenizer(prepend_scheme: str):
+    """A small SentencePiece-style BPE (Metaspace pre-tokenizer) trained on the spot, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme)
+    backend.decoder = decoders.Metaspace(prepend_scheme=prepend_scheme)
+    words = ["hello there", "fine thanks", "assistant user", "a longer answer with words", "prompt item write"] * 20
+    backend.train_from_iterator(words, trainers.BpeTrainer(vocab_size=200, special_tokens=["<|im_start|>", "<|im_end|>"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' }}"
+                         "{% endfor %}")
+    return tok
+
+
+def _cut_after_last(tok, text: str, token: str) -> list[int]:
+    cut = text.rindex(token) + len(token)
+    backend = tok.backend_tokenizer
+    return backend.encode(text[:cut], add_special_tokens=False).ids + backend.encode(text[cut:], add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("prepend_scheme, shared", [("first", False), ("always", True)])
+def test_a_pre_tokenizer_that_marks_the_first_piece_keeps_whole_texts(prepend_scheme, shared, monkeypatch):
+    """Metaspace with ``prepend_scheme="first"`` prepends its space to the text's first piece only, so a text cut
+    after an added token does not encode as its two parts: such a tokenizer is encoded whole; with "always" the
+    parts are the whole, and the shared start is used. Both give ``apply_chat_template``'s ids."""
+    from rlhf_pipeline import chat
+
+    tok = _metaspace_tokenizer(prepend_scheme)
+    text = tok.apply_chat_template([{"role": "user", "content": "hello there"},
+                                    {"role": "assistant", "content": "fine thanks"}], tokenize=False)
+    whole = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    assert (_cut_after_last(tok, text, "<|im_start|>") == whole) is shared  # the rule is needed, and exact
+    assert (chat.SharedPrefix.of(tok.backend_tokenizer) is not None) is shared
+    cuts = _recording_cuts(monkeypatch)
+    prompts, responses = _conversations_of_shared_prompts(chat.ENCODE_CHUNK + 40)
+    assert encode_conversations(tok, prompts, responses) == _expected_ids(tok, prompts, responses)
+    assert bool(cuts) is shared
+
+
+def test_no_cut_after_a_token_that_strips_the_whitespace_after_it(monkeypatch):
+    """An added token with ``rstrip`` eats the whitespace that follows it, so the response's leading spaces vanish
+    in the whole text but not in a part encoded alone: no cut is made after it."""
+    from tokenizers import AddedToken
+
+    from rlhf_pipeline import chat
+    from rlhf_pipeline.tiny import build_tokenizer
+
+    tok = build_tokenizer(chat_format="tiny")
+    tok.backend_tokenizer.add_special_tokens([AddedToken("<|assistant|>", rstrip=True, normalized=False, special=True)])
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  spaced"}],
+                                   tokenize=False)
+    assert _cut_after_last(tok, text, "<|assistant|>") != tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    cuts = _recording_cuts(monkeypatch)
+    prompts, responses = _conversations_of_shared_prompts(chat.ENCODE_CHUNK + 40)
+    assert encode_conversations(tok, prompts, responses) == _expected_ids(tok, prompts, responses)
+    assert cuts and not any(cuts)  # every group kept whole: the only token before the responses strips
+
+
+def test_special_tokens_read_as_text_keep_whole_texts(monkeypatch):
+    """With ``split_special_tokens`` the template's special tokens are encoded as text, so no piece ends at them and
+    nothing is cut; the ids are still transformers' own."""
+    from rlhf_pipeline import chat
+    from rlhf_pipeline.tiny import build_tokenizer
+
+    tok = build_tokenizer(chat_format="chatml")
+    tok.split_special_tokens = True
+    tok.backend_tokenizer.encode_special_tokens = True
+    assert chat._direct_backend(tok) is not None and chat.SharedPrefix.of(tok.backend_tokenizer) is None
+    prompts, responses = _conversations_of_shared_prompts(chat.ENCODE_CHUNK + 40)
+    assert encode_conversations(tok, prompts, responses) == _expected_ids(tok, prompts, responses)
+
+
+def test_a_cut_the_rules_miss_is_caught_on_each_chunk_and_encoded_whole(monkeypatch, caplog):
+    """The last guard: the first group of every chunk is also encoded whole and compared. With the rule that keeps
+    a cut out of a longer added token switched off, ``<|assistant|>I`` (an added token) swallows the first letter of
+    responses that start with I, which a cut after ``<|assistant|>`` misses; the comparison catches it, warns, and
+    the chunk is encoded whole."""
+    from rlhf_pipeline import chat
+    from rlhf_pipeline.tiny import build_tokenizer
+
+    tok = build_tokenizer(chat_format="tiny")
+    tok.add_special_tokens({"additional_special_tokens": ["<|assistant|>I"]})
+    monkeypatch.setattr(chat.SharedPrefix, "_cut_after", lambda self, token: token in self.ids)
+    n = chat.ENCODE_CHUNK + 40
+    prompts = [f"prompt {i // 2}" for i in range(n)]
+    responses = ["I agree" if i % 2 == 0 else "Sure" for i in range(n)]
+    with caplog.at_level("WARNING", logger="rlhf_pipeline.chat"):
+        assert encode_conversations(tok, prompts, responses) == _expected_ids(tok, prompts, responses)
+    assert "encoding them whole" in caplog.text

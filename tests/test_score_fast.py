@@ -154,34 +154,43 @@ def test_a_scorer_that_loads_its_model_while_it_encodes_gives_the_same_rewards(t
     assert lazy.model is not None and lazy.mode == eager.mode == "last_token"
 
 
-def test_a_failed_model_load_stops_the_encoding_at_its_next_chunk(tiny_rm, monkeypatch):
-    """With ``load_model=False`` the model loads while another thread encodes: when the load fails (or Ctrl-C comes),
-    that error is the one raised, and the encoding stops at its next chunk instead of running to the end first."""
-    import time
+def test_the_model_loads_once_every_chunk_is_rendered_and_a_failed_load_is_the_error_raised(tiny_rm, monkeypatch):
+    """With ``load_model=False`` the model loads on this thread once every chunk of conversations is rendered (the
+    template and the loading both need the GIL; the encoder, which does not, is fed first), while the encoder
+    finishes. A failed load (or Ctrl-C) is the error raised, and no encoding thread outlives the call."""
+    import threading
 
     from rlhf_pipeline import chat
 
-    rendered = []
+    events = []
     real_render = chat._render
 
-    def slow_render(tokenizer, add_generation_prompt):
+    def recording_render(tokenizer, add_generation_prompt):
         render = real_render(tokenizer, add_generation_prompt)
 
         def each(convs):
-            rendered.append(len(convs))
-            time.sleep(0.05)
+            events.append("render")
             return render(convs)
 
         return each
 
-    monkeypatch.setattr(chat, "_render", slow_render)
+    monkeypatch.setattr(chat, "_render", recording_render)
+    n = chat.ENCODE_CHUNK * 5
+    prompts, responses = [f"prompt {i // 4}" for i in range(n)], [f"response {i}" for i in range(n)]
+
     scorer = RewardModelScorer(tiny_rm, load_model=False)
+    real_load = scorer.load_model
+    monkeypatch.setattr(scorer, "load_model", lambda: (events.append("load"), real_load()))
+    assert scorer.score(prompts, responses) == RewardModelScorer(tiny_rm).score(prompts, responses)
+    assert events[:6] == ["render"] * 5 + ["load"]  # then the fast path's check renders the first conversation
+
+    failing = RewardModelScorer(tiny_rm, load_model=False)
 
     def fail():
         raise OSError("the reward model's weights are unreadable")
 
-    monkeypatch.setattr(scorer, "load_model", fail)
-    n = chat.ENCODE_CHUNK * 20
+    monkeypatch.setattr(failing, "load_model", fail)
+    threads = threading.active_count()
     with pytest.raises(OSError, match="unreadable"):
-        scorer.score(["a prompt"] * n, ["a response"] * n)
-    assert 1 <= len(rendered) < 20  # stopped early: not every chunk was rendered
+        failing.score(prompts, responses)
+    assert threading.active_count() == threads

@@ -4,7 +4,8 @@ A prompt row has a ``prompt`` string or a ``messages`` list of ``{role, content}
 present (UltraFeedback-style data keeps the whole conversation, answer included, in ``messages``). The chat
 template is applied exactly once and its rendering encoded without adding special tokens (what
 ``apply_chat_template(..., tokenize=True)`` does), so the engine never sees the double BOS that re-encoding a rendered
-string with them gives. Large batches are rendered and encoded in chunks over threads (:func:`encode_texts`).
+string with them gives. Large batches are rendered and encoded in chunks over threads (:func:`encode_texts`), and the
+conversations of one prompt have the prompt's part encoded once (:class:`SharedPrefix`), with the same ids.
 No token id or template slice is hard-coded: stop tokens come from the tokenizer and the generation config.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -117,31 +118,168 @@ def _direct_backend(tokenizer: PreTrainedTokenizerBase):
 
 
 def encode_texts(tokenizer: PreTrainedTokenizerBase, items: Sequence[Any], to_text: Callable[[list], list[str]],
-                 add_special_tokens: bool, stop: threading.Event | None = None) -> list[list[int]]:
+                 add_special_tokens: bool, keys: Sequence[Any] | None = None,
+                 meanwhile: Callable[[], None] | None = None) -> list[list[int]]:
     """Token ids of ``to_text(items)``, exactly as ``tokenizer(to_text(items), add_special_tokens=...)`` gives them,
     rendered and encoded in chunks of :data:`ENCODE_CHUNK`: while this thread renders a chunk (a chat template is
     Python), the Rust encoder, which releases the GIL, encodes the chunks before it on the other cores (with
-    ``TOKENIZERS_PARALLELISM=false``, which only stops the encoder's own thread pool, too). ``stop``, when set by
-    another thread, ends the work at the next chunk (with an error: the ids are then not whole)."""
+    ``TOKENIZERS_PARALLELISM=false``, which only stops the encoder's own thread pool, too).
+
+    ``keys`` (one per item): consecutive items with equal keys share the start of their text (the conversations of
+    one prompt), which is then encoded once for them where that gives the same ids (:class:`SharedPrefix`).
+    ``meanwhile`` runs on this thread once every chunk is rendered, while the encoder finishes them (a reward model
+    loads there: rendering first keeps the encoder fed, as both need the GIL); an error from it is raised once the
+    chunks in flight end."""
     items = list(items)
     backend = _direct_backend(tokenizer)
     if backend is None or len(items) <= ENCODE_CHUNK:
         texts = to_text(items) if items else []
-        return [list(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]] if texts else []
+        ids = [list(x) for x in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]] if texts else []
+        if meanwhile is not None:
+            meanwhile()
+        return ids
 
     # encode_batch_fast (tokenizers >= 0.21) skips the character offsets, which ids do not need: the same ids
     batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    shared = SharedPrefix.of(backend) if keys is not None and not add_special_tokens else None
 
-    def encode(texts: list[str]) -> list[list[int]]:
+    def encode(texts: list[str], chunk_keys: Sequence[Any] | None) -> list[list[int]]:
+        if shared is not None:
+            return shared.encode(batch, texts, chunk_keys)
         return [encoding.ids for encoding in batch(texts, add_special_tokens=add_special_tokens)]
 
     with ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 1)))) as pool:
-        parts = []
-        for i in range(0, len(items), ENCODE_CHUNK):
-            if stop is not None and stop.is_set():
-                raise RuntimeError("encoding stopped")
-            parts.append(pool.submit(encode, to_text(items[i : i + ENCODE_CHUNK])))
+        parts = [pool.submit(encode, to_text(items[i : i + ENCODE_CHUNK]),
+                             None if keys is None else keys[i : i + ENCODE_CHUNK])
+                 for i in range(0, len(items), ENCODE_CHUNK)]
+        if meanwhile is not None:
+            meanwhile()
         return [ids for part in parts for ids in part.result()]
+
+
+# Pre-tokenizers that treat every piece of text between two added tokens alike wherever it stands; Metaspace too,
+# unless it prepends its space to the text's first piece only (prepend_scheme "first", checked below).
+_PIECEWISE_PRE_TOKENIZERS = frozenset({
+    "BertPreTokenizer", "ByteLevel", "CharDelimiterSplit", "Digits", "FixedLength", "Metaspace", "Punctuation",
+    "Sequence", "Split", "UnicodeScripts", "Whitespace", "WhitespaceSplit",
+})
+
+
+def _piecewise(pre_tokenizer: dict | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind not in _PIECEWISE_PRE_TOKENIZERS or (kind == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first"):
+        return False
+    return all(_piecewise(p) for p in pre_tokenizer.get("pretokenizers", ()))
+
+
+class SharedPrefix:
+    """Encode the conversations of one prompt with their shared start encoded once.
+
+    A fast tokenizer cuts its input at every added token (``<|eot_id|>``, ``<|im_start|>``, ...) before it normalises,
+    pre-tokenises and encodes anything, and encodes each piece between them on its own. So the ids of a text cut right
+    after an added token ``T`` are the ids of the part up to the cut followed by the ids of the rest, provided that:
+    ``T`` is matched there in both (no other added token contains it, so none can span the cut), ``T`` does not strip
+    the whitespace after it (``rstrip``) and is matched before normalisation (``normalized=False``), no added token
+    matches single words only (which can refuse a match), special tokens are not read as text
+    (``split_special_tokens``), and the pre-tokenizer does not treat the text's first piece differently (Metaspace
+    with ``prepend_scheme="first"``). :meth:`of` checks the tokenizer; for each group of texts
+    the cut is after the last added token of their common start, the start is encoded once and must end in ``T``'s
+    id, and the first group of each chunk is also encoded whole and compared, so a tokenizer these rules miss falls
+    back to whole texts (with a warning) instead of giving other ids.
+    """
+
+    def __init__(self, pattern: re.Pattern, ids: dict[str, int], contents: list[str]):
+        self.pattern, self.ids, self.contents = pattern, ids, contents
+        self.safe: dict[str, bool] = {}
+
+    @classmethod
+    def of(cls, backend) -> SharedPrefix | None:
+        import json
+
+        pre = backend.pre_tokenizer
+        if not _piecewise(None if pre is None else json.loads(pre.__getstate__())):
+            return None
+        if getattr(backend, "encode_special_tokens", False):  # special tokens read as text: no piece ends at them
+            return None
+        added = backend.get_added_tokens_decoder()
+        if not added or any(t.single_word for t in added.values()):
+            return None
+        plain = {t.content: i for i, t in added.items() if not t.normalized and t.content}
+        cuts = {c for c, i in plain.items() if not added[i].rstrip}
+        if not cuts:
+            return None
+        contents = sorted(plain, key=len, reverse=True)  # longest first: the regex then matches leftmost-longest
+        return cls(re.compile("|".join(map(re.escape, contents))), {c: plain[c] for c in cuts}, contents)
+
+    def _cut_after(self, token: str) -> bool:
+        if token not in self.safe:
+            self.safe[token] = token in self.ids and not any(token in c for c in self.contents if c != token)
+        return self.safe[token]
+
+    def _cut(self, a: str, b: str) -> tuple[int, int]:
+        """Where to cut the texts of a group whose first two are ``a`` and ``b``: after the last added token of their
+        common start, and that token's id; (0, -1) when there is none to cut after."""
+        lo, hi = 0, min(len(a), len(b))
+        while lo < hi:  # the length of the common start, by halving (each comparison runs in C)
+            mid = (lo + hi + 1) // 2
+            if a[:mid] == b[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        last = None
+        for last in self.pattern.finditer(a, 0, lo):
+            pass
+        if last is None or not self._cut_after(last.group()):
+            return 0, -1
+        return last.end(), self.ids[last.group()]
+
+    def encode(self, batch: Callable, texts: list[str], keys: Sequence[Any]) -> list[list[int]]:
+        jobs: list[str] = []
+        plan: list[tuple[int, int, int]] = []  # per text: (job of its shared start or -1, the id it ends in, job)
+        check = None  # (text index, job of the whole text): the first shared text of the chunk, encoded whole too
+        i = 0
+        while i < len(texts):
+            j = i + 1
+            while j < len(texts) and keys[j] == keys[i]:
+                j += 1
+            cut, last_id = self._cut(texts[i], texts[i + 1]) if j - i > 1 else (0, -1)
+            if cut:
+                start, start_job = texts[i][:cut], len(jobs)
+                jobs.append(start)
+                for k in range(i, j):
+                    if texts[k].startswith(start):
+                        plan.append((start_job, last_id, len(jobs)))
+                        jobs.append(texts[k][cut:])
+                    else:
+                        plan.append((-1, -1, len(jobs)))
+                        jobs.append(texts[k])
+                if check is None:
+                    check = (i, len(jobs))
+                    jobs.append(texts[i])
+            else:
+                for k in range(i, j):
+                    plan.append((-1, -1, len(jobs)))
+                    jobs.append(texts[k])
+            i = j
+        encoded = [e.ids for e in batch(jobs, add_special_tokens=False)]
+        out, redo = [], []
+        for k, (start, last_id, job) in enumerate(plan):
+            if start < 0:
+                out.append(encoded[job])
+            elif encoded[start] and encoded[start][-1] == last_id:
+                out.append(encoded[start] + encoded[job])
+            else:  # the start did not end in the token cut after: this text whole
+                out.append(None)
+                redo.append(k)
+        if check is not None and out[check[0]] is not None and out[check[0]] != encoded[check[1]]:
+            log.warning("encoding the conversations of one prompt with their shared start once gave other ids than "
+                        "encoding them whole; encoding them whole")
+            return [e.ids for e in batch(texts, add_special_tokens=False)]
+        for k, ids in zip(redo, batch([texts[k] for k in redo], add_special_tokens=False) if redo else ()):
+            out[k] = ids.ids
+        return out
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool) -> Callable[[list], list[str]]:
@@ -169,15 +307,17 @@ def encode_prompts(
 
 def encode_conversations(
     tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[dict[str, str]]], responses: list[str],
-    stop: threading.Event | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> list[list[int]]:
-    """Token ids of whole prompt + response conversations, as a reward model reads them (``stop``: see
-    :func:`encode_texts`)."""
+    """Token ids of whole prompt + response conversations, as a reward model reads them (``meanwhile``: see
+    :func:`encode_texts`). Consecutive conversations of one prompt (``rlhf score``'s n responses) have the prompt's
+    part encoded once where that gives the same ids."""
     if tokenizer.chat_template:
         convs = [as_messages(p) + [{"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
-        return encode_texts(tokenizer, convs, _render(tokenizer, False), add_special_tokens=False, stop=stop)
+        return encode_texts(tokenizer, convs, _render(tokenizer, False), add_special_tokens=False, keys=prompts,
+                            meanwhile=meanwhile)
     return encode_texts(tokenizer, [as_text(p) + r for p, r in zip(prompts, responses)], list,
-                        add_special_tokens=True, stop=stop)
+                        add_special_tokens=True, meanwhile=meanwhile)
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str, trust_remote_code: bool = False) -> list[int]:

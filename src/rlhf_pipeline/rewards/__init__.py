@@ -28,8 +28,6 @@ import importlib
 import importlib.util
 import logging
 import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -306,10 +304,10 @@ class RewardModelScorer:
                                        device=self.device)
         prepare_reward_model(self.model, self.pad_id)
 
-    def encode(self, prompts: list, responses: list[str], stop=None) -> list[list[int]]:
+    def encode(self, prompts: list, responses: list[str], meanwhile=None) -> list[list[int]]:
         from rlhf_pipeline.chat import encode_conversations
 
-        ids = encode_conversations(self.tokenizer, prompts, responses, stop=stop)
+        ids = encode_conversations(self.tokenizer, prompts, responses, meanwhile=meanwhile)
         over = sum(len(x) > self.max_length for x in ids)
         if over:
             log.warning("%d of %d sequences exceed --max-length %d and are truncated", over, len(ids), self.max_length)
@@ -389,24 +387,23 @@ class RewardModelScorer:
         return rewards
 
     def score(self, prompts: list, responses: list[str], world: int = 1, rank: int = 0) -> list[float | None]:
-        """The reward of every (prompt, response). A scorer made with ``load_model=False`` loads its model here, on
-        this thread, while another renders and encodes the conversations (the encoder and most of the loading run
-        outside the GIL), instead of one after the other; a failed load (or Ctrl-C) stops the encoding at its next
-        chunk. The vLLM engine is made with the scorer, so there it only encodes."""
+        """The reward of every (prompt, response). A scorer made with ``load_model=False`` loads its model here once
+        the conversations are rendered, while the Rust encoder (outside the GIL) encodes them, instead of one after
+        the other, and checks the fast path on the first conversation before the encoding ends. The vLLM engine is
+        made with the scorer, so there it only encodes."""
         if self.closed:
             raise RuntimeError("this scorer was closed; make a new one")
         if self.model is not None or self.vllm is not None:
             return self.score_ids(self.encode(prompts, responses), world, rank)
-        stop = threading.Event()
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            encoded = pool.submit(self.encode, prompts, responses, stop)
-            try:
-                self.load_model()
-            except BaseException:
-                stop.set()  # the pool waits for the worker on the way out: let it end at its next chunk
-                raise
-            ids = encoded.result()
-        return self.score_ids(ids, world, rank)
+
+        def load() -> None:
+            from rlhf_pipeline.chat import encode_conversations
+
+            self.load_model()
+            if self.mode is None and prompts:
+                self.mode = self._choose_mode(encode_conversations(self.tokenizer, prompts[:1], responses[:1]))
+
+        return self.score_ids(self.encode(prompts, responses, meanwhile=load), world, rank)
 
     def close(self) -> None:
         """Free the model (vLLM's engine is shut down), so that the next reward source of a stage has the memory."""

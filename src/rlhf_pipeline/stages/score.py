@@ -282,7 +282,7 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: 
         try:
             for start, end in _row_chunks(locations, CHUNK_ROWS):
                 prompts, responses = _texts(ds, column, locations[start:end])
-                scorer.mode = None  # the fast path is checked on each chunk's longest sequence
+                scorer.mode = None  # the fast path is checked on each chunk's first conversation
                 for k, value in enumerate(scorer.score(prompts, responses, world, rank)):
                     if value is not None:  # another process's share: None here
                         mine[0].append(start + k)
