@@ -24,7 +24,8 @@ warm-up each, each model loaded once outside the timing (the CPU benchmark also 
 * peer: REBEL's ``rank.py`` loop: per response, ``apply_chat_template(..., truncation=True)``, one forward of batch 1,
   ``.item()``.
 
-Both sides' rewards must agree (1e-4 relative in float32, 3e-2 in bfloat16) before a ratio is reported.
+Both sides' rewards must agree (1e-4 relative in float32, 3e-2 in bfloat16) before a size's ratio is reported; a size
+whose rewards disagree is recorded without one (with the differences and the rewards' spread) and the script exits 1.
 """
 
 from __future__ import annotations
@@ -120,9 +121,11 @@ def measure(size: str, args, workdir: Path) -> dict:
     ours, peer = result["ours_value"], result["peer_value"]
     tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
     worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(ours, peer))
-    if worst > tolerance:
-        raise SystemExit(f"{size}: rewards disagree (worst relative difference {worst:.2e} > {tolerance})")
+    agree = worst <= tolerance
+    if not agree:  # no ratio for this size; the others still run, and the script exits 1
+        print(f"{size}: rewards disagree (worst relative difference {worst:.2e} > {tolerance})", file=sys.stderr)
     sequences = len(prompts)
+    mean, std = sum(peer) / len(peer), (sum((b - sum(peer) / len(peer)) ** 2 for b in peer) / len(peer)) ** 0.5
     row = {
         "size": size, "parameters": sum(p.numel() for p in peer_model.parameters()), "dtype": str(dtype),
         "sequences": sequences, "batch_size": args.batch_size, "scorer_mode": scorer.mode,
@@ -130,7 +133,10 @@ def measure(size: str, args, workdir: Path) -> dict:
         "peer_seconds": [round(s, 4) for s in result["peer_seconds"]],
         "ours_sequences_per_s": round(sequences / result["ours_median"], 1),
         "peer_sequences_per_s": round(sequences / result["peer_median"], 1),
-        "ratio": round(result["ratio"], 3), "max_relative_reward_difference": worst,
+        "ratio": round(result["ratio"], 3) if agree else None, "max_relative_reward_difference": worst,
+        "rewards_agree": agree, "tolerance": tolerance,
+        "mean_abs_reward_difference": sum(abs(a - b) for a, b in zip(ours, peer)) / len(peer),
+        "peer_reward_mean": mean, "peer_reward_std": std,
     }
     scorer = peer_model = None  # free both models before the next size (not del: the timed lambdas name them)
     if device.type == "cuda":
@@ -164,15 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"{'size':6s} {'params':>12s} {'ours seq/s':>11s} {'peer seq/s':>11s} {'ratio':>6s}   ({device_name})")
     for r in rows:
+        ratio = "  n/a (rewards disagree)" if r["ratio"] is None else f"{r['ratio']:6.2f}"
         print(f"{r['size']:6s} {r['parameters']:12,d} {r['ours_sequences_per_s']:11.1f} "
-              f"{r['peer_sequences_per_s']:11.1f} {r['ratio']:6.2f}")
+              f"{r['peer_sequences_per_s']:11.1f} {ratio}")
     if args.output:
         report = {"device": device_name, "torch": torch.__version__, "prompts": args.prompts, "n": args.n,
                   "rounds": args.rounds, "median_ratio_of": "median seconds per side",
                   "wall_seconds": round(time.time() - started, 1), "results": rows}
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.output}")
-    return 0
+    return 0 if all(r["rewards_agree"] for r in rows) else 1
 
 
 if __name__ == "__main__":
