@@ -11,9 +11,9 @@ a small model is mostly kernel-launch latency, so batching should gain much more
 Standalone: torch, transformers and tokenizers, and ``rlhf_pipeline`` from this checkout's ``src/`` (no install, no
 ``datasets``). Models are random-initialised Llama sequence classifiers (one label) built here, never downloaded,
 with the tiny bundled tokenizer (vocabulary 1,024) and its chat template; bfloat16 on a GPU (what ``rlhf score
---dtype auto`` picks), float32 on a CPU. Sizes: ``tiny`` (hidden 64, 2 layers: the model of ``rlhf bench``),
-``small`` (hidden 512, 8 layers, 26M parameters), ``1b`` (hidden 2048, 16 layers, intermediate 5632: 0.76B
-parameters with this vocabulary).
+--dtype auto`` picks), float32 on a CPU; ``--dtype`` sets it. Sizes: ``tiny`` (hidden 64, 2 layers: the model of
+``rlhf bench``), ``small`` (hidden 512, 8 layers, 26M parameters), ``1b`` (hidden 2048, 16 layers, intermediate
+5632: 0.76B parameters with this vocabulary).
 
 Data: ``--prompts`` bundled prompts (cycled, half with a corpus sentence appended) x ``--n`` responses of one to four
 corpus sentences, as ``rlhf bench`` builds them. Sides, in one process, alternating for ``--rounds`` rounds after one
@@ -100,7 +100,10 @@ def measure(size: str, args, workdir: Path) -> dict:
     path = workdir / size
     build_model(path, size)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, args.dtype)
     scorer = RewardModelScorer(str(path), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
                                batch_size=args.batch_size)
     scorer.model.to(device)
@@ -153,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=16, help="ours: sequences per forward (rlhf score's default)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="both sides' weights and activations (auto: bfloat16 on a GPU, float32 on a CPU)")
     p.add_argument("--output", help="write the results here as JSON")
     args = p.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
