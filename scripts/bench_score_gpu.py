@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -128,7 +129,7 @@ def measure(size: str, args, workdir: Path) -> dict:
     if not agree:  # no ratio for this size; the others still run, and the script exits 1
         print(f"{size}: rewards disagree (worst relative difference {worst:.2e} > {tolerance})", file=sys.stderr)
     sequences = len(prompts)
-    mean, std = sum(peer) / len(peer), (sum((b - sum(peer) / len(peer)) ** 2 for b in peer) / len(peer)) ** 0.5
+    mean, std = statistics.fmean(peer), statistics.pstdev(peer)
     row = {
         "size": size, "parameters": sum(p.numel() for p in peer_model.parameters()), "dtype": str(dtype),
         "sequences": sequences, "batch_size": args.batch_size, "scorer_mode": scorer.mode,

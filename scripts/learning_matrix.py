@@ -1,7 +1,8 @@
 """Every algorithm on every bundled demo task, with its documented defaults: does it learn? (Not run in CI.)
 
 For each task of ``rlhf_pipeline.demo.TASKS`` and each entry of the algorithm registry (and LoRA adapters on one
-pair and one group algorithm, and REBEL with ``--reward-gap-scale rms``), runs ``rlhf demo --task T --algo A`` (3 iterations, the demo's sizes) into
+pair and one group algorithm, and the candidate defaults of ``CANDIDATES``: REBEL with ``--reward-gap-scale rms``,
+GSPO with ten times its clip), runs ``rlhf demo --task T --algo A`` (3 iterations, the demo's sizes) into
 ``OUTPUT/T/A/`` and reads its ``summary.json``: the held-out gold reward of iterations 0..3 and the gain of iteration
 3 over iteration 0 in combined standard errors. Writes ``OUTPUT/matrix.json`` and ``OUTPUT/matrix.md`` (the table
 of docs/algorithms.md), after every run, so an interrupted matrix keeps what it has; run the same command again and
@@ -96,6 +97,7 @@ def main() -> int:
     # the rows of earlier invocations into the same output (other tasks or settings) are kept
     rows = json.loads((out / "matrix.json").read_text()) if (out / "matrix.json").exists() else []
     ran = []
+    order = list(settings(None))  # the table's row order: the registry's, then LoRA and the candidates
     for task in args.tasks:
         for name, (algo, train) in settings(args.algos).items():
             print(f"[matrix] {task} / {name}", flush=True)
@@ -105,7 +107,6 @@ def main() -> int:
             print(f"[matrix] {task} / {name}: " + (f"gain {r['gain_se']:.1f} s.e. in {r['wall_s']:.0f}s"
                                                    if "gain_se" in r else f"exit {r['exit']}"), flush=True)
             (out / "matrix.json").write_text(json.dumps(rows, indent=2) + "\n")
-            order = list(settings(None))
             rows.sort(key=lambda x: (order.index(x["setting"]) if x["setting"] in order else len(order)))
             (out / "matrix.md").write_text(table(rows, [t for t in TASKS if any(x["task"] == t for x in rows)]))
     return 0 if all("gain_se" in r for r in ran) else 1

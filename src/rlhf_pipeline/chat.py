@@ -169,7 +169,9 @@ def _piecewise(pre_tokenizer: dict | None) -> bool:
     if pre_tokenizer is None:
         return True
     kind = pre_tokenizer.get("type")
-    if kind not in _PIECEWISE_PRE_TOKENIZERS or (kind == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first"):
+    if kind not in _PIECEWISE_PRE_TOKENIZERS:
+        return False
+    if kind == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
         return False
     return all(_piecewise(p) for p in pre_tokenizer.get("pretokenizers", ()))
 

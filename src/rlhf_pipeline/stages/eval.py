@@ -188,9 +188,10 @@ def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[fl
 def verifiable_summary(source: RewardSource, responses: list[list[str]], rewards: list[list[float]]
                        ) -> dict[str, Any]:
     """pass@k (and maj@k) of a reward function whose rewards are all 0 or 1 (a verifiable reward: right or wrong),
-    ``rewards[i]`` those of prompt i's ``responses[i]``: ``{"pass_at_k": {"1": {"mean", "stderr"}, ...}}`` for k = 1, 2, 4, ...,
-    n (evalstats.k_ladder), and ``maj_at_k`` the same way when the function carries ``extract_answer(response)``
-    (the answer a response votes for, as rewards.verifiable's do); empty for anything else."""
+    ``rewards[i]`` those of prompt i's ``responses[i]``: ``{"pass_at_k": {"1": {"mean", "stderr"}, ...}}`` for
+    k = 1, 2, 4, ..., n (evalstats.k_ladder), and ``maj_at_k`` the same way when the function carries
+    ``extract_answer(response)`` (the answer a response votes for, as rewards.verifiable's do); empty for anything
+    else."""
     from rlhf_pipeline.evalstats import maj_at_k_summary, pass_at_k_summary
 
     if source.kind != "reward_fn" or not rewards or any(r not in (0.0, 1.0) for rs in rewards for r in rs):
