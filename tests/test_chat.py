@@ -1,6 +1,8 @@
 """Prompt validation and tokenization: one template application, one BOS, stop tokens from the model."""
 
 import json
+import sys
+import types
 
 import pytest
 from datasets import Dataset
@@ -269,3 +271,122 @@ def test_a_cut_the_rules_miss_is_caught_on_each_chunk_and_encoded_whole(monkeypa
     with caplog.at_level("WARNING", logger="rlhf_pipeline.chat"):
         assert encode_conversations(tok, prompts, responses) == _expected_ids(tok, prompts, responses)
     assert "encoding them whole" in caplog.text
+
+
+_CONVERSATION_SHAPES = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "<|im_end|> naïve ✓\n\n"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "again"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}],
+]
+
+
+@pytest.mark.parametrize("family", ["tiny", "llama3", "chatml", "mistral", "gemma"])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_the_template_rendered_directly_gives_apply_chat_templates_text(family, add_generation_prompt, monkeypatch):
+    """``_render`` renders the compiled template itself (with what ``apply_chat_template`` hands it) instead of
+    calling ``apply_chat_template`` per batch: the text is the same for every chat format and conversation shape,
+    and ``apply_chat_template`` is called once per batch, on its first conversation, as the check."""
+    from rlhf_pipeline import chat
+    from rlhf_pipeline.tiny import build_tokenizer
+
+    tok = build_tokenizer(chat_format=family)
+    shapes = [c for c in _CONVERSATION_SHAPES if family != "mistral" or c[0]["role"] != "system"]
+    convs = [shapes[i % len(shapes)] for i in range(40)]
+    if not add_generation_prompt:
+        convs = [c for c in convs if c[-1]["role"] == "assistant"] * 3
+    expected = tok.apply_chat_template(convs, add_generation_prompt=add_generation_prompt, tokenize=False)
+    calls = []
+    real = type(tok).apply_chat_template
+
+    def counting(self, conversations, **kwargs):
+        calls.append(len(conversations))
+        return real(self, conversations, **kwargs)
+
+    monkeypatch.setattr(type(tok), "apply_chat_template", counting)
+    render = chat._render(tok, add_generation_prompt)
+    assert render(convs) == expected
+    assert render(convs[1:]) == expected[1:]
+    assert calls == [1, 1]  # only the check: the batch itself was rendered directly
+
+
+def test_a_direct_rendering_that_differs_falls_back_to_apply_chat_template(monkeypatch, caplog):
+    """If a transformers release hands its templates something more (here: a variable the template prints), the
+    first conversation's check catches it, warns, and every batch from then on is ``apply_chat_template``'s; a
+    transformers without the helpers used is left to ``apply_chat_template`` from the start."""
+    import transformers.utils.chat_template_utils as ctu
+
+    from rlhf_pipeline import chat
+    from rlhf_pipeline.tiny import build_tokenizer
+
+    tok = build_tokenizer(chat_format="chatml")
+    tok.chat_template = "{{ release_variable | default('') }}" + tok.chat_template
+    real = type(tok).apply_chat_template
+    monkeypatch.setattr(type(tok), "apply_chat_template", lambda self, conversations, **kwargs: real(
+        self, conversations, release_variable="new", **kwargs))
+    convs = list(_CONVERSATION_SHAPES[:3]) * 5
+    expected = tok.apply_chat_template(convs, tokenize=False)
+    assert expected[0].startswith("new<|im_start|>")
+    render = chat._render(tok, False)
+    with caplog.at_level("WARNING", logger="rlhf_pipeline.chat"):
+        assert render(convs) == expected
+    assert "using apply_chat_template" in caplog.text
+    caplog.clear()
+    assert render(convs[2:]) == expected[2:] and not caplog.text  # decided once
+
+    # a release without the helpers (transformers' own functions keep theirs)
+    monkeypatch.setitem(sys.modules, ctu.__name__, types.ModuleType(ctu.__name__))
+    assert chat._render(tok, False)(convs) == expected
+
+
+def test_chunks_no_worker_has_started_are_encoded_by_the_calling_thread(monkeypatch):
+    """The calling thread renders, runs ``meanwhile``, then encodes the chunks still queued (last first) instead of
+    waiting for the workers: with the one worker held on its first chunk until the caller is done, the caller
+    encodes all the rest, and the ids are transformers' own, in order."""
+    import threading
+
+    from rlhf_pipeline import chat
+    from rlhf_pipeline.tiny import build_tokenizer
+
+    tok = build_tokenizer(chat_format="chatml")
+    real_backend = tok.backend_tokenizer
+    chunks = 5
+    caller, callers_chunks, release = threading.current_thread(), [], threading.Event()
+
+    class Backend:  # the real encoder, recording which thread encodes
+        def __getattr__(self, name):
+            return getattr(real_backend, name)
+
+        def encode_batch_fast(self, texts, add_special_tokens):
+            if threading.current_thread() is caller:
+                callers_chunks.append(len(texts))
+                if len(callers_chunks) == chunks - 1:
+                    release.set()
+            elif not release.wait(20):
+                release.set()  # fail once, not once per chunk
+                raise AssertionError("the calling thread never took the queued chunks")
+            return real_backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(chat, "_direct_backend", lambda tokenizer: Backend())
+    monkeypatch.setattr(chat, "_cores", lambda: 2)  # one worker
+    texts = [f"text {i} " + "word " * (i % 7) for i in range(chat.ENCODE_CHUNK * chunks)]
+    ran = []
+    ids = chat.encode_texts(tok, texts, list, add_special_tokens=False, meanwhile=lambda: ran.append(1))
+    assert ran == [1]
+    assert callers_chunks == [chat.ENCODE_CHUNK] * (chunks - 1)
+    assert ids == [list(x) for x in tok(texts, add_special_tokens=False)["input_ids"]]
+
+
+def test_an_error_in_a_chunk_the_calling_thread_encodes_is_raised(monkeypatch):
+    from rlhf_pipeline import chat
+    from rlhf_pipeline.tiny import build_tokenizer
+
+    tok = build_tokenizer(chat_format="chatml")
+    monkeypatch.setattr(chat, "_cores", lambda: 1)  # one worker: the caller takes whatever it has not started
+
+    def to_text(items):
+        return [None if x == "bad" else x for x in items]  # the encoder refuses None
+
+    items = ["fine"] * (chat.ENCODE_CHUNK * 3) + ["bad"]
+    with pytest.raises(TypeError):
+        chat.encode_texts(tok, items, to_text, add_special_tokens=False)

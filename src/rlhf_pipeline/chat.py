@@ -105,6 +105,14 @@ def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
 ENCODE_CHUNK = 128  # texts per call of the Rust encoder when a batch is spread over threads
 
 
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _direct_backend(tokenizer: PreTrainedTokenizerBase):
     """The Rust tokenizer of a fast tokenizer, when calling it directly gives exactly what ``tokenizer(texts)`` gives:
     no truncation or padding set on it, and special tokens read as the tokenizer reads them (transformers resets
@@ -123,11 +131,12 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, items: Sequence[Any], to_te
     """Token ids of ``to_text(items)``, exactly as ``tokenizer(to_text(items), add_special_tokens=...)`` gives them,
     rendered and encoded in chunks of :data:`ENCODE_CHUNK`: while this thread renders a chunk (a chat template is
     Python), the Rust encoder, which releases the GIL, encodes the chunks before it on the other cores (with
-    ``TOKENIZERS_PARALLELISM=false``, which only stops the encoder's own thread pool, too).
+    ``TOKENIZERS_PARALLELISM=false``, which only stops the encoder's own thread pool, too), and once this thread's
+    own work is done it encodes the chunks no worker has started.
 
     ``keys`` (one per item): consecutive items with equal keys share the start of their text (the conversations of
     one prompt), which is then encoded once for them where that gives the same ids (:class:`SharedPrefix`).
-    ``meanwhile`` runs on this thread once every chunk is rendered, while the encoder finishes them (a reward model
+    ``meanwhile`` runs on this thread once every chunk is rendered, while the workers encode them (a reward model
     loads there: rendering first keeps the encoder fed, as both need the GIL); an error from it is raised once the
     chunks in flight end."""
     items = list(items)
@@ -148,13 +157,25 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, items: Sequence[Any], to_te
             return shared.encode(batch, texts, chunk_keys)
         return [encoding.ids for encoding in batch(texts, add_special_tokens=add_special_tokens)]
 
-    with ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 1)))) as pool:
-        parts = [pool.submit(encode, to_text(items[i : i + ENCODE_CHUNK]),
-                             None if keys is None else keys[i : i + ENCODE_CHUNK])
-                 for i in range(0, len(items), ENCODE_CHUNK)]
-        if meanwhile is not None:
-            meanwhile()
-        return [ids for part in parts for ids in part.result()]
+    # One core is this thread's (rendering, then ``meanwhile``): the workers take the others, and this thread encodes
+    # the chunks none of them has started once its own work is done, so no core waits and none is shared by three.
+    chunks, parts = [], []
+    with ThreadPoolExecutor(max_workers=max(1, min(4, _cores() - 1))) as pool:
+        for i in range(0, len(items), ENCODE_CHUNK):
+            chunks.append((to_text(items[i : i + ENCODE_CHUNK]), None if keys is None else keys[i : i + ENCODE_CHUNK]))
+            parts.append(pool.submit(encode, *chunks[-1]))
+        done: dict[int, list[list[int]]] = {}
+        try:
+            if meanwhile is not None:
+                meanwhile()
+            for k in reversed(range(len(parts))):  # the last first: the workers take them from the front
+                if parts[k].cancel():
+                    done[k] = encode(*chunks[k])
+        except BaseException:
+            for part in parts:  # nothing more is started; the chunks in flight end before this is raised
+                part.cancel()
+            raise
+        return [ids for k, part in enumerate(parts) for ids in (done[k] if k in done else part.result())]
 
 
 # Pre-tokenizers that treat every piece of text between two added tokens alike wherever it stands; Metaspace too,
@@ -285,10 +306,41 @@ class SharedPrefix:
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool) -> Callable[[list], list[str]]:
-    """Conversations (lists of messages) -> their chat-template renderings, as ``apply_chat_template`` renders them
-    before it tokenizes (with ``add_special_tokens=False``: the template writes its own)."""
-    return lambda convs: tokenizer.apply_chat_template(convs, add_generation_prompt=add_generation_prompt,
-                                                       tokenize=False)
+    """Conversations (lists of ``{role, content}`` text messages, as :func:`as_messages` makes them) -> their
+    chat-template renderings, as ``apply_chat_template`` renders them before it tokenizes (with
+    ``add_special_tokens=False``: the template writes its own).
+
+    The template is rendered directly, with what ``apply_chat_template`` hands it (the messages, ``tools`` and
+    ``documents`` None, ``add_generation_prompt`` and the special tokens): it copies and checks every message on
+    the way, about half of its time on such messages, which already are plain text dicts. The first conversation of
+    each call is also rendered by ``apply_chat_template`` and compared, so a transformers release that hands the
+    template anything else makes this fall back to it (with a warning) instead of giving other text."""
+
+    def by_transformers(convs: list) -> list[str]:
+        return tokenizer.apply_chat_template(convs, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template, _plain_template_data
+
+        template = _compile_jinja_template(tokenizer.get_chat_template())
+        context = _plain_template_data({"tools": None, "documents": None,
+                                        "add_generation_prompt": add_generation_prompt, **tokenizer.special_tokens_map})
+    except Exception:  # another transformers: its own rendering, whatever it is
+        return by_transformers
+    direct = [True]
+
+    def render(convs: list) -> list[str]:
+        if not direct[0] or not convs:
+            return by_transformers(convs)
+        texts = [template.render(messages=conv, **context) for conv in convs]
+        if texts[0] != by_transformers(convs[:1])[0]:
+            log.warning("rendering the chat template directly gave other text than apply_chat_template; "
+                        "using apply_chat_template")
+            direct[0] = False
+            return by_transformers(convs)
+        return texts
+
+    return render
 
 
 def encode_prompts(
