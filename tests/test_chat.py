@@ -310,33 +310,95 @@ def test_the_template_rendered_directly_gives_apply_chat_templates_text(family, 
     assert calls == [1, 1]  # only the check: the batch itself was rendered directly
 
 
+def _counting_apply_chat_template(monkeypatch, tok, **extra):
+    """Record the number of conversations of every ``apply_chat_template`` call (passing ``extra`` to the template)."""
+    calls = []
+    real = type(tok).apply_chat_template
+
+    def counting(self, conversations, **kwargs):
+        calls.append(len(conversations))
+        return real(self, conversations, **extra, **kwargs)
+
+    monkeypatch.setattr(type(tok), "apply_chat_template", counting)
+    return calls
+
+
+def test_batches_of_other_than_plain_text_messages_are_left_to_apply_chat_template(monkeypatch):
+    """``apply_chat_template`` drops None values and turns str subclasses into str before the template sees them, so
+    a batch holding such a message (here far from its first conversation, which the check compares) is rendered by
+    it, not directly: the text is still its own."""
+    import enum
+
+    from rlhf_pipeline import chat
+    from rlhf_pipeline.tiny import build_tokenizer
+
+    class Role(str, enum.Enum):
+        USER = "user"
+
+    tok = build_tokenizer(chat_format="chatml")
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | default('(none)') }}|{% endfor %}"
+    plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    for odd in ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None}],
+                [{"role": Role.USER, "content": "q"}, {"role": "assistant", "content": "a"}]):
+        convs = [plain] * 20 + [odd] + [plain] * 5
+        expected = tok.apply_chat_template(convs, tokenize=False)
+        assert expected[20] in ("user: q|assistant: (none)|", "user: q|assistant: a|")
+        calls = _counting_apply_chat_template(monkeypatch, tok)
+        assert chat._render(tok, False)(convs) == expected
+        assert calls == [len(convs)]
+        monkeypatch.undo()
+
+
 def test_a_direct_rendering_that_differs_falls_back_to_apply_chat_template(monkeypatch, caplog):
     """If a transformers release hands its templates something more (here: a variable the template prints), the
-    first conversation's check catches it, warns, and every batch from then on is ``apply_chat_template``'s; a
-    transformers without the helpers used is left to ``apply_chat_template`` from the start."""
+    first conversation's check catches it, warns once, and every batch of that template from then on is
+    ``apply_chat_template``'s, in later calls too; a transformers without the helpers used is left to
+    ``apply_chat_template`` from the start."""
     import transformers.utils.chat_template_utils as ctu
 
     from rlhf_pipeline import chat
     from rlhf_pipeline.tiny import build_tokenizer
 
+    monkeypatch.setattr(chat, "_RENDERED_OTHERWISE", set())
     tok = build_tokenizer(chat_format="chatml")
-    tok.chat_template = "{{ release_variable | default('') }}" + tok.chat_template
-    real = type(tok).apply_chat_template
-    monkeypatch.setattr(type(tok), "apply_chat_template", lambda self, conversations, **kwargs: real(
-        self, conversations, release_variable="new", **kwargs))
+    plain_template = tok.chat_template
+    tok.chat_template = "{{ release_variable | default('') }}" + plain_template
     convs = list(_CONVERSATION_SHAPES[:3]) * 5
+    calls = _counting_apply_chat_template(monkeypatch, tok, release_variable="new")
     expected = tok.apply_chat_template(convs, tokenize=False)
     assert expected[0].startswith("new<|im_start|>")
-    render = chat._render(tok, False)
+    calls.clear()
     with caplog.at_level("WARNING", logger="rlhf_pipeline.chat"):
-        assert render(convs) == expected
-    assert "using apply_chat_template" in caplog.text
-    caplog.clear()
-    assert render(convs[2:]) == expected[2:] and not caplog.text  # decided once
+        assert chat._render(tok, False)(convs) == expected
+        assert "using apply_chat_template" in caplog.text
+        assert calls == [1, len(convs)]
+        caplog.clear()
+        calls.clear()
+        assert chat._render(tok, False)(convs[2:]) == expected[2:]  # a later call: decided once
+        assert calls == [len(convs) - 2] and not caplog.text
 
-    # a release without the helpers (transformers' own functions keep theirs)
-    monkeypatch.setitem(sys.modules, ctu.__name__, types.ModuleType(ctu.__name__))
-    assert chat._render(tok, False)(convs) == expected
+        # a release without the helpers (transformers' own functions keep theirs), with a template that would match
+        tok.chat_template = plain_template
+        expected = tok.apply_chat_template(convs, tokenize=False)
+        calls.clear()
+        monkeypatch.setitem(sys.modules, ctu.__name__, types.ModuleType(ctu.__name__))
+        assert chat._render(tok, False)(convs) == expected
+        assert calls == [len(convs)] and not caplog.text
+
+
+class _RecordingBackend:
+    """The real Rust encoder, recording who encodes what: ``encode_batch_fast`` calls ``on_call(thread is caller,
+    texts)`` first."""
+
+    def __init__(self, real, on_call):
+        self.real, self.on_call = real, on_call
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def encode_batch_fast(self, texts, add_special_tokens):
+        self.on_call(texts)
+        return self.real.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
 
 
 def test_chunks_no_worker_has_started_are_encoded_by_the_calling_thread(monkeypatch):
@@ -349,44 +411,72 @@ def test_chunks_no_worker_has_started_are_encoded_by_the_calling_thread(monkeypa
     from rlhf_pipeline.tiny import build_tokenizer
 
     tok = build_tokenizer(chat_format="chatml")
-    real_backend = tok.backend_tokenizer
     chunks = 5
-    caller, callers_chunks, release = threading.current_thread(), [], threading.Event()
+    caller, callers_chunks = threading.current_thread(), []
+    worker_started, release = threading.Event(), threading.Event()
 
-    class Backend:  # the real encoder, recording which thread encodes
-        def __getattr__(self, name):
-            return getattr(real_backend, name)
+    def on_call(texts):
+        if threading.current_thread() is caller:
+            callers_chunks.append(len(texts))
+            if len(callers_chunks) == chunks - 1:
+                release.set()
+            return
+        worker_started.set()
+        if not release.wait(20):
+            release.set()  # fail once, not once per chunk
+            raise AssertionError("the calling thread never took the queued chunks")
 
-        def encode_batch_fast(self, texts, add_special_tokens):
-            if threading.current_thread() is caller:
-                callers_chunks.append(len(texts))
-                if len(callers_chunks) == chunks - 1:
-                    release.set()
-            elif not release.wait(20):
-                release.set()  # fail once, not once per chunk
-                raise AssertionError("the calling thread never took the queued chunks")
-            return real_backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-
-    monkeypatch.setattr(chat, "_direct_backend", lambda tokenizer: Backend())
+    monkeypatch.setattr(chat, "_direct_backend", lambda tokenizer: _RecordingBackend(tok.backend_tokenizer, on_call))
     monkeypatch.setattr(chat, "_cores", lambda: 2)  # one worker
     texts = [f"text {i} " + "word " * (i % 7) for i in range(chat.ENCODE_CHUNK * chunks)]
-    ran = []
-    ids = chat.encode_texts(tok, texts, list, add_special_tokens=False, meanwhile=lambda: ran.append(1))
-    assert ran == [1]
+    ids = chat.encode_texts(tok, texts, list, add_special_tokens=False,
+                            meanwhile=lambda: worker_started.wait(20))  # the worker holds the first chunk
     assert callers_chunks == [chat.ENCODE_CHUNK] * (chunks - 1)
     assert ids == [list(x) for x in tok(texts, add_special_tokens=False)["input_ids"]]
 
 
-def test_an_error_in_a_chunk_the_calling_thread_encodes_is_raised(monkeypatch):
+@pytest.mark.parametrize("fails_in", ["render", "encode"])
+def test_an_error_while_rendering_or_encoding_is_raised_and_nothing_more_is_encoded(fails_in, monkeypatch):
+    """A template that fails on a later chunk, or a chunk the calling thread fails to encode, is the error raised,
+    and the chunks no worker has started are not encoded: the one worker, holding the first chunk until every other
+    is cancelled, encodes that one only."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
     from rlhf_pipeline import chat
     from rlhf_pipeline.tiny import build_tokenizer
 
     tok = build_tokenizer(chat_format="chatml")
-    monkeypatch.setattr(chat, "_cores", lambda: 1)  # one worker: the caller takes whatever it has not started
+    caller, futures, encoded, worker_started = threading.current_thread(), [], [], threading.Event()
 
-    def to_text(items):
-        return [None if x == "bad" else x for x in items]  # the encoder refuses None
+    class Recording(ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            futures.append(super().submit(*args, **kwargs))
+            return futures[-1]
 
-    items = ["fine"] * (chat.ENCODE_CHUNK * 3) + ["bad"]
-    with pytest.raises(TypeError):
-        chat.encode_texts(tok, items, to_text, add_special_tokens=False)
+    def on_call(texts):
+        if threading.current_thread() is caller:
+            return
+        encoded.append(texts[0])
+        worker_started.set()
+        deadline = time.monotonic() + 20
+        while not all(f.cancelled() for f in futures[1:]) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    monkeypatch.setattr(chat, "ThreadPoolExecutor", Recording)
+    monkeypatch.setattr(chat, "_direct_backend", lambda tokenizer: _RecordingBackend(tok.backend_tokenizer, on_call))
+    monkeypatch.setattr(chat, "_cores", lambda: 2)  # one worker
+    items = [f"chunk {i // chat.ENCODE_CHUNK}" for i in range(chat.ENCODE_CHUNK * 4)] + ["bad"]
+
+    def to_text(chunk):
+        if "bad" not in chunk:
+            return list(chunk)
+        if fails_in == "render":
+            assert worker_started.wait(20)
+            raise ValueError("the template refuses this conversation")
+        return [None]  # the encoder refuses None
+
+    with pytest.raises(ValueError if fails_in == "render" else TypeError):
+        chat.encode_texts(tok, items, to_text, add_special_tokens=False, meanwhile=lambda: worker_started.wait(20))
+    assert encoded == ["chunk 0"] and len(futures) == (4 if fails_in == "render" else 5)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -157,15 +157,18 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, items: Sequence[Any], to_te
             return shared.encode(batch, texts, chunk_keys)
         return [encoding.ids for encoding in batch(texts, add_special_tokens=add_special_tokens)]
 
-    # One core is this thread's (rendering, then ``meanwhile``): the workers take the others, and this thread encodes
-    # the chunks none of them has started once its own work is done, so no core waits and none is shared by three.
-    chunks, parts = [], []
+    # One core is this thread's (rendering, then ``meanwhile``): the workers take the others (on one core, the one
+    # worker shares it), and this thread encodes the chunks none of them has started once its own work is done, so
+    # no core waits and none is shared by three.
+    chunks: list[tuple[list[str], Sequence[Any] | None]] = []
+    parts: list[Future] = []
+    done: dict[int, list[list[int]]] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(4, _cores() - 1))) as pool:
-        for i in range(0, len(items), ENCODE_CHUNK):
-            chunks.append((to_text(items[i : i + ENCODE_CHUNK]), None if keys is None else keys[i : i + ENCODE_CHUNK]))
-            parts.append(pool.submit(encode, *chunks[-1]))
-        done: dict[int, list[list[int]]] = {}
         try:
+            for i in range(0, len(items), ENCODE_CHUNK):
+                chunks.append((to_text(items[i : i + ENCODE_CHUNK]),
+                               None if keys is None else keys[i : i + ENCODE_CHUNK]))
+                parts.append(pool.submit(encode, *chunks[-1]))
             if meanwhile is not None:
                 meanwhile()
             for k in reversed(range(len(parts))):  # the last first: the workers take them from the front
@@ -305,16 +308,29 @@ class SharedPrefix:
         return out
 
 
+# (template, add_generation_prompt) pairs whose direct rendering differed from apply_chat_template's in this process
+_RENDERED_OTHERWISE: set[tuple[str, bool]] = set()
+
+
+def _plain(conv: list) -> bool:
+    """Messages of exactly a ``role`` and a ``content`` of type ``str``: what ``apply_chat_template`` hands such a
+    template unchanged (it drops None values, and turns str subclasses into str)."""
+    return all(type(m) is dict and len(m) == 2 and type(m.get("role")) is str and type(m.get("content")) is str
+               for m in conv)
+
+
 def _render(tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool) -> Callable[[list], list[str]]:
-    """Conversations (lists of ``{role, content}`` text messages, as :func:`as_messages` makes them) -> their
+    """Conversations (lists of ``{role, content}`` messages, as :func:`as_messages` makes them) -> their
     chat-template renderings, as ``apply_chat_template`` renders them before it tokenizes (with
     ``add_special_tokens=False``: the template writes its own).
 
-    The template is rendered directly, with what ``apply_chat_template`` hands it (the messages, ``tools`` and
-    ``documents`` None, ``add_generation_prompt`` and the special tokens): it copies and checks every message on
-    the way, about half of its time on such messages, which already are plain text dicts. The first conversation of
-    each call is also rendered by ``apply_chat_template`` and compared, so a transformers release that hands the
-    template anything else makes this fall back to it (with a warning) instead of giving other text."""
+    A batch whose messages are all plain text (:func:`_plain`) is rendered directly, with what
+    ``apply_chat_template`` hands the template (the messages, ``tools`` and ``documents`` None,
+    ``add_generation_prompt`` and the special tokens): on the way it copies and checks every message, about half of
+    its time on such messages, and changes none of them. Any other batch is left to ``apply_chat_template``. The first
+    conversation of each batch is also rendered by ``apply_chat_template`` and compared, so a transformers release
+    that hands the template anything else makes this process fall back to it for that template (with one warning)
+    instead of giving other text."""
 
     def by_transformers(convs: list) -> list[str]:
         return tokenizer.apply_chat_template(convs, add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -322,21 +338,22 @@ def _render(tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool) -> 
     try:
         from transformers.utils.chat_template_utils import _compile_jinja_template, _plain_template_data
 
-        template = _compile_jinja_template(tokenizer.get_chat_template())
+        source = tokenizer.get_chat_template()
+        template = _compile_jinja_template(source)
         context = _plain_template_data({"tools": None, "documents": None,
                                         "add_generation_prompt": add_generation_prompt, **tokenizer.special_tokens_map})
     except Exception:  # another transformers: its own rendering, whatever it is
         return by_transformers
-    direct = [True]
+    key = (source, add_generation_prompt)
 
     def render(convs: list) -> list[str]:
-        if not direct[0] or not convs:
+        if key in _RENDERED_OTHERWISE or not convs or not all(_plain(conv) for conv in convs):
             return by_transformers(convs)
         texts = [template.render(messages=conv, **context) for conv in convs]
         if texts[0] != by_transformers(convs[:1])[0]:
             log.warning("rendering the chat template directly gave other text than apply_chat_template; "
                         "using apply_chat_template")
-            direct[0] = False
+            _RENDERED_OTHERWISE.add(key)
             return by_transformers(convs)
         return texts
 
