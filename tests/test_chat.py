@@ -281,6 +281,19 @@ _CONVERSATION_SHAPES = [
 ]
 
 
+def _counting_apply_chat_template(monkeypatch, tok, **extra):
+    """Record the number of conversations of every ``apply_chat_template`` call (passing ``extra`` to the template)."""
+    calls = []
+    real = type(tok).apply_chat_template
+
+    def counting(self, conversations, **kwargs):
+        calls.append(len(conversations))
+        return real(self, conversations, **extra, **kwargs)
+
+    monkeypatch.setattr(type(tok), "apply_chat_template", counting)
+    return calls
+
+
 @pytest.mark.parametrize("family", ["tiny", "llama3", "chatml", "mistral", "gemma"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_the_template_rendered_directly_gives_apply_chat_templates_text(family, add_generation_prompt, monkeypatch):
@@ -296,31 +309,11 @@ def test_the_template_rendered_directly_gives_apply_chat_templates_text(family, 
     if not add_generation_prompt:
         convs = [c for c in convs if c[-1]["role"] == "assistant"] * 3
     expected = tok.apply_chat_template(convs, add_generation_prompt=add_generation_prompt, tokenize=False)
-    calls = []
-    real = type(tok).apply_chat_template
-
-    def counting(self, conversations, **kwargs):
-        calls.append(len(conversations))
-        return real(self, conversations, **kwargs)
-
-    monkeypatch.setattr(type(tok), "apply_chat_template", counting)
+    calls = _counting_apply_chat_template(monkeypatch, tok)
     render = chat._render(tok, add_generation_prompt)
     assert render(convs) == expected
     assert render(convs[1:]) == expected[1:]
     assert calls == [1, 1]  # only the check: the batch itself was rendered directly
-
-
-def _counting_apply_chat_template(monkeypatch, tok, **extra):
-    """Record the number of conversations of every ``apply_chat_template`` call (passing ``extra`` to the template)."""
-    calls = []
-    real = type(tok).apply_chat_template
-
-    def counting(self, conversations, **kwargs):
-        calls.append(len(conversations))
-        return real(self, conversations, **extra, **kwargs)
-
-    monkeypatch.setattr(type(tok), "apply_chat_template", counting)
-    return calls
 
 
 def test_batches_of_other_than_plain_text_messages_are_left_to_apply_chat_template(monkeypatch):
