@@ -379,6 +379,30 @@ def test_a_direct_rendering_that_differs_falls_back_to_apply_chat_template(monke
         assert calls == [len(convs)] and not caplog.text
 
 
+def test_a_conversation_the_template_refuses_gets_transformers_own_error(monkeypatch):
+    """Templates use the globals ``apply_chat_template`` gives them (``namespace``, ``raise_exception``), and the
+    direct rendering has them. A ``raise_exception`` on a conversation past the first leaves the batch to
+    ``apply_chat_template``, which raises its own error for it."""
+    from jinja2.exceptions import TemplateError
+
+    from rlhf_pipeline import chat
+    from rlhf_pipeline.tiny import build_tokenizer
+
+    tok = build_tokenizer(chat_format="chatml")
+    tok.chat_template = ("{% set ns = namespace(turns=0) %}{% for m in messages %}{% if m['role'] == 'tool' %}"
+                         "{{ raise_exception('no tool turns') }}{% endif %}{{ m['role'] }}: {{ m['content'] }}|"
+                         "{% set ns.turns = ns.turns + 1 %}{% endfor %}{{ ns.turns }}")
+    plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    convs = [plain] * 20 + [[{"role": "tool", "content": "x"}]] + [plain] * 3
+    calls = _counting_apply_chat_template(monkeypatch, tok)
+    render = chat._render(tok, False)
+    assert render(convs[:20]) == ["user: q|assistant: a|2"] * 20 and calls == [1]  # rendered directly
+    calls.clear()
+    with pytest.raises(TemplateError, match="no tool turns"):
+        render(convs)
+    assert calls == [len(convs)]
+
+
 class _RecordingBackend:
     """The real Rust encoder, recording who encodes what: ``encode_batch_fast`` calls ``on_call(thread is caller,
     texts)`` first."""

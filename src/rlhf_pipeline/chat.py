@@ -330,26 +330,45 @@ def _render(tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool) -> 
     its time on such messages, and changes none of them. Any other batch is left to ``apply_chat_template``. The first
     conversation of each batch is also rendered by ``apply_chat_template`` and compared, so a transformers release
     that hands the template anything else makes this process fall back to it for that template (with one warning)
-    instead of giving other text."""
+    instead of giving other text; a batch whose direct rendering raises (a template's ``raise_exception``) is left to
+    ``apply_chat_template`` too, for its own error.
+
+    Each conversation gets the context jinja's ``Template.render`` makes, built from plain dicts: ``render`` copies the
+    template's globals, a ``ChainMap``, key by key in Python into every context, which costs more than rendering a
+    short chat template does."""
 
     def by_transformers(convs: list) -> list[str]:
         return tokenizer.apply_chat_template(convs, add_generation_prompt=add_generation_prompt, tokenize=False)
 
     try:
+        from jinja2.runtime import new_context
         from transformers.utils.chat_template_utils import _compile_jinja_template, _plain_template_data
 
         source = tokenizer.get_chat_template()
         template = _compile_jinja_template(source)
         context = _plain_template_data({"tools": None, "documents": None,
                                         "add_generation_prompt": add_generation_prompt, **tokenizer.special_tokens_map})
-    except Exception:  # another transformers: its own rendering, whatever it is
+        environment, body = template.environment, template.root_render_func
+        template_globals = dict(template.globals)
+        if environment.is_async:
+            raise TypeError("an async jinja environment")
+    except Exception:  # another transformers or jinja: transformers' own rendering, whatever it is
         return by_transformers
     key = (source, add_generation_prompt)
+
+    def render_one(conv: list) -> str:
+        # Template.render(messages=conv, **context): the globals, then its arguments, over them
+        variables = {**template_globals, "messages": conv, **context}
+        return environment.concat(body(new_context(environment, template.name, template.blocks, variables, True,
+                                                   template_globals)))
 
     def render(convs: list) -> list[str]:
         if key in _RENDERED_OTHERWISE or not convs or not all(_plain(conv) for conv in convs):
             return by_transformers(convs)
-        texts = [template.render(messages=conv, **context) for conv in convs]
+        try:
+            texts = [render_one(conv) for conv in convs]
+        except Exception:  # the template refuses a conversation: transformers' error for it
+            return by_transformers(convs)
         if texts[0] != by_transformers(convs[:1])[0]:
             log.warning("rendering the chat template directly gave other text than apply_chat_template; "
                         "using apply_chat_template")
