@@ -404,8 +404,8 @@ def test_a_conversation_the_template_refuses_gets_transformers_own_error(monkeyp
 
 
 class _RecordingBackend:
-    """The real Rust encoder, recording who encodes what: ``encode_batch_fast`` calls ``on_call(thread is caller,
-    texts)`` first."""
+    """The real Rust encoder, recording who encodes what: ``encode_batch_fast`` calls ``on_call(texts)`` first, on
+    the thread that encodes them."""
 
     def __init__(self, real, on_call):
         self.real, self.on_call = real, on_call
@@ -416,6 +416,14 @@ class _RecordingBackend:
     def encode_batch_fast(self, texts, add_special_tokens):
         self.on_call(texts)
         return self.real.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+
+def _one_worker_recording(monkeypatch, tok, on_call):
+    """``encode_texts`` with one worker beside the calling thread, and ``on_call`` before each chunk is encoded."""
+    from rlhf_pipeline import chat
+
+    monkeypatch.setattr(chat, "_direct_backend", lambda tokenizer: _RecordingBackend(tok.backend_tokenizer, on_call))
+    monkeypatch.setattr(chat, "_cores", lambda: 2)
 
 
 def test_chunks_no_worker_has_started_are_encoded_by_the_calling_thread(monkeypatch):
@@ -443,8 +451,7 @@ def test_chunks_no_worker_has_started_are_encoded_by_the_calling_thread(monkeypa
             release.set()  # fail once, not once per chunk
             raise AssertionError("the calling thread never took the queued chunks")
 
-    monkeypatch.setattr(chat, "_direct_backend", lambda tokenizer: _RecordingBackend(tok.backend_tokenizer, on_call))
-    monkeypatch.setattr(chat, "_cores", lambda: 2)  # one worker
+    _one_worker_recording(monkeypatch, tok, on_call)
     texts = [f"text {i} " + "word " * (i % 7) for i in range(chat.ENCODE_CHUNK * chunks)]
     ids = chat.encode_texts(tok, texts, list, add_special_tokens=False,
                             meanwhile=lambda: worker_started.wait(20))  # the worker holds the first chunk
@@ -482,8 +489,7 @@ def test_an_error_while_rendering_or_encoding_is_raised_and_nothing_more_is_enco
             time.sleep(0.001)
 
     monkeypatch.setattr(chat, "ThreadPoolExecutor", Recording)
-    monkeypatch.setattr(chat, "_direct_backend", lambda tokenizer: _RecordingBackend(tok.backend_tokenizer, on_call))
-    monkeypatch.setattr(chat, "_cores", lambda: 2)  # one worker
+    _one_worker_recording(monkeypatch, tok, on_call)
     items = [f"chunk {i // chat.ENCODE_CHUNK}" for i in range(chat.ENCODE_CHUNK * 4)] + ["bad"]
 
     def to_text(chunk):

@@ -326,7 +326,7 @@ def _render(tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool) -> 
 
     A batch whose messages are all plain text (:func:`_plain`) is rendered directly, with what
     ``apply_chat_template`` hands the template (the messages, ``tools`` and ``documents`` None,
-    ``add_generation_prompt`` and the special tokens): on the way it copies and checks every message, about half of
+    ``add_generation_prompt`` and the special tokens): on the way it copies and checks every message, a large part of
     its time on such messages, and changes none of them. Any other batch is left to ``apply_chat_template``. The first
     conversation of each batch is also rendered by ``apply_chat_template`` and compared, so a transformers release
     that hands the template anything else makes this process fall back to it for that template (with one warning)
@@ -350,9 +350,9 @@ def _render(tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool) -> 
                                         "add_generation_prompt": add_generation_prompt, **tokenizer.special_tokens_map})
         environment, body = template.environment, template.root_render_func
         template_globals = dict(template.globals)
-        if environment.is_async:
-            raise TypeError("an async jinja environment")
     except Exception:  # another transformers or jinja: transformers' own rendering, whatever it is
+        return by_transformers
+    if environment.is_async:  # Template.render runs these through asyncio
         return by_transformers
     key = (source, add_generation_prompt)
 
