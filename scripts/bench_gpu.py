@@ -230,6 +230,105 @@ class Clock:
         return time.perf_counter()
 
 
+class StepProfiler:
+    """``torch.profiler`` over the steps window (``--profile``): every timed step, CPU and CUDA activity. The trace is
+    summarised by :func:`summarise_trace` (written into the result) and, with ``--profile-trace``, kept gzipped."""
+
+    def __init__(self, spec: dict, device):
+        self.on = bool(spec.get("profile"))
+        self.first, self.last = spec["warmup"], spec["total_steps"] - 1
+        self.trace = spec.get("profile_trace")
+        self.device, self.prof, self.summary = device, None, None
+
+    def before_step(self, step: int) -> None:
+        if self.on and step == self.first:
+            import torch.profiler as tp
+
+            activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.prof = tp.profile(activities=activities)
+            self.prof.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self.prof is None or step != self.last:
+            return
+        self.prof.__exit__(None, None, None)
+        path = Path(tempfile.mkdtemp(prefix="bench_gpu_trace_")) / "trace.json"
+        self.prof.export_chrome_trace(str(path))
+        self.summary = summarise_trace(json.loads(path.read_text()), steps=self.last - self.first + 1)
+        if self.trace:
+            import gzip
+
+            with open(path, "rb") as src, gzip.open(self.trace, "wb", compresslevel=6) as dst:
+                shutil.copyfileobj(src, dst)
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+# Kernel families by name (first match wins), for the profile's breakdown.
+KERNEL_FAMILIES = (
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma", "sm90")),
+    ("softmax / logsumexp / reductions", ("softmax", "logsumexp", "reduce", "norm")),
+    ("copies and casts", ("copy", "cast", "memcpy", "memset", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "index", "gather", "scatter")),
+)
+
+# CUDA runtime calls that make the host wait for the device.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def summarise_trace(trace: dict, steps: int) -> dict[str, Any]:
+    """What a chrome trace of ``steps`` training steps says: GPU busy time against wall time, the kernels that take
+    it (top 25 by time, and by family), the idle gaps between kernels, and the host's waits on the device."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kernels = sorted(((e["ts"], e["dur"], e["name"]) for e in events
+                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda k: k[0])
+    cpu_ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")]
+    out: dict[str, Any] = {"steps": steps, "kernels": len(kernels)}
+    if cpu_ops:
+        start = min(e["ts"] for e in cpu_ops + [{"ts": k[0]} for k in kernels])
+        end = max(e["ts"] + e["dur"] for e in cpu_ops + [{"ts": k[0], "dur": k[1]} for k in kernels])
+        out["wall_ms"] = (end - start) / 1e3
+    busy, gaps, last_end, last_name = 0.0, [], None, None
+    for ts, dur, name in kernels:
+        if last_end is not None and ts > last_end:
+            gaps.append((ts - last_end, last_name, name))
+        busy += max(0.0, ts + dur - max(ts, last_end or ts))
+        if last_end is None or ts + dur > last_end:
+            last_end, last_name = ts + dur, name
+    out["gpu_busy_ms"] = busy / 1e3
+    if out.get("wall_ms"):
+        out["gpu_busy_fraction"] = busy / 1e3 / out["wall_ms"]
+    by_name: dict[str, list[float]] = {}
+    for _, dur, name in kernels:
+        by_name.setdefault(name, []).append(dur)
+    total = sum(d for _, d, _ in kernels) or 1.0
+    out["top_kernels"] = [
+        {"name": name[:160], "calls": len(d), "total_ms": round(sum(d) / 1e3, 3), "share": round(sum(d) / total, 4),
+         "mean_us": round(sum(d) / len(d), 1)}
+        for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
+    ]
+    families: dict[str, float] = {}
+    for name, d in by_name.items():
+        low = name.lower()
+        family = next((f for f, keys in KERNEL_FAMILIES if any(k in low for k in keys)), "other")
+        families[family] = families.get(family, 0.0) + sum(d)
+    out["families_ms"] = {f: round(v / 1e3, 3) for f, v in sorted(families.items(), key=lambda kv: -kv[1])}
+    gaps.sort(key=lambda g: -g[0])
+    out["gaps"] = {
+        "count_over_20us": sum(1 for g in gaps if g[0] > 20), "ms_over_20us": round(sum(g[0] for g in gaps if g[0] > 20) / 1e3, 3),
+        "ms_total": round(sum(g[0] for g in gaps) / 1e3, 3),
+        "largest": [{"us": round(g[0], 1), "after": (g[1] or "")[:100], "before": g[2][:100]} for g in gaps[:12]],
+    }
+    waits: dict[str, list[float]] = {}
+    for e in cpu_ops:
+        if any(e["name"].startswith(c) for c in SYNC_CALLS) or e["name"] in ("aten::item", "aten::_local_scalar_dense"):
+            waits.setdefault(e["name"], []).append(e["dur"])
+    out["host_waits"] = {k: {"calls": len(v), "ms": round(sum(v) / 1e3, 3)} for k, v in sorted(waits.items())}
+    return out
+
+
 def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) -> dict[str, Any]:
     import contextlib
     from dataclasses import dataclass
@@ -291,7 +390,9 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
                     pack_ratio=spec["pack_ratio"])
 
     step_ends, stats, losses, grad_norms = [], [], [], []
-    for micro in step_order(spec):
+    profiler = StepProfiler(spec, device)
+    for step, micro in enumerate(step_order(spec)):
+        profiler.before_step(step)
         sums: dict[str, float] = {}
         real = sq = positions = 0
         for ids in micro:
@@ -309,9 +410,36 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
         losses.append(sums["loss"] / sums["_n"])
         stats.append({"real": real, "sq": sq, "positions": positions})
         step_ends.append(clock())
+        profiler.after_step(step)
     return {"t0": t0, "seconds_setup": t_loaded - t0, "seconds_ref": t_ref - t_loaded, "step_ends": step_ends,
             "step_stats": stats, "first_loss": losses[0], "first_grad_norm": grad_norms[0],
-            "trainable_params": sum(p.numel() for p in trainable)}
+            "trainable_params": sum(p.numel() for p in trainable), "profile": profiler.summary}
+
+
+def teach_dill_pyarrow_types() -> None:
+    """Let ``datasets``' fingerprint hashing pickle pyarrow's struct-sequence types (``pyarrow.lib.MonthDayNano``).
+
+    On Python 3.12 such a type reports ``__module__ == "builtins"`` and cannot be found there, so pickling the class
+    object raises ``PicklingError: Can't pickle <class 'MonthDayNano'>: it's not found as builtins.MonthDayNano``
+    (``python -c "import datasets.fingerprint as f, pyarrow as pa; f.Hasher.hash(pa.MonthDayNano)"`` alone fails
+    with datasets 5.2, dill 0.4.1, pyarrow 24-26). TRL's DPOTrainer reached it on a GPU machine's Python 3.12.3
+    image. dill pickles the types in its ``_typemap`` by name through ``_load_type``; registering each such pyarrow
+    type there under its real qualified name gives a stable hash, which is all fingerprinting needs. The type is
+    immutable, so its ``__module__`` cannot be corrected instead."""
+    import builtins
+
+    import pyarrow.lib
+
+    try:
+        import dill._dill as dill_internals
+    except ImportError:
+        return
+    for name in dir(pyarrow.lib):
+        obj = getattr(pyarrow.lib, name)
+        if isinstance(obj, type) and obj.__module__ == "builtins" and not hasattr(builtins, obj.__name__):
+            key = f"pyarrow.lib.{obj.__qualname__}"
+            dill_internals._reverse_typemap.setdefault(key, obj)
+            dill_internals._typemap.setdefault(obj, key)
 
 
 def run_trl(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock, precompute: bool) -> dict[str, Any]:
@@ -431,6 +559,8 @@ def worker(side: str, mode_name: str, spec_path: str) -> None:
     if side != "ours":
         import datasets  # noqa: F401
         import trl  # noqa: F401
+
+        teach_dill_pyarrow_types()
     device = torch.device(spec["device"])
     if device.type == "cuda":  # the parent made exactly one GPU visible (TRL refuses several: nn.DataParallel)
         torch.zeros(1, device=device)  # CUDA context outside the timing
@@ -538,6 +668,8 @@ def summarise(raw: dict, spec: dict, peak_flops: float | None) -> dict[str, Any]
         "first_loss": raw["first_loss"], "first_grad_norm": raw["first_grad_norm"],
         "step_seconds": [round(s, 4) for s in step_seconds],
     }
+    if raw.get("profile"):
+        out["profile"] = raw["profile"]
     return out
 
 
@@ -606,6 +738,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads per side on a CPU (default 1 with --device cpu --tiny: a tiny model gains "
                         "nothing from more and timings on a shared machine are steadier; else torch's default)")
     p.add_argument("--worker-timeout", type=float, default=None, help="seconds per side run")
+    p.add_argument("--profile", action="store_true",
+                   help="ours: run the steps window under torch.profiler and add its summary (GPU busy fraction, top "
+                        "kernels, kernel families, gaps, host waits) to the output; the window's timings then include "
+                        "the profiler's overhead")
+    p.add_argument("--profile-trace", default=None, help="with --profile: also keep the chrome trace here (gzipped)")
     p.add_argument("--output", default="gpu_bench.json")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--worker-mode", help=argparse.SUPPRESS)
@@ -721,7 +858,8 @@ def main(argv: list[str] | None = None) -> int:
         "total_steps": total_steps, "ref_batch_size": a.ref_batch_size, "pack_ratio": a.pack_ratio,
         "attn": a.attn, "precision": precision, "gradient_checkpointing": a.gradient_checkpointing,
         "trl_order": a.trl_order, "seed": a.seed, "flops_params": flops_params, "cpu_threads": cpu_threads,
-        "modes": modes,
+        "modes": modes, "profile": a.profile,
+        "profile_trace": str(Path(a.profile_trace).resolve()) if a.profile_trace else None,
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
