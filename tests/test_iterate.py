@@ -292,6 +292,32 @@ def test_the_demo_plans_each_task_with_its_own_reward(tmp_path):
                                     "rlhf_pipeline.demo.topics:list_format_reward"]
 
 
+def test_the_demo_passes_options_to_sft_and_train_rm_and_places_its_stages(tmp_path, monkeypatch):
+    """--sft and --train-rm reach their stages' command lines (over the demo's own settings); --device auto keeps a
+    small model's stages on the CPU by hiding the GPUs from them, and --device cuda without a GPU is one error."""
+    from rlhf_pipeline.demo import TASKS
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.stages.demo import CPU_UP_TO_HIDDEN, DemoConfig, place_stages
+    from rlhf_pipeline.stages.demo import plan as demo_plan
+
+    run = tmp_path / "run"
+    data = TASKS["reviews"].write_data(run / "data", seed=0)
+    config = DemoConfig(output=str(run), sft={"max_steps": 7, "learning_rate": 1e-4}, train_rm={"bf16": True})
+    steps = {s.name: s.args for s in demo_plan(config, run, data)}
+    sft, rm = steps["sft"], steps["reward_model"]
+    assert sft[sft.index("--max-steps") + 1] == "7" and sft[sft.index("--learning-rate") + 1] == "0.0001"
+    assert sft.count("--learning-rate") == 1 and "--bf16" in rm and "--bf16" not in sft
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    place_stages(DemoConfig(output=str(run), hidden_size=CPU_UP_TO_HIDDEN))
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(PipelineError, match="--device cuda: torch sees no GPU"):
+            place_stages(DemoConfig(output=str(run), device="cuda"))
+
+
 @pytest.mark.slow
 def test_the_topics_demo_runs_ppo_on_its_python_reward(tmp_path):
     """The second bundled task end to end at small sizes: no reward model, PPO's critic started from the policy."""

@@ -40,10 +40,12 @@ from rlhf_pipeline.algorithms import AlgoName, get, help_text
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.demo import DEFAULT_TASK, TASKS
+from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import EVAL_RESULTS, SUMMARY, iteration_dir
 from rlhf_pipeline.tiny import TINY_HEAD_DIM
 
 TaskName = Literal[tuple(TASKS)]  # type: ignore[valid-type]
+CPU_UP_TO_HIDDEN = 512  # --device auto keeps models up to this hidden size on the CPU
 
 
 @dataclass(kw_only=True)
@@ -67,7 +69,14 @@ class DemoConfig:
     train: dict = option(
         default_factory=dict, help="Extra options of rlhf train for every iteration, e.g. '{learning_rate: 1e-4}'."
     )
+    sft: dict = option(default_factory=dict, help="Extra options of rlhf sft, e.g. '{max_steps: 10, bf16: true}'.")
+    train_rm: dict = option(default_factory=dict, help="Extra options of rlhf train-rm, e.g. '{max_steps: 10}'.")
     seed: int = option(0, help="Seed of the data, the models and the sampling.")
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", help=f"Where every stage runs: auto = the CPU for a hidden size up to {CPU_UP_TO_HIDDEN} (on a GPU "
+        "such a model's kernels are too small to pay for their launches, and every stage ran slower there than on "
+        "the same machine's CPU; docs/benchmarks.md), else the GPU when there is one; cpu; cuda.", semantic=False,
+    )
     overwrite: bool = option(False, help="Redo stages whose options changed (otherwise such a change is refused).")
 
     def __post_init__(self) -> None:
@@ -89,12 +98,13 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
     common = {"batch_size": 16, "report_to": "none", "seed": config.seed}
     sft = Step("sft", "sft", [
         "--model", str(run / "base_policy"), "--data", str(data["sft"]), "--output", str(run / "sft"), "--resume",
-        *option_args({**common, "epochs": config.sft_epochs, "learning_rate": 3e-3, "test_size": 64}),
+        *option_args({**common, "epochs": config.sft_epochs, "learning_rate": 3e-3, "test_size": 64, **config.sft}),
         *(["--overwrite"] if config.overwrite else []),
     ], run / "sft")
     rm = None if not task.reward_model else Step("reward_model", "train-rm", [
         "--model", str(run / "sft"), "--data", str(data["preferences"]), "--output", str(run / "reward_model"),
-        "--resume", *option_args({**common, "epochs": config.rm_epochs, "learning_rate": 1e-3, "test_size": 128}),
+        "--resume", *option_args({**common, "epochs": config.rm_epochs, "learning_rate": 1e-3, "test_size": 128,
+                                   **config.train_rm}),
         *(["--overwrite"] if config.overwrite else []),
     ], run / "reward_model")
     loop = IterateConfig(
@@ -151,6 +161,31 @@ def summary(run: Path, iterations: int) -> dict:
     }
 
 
+def place_stages(config: DemoConfig) -> None:
+    """Make every stage process run where ``--device`` says: on the CPU by hiding the GPUs from the stages (they
+    inherit this process's environment), on a GPU by checking that there is one."""
+    import os
+    import shutil
+
+    device = config.device
+    if device == "auto":
+        device = "cpu" if config.hidden_size <= CPU_UP_TO_HIDDEN else "cuda"
+        if device == "cuda":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        if shutil.which("nvidia-smi") and os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+            print(f"[demo] hidden size {config.hidden_size}: every stage runs on the CPU, where a model this small is "
+                  "fastest (--device cuda runs them on the GPU)")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise PipelineError("--device cuda: torch sees no GPU here; use --device cpu (or auto)")
+
+
 def main(config: DemoConfig) -> Path:
     import time
 
@@ -160,6 +195,7 @@ def main(config: DemoConfig) -> Path:
     from rlhf_pipeline.tiny import save_tiny_model
 
     started = time.time()
+    place_stages(config)
     run = Path(config.output).expanduser()
     run.mkdir(parents=True, exist_ok=True)
     data = TASKS[config.task].write_data(run / "data", seed=config.seed)  # the same bytes every time: safe to redo
