@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# One prepared check of the whole pipeline on one GPU, for any session or user that has one for a few minutes:
+# every stage on the GPU with a random-initialised ~0.5B Llama (the tiny kit's tokenizer, 18 layers x 1536), the
+# ZeRO-3 trainer under `accelerate launch` against the plain trainer, the hf engine on the GPU against the same
+# machine's CPU, and the trainer benchmark against TRL with a profile of its steps. --cpu runs the same path with
+# tiny sizes on a CPU (the test suite runs it).
+#
+#   bash scripts/gpu_check.sh                      # on a GPU machine: writes runs/gpu_check/ (JSON under out/)
+#   bash scripts/gpu_check.sh --cpu                # the same path on a CPU, tiny sizes, in a few minutes
+#   bash scripts/gpu_check.sh --out DIR --no-bench # elsewhere; without the (longest) trainer benchmark
+#
+# Environment:
+#   PYTHON   the interpreter (default: .venv/bin/python when it exists, else python3). The checkout's src/ goes first
+#            on PYTHONPATH, so nothing needs installing beyond torch, transformers, accelerate, datasets, deepspeed
+#            (and trl + peft for the benchmark's TRL sides).
+#   WHEELS   a folder of wheels to install first into a temporary site-packages, for a machine whose image lacks
+#            some of those (scripts/gpu_wheels.sh downloads the set a CUDA image with Python 3.12 needs).
+#   GPU_CHECK_HIDDEN / GPU_CHECK_LAYERS   the model's size (default 1536 / 18 on a GPU, 64 / 2 with --cpu).
+#
+# Writes OUT/out/gpu_check.json (every step: command, exit status, seconds; the generate timings; the ZeRO-3 vs
+# plain losses; versions and device), OUT/out/bench.json and OUT/out/profile.json (scripts/bench_gpu.py), and the
+# runs themselves under OUT/. Exit status 0 only when every step passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+
+CPU=0 OUT=runs/gpu_check BENCH=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu) CPU=1 ;;
+    --out) OUT=$2; shift ;;
+    --no-bench) BENCH=0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$OUT/out"
+OUT=$(cd "$OUT" && pwd)
+RESULTS=$OUT/out
+
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=$REPO/.venv/bin/python; else PYTHON=python3; fi
+fi
+if [ -n "${WHEELS:-}" ]; then
+  SITE=$(mktemp -d)
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$WHEELS"/*.whl || { echo "error: could not install the wheels in $WHEELS" >&2; exit 1; }
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}
+export TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export TRANSFORMERS_VERBOSITY=error
+
+if [ "$CPU" = 1 ]; then
+  export CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu
+  HIDDEN=${GPU_CHECK_HIDDEN:-64} LAYERS=${GPU_CHECK_LAYERS:-2}
+  PROMPTS=32 EVAL_PROMPTS=16 NEW_TOKENS=16 GEN_PROMPTS=16 ZERO3_CFG=accelerate_cfgs/cpu_zero3.yaml
+  TRAIN_FAST="{}" SFT="{max_steps: 8}" RM="{max_steps: 8}"  # float32 on a CPU
+  BENCH_ARGS=(--device cpu --tiny) DEVICE=cpu
+else
+  HIDDEN=${GPU_CHECK_HIDDEN:-1536} LAYERS=${GPU_CHECK_LAYERS:-18}
+  PROMPTS=128 EVAL_PROMPTS=64 NEW_TOKENS=48 GEN_PROMPTS=64 ZERO3_CFG=accelerate_cfgs/zero3.yaml
+  TRAIN_FAST="{bf16: true}" SFT="{max_steps: 40, bf16: true}" RM="{max_steps: 40, bf16: true}"
+  BENCH_ARGS=() DEVICE=cuda
+fi
+RLHF=("$PYTHON" -m rlhf_pipeline.cli)
+STEPS=$RESULTS/steps.jsonl
+: > "$STEPS"
+FAILED=0
+
+step() {  # step NAME COMMAND...: run it, log its output to OUT/out/NAME.log, record status and seconds
+  local name=$1; shift
+  local t0 t1 rc
+  echo "[gpu_check] $name: $*"
+  t0=$(date +%s.%N)
+  "$@" > "$RESULTS/$name.log" 2>&1
+  rc=$?
+  t1=$(date +%s.%N)
+  "$PYTHON" -c 'import json, sys; n, rc, a, b = sys.argv[1:5]
+print(json.dumps({"step": n, "rc": int(rc), "seconds": round(float(b) - float(a), 2), "command": sys.argv[5:]}))' \
+    "$name" "$rc" "$t0" "$t1" "$@" >> "$STEPS"
+  if [ "$rc" != 0 ]; then
+    FAILED=1
+    echo "[gpu_check] $name FAILED (exit $rc); the end of $RESULTS/$name.log:"
+    tail -n 25 "$RESULTS/$name.log"
+  fi
+  return "$rc"
+}
+
+# 1. Every stage of one iteration, as rlhf demo runs them: sft, train-rm, generate (hf engine), score, filter,
+#    train, eval (iterations 0 and 1) and the report, on the demo's reviews task with a model of the check's size.
+step demo "${RLHF[@]}" demo --output "$OUT/demo" --iterations 1 --hidden-size "$HIDDEN" --num-layers "$LAYERS" \
+  --prompts-per-iteration "$PROMPTS" --eval-prompts "$EVAL_PROMPTS" --max-new-tokens "$NEW_TOKENS" \
+  --sft-epochs 1 --rm-epochs 1 --train "$TRAIN_FAST" --sft "$SFT" --train-rm "$RM" --device "$DEVICE"
+
+# 2. The reference pass as its own stage, on the iteration's pairs.
+step ref_logps "${RLHF[@]}" ref-logps --model "$OUT/demo/sft" --input "$OUT/demo/iter_1/filter" \
+  --output "$OUT/ref_logps"
+
+# 3. The same DPO steps plain and under ZeRO-3 (accelerate launch, one process): their losses must agree.
+TRAIN_ARGS=(--algo dpo --model "$OUT/demo/sft" --data "$OUT/ref_logps" --max-steps 3 --batch-size 4
+            --temperature 0.8 --learning-rate 1e-5 --report-to none --seed 0)
+[ "$CPU" = 1 ] || TRAIN_ARGS+=(--bf16)
+step train_plain "$PYTHON" -m rlhf_pipeline.stages.train "${TRAIN_ARGS[@]}" --output "$OUT/train_plain"
+step train_zero3 "$PYTHON" -m accelerate.commands.launch --config_file "$ZERO3_CFG" --num_processes 1 \
+  -m rlhf_pipeline.stages.train "${TRAIN_ARGS[@]}" --output "$OUT/train_zero3"
+
+# 4. The hf engine: the demo's own tiny model and the check's model, on the GPU and on the same machine's CPU.
+step tiny_model "${RLHF[@]}" tiny-model --output "$OUT/demo_size_model" --hidden-size 128 --num-layers 2
+PROMPT_FILE=$REPO/src/rlhf_pipeline/data/prompts.jsonl
+GEN_ARGS=(--prompts "$PROMPT_FILE" --limit "$GEN_PROMPTS" --n 4 --max-new-tokens 32 --temperature 0.8 --seed 0
+          --engine hf)
+for model in demo_size_model:"$OUT/demo_size_model" check_size_model:"$OUT/demo/sft"; do
+  name=${model%%:*} path=${model#*:}
+  step "generate_${name}_default" "${RLHF[@]}" generate --model "$path" "${GEN_ARGS[@]}" \
+    --output "$OUT/generate_${name}_default"
+  if [ "$CPU" = 0 ]; then
+    step "generate_${name}_cpu" env CUDA_VISIBLE_DEVICES="" "${RLHF[@]}" generate --model "$path" "${GEN_ARGS[@]}" \
+      --output "$OUT/generate_${name}_cpu"
+  fi
+done
+
+# 5. The trainer benchmark against TRL (scripts/bench_gpu.py), and a profile of our steps.
+if [ "$BENCH" = 1 ]; then
+  step bench "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --output "$RESULTS/bench.json"
+  step profile "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --sides ours --steps 3 --profile \
+    --output "$RESULTS/profile.json"
+fi
+
+# The summary: every step, each stage's output checked, the ZeRO-3 vs plain losses, the generate timings.
+"$PYTHON" - "$OUT" "$CPU" <<'EOF'
+import json, platform, sys
+from pathlib import Path
+
+out, cpu = Path(sys.argv[1]), sys.argv[2] == "1"
+results = out / "out"
+steps = [json.loads(l) for l in (results / "steps.jsonl").read_text().splitlines() if l]
+summary = {"cpu": cpu, "python": platform.python_version(), "steps": steps, "checks": {}}
+try:
+    import torch, transformers
+
+    summary["torch"], summary["transformers"] = torch.__version__, transformers.__version__
+    summary["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+except Exception as e:  # noqa: BLE001
+    summary["versions_error"] = repr(e)
+for name in ("datasets", "accelerate", "deepspeed", "trl", "peft"):
+    try:
+        summary[name] = __import__(name).__version__
+    except Exception:  # noqa: BLE001
+        summary[name] = None
+checks = summary["checks"]
+
+# every stage's output is complete: its manifest (a model run's too) is there
+outputs = {"sft": "demo/sft", "train-rm": "demo/reward_model", "generate": "demo/iter_1/generate",
+           "score": "demo/iter_1/score", "filter": "demo/iter_1/filter", "train": "demo/iter_1/train",
+           "eval": "demo/iter_1/eval", "ref-logps": "ref_logps", "train (plain)": "train_plain",
+           "train (ZeRO-3)": "train_zero3"}
+checks["outputs"] = {k: (out / v / "manifest.json").is_file() for k, v in outputs.items()}
+checks["report"] = (out / "demo" / "report.md").is_file()
+
+
+def trajectory(run):
+    """Each training step's loss and gradient norm (before clipping), from the run's metrics.jsonl."""
+    path = out / run / "metrics.jsonl"
+    rows = [json.loads(l) for l in path.read_text().splitlines()] if path.is_file() else []
+    return [[r["loss/train"], r["grad_norm"]] for r in rows if "loss/train" in r and "grad_norm" in r]
+
+
+plain, zero3 = trajectory("train_plain"), trajectory("train_zero3")
+tolerance = 1e-4 if cpu else 2e-2  # float32 on a CPU; bf16 autocast on a GPU rounds differently per layout
+diffs = [max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(p, z)) for p, z in zip(plain, zero3)]
+checks["zero3_vs_plain"] = {"plain_loss_grad_norm": plain, "zero3_loss_grad_norm": zero3,
+                            "relative_differences": diffs, "tolerance": tolerance,
+                            "agree": bool(plain) and len(plain) == len(zero3) and max(diffs) <= tolerance}
+seconds = {s["step"]: s["seconds"] for s in steps if s["rc"] == 0}
+gen = {}
+for name in ("demo_size_model", "check_size_model"):
+    default, on_cpu = seconds.get(f"generate_{name}_default"), seconds.get(f"generate_{name}_cpu")
+    gen[name] = {"seconds_default_device": default, "seconds_cpu": on_cpu,
+                 "cpu_over_default": on_cpu / default if default and on_cpu else None}
+checks["generate_whole_command_seconds"] = gen
+for name in ("bench", "profile"):
+    path = results / f"{name}.json"
+    if path.is_file():
+        report = json.loads(path.read_text())
+        checks[name] = {"ratios": report.get("ratios"),
+                        "sides": {k: {f: v.get(f) for f in ("tokens_per_s_steps", "mfu_steps", "peak_memory_gib",
+                                                              "error")} for k, v in report["sides"].items()}}
+ok = (all(s["rc"] == 0 for s in steps) and all(checks["outputs"].values()) and checks["report"]
+      and checks["zero3_vs_plain"]["agree"])
+summary["passed"] = ok
+(results / "gpu_check.json").write_text(json.dumps(summary, indent=2) + "\n")
+print(json.dumps({"passed": ok, "device": summary.get("device"), "outputs": checks["outputs"],
+                  "zero3_vs_plain": checks["zero3_vs_plain"], "generate": gen,
+                  "steps": {s["step"]: [s["rc"], s["seconds"]] for s in steps}}, indent=1))
+sys.exit(0 if ok else 1)
+EOF
+rc=$?
+[ "$FAILED" = 0 ] && [ "$rc" = 0 ]
