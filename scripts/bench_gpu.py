@@ -321,12 +321,37 @@ def summarise_trace(trace: dict, steps: int) -> dict[str, Any]:
         "ms_total": round(sum(g[0] for g in gaps) / 1e3, 3),
         "largest": [{"us": round(g[0], 1), "after": (g[1] or "")[:100], "before": g[2][:100]} for g in gaps[:12]],
     }
+    out["host_top_self_ms"] = host_self_times(events)
     waits: dict[str, list[float]] = {}
     for e in cpu_ops:
         if any(e["name"].startswith(c) for c in SYNC_CALLS) or e["name"] in ("aten::item", "aten::_local_scalar_dense"):
             waits.setdefault(e["name"], []).append(e["dur"])
     out["host_waits"] = {k: {"calls": len(v), "ms": round(sum(v) / 1e3, 3)} for k, v in sorted(waits.items())}
     return out
+
+
+def host_self_times(events: list[dict], top: int = 15) -> list[dict[str, Any]]:
+    """The host's time per operator, without the operators it called (its self time), summed over the trace: where
+    the CPU spends a step while the GPU waits for its next kernel."""
+    threads: dict[tuple, list[dict]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    own: dict[str, list[float]] = {}
+    for ops in threads.values():
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [end, name, self time]
+        for e in ops:
+            while stack and stack[-1][0] <= e["ts"]:
+                end, name, mine = stack.pop()
+                own.setdefault(name, []).append(mine)
+            if stack:
+                stack[-1][2] -= e["dur"]
+            stack.append([e["ts"] + e["dur"], e["name"], e["dur"]])
+        for _, name, mine in stack:
+            own.setdefault(name, []).append(mine)
+    ranked = sorted(own.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"op": name[:100], "calls": len(v), "ms": round(sum(v) / 1e3, 2)} for name, v in ranked]
 
 
 def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) -> dict[str, Any]:
