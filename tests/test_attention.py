@@ -248,6 +248,18 @@ def test_padded_generation_of_a_varlen_model_masks_the_pads(tiny_policy):
     assert batched.tolist() == alone.tolist()
 
 
+def test_a_varlen_reward_model_scores_as_sdpa(tiny_rm):
+    """Reward scoring runs the body on right-padded rows without bounds: sdpa's attention, the fast path kept."""
+    from rlhf_pipeline.rewards import RewardModelScorer
+
+    sequences = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    scorers = [RewardModelScorer(tiny_rm, attn_implementation=name, batch_size=2)
+               for name in ("sdpa", "varlen")]
+    sdpa, varlen = (scorer.score_ids(sequences) for scorer in scorers)
+    assert scorers[1].model.config._attn_implementation == "varlen" and scorers[1].mode == "last_token"
+    assert varlen == pytest.approx(sdpa, abs=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen_attn kernel needs a CUDA GPU")
 @pytest.mark.parametrize("window", [None, 5])
 def test_the_cuda_kernel_matches_the_reference_in_bfloat16(window):

@@ -44,12 +44,11 @@ log = logging.getLogger(__name__)
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "varlen")
 AttnImplementation = Literal[ATTENTION_IMPLEMENTATIONS]  # type: ignore[valid-type]  # the CLI's choices
 DEFAULT_ATTENTION = "sdpa"
+FLAG = "--attn-implementation"
 VARLEN = "varlen"
 # The implementations that take one row of unpadded sequences and their bounds (FlashAttentionKwargs), as a model's
 # config names them (``config._attn_implementation``): the log-prob pass lays batches out that way for these.
 VARLEN_CAPABLE = (VARLEN, "flash_attention_2", "flash_attention_3")
-
-
 
 LOG_PROBS_NOTE = ("With flash_attention_2 and varlen the log-prob passes take each micro-batch as one row of "
                   "sequences, without padding or a mask.")
@@ -65,24 +64,26 @@ def attn_help(whose: str = "The model's", note: str = LOG_PROBS_NOTE) -> str:
     )
 
 
-def check_attn_implementation(name: str, flag: str = "--attn-implementation") -> None:
+def check_attn_implementation(name: str) -> None:
     """Refuse, before a stage writes anything, an implementation that cannot load here."""
     if name not in ATTENTION_IMPLEMENTATIONS:
-        raise PipelineError(f"{flag} {name}: not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        raise PipelineError(f"{FLAG} {name}: not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
     if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise PipelineError(
-            f"{flag} flash_attention_2: the flash-attn package is not installed; pip install flash-attn (a CUDA "
-            f"build), or use {flag} varlen (PyTorch's own variable-length attention) or sdpa"
+            f"{FLAG} flash_attention_2: the flash-attn package is not installed; pip install flash-attn (a CUDA "
+            f"build), or use {FLAG} varlen (PyTorch's own variable-length attention) or sdpa"
         )
 
 
-def check_engine(name: str, engine: str, engine_flag: str = "--engine", flag: str = "--attn-implementation") -> None:
+def check_engine(name: str, engine: str, engine_flag: str = "--engine",
+                 error: type[Exception] = PipelineError) -> None:
     """vLLM picks its own attention backend, so an implementation asked for there would be silently ignored: refuse
-    anything but the default with the ``vllm`` engine (``engine``, as ``engine_flag`` resolved)."""
+    anything but the default with the ``vllm`` engine (``engine``, as ``engine_flag`` resolved). ``error``: a config's
+    checks raise ValueError, which the config parser turns into its one line."""
     if engine == "vllm" and name != DEFAULT_ATTENTION:
-        raise PipelineError(
-            f"{flag} {name}: applies to the hf engine only (with {engine_flag} vllm, vLLM picks its own attention "
-            f"backend); drop {flag}, or use {engine_flag} hf"
+        raise error(
+            f"{FLAG} {name}: applies to the hf engine only (with {engine_flag} vllm, vLLM picks its own attention "
+            f"backend); drop {FLAG}, or use {engine_flag} hf"
         )
 
 

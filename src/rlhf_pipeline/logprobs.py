@@ -23,9 +23,10 @@ hidden rows (already alive) and its ``(chunk,)`` log-probs, and recomputes the c
 that, autograd would save every chunk's fp32 logits for backward and the chunking would bound nothing while training.
 The price is one extra LM-head matmul over the N response rows in backward.
 
-Layouts: padded or packed
--------------------------
-:func:`build_batch` lays sequences (``prompt + response``) out in one of two ways; both give the same log-probs.
+Layouts: padded, packed, or one row
+-----------------------------------
+:func:`build_batch` lays sequences (``prompt + response``) out in one of two ways; both give the same log-probs, and
+so does the one-row layout a varlen model gets (below).
 
 *Padded* (``pack_ratio=0``): one sequence per row, right-padded to the longest sequence in the batch (no fixed
 maximum length). With right padding every real token sits at the position it would have alone, and the causal mask
@@ -38,17 +39,30 @@ sequence boundaries and builds a block-diagonal causal mask (sdpa, eager) or var
 ``pack_ratio × the longest sequence`` tokens (2 by default) and are balanced (longest sequence first, into the emptiest row), so a
 pair whose chosen response is long and rejected short no longer pads the short one to the long one's length.
 
-Why not one row for everything: sdpa and eager compute the whole ``T × T`` score grid of a row and mask it, so a row
-of k sequences costs up to k times the attention of padding them; rows of about twice the longest sequence keep
-that overhead small while removing most padding (``rlhf bench`` measures the real-token fraction and the step time
-of both layouts; docs/benchmarks.md). With flash-attention, whose variable-length kernel skips the cross-sequence
-blocks, a larger ratio only helps.
+Why not one row for everything with sdpa and eager: they compute the whole ``T × T`` score grid of a row and mask
+it, so a row of k sequences costs up to k times the attention of padding them; rows of about twice the longest
+sequence keep that overhead small while removing most padding (``rlhf bench`` measures the real-token fraction and
+the step time of both layouts; docs/benchmarks.md).
+
+*One row* (a model loaded with ``--attn-implementation varlen`` or ``flash_attention_2``, whose attention takes the
+sequences' bounds: ``rlhf_pipeline.attention``): whatever the batch's layout, the decoder gets all its sequences in
+one row, one after another in order, with no padding at all and no attention mask, plus each sequence's bounds as
+transformers' FlashAttentionKwargs (``cu_seq_lens_q``/``cu_seq_lens_k``, int32, and ``max_length_q``/
+``max_length_k``). A variable-length kernel attends within each sequence only and skips the blocks between them, so
+one row costs no more attention than the sequences alone, and no ``T × T`` mask is built (but for a model whose
+sliding window is shorter than the row: transformers asks for its mask, which goes unused). The row is gathered
+from the batch through an index worked out on the host from the sequence lengths :func:`build_batch` records
+(``Batch.lengths``, ``prompt_lengths``, ``starts``), so nothing is read back from the device to build it. On a CUDA
+GPU in bf16/fp16 ``varlen`` runs PyTorch's ``varlen_attn``; on a CPU it runs a per-sequence reference (one sdpa call
+per sequence): the same log-probs as the padded sdpa pass, to float rounding (the tests check values and gradients),
+but no faster, which is why the CPU default stays sdpa.
 
 Packing relies on the model building its attention mask through transformers' masking utilities, as every model
-ported to transformers 5 does. A model that does not would let sequences see each other silently, so the first
-packed call on a model checks packed against padded log-probs on a probe and falls back to padding, with a warning,
-when they differ. Results never depend on what else is in the batch (the tests check this against an unpadded
-one-at-a-time reference, in both layouts).
+ported to transformers 5 does, and the one-row layout on its attention code passing the bounds on to the attention
+function, as transformers' own models do. A model that does not would let sequences see each other silently, so
+the first packed (or one-row) call on a model checks that layout against padded hidden states on a probe and falls
+back to padding, with a warning, when they differ. Results never depend on what else is in the batch (the tests
+check this against an unpadded one-at-a-time reference, in every layout).
 
 Temperature
 -----------
@@ -64,7 +78,8 @@ final-logit soft-capping (``config.final_logit_softcapping``; see below). Anythi
 to its logits after the LM head (logit scaling as in Cohere's ``logit_scale``, Granite's ``logits_scaling``, MoE
 auxiliary heads, value heads, multi-token-prediction heads) is NOT reproduced; such models need their own rule here.
 
-Imports torch and ``modeling``'s unwrapping helpers; the model is duck-typed (a Hugging Face causal LM or anything with the same attributes).
+Imports torch, ``modeling``'s unwrapping helpers and ``attention``'s :func:`~rlhf_pipeline.attention.takes_varlen`;
+the model is duck-typed (a Hugging Face causal LM or anything with the same attributes).
 """
 
 from __future__ import annotations
