@@ -209,6 +209,32 @@ def test_varlen_float32_close_to_padded_sdpa_with_gradients(arch, tiny_policy, s
         torch.testing.assert_close(got_grads[name], padded_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_critic_values_and_checkpointed_gradients_of_varlen_models(tiny_policy, tiny_rm, seqs):
+    """PPO's critic reads its values through the same rows, and a policy trained with gradient checkpointing passes
+    the bounds through its recomputed layers: both as with sdpa."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_pipeline.logprobs import token_values
+
+    prompts, responses = seqs
+    batch = build_batch(prompts, responses, pad_id=0, pack_ratio=2.0)
+    critic = AutoModelForSequenceClassification.from_pretrained(tiny_rm, dtype=torch.float64).eval()
+    with torch.no_grad():
+        (values, index), (expected, expected_index) = (token_values(m, batch) for m in (varlen_copy(critic), critic))
+    assert torch.equal(index, expected_index)
+    torch.testing.assert_close(values, expected, rtol=0, atol=1e-9)
+
+    model = tiny_model("llama", tiny_policy)
+    grads = []
+    for m in (model, varlen_copy(model)):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+        sequence_logps(m, batch).sum().backward()
+        grads.append(parameter_grads(m))
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-7, atol=1e-10, msg=name)
+
+
 def test_a_model_that_drops_the_bounds_falls_back_to_padding(tiny_policy, seqs, caplog, monkeypatch):
     """A model whose attention code does not pass cu_seq_lens_q on would let the sequences of the row see each other;
     the probe notices and the batch is computed padded, with a warning."""
