@@ -58,6 +58,37 @@ def test_varlen_attention_matches_a_dense_causal_reference_with_gqa(window):
     torch.testing.assert_close(out.double(), dense_causal(q, k, v, lengths, 0.3, window), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("takes_gqa", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_kernel_is_called_as_torch_2_11_and_2_13_take_it(monkeypatch, takes_gqa, window):
+    """The GPU path's call, checked on a CPU against a stand-in with flash attention's conventions: tokens (N, H, D),
+    int32 bounds, int lengths, window_size (left, right) counted as flash attention counts it; key/value heads
+    repeated for torch 2.11's varlen_attn (no enable_gqa), passed as they are with enable_gqa for 2.13's."""
+    lengths = [1, 5, 3, 8, 2]
+    q, k, v = qkv(lengths)
+
+    def stand_in(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **gqa):
+        assert query.dim() == 3 and cu_q.dtype == cu_k.dtype == torch.int32 and type(max_q) is type(max_k) is int
+        assert isinstance(window_size, tuple) and gqa == ({"enable_gqa": True} if takes_gqa else {})
+        if not takes_gqa:
+            assert key.shape[1] == query.shape[1]
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        pos = torch.arange(len(seq))
+        left, right = window_size
+        allowed = (seq[:, None] == seq[None, :]) & ((pos[None, :] >= pos[:, None] - left) | (left < 0))
+        allowed &= (pos[None, :] <= pos[:, None] + right) | (right < 0)
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        scores = torch.einsum("ihd,jhd->hij", query, key) * scale
+        return torch.einsum("hij,jhd->ihd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), value)
+
+    monkeypatch.setattr(attention, "_kernel_runs", lambda query: True)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: (stand_in, takes_gqa))
+    out = varlen_attention(SimpleNamespace(is_causal=True), q, k, v, None, scaling=0.3, sliding_window=window,
+                           **bounds(lengths))[0]
+    torch.testing.assert_close(out.double(), dense_causal(q, k, v, lengths, 0.3, window), rtol=1e-5, atol=1e-6)
+
+
 def test_without_bounds_it_is_transformers_sdpa_attention():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -301,3 +332,22 @@ def test_the_cuda_kernel_matches_the_reference_in_bfloat16(window):
     expected = varlen_reference(*flat, bounds(lengths, "cuda")["cu_seq_lens_q"], scale=0.125, sliding_window=window)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out[0].float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen_attn kernel needs a CUDA GPU")
+def test_a_bf16_varlen_model_on_the_gpu_gives_the_padded_sdpa_logps(tiny_policy, seqs, spy):
+    """The whole pass on a GPU in bf16: the kernel runs (the reference does not), forward and backward, and the
+    log-probs are padded sdpa's to bf16's rounding (the bound test_logprobs' bf16 test uses)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts, responses = seqs
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.bfloat16).cuda()
+    varlen = varlen_copy(model)
+    with torch.no_grad():
+        padded = sequence_logps(model, build_batch(prompts, responses, pad_id=0).to("cuda"))
+    got = sequence_logps(varlen, build_batch(prompts, responses, pad_id=0, pack_ratio=2.0).to("cuda"))
+    got.sum().backward()
+    assert spy["reference"] == 0
+    torch.testing.assert_close(got.detach(), padded, rtol=5e-2, atol=0.5)
+    grad = varlen.model.layers[0].self_attn.q_proj.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0
