@@ -586,10 +586,10 @@ def _lm_eval(config: EvalConfig, out_path: Path) -> dict[str, Any]:
             return earlier
     results = run_harness(
         config.model, config.lm_eval, backend=backend, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
-        attn_implementation=config.attn_implementation, batch_size=config.batch_size, limit=config.lm_eval_limit, num_fewshot=config.lm_eval_num_fewshot,
-        seed=config.seed, vllm_options={"tensor_parallel_size": config.tensor_parallel_size,
-                                        "gpu_memory_utilization": config.gpu_memory_utilization,
-                                        "max_model_len": config.max_model_len},
+        attn_implementation=config.attn_implementation, batch_size=config.batch_size, limit=config.lm_eval_limit,
+        num_fewshot=config.lm_eval_num_fewshot, seed=config.seed,
+        vllm_options={"tensor_parallel_size": config.tensor_parallel_size,
+                      "gpu_memory_utilization": config.gpu_memory_utilization, "max_model_len": config.max_model_len},
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(results, indent=2) + "\n")
