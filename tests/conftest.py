@@ -229,3 +229,29 @@ def choice_logliks(model_dir: str, rows: list[dict]) -> list[list[float]]:
             scores.append(sum(logp[i - 1, whole[i]].item() for i in range(n_ctx, len(whole))))
         out.append(scores)
     return out
+
+
+def naive_sequence_logps(model, prompts, responses, temperature=1.0, softcap=None):
+    """The log-prob oracle of tests/test_logprobs.py and tests/test_attention.py: one unpadded sequence at a time,
+    full logits, full-vocab log_softmax, gather, sum over the response."""
+    import torch
+
+    totals = []
+    for prompt, response in zip(prompts, responses):
+        ids = torch.tensor([prompt + response])  # (1, L)
+        length = ids.shape[1]
+        logits = model(
+            ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(length).unsqueeze(0)
+        ).logits  # (1, L, V)
+        logits = logits.double()
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        next_logp = logp[0, :-1].gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)  # (L-1,): logp of token t+1
+        totals.append(next_logp[len(prompt) - 1 :].sum())  # positions len(prompt)-1 .. L-2 predict the response
+    return torch.stack(totals)
+
+
+def parameter_grads(model) -> dict:
+    """Each parameter's gradient (a copy), by name: what a backward left on ``model``."""
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

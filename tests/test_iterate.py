@@ -251,6 +251,25 @@ def test_eval_reads_the_score_sections_reference_column_unless_it_sets_its_own(t
     assert "--reference-column" not in eval_args()
 
 
+def test_the_runs_attn_implementation_reaches_the_stages_that_load_with_transformers(tmp_path):
+    """train and score always (score's engine is hf unless set), generate and eval where their section says engine:
+    hf (auto may be vLLM, which refuses one); a section's own value wins; the default adds no flag at all."""
+
+    def attn(**options):
+        steps = plan(config(tmp_path, iterations=1, eval_prompts="e.jsonl", attn_implementation="varlen", **options))
+        check(steps)  # every stage parses what it is given
+        return {s.name: s.args[s.args.index("--attn-implementation") + 1] if "--attn-implementation" in s.args
+                else None for s in steps}
+
+    assert attn() == {"iter_0/eval": None, "iter_1/generate": None, "iter_1/score": "varlen", "iter_1/filter": None,
+                      "iter_1/train": "varlen", "iter_1/eval": None}
+    assert attn(generate={"engine": "hf"}, eval={"engine": "hf"}, score={"attn_implementation": "eager"}) == {
+        "iter_0/eval": "varlen", "iter_1/generate": "varlen", "iter_1/score": "eager", "iter_1/filter": None,
+        "iter_1/train": "varlen", "iter_1/eval": "varlen"}
+    assert attn(score={"engine": "vllm"})["iter_1/score"] is None
+    assert not any("--attn-implementation" in s.args for s in plan(config(tmp_path, eval_prompts="e.jsonl")))
+
+
 def test_the_topics_tasks_reward_by_hand():
     from rlhf_pipeline.demo.topics import gold_reward, list_format_reward
 

@@ -39,6 +39,7 @@ LEVELS: list[tuple[int, str, str]] = [
     (2, "losses", "pure loss functions of tensors (they share advantages' masked mean)"),
     (2, "config", "option dataclasses, flags and YAML"),
     (2, "contracts", "the column contracts between stages"),
+    (2, "attention", "the attention implementations, and varlen registered with transformers"),
     (3, "chat", "chat templates and tokenization"),
     (3, "modeling", "loading and unwrapping models"),
     (3, "datasets_io", "dataset references, atomic outputs, manifests"),

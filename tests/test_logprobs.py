@@ -1,8 +1,9 @@
 """Response log-probs: the packed, head-on-response-rows-only path against a naive full-logits reference.
 
-The reference (``naive_sequence_logps``) runs the whole model on one unpadded sequence at a time, takes full (1, L, V)
-logits, and sums the log-softmax of the next tokens over the response, in float64. Agreement at 1e-9 therefore checks
-the row selection, the off-by-one between positions and targets, the temperature, and that padding changes nothing.
+The reference (``conftest.naive_sequence_logps``) runs the whole model on one unpadded sequence at a time, takes full
+(1, L, V) logits, and sums the log-softmax of the next tokens over the response, in float64. Agreement at 1e-9
+therefore checks the row selection, the off-by-one between positions and targets, the temperature, and that padding
+changes nothing.
 """
 
 import copy
@@ -13,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import naive_sequence_logps, parameter_grads  # noqa: E402
 from rlhf_pipeline.logprobs import Batch, build_batch, response_lengths, sequence_logps, token_logps  # noqa: E402
 
 # Varied lengths so that padding matters: prompts of 3..12 tokens, responses of 1..15 tokens.
@@ -39,24 +41,6 @@ def pairs(model32):
     prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     responses = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in RESPONSE_LENS]
     return prompts, responses
-
-
-def naive_sequence_logps(model, prompts, responses, temperature=1.0, softcap=None):
-    """One unpadded sequence at a time: full logits, full-vocab log_softmax, gather, sum over the response."""
-    totals = []
-    for prompt, response in zip(prompts, responses):
-        ids = torch.tensor([prompt + response])  # (1, L)
-        length = ids.shape[1]
-        logits = model(
-            ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(length).unsqueeze(0)
-        ).logits  # (1, L, V)
-        logits = logits.double()
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        logp = torch.log_softmax(logits / temperature, dim=-1)
-        next_logp = logp[0, :-1].gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)  # (L-1,): logp of token t+1
-        totals.append(next_logp[len(prompt) - 1 :].sum())  # positions len(prompt)-1 .. L-2 predict the response
-    return torch.stack(totals)
 
 
 def test_build_batch_hand_example():
@@ -169,10 +153,6 @@ def test_the_default_chunk_follows_the_heads_vocabulary(model32, pairs, monkeypa
     assert shapes == [5] * (n // 5) + ([n % 5] if n % 5 else [])
 
 
-def _grads(model):
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("chunk_size", [4096, 5])
 def test_gradients_match_naive(model64, pairs, chunk_size):
     """The checkpointed, chunked head gives the same gradients as backward through full logits."""
@@ -183,10 +163,10 @@ def test_gradients_match_naive(model64, pairs, chunk_size):
 
     model.zero_grad()
     (sequence_logps(model, batch, temperature=0.8, chunk_size=chunk_size) * weights).sum().backward()
-    fast = _grads(model)
+    fast = parameter_grads(model)
     model.zero_grad()
     (naive_sequence_logps(model, prompts, responses, temperature=0.8) * weights).sum().backward()
-    naive = _grads(model)
+    naive = parameter_grads(model)
 
     assert "lm_head.weight" in fast and "model.embed_tokens.weight" in fast
     assert fast.keys() == naive.keys()
@@ -355,7 +335,7 @@ def test_packed_gradients_match_padded(model64, pairs):
     for ratio in (0.0, 1.5):
         model64.zero_grad()
         sequence_logps(model64, build_batch(prompts, responses, pad_id=0, pack_ratio=ratio)).sum().backward()
-        grads.append(_grads(model64))
+        grads.append(parameter_grads(model64))
     model64.zero_grad()
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:

@@ -101,18 +101,19 @@ def test_eval_hands_every_sampling_option_to_generate(monkeypatch, tmp_path):
     from rlhf_pipeline.stages import eval as eval_stage
     from rlhf_pipeline.stages import generate, score
 
-    values = dict(n=3, temperature=0.5, top_p=0.7, top_k=4, max_new_tokens=9, seed=7, engine="vllm", limit=2,
-                  batch_size=5, dtype="float32", tensor_parallel_size=2, gpu_memory_utilization=0.5,
-                  max_model_len=64, trust_remote_code=True, executor="ray", replicas=3, gpus_per_replica=2,
-                  ray_address="head:6379")
+    values = dict(n=3, temperature=0.5, top_p=0.7, top_k=4, max_new_tokens=9, seed=7, engine="hf", limit=2,
+                  batch_size=5, dtype="float32", attn_implementation="varlen", tensor_parallel_size=2,
+                  gpu_memory_utilization=0.5, max_model_len=64, trust_remote_code=True, executor="ray", replicas=3,
+                  gpus_per_replica=1, ray_address="head:6379")
     assert set(values) == {f.name for f in dataclasses.fields(SamplingOptions)}
     config = EvalConfig(model="policy", prompts="p.jsonl", reward_fn="f.py:r", output=str(tmp_path), **values)
-    seen = []
+    seen, scored = [], []
     monkeypatch.setattr(generate, "main", lambda c: seen.append(c) or tmp_path / "generate")
-    monkeypatch.setattr(score, "score", lambda c, accelerator=None: tmp_path / "score")
+    monkeypatch.setattr(score, "score", lambda c, accelerator=None: scored.append(c) or tmp_path / "score")
     eval_stage._sample_and_score(config, "baseline-model", tmp_path / "baseline")
     (gen,) = seen
     assert options_of(gen, SamplingOptions) == values
+    assert [c.attn_implementation for c in scored] == ["varlen"]  # the reward model's too
     assert (gen.model, gen.prompts) == ("baseline-model", "p.jsonl")
     assert gen.output == str(tmp_path / "baseline" / "generate")
     assert (gen.offset, gen.shard, gen.use_chat_template) == (0, None, True)  # generate's defaults, as before
@@ -132,3 +133,54 @@ def test_shards_cover_every_row_once():
     # Pinned: a prompt's seed, hence its samples, must not change when the function moves or is refactored.
     assert [request_seed(0, row) for row in range(3)] == [171340460, 709825519, 1554589843]
     assert request_seed(7, 123) == 1839556505
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --attn-implementation: declared once (rlhf_pipeline.attention), on every stage that loads a model
+
+
+MODEL_STAGES = ("train", "sft", "train-rm", "ref-logps", "score", "generate", "eval", "iterate")
+
+
+@pytest.mark.parametrize("stage", MODEL_STAGES)
+def test_every_stage_that_loads_a_model_takes_attn_implementation(stage, capsys):
+    from rlhf_pipeline.attention import ATTENTION_IMPLEMENTATIONS
+
+    with pytest.raises(SystemExit) as exit_:
+        run(stage, "--help")
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--attn-implementation {" + ",".join(ATTENTION_IMPLEMENTATIONS) + "}" in out
+    assert "implementation: sdpa (transformers' default)" in out or stage == "iterate"
+
+
+@pytest.mark.parametrize("stage", ["generate", "eval"])
+def test_the_vllm_engine_refuses_an_attn_implementation_with_one_line(capsys, tmp_path, stage):
+    err = fails_at_parse_time(capsys, tmp_path, stage, "--engine", "vllm", "--attn-implementation", "varlen")
+    assert "--attn-implementation varlen: applies to the hf engine only" in err
+    assert "drop --attn-implementation, or use --engine hf" in err
+    assert GenerateConfig(model="m", prompts="p", output="o", engine="vllm").attn_implementation == "sdpa"
+
+
+def test_score_with_vllm_refuses_an_attn_implementation(capsys, tmp_path):
+    assert run("score", "--input", tmp_path, "--output", tmp_path / "out", "--reward-model", "rm", "--engine", "vllm",
+               "--attn-implementation", "eager") == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: rlhf score: --attn-implementation eager: applies to the hf engine only (with --engine vllm, "
+                   "vLLM picks its own attention backend); drop --attn-implementation, or use --engine hf")
+
+
+def test_attn_implementation_does_not_decide_reuse():
+    """It changes results by float rounding only: a finished output made with another one is reused (as with
+    --pack-ratio), and the manifest still records it with the whole config."""
+    from rlhf_pipeline.config import to_dict
+    from rlhf_pipeline.stages.ref_logps import RefLogpsConfig
+    from rlhf_pipeline.stages.score import ScoreConfig
+    from rlhf_pipeline.stages.train import TrainConfig
+
+    for config in (TrainConfig(model="m", data="d", output="o", attn_implementation="varlen"),
+                   RefLogpsConfig(model="m", input="i", output="o", attn_implementation="varlen"),
+                   ScoreConfig(input="i", output="o", reward_model="rm", attn_implementation="varlen"),
+                   GenerateConfig(model="m", prompts="p", output="o", attn_implementation="varlen")):
+        assert "attn_implementation" not in semantic_dict(config)
+        assert to_dict(config)["attn_implementation"] == "varlen"

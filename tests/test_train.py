@@ -1,5 +1,6 @@
 """Integration: ref-logps and train on pairs the tiny kit's stages made, checked as a user would check them."""
 
+import importlib.util
 import json
 import math
 import os
@@ -79,6 +80,41 @@ def test_training_lowers_the_loss_changes_every_parameter_and_saves_a_loadable_m
     sampling = SamplingSettings(2, 0.8, 0.9, 0, 8, 0, tuple(stop_token_ids(tok, str(out))))
     (completion,) = HFEngine(str(out), tok).generate(encode_prompts(tok, ["Review the park."]), [0], sampling)
     assert len(completion.token_ids) == 2 and all(1 <= len(ids) <= 8 for ids in completion.token_ids)
+
+
+def test_varlen_attention_trains_and_scores_as_sdpa_and_is_recorded(pairs, tiny_policy, tmp_path):
+    """--attn-implementation varlen (each micro-batch one unpadded row; on a CPU the per-sequence reference) gives
+    the packed sdpa run's losses and weights, and ref-logps' values, to float rounding; the manifests record it."""
+    common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 3, "--batch-size", 4, "--learning-rate", 1e-3]
+    for attn in ("sdpa", "varlen"):
+        assert run(*train_args(pairs, tiny_policy, tmp_path / attn, *common, "--attn-implementation", attn)) == 0
+    curve = logged(tmp_path / "sdpa")
+    assert len(set(curve)) == 3  # the updates changed the losses: the comparison covers the gradients
+    assert logged(tmp_path / "varlen") == pytest.approx(curve, abs=1e-5)  # as test_batch_times_accumulation_...
+    assert max_weight_diff(tmp_path / "sdpa", tmp_path / "varlen") < 1e-4
+    manifest = json.loads((tmp_path / "varlen" / "manifest.json").read_text())
+    assert manifest["config"]["attn_implementation"] == "varlen"
+    assert "attn_implementation" not in json.loads((tmp_path / "varlen" / "config.json").read_text())
+
+    assert run("ref-logps", "--model", tiny_policy, "--input", pairs / "pairs", "--output", tmp_path / "ref",
+               "--attn-implementation", "varlen") == 0
+    assert json.loads((tmp_path / "ref" / "manifest.json").read_text())["config"]["attn_implementation"] == "varlen"
+    ours, sdpa = load_from_disk(str(tmp_path / "ref")), load_from_disk(str(pairs / "ref"))
+    for split in sdpa:
+        for column in ("chosen_ref_logp", "rejected_ref_logp"):
+            assert ours[split][column] == pytest.approx(sdpa[split][column], abs=1e-4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed here")
+def test_flash_attention_2_without_flash_attn_is_one_line(pairs, tiny_policy, tmp_path, capsys):
+    out = tmp_path / "fa2"
+    assert run(*train_args(pairs, tiny_policy, out, "--max-steps", 1, "--attn-implementation",
+                           "flash_attention_2")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --attn-implementation flash_attention_2: the flash-attn package is not installed; pip "
+                   "install flash-attn (a CUDA build), or use --attn-implementation varlen (PyTorch's own "
+                   "variable-length attention) or sdpa")
+    assert not out.exists()
 
 
 def test_dpo_refuses_reference_logps_made_at_another_temperature(pairs, tiny_policy, tmp_path, capsys):

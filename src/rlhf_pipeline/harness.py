@@ -31,6 +31,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
+from rlhf_pipeline.attention import DEFAULT_ATTENTION
 from rlhf_pipeline.errors import PipelineError
 
 INSTALL_HINT = "--lm-eval needs EleutherAI's lm-eval harness: pip install 'rlhf-pipeline[lm-eval]'"
@@ -194,11 +195,13 @@ def _empty_cuda_cache() -> None:
 
 
 def run_harness(model: str, tasks: Sequence[str], *, backend: Backend = "hf", dtype: str = "auto",
-                trust_remote_code: bool = False, batch_size: int = 16, limit: Optional[int] = None,
+                trust_remote_code: bool = False, attn_implementation: str = DEFAULT_ATTENTION,
+                batch_size: int = 16, limit: Optional[int] = None,
                 num_fewshot: Optional[int] = None, seed: int = 0,
                 vllm_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Run lm-eval's ``simple_evaluate`` on ``model`` (a directory or Hub id) for ``tasks`` (``--lm-eval``'s
-    entries); return the settings and, under ``"tasks"``, :func:`summarize_results`."""
+    entries); return the settings and, under ``"tasks"``, :func:`summarize_results`. ``attn_implementation`` is the
+    hf backend's (vLLM picks its own)."""
     import lm_eval
 
     names = check_tasks(tasks, backend)
@@ -212,7 +215,7 @@ def run_harness(model: str, tasks: Sequence[str], *, backend: Backend = "hf", dt
         from rlhf_pipeline.chat import load_tokenizer
         from rlhf_pipeline.modeling import load_causal_lm
 
-        lm = HFLM(pretrained=load_causal_lm(model, dtype, trust_remote_code),
+        lm = HFLM(pretrained=load_causal_lm(model, dtype, trust_remote_code, attn_implementation=attn_implementation),
                   tokenizer=load_tokenizer(model, trust_remote_code), batch_size=batch_size)
         try:
             raw = lm_eval.simple_evaluate(model=lm, **common)

@@ -23,9 +23,10 @@ hidden rows (already alive) and its ``(chunk,)`` log-probs, and recomputes the c
 that, autograd would save every chunk's fp32 logits for backward and the chunking would bound nothing while training.
 The price is one extra LM-head matmul over the N response rows in backward.
 
-Layouts: padded or packed
--------------------------
-:func:`build_batch` lays sequences (``prompt + response``) out in one of two ways; both give the same log-probs.
+Layouts: padded, packed, or one row
+-----------------------------------
+:func:`build_batch` lays sequences (``prompt + response``) out in one of two ways; both give the same log-probs, and
+so does the one-row layout a varlen model gets (below).
 
 *Padded* (``pack_ratio=0``): one sequence per row, right-padded to the longest sequence in the batch (no fixed
 maximum length). With right padding every real token sits at the position it would have alone, and the causal mask
@@ -38,17 +39,30 @@ sequence boundaries and builds a block-diagonal causal mask (sdpa, eager) or var
 ``pack_ratio × the longest sequence`` tokens (2 by default) and are balanced (longest sequence first, into the emptiest row), so a
 pair whose chosen response is long and rejected short no longer pads the short one to the long one's length.
 
-Why not one row for everything: sdpa and eager compute the whole ``T × T`` score grid of a row and mask it, so a row
-of k sequences costs up to k times the attention of padding them; rows of about twice the longest sequence keep
-that overhead small while removing most padding (``rlhf bench`` measures the real-token fraction and the step time
-of both layouts; docs/benchmarks.md). With flash-attention, whose variable-length kernel skips the cross-sequence
-blocks, a larger ratio only helps.
+Why not one row for everything with sdpa and eager: they compute the whole ``T × T`` score grid of a row and mask
+it, so a row of k sequences costs up to k times the attention of padding them; rows of about twice the longest
+sequence keep that overhead small while removing most padding (``rlhf bench`` measures the real-token fraction and
+the step time of both layouts; docs/benchmarks.md).
+
+*One row* (a model loaded with ``--attn-implementation varlen`` or ``flash_attention_2``, whose attention takes the
+sequences' bounds: ``rlhf_pipeline.attention``): whatever the batch's layout, the decoder gets all its sequences in
+one row, one after another in order, with no padding at all and no attention mask, plus each sequence's bounds as
+transformers' FlashAttentionKwargs (``cu_seq_lens_q``/``cu_seq_lens_k``, int32, and ``max_length_q``/
+``max_length_k``). A variable-length kernel attends within each sequence only and skips the blocks between them, so
+one row costs no more attention than the sequences alone, and no ``T × T`` mask is built (but for a model whose
+sliding window is shorter than the row: transformers asks for its mask, which goes unused). The row is gathered
+from the batch through an index worked out on the host from the sequence lengths :func:`build_batch` records
+(``Batch.lengths``, ``prompt_lengths``, ``starts``), so nothing is read back from the device to build it. On a CUDA
+GPU in bf16/fp16 ``varlen`` runs PyTorch's ``varlen_attn``; on a CPU it runs a per-sequence reference (one sdpa call
+per sequence): the same log-probs as the padded sdpa pass, to float rounding (the tests check values and gradients),
+but no faster, which is why the CPU default stays sdpa.
 
 Packing relies on the model building its attention mask through transformers' masking utilities, as every model
-ported to transformers 5 does. A model that does not would let sequences see each other silently, so the first
-packed call on a model checks packed against padded log-probs on a probe and falls back to padding, with a warning,
-when they differ. Results never depend on what else is in the batch (the tests check this against an unpadded
-one-at-a-time reference, in both layouts).
+ported to transformers 5 does, and the one-row layout on its attention code passing the bounds on to the attention
+function, as transformers' own models do. A model that does not would let sequences see each other silently, so
+the first packed (or one-row) call on a model checks that layout against padded hidden states on a probe and falls
+back to padding, with a warning, when they differ. Results never depend on what else is in the batch (the tests
+check this against an unpadded one-at-a-time reference, in every layout).
 
 Temperature
 -----------
@@ -64,11 +78,13 @@ final-logit soft-capping (``config.final_logit_softcapping``; see below). Anythi
 to its logits after the LM head (logit scaling as in Cohere's ``logit_scale``, Granite's ``logits_scaling``, MoE
 auxiliary heads, value heads, multi-token-prediction heads) is NOT reproduced; such models need their own rule here.
 
-Imports torch and ``modeling``'s unwrapping helpers; the model is duck-typed (a Hugging Face causal LM or anything with the same attributes).
+Imports torch, ``modeling``'s unwrapping helpers and ``attention``'s :func:`~rlhf_pipeline.attention.takes_varlen`;
+the model is duck-typed (a Hugging Face causal LM or anything with the same attributes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -77,6 +93,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
+from rlhf_pipeline.attention import takes_varlen
 from rlhf_pipeline.modeling import peel, supports_fast_path
 
 log = logging.getLogger(__name__)
@@ -111,6 +128,11 @@ class Batch:
         pad_id: the id written on pads.
         num_real_tokens: number of non-pad tokens.
         num_padded_tokens: number of pad tokens, ``R * T - num_real_tokens``.
+        lengths: (S,) on the host: each sequence's tokens, prompt + response.
+        prompt_lengths: (S,) on the host: each sequence's prompt tokens.
+        starts: (S,) on the host: where each sequence's first token is in the flattened ``(R * T,)`` grid. With
+            ``lengths`` they give the one-row layout of a varlen pass (see the module docstring) without reading the
+            tensors back from the device.
     """
 
     input_ids: Tensor
@@ -122,6 +144,9 @@ class Batch:
     pad_id: int
     num_real_tokens: int
     num_padded_tokens: int
+    lengths: tuple[int, ...]
+    prompt_lengths: tuple[int, ...]
+    starts: tuple[int, ...]
 
     @property
     def packed(self) -> bool:
@@ -146,16 +171,13 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with its tensors on ``device``."""
-        return Batch(
+        return dataclasses.replace(
+            self,
             input_ids=self.input_ids.to(device),
             attention_mask=None if self.attention_mask is None else self.attention_mask.to(device),
             position_ids=self.position_ids.to(device),
             response_mask=self.response_mask.to(device),
             seq_ids=self.seq_ids.to(device),
-            num_sequences=self.num_sequences,
-            pad_id=self.pad_id,
-            num_real_tokens=self.num_real_tokens,
-            num_padded_tokens=self.num_padded_tokens,
         )
 
 
@@ -207,9 +229,11 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
     position_ids = torch.zeros((num_rows, seq_len), dtype=torch.long)
     response_mask = torch.zeros((num_rows, seq_len), dtype=torch.bool)
     seq_ids = torch.full((num_rows, seq_len), -1, dtype=torch.long)
+    starts = [0] * len(prompts)
     for r, row in enumerate(rows):
         start = 0
         for i in row:
+            starts[i] = r * seq_len + start
             end = start + lengths[i]
             input_ids[r, start:end] = torch.tensor(list(prompts[i]) + list(responses[i]), dtype=torch.long)
             position_ids[r, start:end] = torch.arange(lengths[i])
@@ -230,6 +254,9 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
         pad_id=pad_id,
         num_real_tokens=num_real,
         num_padded_tokens=num_rows * seq_len - num_real,
+        lengths=tuple(lengths),
+        prompt_lengths=tuple(len(p) for p in prompts),
+        starts=tuple(starts),
     )
 
 
@@ -321,10 +348,18 @@ def _chunk_logits(head, hidden: Tensor, softcap: float | None, temperature: floa
 def _response_rows(inner, body, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
     """Run ``body`` over the batch and gather the hidden states of the positions that predict a response token.
 
-    Returns ``(rows (N, H), targets (N,), seq_index (N,))``, ordered by sequence, then position.
+    Returns ``(rows (N, H), targets (N,), seq_index (N,))``, ordered by sequence, then position. A model whose
+    attention takes unpadded sequences with their bounds (``attention.takes_varlen``) gets the batch as one row
+    without padding (:func:`_varlen_forward`), whichever layout it has; any other model gets it as laid out.
     """
-    if batch.packed and not _packing_works(inner, body, batch):
-        batch = batch.unpacked()
+    varlen = takes_varlen(inner)
+    if (varlen or batch.packed) and not _layout_works(inner, body, batch, varlen):
+        varlen = False
+        if batch.packed:
+            batch = batch.unpacked()
+    if varlen:
+        hidden, ids, predict, seq_index = _varlen_forward(body, batch)
+        return hidden[predict], ids[predict + 1], seq_index
     # use_cache=False: a training/scoring pass has no use for a KV cache, and building one wastes memory.
     out = body(
         input_ids=batch.input_ids,
@@ -343,6 +378,51 @@ def _response_rows(inner, body, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         order = torch.argsort(seq_index, stable=True)
         row, pos, seq_index = row[order], pos[order], seq_index[order]
     return hidden[row, pos], batch.input_ids[row, pos + 1], seq_index
+
+
+def _varlen_layout(batch: Batch) -> tuple[Tensor, Tensor, int, Tensor, Tensor]:
+    """The one row of a varlen pass, worked out on the host from the batch's sequence lengths, so that nothing is
+    read back from the device: the sequences 0..S-1 one after another, without padding.
+
+    Returns ``(index (L,), cu_seq_lens (S + 1,) int32, longest, predict (N,), seq_index (N,))``: where each token of
+    the row is in the flattened ``(R * T,)`` grid of the batch, the sequences' bounds in the row, the longest
+    sequence, the row positions whose next token is a response token (sequence by sequence, then position) and the
+    sequence of each.
+    """
+    lengths = torch.tensor(batch.lengths)
+    responses = lengths - torch.tensor(batch.prompt_lengths)
+    ends = lengths.cumsum(0)
+    offsets = ends - lengths  # where each sequence starts in the row
+    index = torch.arange(sum(batch.lengths)) + torch.repeat_interleave(torch.tensor(batch.starts) - offsets, lengths)
+    cu_seq_lens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+    # sequence i's response is at ends[i] - responses[i] .. ends[i] - 1, each token predicted from the one before
+    first = ends - responses - 1
+    predict = torch.arange(int(responses.sum())) + torch.repeat_interleave(first - (responses.cumsum(0) - responses),
+                                                                           responses)
+    seq_index = torch.repeat_interleave(torch.arange(batch.num_sequences), responses)
+    return index, cu_seq_lens, max(batch.lengths), predict, seq_index
+
+
+def _varlen_forward(body, batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``body`` over the batch as one unpadded row (:func:`_varlen_layout`), given the sequences' bounds as
+    transformers' FlashAttentionKwargs, so that each token attends only to its own sequence and no attention mask is
+    built. Returns ``(hidden (L, H), input_ids (L,), predict (N,), seq_index (N,))``, on the batch's device."""
+    device = batch.input_ids.device
+    index, cu_seq_lens, longest, predict, seq_index = _varlen_layout(batch)
+    index, cu_seq_lens, predict, seq_index = (t.to(device, non_blocking=True)
+                                              for t in (index, cu_seq_lens, predict, seq_index))
+    input_ids = batch.input_ids.reshape(-1)[index]
+    out = body(
+        input_ids=input_ids[None],
+        attention_mask=None,
+        position_ids=batch.position_ids.reshape(-1)[index][None],  # 0..len-1 in each sequence, in both layouts
+        use_cache=False,
+        cu_seq_lens_q=cu_seq_lens,
+        cu_seq_lens_k=cu_seq_lens,
+        max_length_q=longest,
+        max_length_k=longest,
+    )
+    return out.last_hidden_state[0], input_ids, predict, seq_index
 
 
 def token_logps(model, batch: Batch, temperature: float = 1.0, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
@@ -447,34 +527,41 @@ def split_by_sequence(values: Tensor, seq_index: Tensor, num_sequences: int) -> 
     return [chunk.tolist() for chunk in torch.split(values.detach().cpu(), counts)]
 
 
-_PACKING_CHECKED = "_rlhf_packing_works"
+_CHECKED = {False: "_rlhf_packing_works", True: "_rlhf_varlen_works"}  # the verdicts kept on a model, per layout
 
 
-def _packing_works(model, body, batch: Batch) -> bool:
-    """Whether ``body`` keeps packed sequences apart: checked once per model on two short probe sequences, packed
-    and padded. Every process makes the same first call, so ZeRO-3's collective forwards stay in step."""
+def _layout_works(model, body, batch: Batch, varlen: bool) -> bool:
+    """Whether ``body`` keeps sequences apart in the layout it is about to get: packed rows (``varlen=False``), or
+    the one unpadded row of a varlen pass with its bounds (a model whose own attention code dropped them would let
+    the sequences mix). Checked once per model and layout on two short probe sequences against the padded layout.
+    Every process makes the same first call, so ZeRO-3's collective forwards stay in step."""
     inner = _unwrap(model) if not isinstance(model, torch.nn.parallel.DistributedDataParallel) else model.module
-    verdict = getattr(inner, _PACKING_CHECKED, None)
+    verdict = getattr(inner, _CHECKED[varlen], None)
     if verdict is None:
         device = batch.input_ids.device
         vocab = int(batch.input_ids.max()) + 1
         gen = torch.Generator().manual_seed(0)
         seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 7)]
+        padded, packed = (build_batch([s[:2] for s in seqs], [s[2:] for s in seqs], 0, ratio).to(device)
+                          for ratio in (0.0, 2.0))
         with torch.no_grad():
-            outs = []
-            for ratio in (0.0, 2.0):
-                probe = build_batch([s[:2] for s in seqs], [s[2:] for s in seqs], pad_id=0, pack_ratio=ratio).to(device)
-                hidden = body(input_ids=probe.input_ids, attention_mask=probe.attention_mask,
-                              position_ids=probe.position_ids, use_cache=False).last_hidden_state
-                outs.append(torch.cat([hidden[probe.seq_ids == i].float() for i in range(2)]))
-        padded, packed = outs
-        scale = padded.abs().max().clamp(min=1e-6)
+            hidden = body(input_ids=padded.input_ids, attention_mask=padded.attention_mask,
+                          position_ids=padded.position_ids, use_cache=False).last_hidden_state
+            reference = torch.cat([hidden[padded.seq_ids == i].float() for i in range(2)])
+            if varlen:
+                probed = _varlen_forward(body, packed)[0].float()
+            else:
+                out = body(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
+                           use_cache=False).last_hidden_state
+                probed = torch.cat([out[packed.seq_ids == i].float() for i in range(2)])
+        scale = reference.abs().max().clamp(min=1e-6)
         tolerance = 1e-4 if hidden.dtype in (torch.float32, torch.float64) else 3e-2  # bf16/fp16 round more
-        verdict = bool(((packed - padded).abs().max() / scale) <= tolerance)
+        verdict = bool(((probed - reference).abs().max() / scale) <= tolerance)
         if not verdict:
-            log.warning(
-                "%s does not keep packed sequences apart (its attention mask does not come from transformers' "
-                "masking utilities); falling back to padded batches", type(inner).__name__,
-            )
-        setattr(inner, _PACKING_CHECKED, verdict)
+            what, why = (("the sequences of a varlen row", "its attention code does not pass cu_seq_lens_q on")
+                         if varlen else
+                         ("packed sequences", "its attention mask does not come from transformers' masking utilities"))
+            log.warning("%s does not keep %s apart (%s); falling back to padded batches", type(inner).__name__, what,
+                        why)
+        setattr(inner, _CHECKED[varlen], verdict)
     return verdict

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlhf_pipeline.attention import DEFAULT_ATTENTION, from_pretrained_kwargs
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import MANIFEST, RUN_RECORD
@@ -131,24 +132,31 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_causal_lm(path: str, dtype: str = "auto", trust_remote_code: bool = False, device: torch.device | None = None):
+def load_causal_lm(path: str, dtype: str = "auto", trust_remote_code: bool = False,
+                   device: torch.device | None = None, attn_implementation: str = DEFAULT_ATTENTION):
+    """A causal LM for inference, on ``device``, in ``dtype``, with ``attn_implementation``
+    (``rlhf_pipeline.attention``)."""
     from transformers import AutoModelForCausalLM
 
     device = device or default_device()
+    attention = from_pretrained_kwargs(attn_implementation)
     with reading("model", path, MODEL_HINT, only_damaged=True):
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
+            path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code, **attention
         )
     return model.to(device).eval()
 
 
-def load_reward_model(path: str, dtype: str = "auto", trust_remote_code: bool = False, device: torch.device | None = None):
+def load_reward_model(path: str, dtype: str = "auto", trust_remote_code: bool = False,
+                      device: torch.device | None = None, attn_implementation: str = DEFAULT_ATTENTION):
+    """A sequence classifier (a reward model) for inference, as :func:`load_causal_lm` loads a causal LM."""
     from transformers import AutoModelForSequenceClassification
 
     device = device or default_device()
+    attention = from_pretrained_kwargs(attn_implementation)
     with reading("model", path, MODEL_HINT, only_damaged=True):
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
+            path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code, **attention
         )
     return model.to(device).eval()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional
 
+from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, check_engine
 from rlhf_pipeline.config import option
 
 
@@ -34,6 +35,9 @@ class SamplingOptions:
     batch_size: int = option(16, help="hf engine: prompts per generate call (each expands to n sequences).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto", help="Model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."
+    )
+    attn_implementation: AttnImplementation = option(
+        DEFAULT_ATTENTION, help=attn_help("hf engine: the model's", "vLLM picks its own."), semantic=False
     )
     tensor_parallel_size: int = option(1, help="vllm engine: GPUs per model (tensor parallelism).")
     gpu_memory_utilization: Optional[float] = option(
@@ -90,6 +94,7 @@ class SamplingOptions:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
+        check_engine(self.attn_implementation, self.engine, error=ValueError)  # auto: checked once resolved
         if self.replicas < 1:
             raise ValueError("--replicas must be at least 1")
         if self.gpus_per_replica < 0:

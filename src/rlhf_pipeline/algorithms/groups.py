@@ -800,7 +800,8 @@ def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, out
         reference = None
         if config.ref_model and params.kl_coef and config.ref_model != config.model:  # else: the rollout's own
             reference = load_causal_lm(config.ref_model, dtype="float32" if not config.bf16 else "bfloat16",
-                                       trust_remote_code=config.trust_remote_code, device=accelerator.device)
+                                       trust_remote_code=config.trust_remote_code, device=accelerator.device,
+                                       attn_implementation=config.attn_implementation)
         for split, s in samples.items():
             batch = config.eval_batch_size
             passed = rollout_pass(accelerator, setup_model, s, pad, temperature, batch, config.pack_ratio,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
+from rlhf_pipeline.attention import DEFAULT_ATTENTION, check_engine
 from rlhf_pipeline.engines.base import Completion, Engine, SamplingSettings
 
 if TYPE_CHECKING:
@@ -43,12 +44,15 @@ def load_engine(
     tensor_parallel_size: int = 1,
     gpu_memory_utilization: float | None = None,
     max_model_len: int | None = None,
+    attn_implementation: str = DEFAULT_ATTENTION,
 ) -> Engine:
     name = resolve_engine_name(name)
+    check_engine(attn_implementation, name)
     if name == "hf":
         from rlhf_pipeline.engines.hf import HFEngine
 
-        return HFEngine(model, tokenizer, dtype=dtype, trust_remote_code=trust_remote_code, batch_size=batch_size)
+        return HFEngine(model, tokenizer, dtype=dtype, trust_remote_code=trust_remote_code, batch_size=batch_size,
+                        attn_implementation=attn_implementation)
     if name == "vllm":
         from rlhf_pipeline.engines.vllm import VLLMEngine
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
+from rlhf_pipeline.attention import DEFAULT_ATTENTION
 from rlhf_pipeline.engines.base import Completion, SamplingSettings
 
 if TYPE_CHECKING:
@@ -207,11 +208,13 @@ class HFEngine:
         dtype: str = "auto",
         trust_remote_code: bool = False,
         batch_size: int = 16,
+        attn_implementation: str = DEFAULT_ATTENTION,
     ):
         from rlhf_pipeline.chat import pad_id
         from rlhf_pipeline.modeling import load_causal_lm
 
-        self.model = load_causal_lm(model, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.model = load_causal_lm(model, dtype=dtype, trust_remote_code=trust_remote_code,
+                                    attn_implementation=attn_implementation)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.pad_id = pad_id(tokenizer)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
+from rlhf_pipeline.attention import DEFAULT_ATTENTION
 from rlhf_pipeline.errors import PipelineError, UserCodeError, one_line
 from rlhf_pipeline.modeling import supports_fast_path
 
@@ -257,13 +258,16 @@ class RewardModelScorer:
         batch_size: int = 16,
         max_length: int = 4096,
         engine: str = "hf",
+        attn_implementation: str = DEFAULT_ATTENTION,
         device=None,
         load_model: bool = True,
     ):
-        """``load_model=False`` leaves the model to :meth:`score`, which loads it while it encodes the texts."""
+        """``load_model=False`` leaves the model to :meth:`score`, which loads it while it encodes the texts.
+        ``attn_implementation``: the hf engine's (``rlhf_pipeline.attention``)."""
         from rlhf_pipeline.chat import load_tokenizer, pad_id
 
         self.path, self.dtype, self.trust_remote_code, self.device = path, dtype, trust_remote_code, device
+        self.attn_implementation = attn_implementation
         self.model = None
         self.closed = False
         self.tokenizer = load_tokenizer(path, trust_remote_code)
@@ -301,7 +305,7 @@ class RewardModelScorer:
         from rlhf_pipeline.modeling import load_reward_model
 
         self.model = load_reward_model(self.path, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
-                                       device=self.device)
+                                       device=self.device, attn_implementation=self.attn_implementation)
         prepare_reward_model(self.model, self.pad_id)
 
     def encode(self, prompts: list, responses: list[str], meanwhile=None) -> list[list[int]]:

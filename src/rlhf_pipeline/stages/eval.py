@@ -262,7 +262,8 @@ def _score_all(config: EvalConfig, generations: Path, directory: Path, accelerat
         paths[source.key] = score.score(score.ScoreConfig(
             output=str(directory / f"score_{source.key}"), input=str(generations),
             batch_size=config.score_batch_size, max_length=config.max_length, dtype=config.dtype,
-            trust_remote_code=config.trust_remote_code, reference_column=config.reference_column,
+            attn_implementation=config.attn_implementation, trust_remote_code=config.trust_remote_code,
+            reference_column=config.reference_column,
             **{source.kind: source.spec},
         ), accelerator)
     return paths
@@ -432,6 +433,8 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     """Everything eval reads, checked before it makes its output directory: the models, the reward function, the
     prompts and the baseline (and Ray, for --executor ray). Returns the earlier evaluation given as ``--baseline``
     (None for a model, or none)."""
+    from rlhf_pipeline.attention import check_attn_implementation, check_engine
+    from rlhf_pipeline.engines import resolve_engine_name
     from rlhf_pipeline.executors import check_ray_installed
     from rlhf_pipeline.stages.generate import select_prompts
     from rlhf_pipeline.stages.score import check_reference_column
@@ -441,6 +444,9 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     if config.executor == "ray":
         check_ray_installed()
     check_model_ref("--model", config.model)
+    check_attn_implementation(config.attn_implementation)
+    if config.executor == "local":  # --engine auto, now resolved (a Ray replica resolves its own)
+        check_engine(config.attn_implementation, resolve_engine_name(config.engine))
     for source in _scorers(config):
         if source.kind == "reward_model":
             check_model_ref(source.flag, source.spec)
@@ -453,10 +459,11 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     if config.judge is not None:
         check_model_ref("--judge", config.judge)
     if config.lm_eval:
-        from rlhf_pipeline.engines import resolve_engine_name
         from rlhf_pipeline.harness import check_tasks
 
-        check_tasks(config.lm_eval, config.lm_eval_backend or resolve_engine_name(config.engine))
+        backend = config.lm_eval_backend or resolve_engine_name(config.engine)
+        check_tasks(config.lm_eval, backend)
+        check_engine(config.attn_implementation, backend, engine_flag="--lm-eval-backend")
     if config.baseline is None or config.baseline == config.model:
         return None
     earlier = _earlier_eval(config.baseline)
@@ -579,10 +586,10 @@ def _lm_eval(config: EvalConfig, out_path: Path) -> dict[str, Any]:
             return earlier
     results = run_harness(
         config.model, config.lm_eval, backend=backend, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
-        batch_size=config.batch_size, limit=config.lm_eval_limit, num_fewshot=config.lm_eval_num_fewshot,
-        seed=config.seed, vllm_options={"tensor_parallel_size": config.tensor_parallel_size,
-                                        "gpu_memory_utilization": config.gpu_memory_utilization,
-                                        "max_model_len": config.max_model_len},
+        attn_implementation=config.attn_implementation, batch_size=config.batch_size, limit=config.lm_eval_limit,
+        num_fewshot=config.lm_eval_num_fewshot, seed=config.seed,
+        vllm_options={"tensor_parallel_size": config.tensor_parallel_size,
+                      "gpu_memory_utilization": config.gpu_memory_utilization, "max_model_len": config.max_model_len},
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(results, indent=2) + "\n")

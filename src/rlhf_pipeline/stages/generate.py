@@ -131,6 +131,7 @@ def open_engine(config: GenerateConfig, tokenizer):
         tensor_parallel_size=config.tensor_parallel_size,
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_model_len=config.max_model_len,
+        attn_implementation=config.attn_implementation,
     )
 
 
@@ -186,9 +187,10 @@ def sample_on_ray(config: GenerateConfig, prompt_ids: list[list[int]], seeds: li
 def main(config: GenerateConfig) -> Path:
     from datasets import Features, List, Value, concatenate_datasets
 
+    from rlhf_pipeline.attention import check_attn_implementation, check_engine
     from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids
     from rlhf_pipeline.datasets_io import StageOutput, parse_ref, scratch_writer
-    from rlhf_pipeline.engines import SamplingSettings
+    from rlhf_pipeline.engines import SamplingSettings, resolve_engine_name
     from rlhf_pipeline.modeling import check_model_ref
 
     if config.executor == "ray":
@@ -196,6 +198,9 @@ def main(config: GenerateConfig) -> Path:
 
         check_ray_installed()
     check_model_ref("--model", config.model)
+    check_attn_implementation(config.attn_implementation)
+    if config.executor == "local":  # --engine auto, now resolved (a Ray replica resolves its own)
+        check_engine(config.attn_implementation, resolve_engine_name(config.engine))
     ref = parse_ref(config.prompts)
     out = StageOutput("generate", config, inputs=[ref])
     if out.done():

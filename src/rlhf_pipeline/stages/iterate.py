@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from rlhf_pipeline.algorithms import GROUPS, PAIRS, AlgoName, get, help_text
+from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation
 from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CRITIC, ITERATE_CONFIG, ITERATION_STAGES, STEPS_LOG, iteration_dir, step_name
@@ -105,6 +106,11 @@ class IterateConfig(OutputOptions):
     lm_eval: Optional[list[str]] = option(
         None, help="With eval_prompts: every evaluation also runs these lm-eval tasks (rlhf eval --lm-eval; names, "
         "YAML task files or directories, comma-separated or a list); rlhf report shows them per iteration."
+    )
+    attn_implementation: AttnImplementation = option(
+        DEFAULT_ATTENTION, help="The attention implementation (--attn-implementation) of every stage that loads a model "
+        "with transformers: train, score, and generate and eval where their section says engine: hf (vLLM picks its "
+        "own, and engine auto may be vLLM); a section's own attn_implementation wins.", semantic=False,
     )
     launchers: dict = option(
         default_factory=dict,
@@ -201,6 +207,19 @@ def _common(config: IterateConfig, name: str) -> list[str]:
     return args
 
 
+# The engine a stage uses when its section names none; the run's attn_implementation goes only to the hf engine.
+DEFAULT_ENGINE = {"generate": "auto", "eval": "auto", "score": "hf", "train": "hf"}
+
+
+def _attention(config: IterateConfig, stage: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the run's ``attn_implementation`` where it applies: a stage that loads its model with
+    transformers (the hf engine), and whose section does not set its own."""
+    if (config.attn_implementation == DEFAULT_ATTENTION or "attn_implementation" in options
+            or options.get("engine", DEFAULT_ENGINE[stage]) != "hf"):
+        return options
+    return {**options, "attn_implementation": config.attn_implementation}
+
+
 def count_prompts(config: IterateConfig) -> int | None:
     """Rows of the training prompts, when iterations take chunks of them (the chunk offsets wrap around it)."""
     if config.prompts_per_iteration is None:
@@ -222,6 +241,7 @@ def eval_step(config: IterateConfig, run: Path, t: int, model: str) -> Step:
                 options[key] = config.score[key]
     if config.lm_eval and "lm_eval" not in options:  # the eval section's own lm_eval wins
         options["lm_eval"] = config.lm_eval
+    options = _attention(config, "eval", options)
     baseline = model if t == 0 else str(iteration_dir(run, 0) / "eval")
     name = step_name(t, "eval")
     output = iteration_dir(run, t) / "eval"
@@ -267,11 +287,12 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
         if algorithm.uses_critic:
             train_opts["critic_model"] = critic
         specs = [
-            ("generate", ["--model", policy, "--prompts", config.prompts], gen_opts),
-            ("score", ["--input", str(it / "generate"), *option_args(reward)], sections["score"]),
+            ("generate", ["--model", policy, "--prompts", config.prompts], _attention(config, "generate", gen_opts)),
+            ("score", ["--input", str(it / "generate"), *option_args(reward)],
+             _attention(config, "score", sections["score"])),
             ("filter", ["--input", str(it / "score"), "--tokenizer", policy], sections["filter"]),
             ("train", ["--model", policy, "--data", str(it / "filter"), "--algo", config.algo, "--resume"],
-             train_opts),
+             _attention(config, "train", train_opts)),
         ]
         for stage, fixed, options in specs:
             name = step_name(t, stage)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
+from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import OutputOptions, option
 
@@ -45,6 +46,7 @@ class RefLogpsConfig(OutputOptions):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto", help="Model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."
     )
+    attn_implementation: AttnImplementation = option(DEFAULT_ATTENTION, help=attn_help(), semantic=False)
     trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
 
     def __post_init__(self) -> None:
@@ -66,12 +68,14 @@ def _read(config: RefLogpsConfig):
     """The output, the data (pairs or unpaired rows, checked) and the temperature; None when the output holds this run
     already."""
     from rlhf_pipeline.algorithms import resolve_temperature
+    from rlhf_pipeline.attention import check_attn_implementation
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.modeling import check_model_ref
     import rlhf_pipeline.algorithms.pairs as pairs
     import rlhf_pipeline.algorithms.unpaired as unpaired
 
     check_model_ref("--model", config.model)
+    check_attn_implementation(config.attn_implementation)
     ref = parse_ref(config.input)
     out = StageOutput("ref-logps", config, inputs=[ref])
     if out.done():
@@ -105,7 +109,7 @@ def _ref_logps(config: RefLogpsConfig, accelerator) -> Path:
     tokenizer, model = guarded(accelerator, lambda: (
         load_tokenizer(config.model, config.trust_remote_code),
         load_causal_lm(config.model, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
-                       device=accelerator.device),
+                       device=accelerator.device, attn_implementation=config.attn_implementation),
     ))
     values = {
         split: data.compute_ref_logps(

@@ -49,6 +49,7 @@ from typing import Any, Literal, NamedTuple, Optional, Sequence
 
 from tqdm.auto import tqdm
 
+from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, check_engine
 from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.contracts import (
     GENERATED_COLUMNS,
@@ -183,6 +184,10 @@ class ScoreConfig(OutputOptions):
         "the vLLM environment and a model vLLM supports as a sequence classifier).",
         semantic=False,  # the same rewards either way (measured within 1e-7): a scored output is reused across engines
     )
+    attn_implementation: AttnImplementation = option(
+        DEFAULT_ATTENTION, help=attn_help("hf engine: the reward model's", "vLLM picks its own."),
+        semantic=False,
+    )
     trust_remote_code: bool = option(False, help="Allow custom model code (needed for ArmoRM); off by default.")
     reference_column: Optional[str] = option(
         None, help="The column holding each prompt's ground truth (carried from the prompt dataset through rlhf "
@@ -198,6 +203,7 @@ class ScoreConfig(OutputOptions):
         check_reward_options(self.reward_model, self.reward_fn, self.reward_weights)
         if self.engine == "vllm" and self.reward_model is None:
             raise ValueError("--engine vllm scores with a --reward-model; a --reward-fn runs in python")
+        check_engine(self.attn_implementation, self.engine, error=ValueError)
         if self.batch_size < 1:
             raise ValueError("--batch-size must be at least 1")
         if self.max_length < 1:
@@ -275,6 +281,7 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: 
             batch_size=config.batch_size,
             max_length=config.max_length,
             engine=config.engine,
+            attn_implementation=config.attn_implementation,
             device=None if accelerator is None else accelerator.device,
             load_model=False,  # score() loads it while the conversations are encoded
         )
@@ -417,6 +424,7 @@ def _read(config: ScoreConfig, processes: int) -> _Work | None:
     if config.engine == "vllm" and processes > 1:
         raise PipelineError("rlhf score --engine vllm runs in one process (vLLM batches and schedules the sequences "
                             "itself); run it without accelerate launch, or score with --engine hf")
+    from rlhf_pipeline.attention import check_attn_implementation
     from rlhf_pipeline.datasets_io import StageOutput, load_dataset_ref, parse_ref
     from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.rewards import load_reward_fn
@@ -427,6 +435,7 @@ def _read(config: ScoreConfig, processes: int) -> _Work | None:
     for source in sources:
         if source.kind == "reward_model":
             check_model_ref(source.flag, source.spec)
+            check_attn_implementation(config.attn_implementation)
         else:
             fns[source.key] = load_reward_fn(source.spec)
     ref = parse_ref(config.input)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
+from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, from_pretrained_kwargs
 from rlhf_pipeline.training.checkpoints import resume_checkpoint, save_checkpoint, save_model
 from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.datasets_io import write_text_atomic
@@ -73,9 +74,11 @@ class TrainOptions(OutputOptions, LoraOptions):
         2.0,
         help="Pack each micro-batch's sequences into rows of up to this many times its longest sequence, kept apart "
         "by position ids (block-diagonal attention), instead of padding each to the longest; 0 = pad. With "
-        "flash-attention a larger value (e.g. 8) only helps; see rlhf_pipeline.logprobs.",
+        "--attn-implementation flash_attention_2 or varlen every micro-batch is one unpadded row whatever this is; "
+        "see rlhf_pipeline.logprobs.",
         semantic=False,
     )
+    attn_implementation: AttnImplementation = option(DEFAULT_ATTENTION, help=attn_help(), semantic=False)
     eval_every: int = option(0, help="Evaluate on the test split every N steps (0 = at the end only).")
     eval_batch_size: int = option(8, help="Examples per process per evaluation forward.", semantic=False)
     save_every: int = option(0, help="Save a resumable checkpoint every N steps (0 = final model only).")
@@ -182,12 +185,14 @@ def load_trainable(config: TrainOptions, loader: Callable[..., Any]):
     """A model in float32 master weights (mixed precision and DeepSpeed cast as configured), with LoRA adapters when
     ``--lora-rank`` asks (``rlhf_pipeline.training.lora``). Seeded first: weights the checkpoint does not have (a reward
     model's new score head, the adapters) are initialised from the seed. ``loader(path, trust_remote_code=...,
-    **kwargs)`` loads the model (``kwargs``: QLoRA's quantization config, when asked)."""
+    **kwargs)`` loads the model (``kwargs``: QLoRA's quantization config, when asked, and the attention
+    implementation ``--attn-implementation`` names, ``rlhf_pipeline.attention``)."""
     import torch
 
     torch.manual_seed(config.seed)
+    kwargs = {**load_kwargs(config), **from_pretrained_kwargs(config.attn_implementation)}
     with reading("model", config.model, MODEL_HINT, only_damaged=True):
-        model = loader(config.model, trust_remote_code=config.trust_remote_code, **load_kwargs(config))
+        model = loader(config.model, trust_remote_code=config.trust_remote_code, **kwargs)
     model.config.use_cache = False
     disable_dropout(model)  # before the adapters: --lora-dropout is theirs
     if config.gradient_checkpointing:

@@ -1,0 +1,353 @@
+"""``--attn-implementation varlen``: the attention function against a dense causal reference, its mask function, and
+the log-prob pass of a varlen model (one unpadded row, the sequences' bounds as FlashAttentionKwargs) against the same
+model's padded sdpa pass, in values and gradients, on the tiny Llama and on two other architectures (Qwen2; Mistral
+with a sliding window). The CPU runs the per-sequence reference; the CUDA kernel is checked against it where a GPU is.
+"""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rlhf_pipeline import attention  # noqa: E402
+from rlhf_pipeline.attention import register_varlen, varlen_attention, varlen_mask, varlen_reference  # noqa: E402
+from rlhf_pipeline.logprobs import _varlen_layout, build_batch, sequence_logps, token_logps  # noqa: E402
+from conftest import naive_sequence_logps, parameter_grads  # noqa: E402
+
+# Lengths that cover a one-token response, empty responses and a one-token prompt.
+PROMPT_LENS = [3, 12, 7, 1, 9, 4, 2]
+RESPONSE_LENS = [15, 1, 8, 0, 3, 6, 0]
+
+
+def dense_causal(q, k, v, lengths, scale, window=None):
+    """(B, H, T, D) attention over sequences of ``lengths`` one after another in one row, with an explicit
+    block-diagonal causal mask (and sliding window) and a hand-written softmax, in float64."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.arange(len(seq))
+    allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] < window
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v.double()).transpose(1, 2)  # (B, T, H, D)
+
+
+def bounds(lengths, device="cpu"):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
+
+
+def qkv(lengths, heads=4, kv_heads=2, dim=16, seed=0, dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    return [torch.randn(1, h, total, dim, generator=gen).to(device=device, dtype=dtype)
+            for h in (heads, kv_heads, kv_heads)]
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_varlen_attention_matches_a_dense_causal_reference_with_gqa(window):
+    lengths = [1, 5, 3, 8, 2]
+    q, k, v = qkv(lengths)
+    module = SimpleNamespace(is_causal=True)
+    out, weights = varlen_attention(module, q, k, v, None, scaling=0.3, sliding_window=window, **bounds(lengths))
+    assert weights is None and out.shape == (1, sum(lengths), 4, 16)
+    torch.testing.assert_close(out.double(), dense_causal(q, k, v, lengths, 0.3, window), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("takes_gqa", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_kernel_is_called_as_torch_2_11_and_2_13_take_it(monkeypatch, takes_gqa, window):
+    """The GPU path's call, checked on a CPU against a stand-in with flash attention's conventions: tokens (N, H, D),
+    int32 bounds, int lengths, window_size (left, right) counted as flash attention counts it; key/value heads
+    repeated for torch 2.11's varlen_attn (no enable_gqa), passed as they are with enable_gqa for 2.13's."""
+    lengths = [1, 5, 3, 8, 2]
+    q, k, v = qkv(lengths)
+
+    def stand_in(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **gqa):
+        assert query.dim() == 3 and cu_q.dtype == cu_k.dtype == torch.int32 and type(max_q) is type(max_k) is int
+        assert isinstance(window_size, tuple) and gqa == ({"enable_gqa": True} if takes_gqa else {})
+        if not takes_gqa:
+            assert key.shape[1] == query.shape[1]
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        pos = torch.arange(len(seq))
+        left, right = window_size
+        allowed = (seq[:, None] == seq[None, :]) & ((pos[None, :] >= pos[:, None] - left) | (left < 0))
+        allowed &= (pos[None, :] <= pos[:, None] + right) | (right < 0)
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        scores = torch.einsum("ihd,jhd->hij", query, key) * scale
+        return torch.einsum("hij,jhd->ihd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), value)
+
+    monkeypatch.setattr(attention, "_kernel_runs", lambda query: True)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: (stand_in, takes_gqa))
+    out = varlen_attention(SimpleNamespace(is_causal=True), q, k, v, None, scaling=0.3, sliding_window=window,
+                           **bounds(lengths))[0]
+    torch.testing.assert_close(out.double(), dense_causal(q, k, v, lengths, 0.3, window), rtol=1e-5, atol=1e-6)
+
+
+def test_without_bounds_it_is_transformers_sdpa_attention():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = qkv([6])
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=2)
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    mask[..., 0] = False  # a left pad
+    mask[..., 0, 0] = True
+    for m in (None, mask):
+        got = varlen_attention(module, q, k, v, m, scaling=0.25)[0]
+        torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, m, scaling=0.25)[0])
+
+
+def test_attention_dropout_is_refused():
+    from rlhf_pipeline.errors import PipelineError
+
+    q, k, v = qkv([4])
+    with pytest.raises(PipelineError, match="dropout 0.1 is not supported"):
+        varlen_attention(SimpleNamespace(is_causal=True), q, k, v, None, dropout=0.1, **bounds([4]))
+
+
+def test_the_mask_function_builds_no_mask_without_padding():
+    """Packed rows get no dense mask; a padding mask (batched generation) or a binding sliding window gets sdpa's."""
+    from transformers.masking_utils import sdpa_mask
+
+    common = dict(batch_size=1, q_length=6, kv_length=6, device="cpu")
+    assert varlen_mask(**common, attention_mask=None, allow_is_causal_skip=False) is None
+    assert varlen_mask(**common, attention_mask=None, local_size=8) is None
+    padding = torch.tensor([[False, True, True, True, True, True]])
+    torch.testing.assert_close(varlen_mask(**common, attention_mask=padding), sdpa_mask(**common, attention_mask=padding))
+    windowed = varlen_mask(**common, attention_mask=None, local_size=3)
+    torch.testing.assert_close(windowed, sdpa_mask(**common, attention_mask=None, local_size=3))
+
+
+def test_the_one_row_layout_by_hand():
+    """prompts [[1,2],[3],[8]], responses [[4,5,6],[7],[]] packed in rows of 5: [[1,2,4,5,6],[3,7,8,pad,pad]]."""
+    batch = build_batch([[1, 2], [3], [8]], [[4, 5, 6], [7], []], pad_id=0, pack_ratio=1.0)
+    assert batch.input_ids.tolist() == [[1, 2, 4, 5, 6], [3, 7, 8, 0, 0]]
+    assert (batch.lengths, batch.prompt_lengths, batch.starts) == ((5, 2, 1), (2, 1, 1), (0, 5, 7))
+    index, cu, longest, predict, seq_index = _varlen_layout(batch)
+    assert batch.input_ids.reshape(-1)[index].tolist() == [1, 2, 4, 5, 6, 3, 7, 8]
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 5, 7, 8] and longest == 5
+    assert predict.tolist() == [1, 2, 3, 5]  # predicting 4, 5, 6 and 7
+    assert seq_index.tolist() == [0, 0, 0, 1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The log-prob pass of a varlen model
+
+
+def tiny_model(arch: str, tiny_policy: str):
+    """The tiny kit's Llama (2 query heads, 1 key/value head), or a random Qwen2 (biased q/k/v) or Mistral (a
+    sliding window of 6, shorter than most sequences here) of the same vocabulary with 4 query and 2 key/value
+    heads, in float64."""
+    from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if arch == "llama":
+        return AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float64).eval()
+    vocab = AutoModelForCausalLM.from_pretrained(tiny_policy).config.vocab_size
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**shape)).double().eval()
+    return MistralForCausalLM(MistralConfig(**shape, sliding_window=6)).double().eval()
+
+
+def varlen_copy(model):
+    register_varlen()
+    copied = copy.deepcopy(model)
+    copied.set_attn_implementation("varlen")
+    return copied
+
+
+@pytest.fixture(scope="module")
+def seqs(tiny_policy):
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    responses = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in RESPONSE_LENS]
+    return prompts, responses
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the calls of the per-sequence reference and of sdpa's dense mask, and the bounds the attention got."""
+    from transformers import masking_utils
+
+    seen = {"reference": 0, "dense_masks": 0}
+    reference, dense = attention.varlen_reference, masking_utils.sdpa_mask
+
+    def counting_reference(*args, **kwargs):
+        seen["reference"] += 1
+        seen["bounds"] = args[3].tolist()
+        return reference(*args, **kwargs)
+
+    def counting_mask(*args, **kwargs):
+        seen["dense_masks"] += 1
+        return dense(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "varlen_reference", counting_reference)
+    monkeypatch.setattr(masking_utils, "sdpa_mask", counting_mask)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("ratio", [0.0, 1.5, 100.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_varlen_logps_equal_the_padded_sdpa_ones(arch, ratio, temperature, tiny_policy, seqs, spy):
+    """Whatever the batch's layout, a varlen model sees one unpadded row and gives each sequence the log-probs
+    the sdpa model gives it padded, and those of the sequence alone; empty responses score 0."""
+    prompts, responses = seqs
+    model = tiny_model(arch, tiny_policy)
+    varlen = varlen_copy(model)
+    batch = build_batch(prompts, responses, pad_id=0, pack_ratio=ratio)
+    with torch.no_grad():
+        padded = sequence_logps(model, build_batch(prompts, responses, pad_id=0), temperature=temperature)
+        got = sequence_logps(varlen, batch, temperature=temperature)  # its first call probes it against padding
+        spy.update(reference=0, dense_masks=0)
+        logps, seq_index = token_logps(varlen, batch, temperature=temperature)
+    lengths = [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
+    assert spy["bounds"] == [0, *torch.tensor(lengths).cumsum(0).tolist()]  # every sequence in order, one row
+    assert spy["reference"] >= model.config.num_hidden_layers
+    if arch != "mistral":  # the sliding window is shorter than the row: sdpa's mask is built for it (and not used)
+        assert spy["dense_masks"] == 0
+    torch.testing.assert_close(got, padded, rtol=0, atol=1e-9)
+    torch.testing.assert_close(got, naive_sequence_logps(model, prompts, responses, temperature), rtol=0, atol=1e-9)
+    assert got[3].item() == got[6].item() == 0.0
+    assert torch.bincount(seq_index, minlength=len(prompts)).tolist() == RESPONSE_LENS
+    assert torch.equal(seq_index, torch.sort(seq_index).values)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_varlen_float32_close_to_padded_sdpa_with_gradients(arch, tiny_policy, seqs):
+    """In float32 (what a CPU trains in) values and every parameter's gradient agree to float rounding."""
+    prompts, responses = seqs
+    model = tiny_model(arch, tiny_policy).float()
+    varlen = varlen_copy(model)
+    weights = torch.linspace(0.5, 1.5, len(prompts))
+    grads = []
+    for m, ratio in ((model, 0.0), (varlen, 2.0)):
+        m.zero_grad()
+        values = sequence_logps(m, build_batch(prompts, responses, pad_id=0, pack_ratio=ratio), temperature=0.8)
+        (values * weights).sum().backward()
+        grads.append((values.detach(), parameter_grads(m)))
+    (padded, padded_grads), (got, got_grads) = grads
+    torch.testing.assert_close(got, padded, rtol=1e-5, atol=1e-5)
+    assert padded_grads.keys() == got_grads.keys() and "model.embed_tokens.weight" in got_grads
+    for name in padded_grads:
+        torch.testing.assert_close(got_grads[name], padded_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_critic_values_and_checkpointed_gradients_of_varlen_models(tiny_policy, tiny_rm, seqs):
+    """PPO's critic reads its values through the same rows, and a policy trained with gradient checkpointing passes
+    the bounds through its recomputed layers: both as with sdpa."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_pipeline.logprobs import token_values
+
+    prompts, responses = seqs
+    batch = build_batch(prompts, responses, pad_id=0, pack_ratio=2.0)
+    critic = AutoModelForSequenceClassification.from_pretrained(tiny_rm, dtype=torch.float64).eval()
+    with torch.no_grad():
+        (values, index), (expected, expected_index) = (token_values(m, batch) for m in (varlen_copy(critic), critic))
+    assert torch.equal(index, expected_index)
+    torch.testing.assert_close(values, expected, rtol=0, atol=1e-9)
+
+    model = tiny_model("llama", tiny_policy)
+    grads = []
+    for m in (model, varlen_copy(model)):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+        sequence_logps(m, batch).sum().backward()
+        grads.append(parameter_grads(m))
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-7, atol=1e-10, msg=name)
+
+
+def test_a_model_that_drops_the_bounds_falls_back_to_padding(tiny_policy, seqs, caplog, monkeypatch):
+    """A model whose attention code does not pass cu_seq_lens_q on would let the sequences of the row see each other;
+    the probe notices and the batch is computed padded, with a warning."""
+    prompts, responses = seqs
+    model = tiny_model("llama", tiny_policy)
+    varlen = varlen_copy(model)
+    real = varlen_attention
+
+    def dropping(module, query, key, value, attention_mask, **kwargs):
+        kwargs.pop("cu_seq_lens_q", None)
+        return real(module, query, key, value, attention_mask, **kwargs)
+
+    from transformers import AttentionInterface
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "varlen", dropping)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="rlhf_pipeline.logprobs"):
+        got = sequence_logps(varlen, build_batch(prompts, responses, pad_id=0, pack_ratio=2.0))
+    assert "sequences of a varlen row" in caplog.text and "falling back to padded batches" in caplog.text
+    torch.testing.assert_close(got, naive_sequence_logps(model, prompts, responses), rtol=0, atol=1e-9)
+
+
+def test_padded_generation_of_a_varlen_model_masks_the_pads(tiny_policy):
+    """Batched, left-padded generation goes through sdpa with the padding mask: a prompt's greedy continuation does
+    not depend on the longer prompt beside it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, **attention.from_pretrained_kwargs("varlen")).eval()
+    assert model.config._attn_implementation == "varlen"
+    short, long = [5, 6, 7], [9, 10, 11, 12, 13, 14]
+    ids = torch.tensor([[0, 0, 0] + short, long])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        batched = model.generate(input_ids=ids, attention_mask=mask, **kwargs)[0, 6:]
+        alone = model.generate(input_ids=torch.tensor([short]), attention_mask=torch.ones(1, 3, dtype=torch.long),
+                               **kwargs)[0, 3:]
+    assert batched.tolist() == alone.tolist()
+
+
+def test_a_varlen_reward_model_scores_as_sdpa(tiny_rm):
+    """Reward scoring runs the body on right-padded rows without bounds: sdpa's attention, the fast path kept."""
+    from rlhf_pipeline.rewards import RewardModelScorer
+
+    sequences = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    scorers = [RewardModelScorer(tiny_rm, attn_implementation=name, batch_size=2)
+               for name in ("sdpa", "varlen")]
+    sdpa, varlen = (scorer.score_ids(sequences) for scorer in scorers)
+    assert scorers[1].model.config._attn_implementation == "varlen" and scorers[1].mode == "last_token"
+    assert varlen == pytest.approx(sdpa, abs=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen_attn kernel needs a CUDA GPU")
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_cuda_kernel_matches_the_reference_in_bfloat16(window):
+    """On a GPU in bf16 the attention runs torch's varlen_attn (the key/value heads repeated where this torch has no
+    enable_gqa); it must give the per-sequence reference's output on the same inputs, to bf16's rounding."""
+    lengths = [1, 37, 5, 128, 64, 2]
+    q, k, v = qkv(lengths, heads=8, kv_heads=2, dim=64, dtype=torch.bfloat16, device="cuda")
+    module = SimpleNamespace(is_causal=True)
+    assert attention._kernel_runs(q)
+    out = varlen_attention(module, q, k, v, None, scaling=0.125, sliding_window=window,
+                           **bounds(lengths, device="cuda"))[0]
+    flat = [x.float().transpose(1, 2).reshape(sum(lengths), x.shape[1], 64) for x in (q, k, v)]
+    expected = varlen_reference(*flat, bounds(lengths, "cuda")["cu_seq_lens_q"], scale=0.125, sliding_window=window)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out[0].float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen_attn kernel needs a CUDA GPU")
+def test_a_bf16_varlen_model_on_the_gpu_gives_the_padded_sdpa_logps(tiny_policy, seqs, spy):
+    """The whole pass on a GPU in bf16: the kernel runs (the reference does not), forward and backward, and the
+    log-probs are padded sdpa's to bf16's rounding (the bound test_logprobs' bf16 test uses)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts, responses = seqs
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.bfloat16).cuda()
+    varlen = varlen_copy(model)
+    with torch.no_grad():
+        padded = sequence_logps(model, build_batch(prompts, responses, pad_id=0).to("cuda"))
+    got = sequence_logps(varlen, build_batch(prompts, responses, pad_id=0, pack_ratio=2.0).to("cuda"))
+    got.sum().backward()
+    assert spy["reference"] == 0
+    torch.testing.assert_close(got.detach(), padded, rtol=5e-2, atol=0.5)
+    grad = varlen.model.layers[0].self_attn.q_proj.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0
