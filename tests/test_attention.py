@@ -351,3 +351,27 @@ def test_a_bf16_varlen_model_on_the_gpu_gives_the_padded_sdpa_logps(tiny_policy,
     torch.testing.assert_close(got.detach(), padded, rtol=5e-2, atol=0.5)
     grad = varlen.model.layers[0].self_attn.q_proj.weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0
+
+
+def test_log_prob_passes_leave_cudnn_sdpa_out_on_a_gpu():
+    """On a CUDA device an sdpa model's log-prob pass runs with every sdpa backend but cuDNN's (which plans anew on
+    the host for every new shape); elsewhere, and for other implementations, nothing is changed."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlhf_pipeline.attention import sdpa_backends
+
+    sdpa = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    varlen = SimpleNamespace(config=SimpleNamespace(_attn_implementation="varlen"))
+    assert isinstance(sdpa_backends(sdpa, torch.device("cpu")), contextlib.nullcontext)
+    assert isinstance(sdpa_backends(varlen, torch.device("cuda")), contextlib.nullcontext)
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+              torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    with sdpa_backends(sdpa, torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before

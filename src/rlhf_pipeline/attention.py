@@ -103,6 +103,23 @@ def takes_varlen(model) -> bool:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) in VARLEN_CAPABLE
 
 
+def sdpa_backends(model, device):
+    """The context a log-prob pass runs its decoder in: on a CUDA GPU with sdpa, every backend of PyTorch's
+    ``scaled_dot_product_attention`` but cuDNN's, elsewhere nothing.
+
+    Why: the log-prob passes give every forward new shapes (each micro-batch's lengths), and cuDNN's SDPA plans
+    anew for each shape on the host. In a profile of the trainer on an H100 (torch 2.11, docs/benchmarks.md) every
+    attention call spent 12-15 ms of host time in ``_cudnn_attention_forward``/``_backward`` and the GPU sat idle
+    most of each step; flash or memory-efficient attention, which PyTorch picks without cuDNN, plan nothing."""
+    import contextlib
+
+    if device.type != "cuda" or getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def register_varlen() -> None:
     """Register ``varlen`` with transformers: its attention function, and its mask function. Both are needed:
     ``create_causal_mask`` looks the mask function up under the model's attention name (an unknown name gets no mask

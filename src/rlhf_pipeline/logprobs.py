@@ -93,7 +93,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
-from rlhf_pipeline.attention import takes_varlen
+from rlhf_pipeline.attention import sdpa_backends, takes_varlen
 from rlhf_pipeline.modeling import peel, supports_fast_path
 
 log = logging.getLogger(__name__)
@@ -361,12 +361,13 @@ def _response_rows(inner, body, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         hidden, ids, predict, seq_index = _varlen_forward(body, batch)
         return hidden[predict], ids[predict + 1], seq_index
     # use_cache=False: a training/scoring pass has no use for a KV cache, and building one wastes memory.
-    out = body(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    )
+    with sdpa_backends(inner, batch.input_ids.device):
+        out = body(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        )
     hidden = out.last_hidden_state  # (R, T, H)
 
     # Position t predicts token t + 1, so the rows we need are those whose *next* position holds a response token.
