@@ -13,8 +13,13 @@ split. The global batch is sorted by length and cut into micro-batches of ``batc
 sequence. The loss is a per-example mean, so batch 8 x accumulation 1, batch 1 x accumulation 8 and 2 processes x
 batch 4 all compute the same update.
 
+Host syncs. A micro-batch's loss, metrics and non-finite flag are summed as tensors where they live; the host reads
+them once per step, at its boundary (with the gradient norm, outside DeepSpeed), so it does not wait for the device
+after every forward.
+
 Non-finite steps. A step whose loss (any micro-batch, any process) or gradients are not finite applies no update:
-every process reaches the same verdict (an all-reduced flag per micro-batch; the global gradient norm on one
+every process reaches the same verdict (a flag over the step's micro-batches, all-reduced at the boundary with the
+step's sums; the global gradient norm on one
 process; under DeepSpeed ZeRO's own all-reduced overflow check of the gradient partitions, before the engine's
 step, which this loop takes itself instead of through ``accelerator.backward`` so that it can leave it out: see
 :func:`skip_deepspeed_step`). ``--max-nonfinite-steps`` in a row stop the run with one error line; weights that are
@@ -281,12 +286,6 @@ def anywhere(accelerator, flag: bool) -> bool:
     return float(accelerator.reduce(value, reduction="sum").item()) > 0
 
 
-def finite(value) -> bool:
-    import torch
-
-    return bool(torch.isfinite(value.detach()).all()) if hasattr(value, "detach") else math.isfinite(float(value))
-
-
 def weights_finite(accelerator, model) -> bool:
     """Whether every weight of the model is finite, on every process (under ZeRO-3 each checks its partitions)."""
     import torch
@@ -326,11 +325,18 @@ def nonfinite_weights(accelerator, step: int, what: str) -> PipelineError:
     )
 
 
-def add_to_sums(sums: dict[str, float], loss, metrics: dict[str, Any], n: int, weight: float = 1.0) -> None:
-    """Accumulate a micro-batch's mean loss and per-example metrics as sums over examples (``_n`` counts them)."""
-    sums["loss"] = sums.get("loss", 0.0) + weight * float(loss.detach()) * n
+def add_to_sums(sums: dict[str, Any], loss, metrics: dict[str, Any], n: int, weight: float = 1.0) -> None:
+    """Accumulate a micro-batch's mean loss and per-example metrics as sums over examples (``_n`` counts them), in
+    float64 tensors where they are (on the device), which ``reduce_sums`` reads once: a ``float()`` here would make
+    the host wait for every forward. A stand-in (``weight`` 0) adds zeros under the same keys, even where its values
+    are not finite."""
+    def add(key: str, value) -> None:
+        value = value.detach().double()
+        sums[key] = sums.get(key, 0.0) + (value * weight if weight else value.new_zeros(()))
+
+    add("loss", loss.double() * n)
     for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + weight * float(v.float().sum())
+        add(k, v.float().sum())
     sums["_n"] = sums.get("_n", 0.0) + weight * n
 
 
@@ -442,6 +448,7 @@ def train(
 
     The task's metrics (``loss``, ``accuracy``, ...) are logged under the names ``layout.metric_names`` gives them.
     """
+    import torch
     from tqdm.auto import tqdm
 
     from rlhf_pipeline.layout import metric_names
@@ -480,50 +487,60 @@ def train(
         epoch, position = divmod(step, setup.steps_per_epoch)
         batch_ids = global_batches(train_ds.num_rows, setup.global_size, config.seed, epoch)[position]
         t0 = time.time()
-        sums: dict[str, float] = {}
-        bad = False  # a micro-batch's loss, or the step's gradients, not finite on some process
+        # The step's sums over its examples and its non-finite flag, accumulated as tensors where the losses live
+        # and read once, at the boundary (add_to_sums, reduce_sums): no wait for the device per micro-batch.
+        sums: dict[str, Any] = {}
+        nonfinite: Any = 0.0  # > 0: a micro-batch's loss was not finite
         if hasattr(task, "begin_step"):
             task.begin_step(accelerator, model, train_ds.select(batch_ids), len(batch_ids) // config.batch_size)
-        for ids in micro_batches(batch_ids, lengths, config.batch_size, world, config.gradient_accumulation_steps, rank):
+        mine = micro_batches(batch_ids, lengths, config.batch_size, world, config.gradient_accumulation_steps, rank)
+        for k, ids in enumerate(mine):
+            last = k == len(mine) - 1
             batch = task.collate(train_ds.select(ids).to_list())
             if engine is not None:
                 begin_deepspeed_micro_batch(engine)
-            with accelerator.accumulate(model), accelerator.autocast():
+            # The boundary, taken here rather than counted by accelerator.accumulate: the prepared optimizer steps
+            # and zeroes only under it.
+            accelerator.sync_gradients = last
+            with accelerator.autocast():
                 # autocast by hand: logprobs calls the decoder and LM head directly, not model.forward
                 loss, per_example, (real, total) = task.loss(model, batch)
-                bad = anywhere(accelerator, not finite(loss)) or bad
-                sync = accelerator.sync_gradients
-                if engine is not None:  # DeepSpeed: its step is taken here, or skipped (see skip_deepspeed_step)
-                    engine.set_gradient_accumulation_boundary(is_boundary=sync)
+                if engine is not None:  # DeepSpeed: its step is taken below, or skipped (see skip_deepspeed_step)
+                    engine.set_gradient_accumulation_boundary(is_boundary=last)
                     engine.backward(loss)
-                    if sync:
-                        bad = bad or deepspeed_grads_nonfinite(engine)
-                        if bad:
-                            skip_deepspeed_step(engine)
-                        else:
-                            engine.step()
-                            # DeepSpeed skips a step itself when the norm it computes is not finite (every process
-                            # alike): counted as skipped too
-                            bad = not engine.was_step_applied()
-                            grad_norm = engine.get_global_grad_norm()  # before clipping, as DeepSpeed computed it
-                            if config.max_grad_norm > 0 and grad_norm is not None and not bad:
-                                sums["grad_norm"] = float(grad_norm) / world  # the same value on every process
                 else:
                     accelerator.backward(loss)
-                    if sync:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
-                        if grad_norm is not None:
-                            bad = bad or not finite(grad_norm)  # the same on every process (all-reduced grads)
-                            if config.max_grad_norm > 0 and not bad:
-                                sums["grad_norm"] = float(grad_norm) / world  # the same value on every process
-                        if not bad:
-                            optimizer.step()
-                        optimizer.zero_grad()
-            if bad:  # its metrics are not finite either: the step is counted, not averaged
-                continue
+            nonfinite = nonfinite + (~torch.isfinite(loss.detach())).any()
             add_to_sums(sums, loss, per_example, len(ids))
             sums["_real"] = sums.get("_real", 0.0) + real
             sums["_total"] = sums.get("_total", 0.0) + total
+        # The boundary: the sums and the flag (with the gradient norm, outside DeepSpeed) come to the host in one
+        # read, reduced over the processes, so every process reaches the same verdict before the update.
+        sums["_nonfinite"] = nonfinite
+        if engine is not None:
+            totals = reduce_sums(accelerator, sums)
+            bad = totals.pop("_nonfinite") > 0 or deepspeed_grads_nonfinite(engine)
+            if bad:
+                skip_deepspeed_step(engine)
+            else:
+                engine.step()
+                # DeepSpeed skips a step itself when the norm it computes is not finite (every process alike):
+                # counted as skipped too
+                bad = not engine.was_step_applied()
+                grad_norm = engine.get_global_grad_norm()  # before clipping, as DeepSpeed computed it
+                if config.max_grad_norm > 0 and grad_norm is not None and not bad:
+                    totals["grad_norm"] = float(grad_norm)
+        else:
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
+            if grad_norm is not None:
+                sums["grad_norm"] = grad_norm / world  # the same value on every process (all-reduced grads)
+            totals = reduce_sums(accelerator, sums)
+            bad = totals.pop("_nonfinite") > 0 or not math.isfinite(totals.get("grad_norm", 0.0))
+            if not bad:
+                optimizer.step()
+            optimizer.zero_grad()
+            if config.max_grad_norm <= 0:
+                totals.pop("grad_norm", None)
         # The rate this step's update used: after scheduler.step() get_last_lr() is already the next step's.
         step_lr = scheduler.get_last_lr()[0]
         scheduler.step()
@@ -540,7 +557,6 @@ def train(
                 raise nonfinite_stop(accelerator, step, skipped_in_a_row, last_loss)
         else:
             skipped_in_a_row = 0
-            totals = reduce_sums(accelerator, sums)
             n, real, total = totals.pop("_n"), totals.pop("_real"), totals.pop("_total")
             real_tokens += int(real)
             all_tokens += int(total)
