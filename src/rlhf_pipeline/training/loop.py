@@ -26,11 +26,10 @@ after every forward.
 
 Non-finite steps. A step whose loss (any micro-batch, any process) or gradients are not finite applies no update:
 every process reaches the same verdict (a flag over the step's micro-batches, all-reduced at the boundary with the
-step's sums; the global gradient norm on one
-process; under DeepSpeed ZeRO's own all-reduced overflow check of the gradient partitions, before the engine's
-step, which this loop takes itself instead of through ``accelerator.backward`` so that it can leave it out: see
-:func:`skip_deepspeed_step`). ``--max-nonfinite-steps`` in a row stop the run with one error line; weights that are
-not finite are never saved.
+step's sums; the global gradient norm on one process; under DeepSpeed ZeRO's own all-reduced overflow check of the
+gradient partitions, before the engine's step, which this loop takes itself instead of through
+``accelerator.backward`` so that it can leave it out: see :func:`skip_deepspeed_step`). ``--max-nonfinite-steps`` in
+a row stop the run with one error line; weights that are not finite are never saved.
 
 What a run writes (the final model, metrics.jsonl, checkpoints/) is described in ``rlhf_pipeline.training.checkpoints``.
 """
