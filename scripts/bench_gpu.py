@@ -35,7 +35,7 @@ Sides, each in a fresh subprocess (so peak memory is its own)
   length), each micro-batch through ``pairs.PairTask.loss`` (``pair_logps`` with ``pack_ratio`` for the
   policy log-probs, ``algorithms.pairs.compute_pair_loss("dpo", PairLossParams(beta=0.1), ...)`` against the
   precomputed reference), backward of loss / accumulation, metrics summed per micro-batch as the trainer does
-  (``training.loop.add_to_sums``, which syncs), clip, AdamW step, schedule step.
+  (``training.loop.add_to_sums``, on the device, read once per step), clip, AdamW step, schedule step.
 * ``trl``: TRL's ``DPOTrainer`` with its default reference model (a second model loaded from the same directory and
   run every step).
 * ``trl_precomputed``: TRL with ``precompute_ref_log_probs=True`` (its pass runs in the trainer's constructor, with
@@ -418,21 +418,21 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
     profiler = StepProfiler(spec, device)
     for step, micro in enumerate(step_order(spec)):
         profiler.before_step(step)
-        sums: dict[str, float] = {}
+        sums: dict[str, Any] = {}
         real = sq = positions = 0
         for ids in micro:
             rows = [pairs[i] for i in ids]
             with autocast():
                 loss, metrics, (n_real, n_total) = task.loss(model, rows)
             (loss / accumulation).backward()  # accelerate divides by the accumulation steps the same way
-            add_to_sums(sums, loss, metrics, len(ids))  # float() per micro-batch, as the trainer does
+            add_to_sums(sums, loss, metrics, len(ids))  # on the device, read once per step, as the trainer does
             lens = seq_lengths(rows)
             real, sq, positions = real + n_real, sq + sum(t * t for t in lens), positions + n_total
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, 1.0)))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(sums["loss"] / sums["_n"])
+        losses.append(float(sums["loss"]) / sums["_n"])
         stats.append({"real": real, "sq": sq, "positions": positions})
         step_ends.append(clock())
         profiler.after_step(step)

@@ -94,6 +94,27 @@ def max_weight_diff(a: Path, b: Path) -> float:
     return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
 
 
+def spy_token_budget_plans(monkeypatch) -> list:
+    """Record every plan ``training.loop.token_budget_plan`` makes from here on (one per step of an in-process run
+    with --max-tokens-per-micro-batch), so that a test can check its budget cut micro-batches of several sizes."""
+    from rlhf_pipeline.training import loop
+
+    plans: list = []
+    real = loop.token_budget_plan
+
+    def plan(*args):
+        plans.append(real(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(loop, "token_budget_plan", plan)
+    return plans
+
+
+def micro_batch_sizes(plans: list) -> set[int]:
+    """The sizes (examples) of the micro-batches of token-budget plans (``token_budget_plan``'s)."""
+    return {len(chunk) for plan in plans for mine in plan for chunk in mine}
+
+
 def make_stop_prone(model_dir: Path, likely: int, unlikely: tuple[int, ...] = (), logit: float = 0.6) -> None:
     """Rewrite a saved tiny policy so that token ``likely`` is probable after every token, ``unlikely`` improbable.
 

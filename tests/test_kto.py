@@ -24,7 +24,17 @@ from rlhf_pipeline.selection import (
     decide_unpaired,
     mismatched_partners,
 )
-from conftest import LENGTH_REWARD, free_port, launch_failure, logged, max_weight_diff, run, write_jsonl
+from conftest import (
+    LENGTH_REWARD,
+    free_port,
+    launch_failure,
+    logged,
+    max_weight_diff,
+    micro_batch_sizes,
+    run,
+    spy_token_budget_plans,
+    write_jsonl,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 LIMITS = LengthLimits(max_prompt_tokens=10, max_response_tokens=3)
@@ -199,18 +209,26 @@ def test_kto_lowers_the_loss_changes_every_parameter_and_reuses_the_reference_pa
     assert logged(own) == pytest.approx(curve, abs=1e-5)
 
 
-def test_kto_batch_times_accumulation_is_invariant(unpaired, tiny_policy, tmp_path):
-    """z0 comes from the whole step's mismatched pairs, so 4 x 1 and 2 x 2 train against the same z0 (per
-    micro-batch, as TRL estimates it, the two halves of a step would get different ones)."""
+def test_kto_batch_times_accumulation_and_a_token_budget_are_invariant(unpaired, tiny_policy, tmp_path, monkeypatch):
+    """z0 comes from the whole step's mismatched pairs, so 4 x 1, 2 x 2 and 2 x 2 cut by --max-tokens-per-micro-batch
+    into micro-batches of other sizes train against the same z0 (per micro-batch, as TRL estimates it, the parts of a
+    step would get different ones)."""
     common = ["--max-steps", 3, "--learning-rate", 1e-3, "--beta", 1.0]
     assert run(*train_args(unpaired, tiny_policy, tmp_path / "b4", *common, "--batch-size", 4, split="shifted")) == 0
     assert run(*train_args(unpaired, tiny_policy, tmp_path / "b2", *common, "--batch-size", 2,
                            "--gradient-accumulation-steps", 2, split="shifted")) == 0
-    assert logged(tmp_path / "b4") == pytest.approx(logged(tmp_path / "b2"), abs=1e-5)
+    plans = spy_token_budget_plans(monkeypatch)
+    assert run(*train_args(unpaired, tiny_policy, tmp_path / "tokens", *common, "--batch-size", 2,
+                           "--gradient-accumulation-steps", 2, "--max-tokens-per-micro-batch", 60,
+                           split="shifted")) == 0
+    assert len(micro_batch_sizes(plans) - {2}) >= 1, plans
     z0 = logged(tmp_path / "b4", "kl/train_kl")
-    # z0 sums log-probs over whole sequences: the weights' float-order differences (~1e-7) show up at 1e-5
-    assert z0 == pytest.approx(logged(tmp_path / "b2", "kl/train_kl"), abs=1e-4) and min(z0) > 0.5
-    assert max_weight_diff(tmp_path / "b4", tmp_path / "b2") < 1e-4
+    assert min(z0) > 0.5
+    for other in ("b2", "tokens"):
+        assert logged(tmp_path / "b4") == pytest.approx(logged(tmp_path / other), abs=1e-5)
+        # z0 sums log-probs over whole sequences: the weights' float-order differences (~1e-7) show up at 1e-5
+        assert z0 == pytest.approx(logged(tmp_path / other, "kl/train_kl"), abs=1e-4)
+        assert max_weight_diff(tmp_path / "b4", tmp_path / other) < 1e-4
 
 
 def test_kto_interrupted_run_resumed_equals_uninterrupted(unpaired, tiny_policy, tmp_path, monkeypatch):

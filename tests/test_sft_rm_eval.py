@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from datasets import load_from_disk
 
+from conftest import logged, max_weight_diff, micro_batch_sizes, spy_token_budget_plans
 from rlhf_pipeline.cli import main as rlhf
 from rlhf_pipeline.demo.task import gold_reward, write_task_data
 from rlhf_pipeline.errors import PipelineError
@@ -225,6 +226,23 @@ def test_sft_eval_loss_at_step_0_is_the_untrained_models_answer_nll(sft_model, s
     expected = sum(_nll_oracle(model, p, a) for p, a in zip(prompt_ids, answer_ids)) / len(test_rows)
     step0 = read_jsonl(sft_model / "metrics.jsonl")[0]
     assert step0["step"] == 0 and step0["loss/eval"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", ["sft", "train-rm"])
+def test_a_token_budget_trains_as_batching_by_count(stage, task, tiny_policy, tmp_path, monkeypatch):
+    """rlhf sft and rlhf train-rm run on the shared loop: --max-tokens-per-micro-batch cuts each global batch of 8
+    rows into micro-batches of several sizes instead of 2 of 4, with the same losses and weights."""
+    rows = read_jsonl(task["sft" if stage == "sft" else "preferences"])[:40]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    common = [stage, "--model", tiny_policy, "--data", data, "--test-size", 8, "--max-steps", 3, "--batch-size", 4,
+              "--gradient-accumulation-steps", 2, "--learning-rate", 3e-3, "--report-to", "none"]
+    assert run(*common, "--output", tmp_path / "count") == 0
+    plans = spy_token_budget_plans(monkeypatch)
+    assert run(*common, "--output", tmp_path / "tokens", "--max-tokens-per-micro-batch", 150) == 0
+    assert len(plans) == 3 and len(micro_batch_sizes(plans) - {4}) >= 2, plans
+    assert logged(tmp_path / "tokens") == pytest.approx(logged(tmp_path / "count"), abs=1e-5)
+    assert logged(tmp_path / "tokens", "loss/eval") == pytest.approx(logged(tmp_path / "count", "loss/eval"), abs=1e-5)
+    assert max_weight_diff(tmp_path / "tokens", tmp_path / "count") < 1e-4
 
 
 def test_sft_bad_rows_fail_with_the_row_named(tiny_policy, tmp_path, capsys):

@@ -14,7 +14,17 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 
 from rlhf_pipeline.training import loop as trainer
-from conftest import crash_after_checkpoint, free_port, launch_failure, logged, make_pairs, max_weight_diff, run
+from conftest import (
+    crash_after_checkpoint,
+    free_port,
+    launch_failure,
+    logged,
+    make_pairs,
+    max_weight_diff,
+    micro_batch_sizes,
+    run,
+    spy_token_budget_plans,
+)
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
@@ -131,6 +141,22 @@ def test_batch_times_accumulation_is_invariant(pairs, tiny_policy, tmp_path):
                            "--gradient-accumulation-steps", 4)) == 0
     assert logged(tmp_path / "b4") == pytest.approx(logged(tmp_path / "b1"), abs=1e-5)
     assert max_weight_diff(tmp_path / "b4", tmp_path / "b1") < 1e-4
+
+
+def test_a_token_budget_trains_as_batching_by_count(pairs, tiny_policy, tmp_path, monkeypatch):
+    """--max-tokens-per-micro-batch 250 cuts each global batch of 8 pairs (60-90 tokens each) into micro-batches of
+    1 to 3 pairs instead of 2 of 4; weighted by their pairs, they give the same losses and weights."""
+    common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 3, "--learning-rate", 1e-3, "--batch-size", 4,
+              "--gradient-accumulation-steps", 2]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "count", *common)) == 0
+    plans = spy_token_budget_plans(monkeypatch)
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "tokens", *common, "--max-tokens-per-micro-batch", 250)) == 0
+    assert len(plans) == 3 and len(micro_batch_sizes(plans) - {4}) >= 2, plans
+    assert logged(tmp_path / "tokens") == pytest.approx(logged(tmp_path / "count"), abs=1e-5)
+    assert logged(tmp_path / "tokens", "reward/train_margin") == pytest.approx(
+        logged(tmp_path / "count", "reward/train_margin"), abs=1e-5)
+    assert logged(tmp_path / "tokens", "loss/eval") == pytest.approx(logged(tmp_path / "count", "loss/eval"), abs=1e-5)
+    assert max_weight_diff(tmp_path / "tokens", tmp_path / "count") < 1e-4
 
 
 @pytest.mark.parametrize("algo", ["orpo", "cpo"])
@@ -256,6 +282,32 @@ def test_two_process_zero3_equals_one_process(pairs, tiny_policy, tmp_path):
     assert res.returncode == 0, launch_failure(res)
     assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
     assert logged(tmp_path / "zero3", "loss/eval") == pytest.approx(logged(tmp_path / "single", "loss/eval"), abs=1e-5)
+    assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
+
+
+def test_two_process_zero3_with_a_token_budget_equals_one_process_by_count(pairs, tiny_policy, tmp_path):
+    """2 processes x accumulation 2 x batch 2 under ZeRO-3 with --max-tokens-per-micro-batch 250, against 1 process
+    x accumulation 4 x batch 2: each global batch of 8 pairs is cut into micro-batches of 3, 3 and 2 pairs, one for
+    one process and two for the other, which runs a stand-in of weight 0 beside its other's second forward."""
+    from rlhf_pipeline.algorithms.pairs import pair_lengths
+
+    lengths = pair_lengths(load_from_disk(str(pairs / "ref"))["train"])
+    steps = [trainer.token_budget_plan(ids, lengths, 250, 2) for ids in trainer.global_batches(len(lengths), 8, 0, 0)]
+    assert any(len(a) != len(b) for a, b in steps[:3])  # a stand-in
+    assert len(micro_batch_sizes(steps[:3]) - {2}) >= 1  # micro-batches of other sizes than by count
+    common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 3, "--learning-rate", 1e-3, "--batch-size", 2]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "single", *common, "--gradient-accumulation-steps", 4)) == 0
+    accelerate = Path(sys.executable).parent / "accelerate"
+    cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
+           "--main_process_port", str(free_port()), "-m", "rlhf_pipeline.stages.train",
+           *map(str, train_args(pairs, tiny_policy, tmp_path / "zero3", *common, "--gradient-accumulation-steps", 2,
+                                "--max-tokens-per-micro-batch", 250)[1:])]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, launch_failure(res)
+    assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
+    assert logged(tmp_path / "zero3", "reward/train_margin") == pytest.approx(
+        logged(tmp_path / "single", "reward/train_margin"), abs=1e-5)
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
 
 

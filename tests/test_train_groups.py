@@ -22,7 +22,17 @@ from safetensors.torch import load_file
 from rlhf_pipeline import algorithms
 from rlhf_pipeline.algorithms import groups as rl
 from rlhf_pipeline.training import loop as trainer
-from conftest import LENGTH_REWARD, crash_after_checkpoint, free_port, launch_failure, logged, max_weight_diff, run
+from conftest import (
+    LENGTH_REWARD,
+    crash_after_checkpoint,
+    free_port,
+    launch_failure,
+    logged,
+    max_weight_diff,
+    micro_batch_sizes,
+    run,
+    spy_token_budget_plans,
+)
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
@@ -593,6 +603,25 @@ def test_dapo_token_mean_is_over_the_whole_step_whatever_the_accumulation(uneven
                            "--gradient-accumulation-steps", 4)) == 0
     local, whole = logged(tmp_path / "b2_local"), logged(tmp_path / "b8")
     assert max(abs(a - b) for a, b in zip(local, whole)) > 1e-3
+
+
+@pytest.mark.parametrize("algo", ["dapo", "ppo"])
+def test_a_token_budget_trains_as_batching_by_count(algo, uneven, stop_prone_policy, tiny_rm, tmp_path, monkeypatch):
+    """--max-tokens-per-micro-batch cuts each global batch of 8 samples into micro-batches of several sizes instead
+    of 4 of 2: the same losses and weights. DAPO's token mean over the step holds through micro-batches of different
+    rows (GroupTask.token_scale); PPO's critic and value loss go through the same weighting."""
+    critic = tiny_rm if algo == "ppo" else None
+    common = ["--max-steps", 3, "--learning-rate", 1e-3, "--batch-size", 2, "--gradient-accumulation-steps", 4]
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "count", algo, *common, critic=critic)) == 0
+    plans = spy_token_budget_plans(monkeypatch)
+    assert run(*train_args(uneven, stop_prone_policy, tmp_path / "tokens", algo, *common,
+                           "--max-tokens-per-micro-batch", 100, critic=critic)) == 0
+    assert len(plans) == 3 and len(micro_batch_sizes(plans) - {2}) >= 2, plans
+    for key in ("loss/train", "loss/train_policy_loss", "loss/eval") + (("loss/train_value_loss",) if critic else ()):
+        assert logged(tmp_path / "tokens", key) == pytest.approx(logged(tmp_path / "count", key), abs=1e-5), key
+    assert max_weight_diff(tmp_path / "tokens", tmp_path / "count") < 1e-4
+    if critic:
+        assert max_weight_diff(tmp_path / "tokens" / "critic", tmp_path / "count" / "critic") < 1e-4
 
 
 @pytest.mark.parametrize("algo", ["dr_grpo", "gspo"])

@@ -3,9 +3,18 @@
 import math
 
 import pytest
+import torch
 
+from conftest import logged, micro_batch_sizes, spy_token_budget_plans
 from rlhf_pipeline.distributed import sharded_batches
-from rlhf_pipeline.training.loop import global_batches, micro_batches, warmup_cosine
+from rlhf_pipeline.training.loop import (
+    TrainOptions,
+    global_batches,
+    micro_batches,
+    step_micro_batches,
+    token_budget_plan,
+    warmup_cosine,
+)
 
 
 def test_global_batches_are_a_seeded_partition():
@@ -29,6 +38,51 @@ def test_micro_batches_split_one_global_batch_the_same_way_for_any_layout():
     assert sorted(big[0]) == batch
 
 
+def test_token_budget_plan_by_hand():
+    lengths = [5, 9, 1, 7, 3, 8, 2, 6]
+    batch = list(range(8))
+    # Sorted longest first: 1(9) 5(8) 3(7) 7(6) 0(5) 4(3) 6(2) 2(1); greedy runs of at most 16 tokens:
+    # [1] 9 | [5, 3] 15 | [7, 0, 4, 6] 16 | [2] 1; each process runs its micro-batches most tokens first.
+    assert token_budget_plan(batch, lengths, 16, world=1) == [[[7, 0, 4, 6], [5, 3], [1], [2]]]
+    # Two processes, two rounds each; largest first to the lighter process: 16 -> rank 0, 15 -> rank 1, 9 -> rank 1
+    # (15 < 16), 1 -> rank 0 (rank 1 has its two).
+    assert token_budget_plan(batch, lengths, 16, world=2) == [[[7, 0, 4, 6], [2]], [[5, 3], [1]]]
+    # An example longer than the budget is a micro-batch of its own.
+    assert token_budget_plan([0, 1, 2], [10, 3, 3], 5, world=1) == [[[0], [1], [2]]]
+    # Fewer micro-batches than processes: the others have none, and run one stand-in each.
+    config = TrainOptions(model="m", data="d", output="o", max_tokens_per_micro_batch=100)
+    assert [step_micro_batches(batch, lengths, config, 3, r) for r in range(3)] == [[[1, 5, 3, 7, 0, 4, 6, 2]],
+                                                                                   [None], [None]]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_token_budget_plan_covers_the_batch_once_within_the_budget_alike_on_every_process(world):
+    import random
+
+    rng = random.Random(world)
+    for _ in range(50):
+        lengths = [rng.randint(1, 40) for _ in range(40)]
+        batch = rng.sample(range(40), 24)
+        budget = rng.randint(10, 150)
+        plan = token_budget_plan(batch, lengths, budget, world)
+        chunks = [c for mine in plan for c in mine]
+        assert len(plan) == world and sorted(i for c in chunks for i in c) == sorted(batch)  # each example once
+        assert all(sum(lengths[i] for i in c) <= budget or len(c) == 1 for c in chunks)
+        assert all(len(c) == 1 for c in chunks if lengths[c[0]] > budget)  # an oversize example runs alone
+        rounds = math.ceil(len(chunks) / world)
+        assert max(map(len, plan)) == rounds  # no process runs more forwards than it must
+        assert token_budget_plan(batch[::-1], lengths, budget, world) == plan  # the same whatever the order
+        config = TrainOptions(model="m", data="d", output="o", max_tokens_per_micro_batch=budget)
+        for rank in range(world):
+            mine = step_micro_batches(batch, lengths, config, world, rank)
+            assert len(mine) == rounds and [c for c in mine if c is not None] == plan[rank]
+
+
+def test_a_token_budget_below_one_is_refused():
+    with pytest.raises(ValueError, match="--max-tokens-per-micro-batch must be at least 1"):
+        TrainOptions(model="m", data="d", output="o", max_tokens_per_micro_batch=0)
+
+
 def test_sharded_batches_give_every_process_the_same_number_of_rounds():
     lengths = [3, 1, 4, 1, 5, 9, 2]
     rank0 = sharded_batches(lengths, 2, world=3, rank=0)
@@ -48,52 +102,96 @@ def test_warmup_then_cosine():
     assert warmup_cosine(0, warmup=0, total=10) == pytest.approx(1.0)
 
 
-def test_logged_learning_rate_is_the_one_each_step_used(tmp_path, fresh_accelerate_state):
-    """The ``lr`` logged for step k is the rate of step k's update (warmup_cosine(k - 1)), not step k + 1's: the
-    scheduler is stepped after the update, so its last rate must be read before that."""
-    import json
+class ToyModel(torch.nn.Module):
+    """The loop without a language model: a linear layer."""
 
-    import torch
-    from accelerate import Accelerator
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+
+    def save_pretrained(self, path, **kwargs):  # the loop saves the final model; nothing to check here
+        pass
+
+
+class ToyTask:
+    """The per-example mean of squared errors ``(linear(x) - y)²`` over rows ``{"x", "y", "tokens"}``; a row costs its
+    ``tokens`` (1 when the rows have none)."""
+
+    def lengths(self, rows):
+        return list(rows["tokens"]) if "tokens" in rows.column_names else [1] * len(rows)
+
+    def collate(self, rows):
+        return torch.tensor([r["x"] for r in rows]), torch.tensor([r.get("y", 0.0) for r in rows])
+
+    def loss(self, model, batch):
+        x, y = batch
+        error = model.linear(x).squeeze(-1) - y
+        return error.pow(2).mean(), {"margin": error.detach()}, (len(x), len(x))
+
+
+class NoTokenizer:
+    def save_pretrained(self, path):
+        pass
+
+
+def train_toy(output, rows: list[dict], **options) -> tuple[ToyModel, TrainOptions]:
+    """Train a seeded :class:`ToyModel` on ``rows`` with the shared loop, as a stage would (its accelerator)."""
+    from accelerate.state import AcceleratorState, GradientState
     from datasets import Dataset
 
-    from rlhf_pipeline.layout import METRICS
-    from rlhf_pipeline.training.loop import TrainOptions, prepare, train
+    from rlhf_pipeline.training.loop import prepare, train
+    from rlhf_pipeline.training.stage import make_accelerator
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(2, 1)
+    config = TrainOptions(model="unused", data="unused", output=str(output), report_to="none", **options)
+    torch.manual_seed(0)
+    model = ToyModel()
+    try:
+        accelerator = make_accelerator(config)
+        setup = prepare(config, accelerator, model, len(rows))
+        train(config, accelerator, setup, NoTokenizer(), ToyTask(), Dataset.from_list(rows), None)
+    finally:  # accelerate keeps singletons between runs
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    return model, config
 
-        def save_pretrained(self, path, **kwargs):  # the loop saves the final model; nothing to check here
-            pass
 
-    class Task:
-        def lengths(self, rows):
-            return [1] * len(rows)
-
-        def collate(self, rows):
-            return torch.tensor([r["x"] for r in rows])
-
-        def loss(self, model, batch):
-            return model.linear(batch).pow(2).mean(), {}, (len(batch), len(batch))
-
-    class Tokenizer:
-        def save_pretrained(self, path):
-            pass
-
+def test_logged_learning_rate_is_the_one_each_step_used(tmp_path):
+    """The ``lr`` logged for step k is the rate of step k's update (warmup_cosine(k - 1)), not step k + 1's: the
+    scheduler is stepped after the update, so its last rate must be read before that."""
     total, peak = 6, 1e-2
-    config = TrainOptions(model="unused", data="unused", output=str(tmp_path), max_steps=total, batch_size=1,
-                          learning_rate=peak, warmup_ratio=0.5, report_to="none")
-    accelerator = Accelerator()
-    train_ds = Dataset.from_dict({"x": [[float(i), 1.0] for i in range(8)]})
-    setup = prepare(config, accelerator, Model(), train_ds.num_rows)
-    train(config, accelerator, setup, Tokenizer(), Task(), train_ds, None)
+    _, config = train_toy(tmp_path, [{"x": [float(i), 1.0]} for i in range(8)], max_steps=total, batch_size=1,
+                          learning_rate=peak, warmup_ratio=0.5)
 
-    logged = [json.loads(l)["lr"] for l in (tmp_path / METRICS).read_text().splitlines()]
+    lrs = logged(tmp_path, "lr")
     warmup = int(config.warmup_ratio * total)
-    assert logged == pytest.approx([peak * warmup_cosine(s, warmup, total) for s in range(total)])
-    assert logged[0] == pytest.approx(peak / (warmup + 1))  # the first step's warmup rate, not the second's
+    assert lrs == pytest.approx([peak * warmup_cosine(s, warmup, total) for s in range(total)])
+    assert lrs[0] == pytest.approx(peak / (warmup + 1))  # the first step's warmup rate, not the second's
+
+
+def test_a_token_budget_trains_as_batching_by_count(tmp_path, monkeypatch):
+    """--max-tokens-per-micro-batch cuts each global batch (batch 3 x accumulation 2 = 6 rows) into micro-batches of
+    1 to 6 rows; weighted by their rows they give the update of the count's 2 micro-batches of 3, to float rounding.
+    Unweighted (each micro-batch's mean alike) they would not."""
+    from rlhf_pipeline.training import loop
+
+    rng = torch.Generator().manual_seed(0)
+    rows = [{"x": torch.randn(2, generator=rng).tolist(), "y": float(i % 5) - 2.0, "tokens": 1 + (7 * i) % 11}
+            for i in range(24)]
+    common = dict(max_steps=8, batch_size=3, gradient_accumulation_steps=2, learning_rate=0.05, warmup_ratio=0.0)
+    plans = spy_token_budget_plans(monkeypatch)
+    by_count, _ = train_toy(tmp_path / "count", rows, **common)
+    assert not plans  # the count path never plans by tokens
+    by_tokens, _ = train_toy(tmp_path / "tokens", rows, **common, max_tokens_per_micro_batch=14)
+    assert len(plans) == 8 and len(micro_batch_sizes(plans) - {3}) > 2, plans  # micro-batches of several sizes
+    for a, b in zip(by_count.parameters(), by_tokens.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert logged(tmp_path / "tokens") == pytest.approx(logged(tmp_path / "count"), abs=1e-6)
+    assert logged(tmp_path / "tokens", "reward/train_margin") == pytest.approx(
+        logged(tmp_path / "count", "reward/train_margin"), abs=1e-6)
+
+    monkeypatch.setattr(loop, "micro_batch_weight", lambda examples, batch_size: 1.0)
+    unweighted, _ = train_toy(tmp_path / "unweighted", rows, **common, max_tokens_per_micro_batch=14)
+    assert max((a - b).abs().max().item() for a, b in zip(by_count.parameters(), unweighted.parameters())) > 1e-3
 
 
 def test_rebel_backpropagates_repos_form_and_reports_the_papers(tiny_policy):

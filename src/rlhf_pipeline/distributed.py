@@ -91,15 +91,23 @@ def unwrap(model: Any) -> Any:
     return getattr(model, "module", model)
 
 
-def reduce_sums(accelerator, sums: dict[str, float]) -> dict[str, float]:
-    """Sum each value over all processes."""
+def reduce_sums(accelerator, sums: dict[str, Any]) -> dict[str, float]:
+    """Sum each value (a number, or a one-element tensor, on the device or not) over all processes, in float64.
+    The tensors come to the host in one read, so values summed on the device over many forwards make it wait for
+    the device once. Every process must pass the same keys."""
     import torch
 
-    if accelerator.num_processes == 1:
-        return dict(sums)
     keys = sorted(sums)
-    t = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    t = accelerator.reduce(t, reduction="sum")
+    if not keys:
+        return {}
+    device = accelerator.device
+    t = torch.stack([
+        sums[k].detach().to(device, torch.float64).reshape(()) if torch.is_tensor(sums[k])
+        else torch.tensor(float(sums[k]), dtype=torch.float64, device=device)
+        for k in keys
+    ])
+    if accelerator.num_processes > 1:
+        t = accelerator.reduce(t, reduction="sum")
     return dict(zip(keys, t.tolist()))
 
 

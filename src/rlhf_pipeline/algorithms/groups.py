@@ -392,7 +392,7 @@ class GroupTask:
         # "token": (samples, response tokens) of what the mean is over, the optimizer step or the evaluated split
         self.totals: tuple[int, int] | None = None
 
-    def begin_step(self, accelerator, model, rows, micro_batches: int) -> None:
+    def begin_step(self, accelerator, model, rows) -> None:
         """Before each optimizer step (``training.loop.TrainTask``): the step's samples and tokens, for ``token``."""
         self.totals = None if rows is None else _totals(rows)
 
@@ -402,9 +402,10 @@ class GroupTask:
 
     def token_scale(self, batch_rows: int, mask) -> float:
         """What a batch's token sum is multiplied by so that the trainer's example-weighted mean of the batches'
-        losses (and its average of gradients over micro-batches and processes) is the mean over all N samples' T
-        tokens: N / (batch rows · T). In training every micro-batch has the same rows, so this is (micro-batches per
-        step) / T. Without totals, the batch's own token mean."""
+        losses (and its weighted average of gradients over micro-batches and processes) is the mean over all N
+        samples' T tokens: N / (batch rows · T). Cut by count every micro-batch has the same rows, so this is
+        (micro-batches per step) / T; cut by --max-tokens-per-micro-batch the rows differ, and the trainer weighs
+        each micro-batch by its rows. Without totals, the batch's own token mean."""
         if self.totals is None:
             return 1.0 / float(mask.sum().clamp(min=1))
         samples, tokens = self.totals

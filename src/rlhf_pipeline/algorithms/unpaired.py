@@ -196,7 +196,7 @@ class UnpairedTask:
     def collate(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return rows  # tensors are built in loss(), by logprobs.build_batch, packed or padded per micro-batch
 
-    def begin_step(self, accelerator, model, rows, micro_batches: int) -> None:
+    def begin_step(self, accelerator, model, rows) -> None:
         """z0 of this optimizer step from all its rows' mismatched pairs: a no-grad forward shared over the processes
         (every process runs the same number of batches, for ZeRO-3), gathered, averaged in row order."""
         import torch

@@ -9,16 +9,27 @@ single-process on a CPU and under ``accelerate launch --config_file accelerate_c
 Batches. An optimizer step sees a *global batch* of ``batch_size x gradient_accumulation_steps x num_processes``
 examples, drawn from a seeded permutation of the data, so the examples of each step do not depend on how they are
 split. The global batch is sorted by length and cut into micro-batches of ``batch_size``: micro-batch ``a * world
-+ rank`` goes to process ``rank`` at accumulation step ``a``. Each micro-batch is padded to its own longest
-sequence. The loss is a per-example mean, so batch 8 x accumulation 1, batch 1 x accumulation 8 and 2 processes x
-batch 4 all compute the same update.
++ rank`` goes to process ``rank`` at accumulation step ``a``. Each micro-batch is padded (or packed) to its own
+longest sequence. The loss is a per-example mean, so batch 8 x accumulation 1, batch 1 x accumulation 8 and 2
+processes x batch 4 all compute the same update.
+
+With ``--max-tokens-per-micro-batch`` the same global batch is cut by tokens instead (:func:`token_budget_plan`):
+micro-batches of as many examples as fit the budget, so every forward is about as large whatever the lengths. They
+hold different numbers of examples, so each one's loss is weighted by its examples (``n / batch_size``, see
+:func:`micro_batch_weight`) and the update is still the per-example mean over the global batch, the same as by
+count to float rounding. Every process runs the same number of forwards (ZeRO-3's are collective): one with fewer
+micro-batches runs stand-ins of weight 0. The optimizer steps after the last one, whatever their number.
+
+Host syncs. A micro-batch's loss, metrics and non-finite flag are summed as tensors where they live; the host reads
+them once per step, at its boundary (with the gradient norm, outside DeepSpeed), so it does not wait for the device
+after every forward.
 
 Non-finite steps. A step whose loss (any micro-batch, any process) or gradients are not finite applies no update:
-every process reaches the same verdict (an all-reduced flag per micro-batch; the global gradient norm on one
-process; under DeepSpeed ZeRO's own all-reduced overflow check of the gradient partitions, before the engine's
-step, which this loop takes itself instead of through ``accelerator.backward`` so that it can leave it out: see
-:func:`skip_deepspeed_step`). ``--max-nonfinite-steps`` in a row stop the run with one error line; weights that are
-not finite are never saved.
+every process reaches the same verdict (a flag over the step's micro-batches, all-reduced at the boundary with the
+step's sums; the global gradient norm on one process; under DeepSpeed ZeRO's own all-reduced overflow check of the
+gradient partitions, before the engine's step, which this loop takes itself instead of through
+``accelerator.backward`` so that it can leave it out: see :func:`skip_deepspeed_step`). ``--max-nonfinite-steps`` in
+a row stop the run with one error line; weights that are not finite are never saved.
 
 What a run writes (the final model, metrics.jsonl, checkpoints/) is described in ``rlhf_pipeline.training.checkpoints``.
 """
@@ -54,8 +65,19 @@ class TrainOptions(OutputOptions, LoraOptions):
     data: str = option(help="Training data with train and test splits (directory or Hub id).", semantic=False)
     epochs: int = option(1, help="Passes over the training data (ignored when --max-steps is set).")
     max_steps: Optional[int] = option(None, help="Stop after this many optimizer steps.")
-    batch_size: int = option(4, help="Examples per process per forward pass (micro-batch).")
-    gradient_accumulation_steps: int = option(1, help="Micro-batches per optimizer step.")
+    batch_size: int = option(4, help="Examples per process per forward pass (micro-batch); with "
+                             "--max-tokens-per-micro-batch, only a factor of the global batch.")
+    gradient_accumulation_steps: int = option(1, help="Micro-batches per optimizer step; with "
+                                              "--max-tokens-per-micro-batch, only a factor of the global batch.")
+    max_tokens_per_micro_batch: Optional[int] = option(
+        None,
+        help="Cut each step's global batch (still --batch-size x --gradient-accumulation-steps x processes examples) "
+        "into micro-batches of up to this many tokens instead of --batch-size examples, so that every forward is "
+        "about as large whatever the lengths; the loss and the update stay the same (to float rounding). On a GPU, "
+        "as many as fill its memory (e.g. 16384-65536 for a 1-8B model); an example longer runs alone. Default: "
+        "by --batch-size.",
+        semantic=False,
+    )
     learning_rate: float = option(1e-6, help="Peak learning rate of AdamW.")
     weight_decay: float = option(0.0, help="AdamW weight decay.")
     adam_beta1: float = option(0.9, help="AdamW beta1.")
@@ -102,6 +124,9 @@ class TrainOptions(OutputOptions, LoraOptions):
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("--max-steps must be at least 1")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ValueError("--max-tokens-per-micro-batch must be at least 1 (leave it unset to cut micro-batches by "
+                             "--batch-size)")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError("--save-total-limit must be at least 1 (leave it unset to keep every checkpoint)")
         if self.pack_ratio and self.pack_ratio < 1:
@@ -137,15 +162,16 @@ class TrainTask(Protocol):
         ...
 
 
-# A task may also define ``begin_step(accelerator, model, rows, micro_batches)``, which the loop calls on every
-# process before each optimizer step with the step's whole global batch (``rows``, a Dataset; every process gets
-# all of it) and the number of micro-batches it is cut into over all processes (accumulation x processes): what a
-# loss normalised over the global batch needs (a token mean over all the step's tokens, say). Gradients are
-# averaged over those micro-batches, so a micro-batch's loss ``micro_batches * (its part of the sum) / (global
-# normaliser)`` adds up to the global mean. Any forward pass in it must run on every process together (ZeRO-3).
-# Evaluation calls it with ``rows=None`` and ``micro_batches=1`` (normalise within each batch), then, where the
-# task defines it, ``begin_eval(ds)`` with the split evaluated (a token mean over the whole split, say): evaluation
-# batches differ in size and are weighted by their examples.
+# A task may also define ``begin_step(accelerator, model, rows)``, which the loop calls on every process before each
+# optimizer step with the step's whole global batch (``rows``, a Dataset; every process gets all of it): what a loss
+# normalised over the global batch needs (a token mean over all the step's tokens, say). The step's gradient is the
+# example-weighted mean of its micro-batches' losses over all processes, however the batch is cut (by count, or by
+# --max-tokens-per-micro-batch into micro-batches of different sizes), so a micro-batch of n of the step's N rows
+# whose loss is ``N / n * (its part of the sum) / (global normaliser)`` adds up to the global mean
+# (``GroupTask.token_scale``). Any forward pass in it must run on every process together (ZeRO-3). Evaluation calls
+# it with ``rows=None`` (normalise within each batch), then, where the task defines it, ``begin_eval(ds)`` with the
+# split evaluated (a token mean over the whole split, say): evaluation batches differ in size and are weighted by
+# their examples.
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -167,6 +193,60 @@ def micro_batches(
     ordered = sorted(batch, key=lambda i: (-lengths[i], i))
     chunks = [ordered[k : k + batch_size] for k in range(0, len(ordered), batch_size)]
     return [chunks[a * world + rank] for a in range(accumulation)]
+
+
+def token_budget_plan(
+    batch: Sequence[int], lengths: Sequence[int], max_tokens: int, world: int
+) -> list[list[list[int]]]:
+    """Every process's micro-batches of one global batch under a budget of ``max_tokens`` tokens per micro-batch
+    (``--max-tokens-per-micro-batch``), the same plan on every process.
+
+    The batch, sorted longest first as :func:`micro_batches` sorts it, is cut greedily into runs whose ``lengths``
+    add up to at most ``max_tokens`` (an example longer than that is a micro-batch of its own). The micro-batches go
+    out longest first (by tokens), each to the process with the fewest tokens so far among those holding fewer than
+    ``ceil(count / world)`` (ties: the lowest rank), so the processes' loads are even and none runs more forwards
+    than it must: under ZeRO-3 every forward is collective, and a process with fewer micro-batches than the
+    busiest runs stand-ins to keep in step. ``plan[rank]`` is process ``rank``'s list, longest first; some may be
+    empty when there are fewer micro-batches than processes."""
+    ordered = sorted(batch, key=lambda i: (-lengths[i], i))
+    chunks: list[list[int]] = []
+    tokens = 0
+    for i in ordered:
+        if chunks and tokens + lengths[i] <= max_tokens:
+            chunks[-1].append(i)
+            tokens += lengths[i]
+        else:
+            chunks.append([i])
+            tokens = lengths[i]
+    rounds = math.ceil(len(chunks) / world)
+    plan: list[list[list[int]]] = [[] for _ in range(world)]
+    load = [0] * world
+    sized = sorted(((sum(lengths[i] for i in c), c) for c in chunks), key=lambda t: -t[0])  # stable on ties
+    for size, chunk in sized:
+        rank = min((r for r in range(world) if len(plan[r]) < rounds), key=lambda r: (load[r], r))
+        plan[rank].append(chunk)
+        load[rank] += size
+    return plan
+
+
+def step_micro_batches(
+    batch: Sequence[int], lengths: Sequence[int], config: TrainOptions, world: int, rank: int
+) -> list[list[int] | None]:
+    """This process's micro-batches of one global batch, by ``--batch-size`` or by ``--max-tokens-per-micro-batch``
+    (:func:`token_budget_plan`); ``None`` is a stand-in, so that every process gets as many entries as the busiest."""
+    if config.max_tokens_per_micro_batch is None:
+        return micro_batches(batch, lengths, config.batch_size, world, config.gradient_accumulation_steps, rank)
+    plan = token_budget_plan(batch, lengths, config.max_tokens_per_micro_batch, world)
+    return plan[rank] + [None] * (max(len(p) for p in plan) - len(plan[rank]))
+
+
+def micro_batch_weight(examples: int, batch_size: int) -> float:
+    """What a micro-batch's mean loss is multiplied by before its backward: its examples over ``batch_size``. The
+    backward divides by the accumulation steps (accelerate's, DeepSpeed's) and the gradients are averaged over the
+    processes, which weighs each of the global batch's ``batch_size x accumulation x processes`` examples alike
+    only when every micro-batch holds ``batch_size`` of them; a micro-batch cut by tokens holds ``examples``, and
+    this weight restores the per-example mean. 1 when cut by count."""
+    return examples / batch_size
 
 
 def warmup_cosine(step: int, warmup: int, total: int) -> float:
@@ -286,12 +366,6 @@ def anywhere(accelerator, flag: bool) -> bool:
     return float(accelerator.reduce(value, reduction="sum").item()) > 0
 
 
-def finite(value) -> bool:
-    import torch
-
-    return bool(torch.isfinite(value.detach()).all()) if hasattr(value, "detach") else math.isfinite(float(value))
-
-
 def weights_finite(accelerator, model) -> bool:
     """Whether every weight of the model is finite, on every process (under ZeRO-3 each checks its partitions)."""
     import torch
@@ -331,11 +405,18 @@ def nonfinite_weights(accelerator, step: int, what: str) -> PipelineError:
     )
 
 
-def add_to_sums(sums: dict[str, float], loss, metrics: dict[str, Any], n: int, weight: float = 1.0) -> None:
-    """Accumulate a micro-batch's mean loss and per-example metrics as sums over examples (``_n`` counts them)."""
-    sums["loss"] = sums.get("loss", 0.0) + weight * float(loss.detach()) * n
+def add_to_sums(sums: dict[str, Any], loss, metrics: dict[str, Any], n: int, weight: float = 1.0) -> None:
+    """Accumulate a micro-batch's mean loss and per-example metrics as sums over examples (``_n`` counts them), in
+    float64 tensors where they are (on the device), which ``reduce_sums`` reads once: a ``float()`` here would make
+    the host wait for every forward. A stand-in (``weight`` 0) adds zeros under the same keys, even where its values
+    are not finite."""
+    def add(key: str, value) -> None:
+        value = value.detach().double()
+        sums[key] = sums.get(key, 0.0) + (value * weight if weight else value.new_zeros(()))
+
+    add("loss", loss.double() * n)
     for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + weight * float(v.float().sum())
+        add(k, v.float().sum())
     sums["_n"] = sums.get("_n", 0.0) + weight * n
 
 
@@ -347,7 +428,7 @@ def evaluate(accelerator, model, task: TrainTask, ds, batch_size: int) -> dict[s
         return {}
     model.eval()
     if hasattr(task, "begin_step"):
-        task.begin_step(accelerator, model, None, 1)
+        task.begin_step(accelerator, model, None)
     if hasattr(task, "begin_eval"):
         task.begin_eval(ds)
     sums: dict[str, float] = {}
@@ -447,6 +528,7 @@ def train(
 
     The task's metrics (``loss``, ``accuracy``, ...) are logged under the names ``layout.metric_names`` gives them.
     """
+    import torch
     from tqdm.auto import tqdm
 
     from rlhf_pipeline.layout import metric_names
@@ -455,6 +537,11 @@ def train(
     output = Path(config.output).expanduser()
     world, rank = accelerator.num_processes, accelerator.process_index
     lengths = task.lengths(train_ds)
+    budget = config.max_tokens_per_micro_batch
+    over = [n for n in lengths if budget is not None and n > budget]
+    if over and accelerator.is_main_process:
+        log.warning("%d training example(s) hold more than --max-tokens-per-micro-batch %d tokens (the longest %d); "
+                    "each runs as a micro-batch of its own", len(over), budget, max(over))
     output.mkdir(parents=True, exist_ok=True)
     model.train()
 
@@ -485,50 +572,67 @@ def train(
         epoch, position = divmod(step, setup.steps_per_epoch)
         batch_ids = global_batches(train_ds.num_rows, setup.global_size, config.seed, epoch)[position]
         t0 = time.time()
-        sums: dict[str, float] = {}
-        bad = False  # a micro-batch's loss, or the step's gradients, not finite on some process
+        # The step's sums over its examples and its non-finite flag, accumulated as tensors where the losses live
+        # and read once, at the boundary (add_to_sums, reduce_sums): no wait for the device per micro-batch.
+        sums: dict[str, Any] = {}
+        nonfinite: Any = 0.0  # > 0: a micro-batch's loss was not finite
         if hasattr(task, "begin_step"):
-            task.begin_step(accelerator, model, train_ds.select(batch_ids), len(batch_ids) // config.batch_size)
-        for ids in micro_batches(batch_ids, lengths, config.batch_size, world, config.gradient_accumulation_steps, rank):
-            batch = task.collate(train_ds.select(ids).to_list())
+            task.begin_step(accelerator, model, train_ds.select(batch_ids))
+        mine = step_micro_batches(batch_ids, lengths, config, world, rank)
+        stand_in = [min(batch_ids, key=lambda i: (lengths[i], i))]  # the cheapest forward of the step
+        for k, ids in enumerate(mine):
+            last = k == len(mine) - 1
+            stand = ids is None  # a stand-in: a forward and backward of weight 0, keeping ZeRO-3's collectives in step
+            rows = stand_in if stand else ids
+            batch = task.collate(train_ds.select(rows).to_list())
             if engine is not None:
                 begin_deepspeed_micro_batch(engine)
-            with accelerator.accumulate(model), accelerator.autocast():
+            # The boundary, taken here rather than counted by accelerator.accumulate (which expects exactly
+            # --gradient-accumulation-steps micro-batches): the prepared optimizer steps and zeroes only under it.
+            accelerator.sync_gradients = last
+            weight = 0.0 if stand else micro_batch_weight(len(rows), config.batch_size)
+            with accelerator.autocast():
                 # autocast by hand: logprobs calls the decoder and LM head directly, not model.forward
                 loss, per_example, (real, total) = task.loss(model, batch)
-                bad = anywhere(accelerator, not finite(loss)) or bad
-                sync = accelerator.sync_gradients
-                if engine is not None:  # DeepSpeed: its step is taken here, or skipped (see skip_deepspeed_step)
-                    engine.set_gradient_accumulation_boundary(is_boundary=sync)
-                    engine.backward(loss)
-                    if sync:
-                        bad = bad or deepspeed_grads_nonfinite(engine)
-                        if bad:
-                            skip_deepspeed_step(engine)
-                        else:
-                            engine.step()
-                            # DeepSpeed skips a step itself when the norm it computes is not finite (every process
-                            # alike): counted as skipped too
-                            bad = not engine.was_step_applied()
-                            grad_norm = engine.get_global_grad_norm()  # before clipping, as DeepSpeed computed it
-                            if config.max_grad_norm > 0 and grad_norm is not None and not bad:
-                                sums["grad_norm"] = float(grad_norm) / world  # the same value on every process
+                scaled = loss if weight == 1.0 else loss * weight
+                if engine is not None:  # DeepSpeed: its step is taken below, or skipped (see skip_deepspeed_step)
+                    engine.set_gradient_accumulation_boundary(is_boundary=last)
+                    engine.backward(scaled)
                 else:
-                    accelerator.backward(loss)
-                    if sync:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
-                        if grad_norm is not None:
-                            bad = bad or not finite(grad_norm)  # the same on every process (all-reduced grads)
-                            if config.max_grad_norm > 0 and not bad:
-                                sums["grad_norm"] = float(grad_norm) / world  # the same value on every process
-                        if not bad:
-                            optimizer.step()
-                        optimizer.zero_grad()
-            if bad:  # its metrics are not finite either: the step is counted, not averaged
-                continue
-            add_to_sums(sums, loss, per_example, len(ids))
-            sums["_real"] = sums.get("_real", 0.0) + real
-            sums["_total"] = sums.get("_total", 0.0) + total
+                    accelerator.backward(scaled)
+            if not stand:
+                nonfinite = nonfinite + (~torch.isfinite(loss.detach())).any()
+            # a stand-in adds zeros, under the same keys as on every process (reduce_sums stacks them)
+            add_to_sums(sums, loss, per_example, len(rows), 0.0 if stand else 1.0)
+            sums["_real"] = sums.get("_real", 0.0) + (0 if stand else real)
+            sums["_total"] = sums.get("_total", 0.0) + total  # a stand-in's positions are processed too
+        # The boundary: the sums and the flag (with the gradient norm, outside DeepSpeed) come to the host in one
+        # read, reduced over the processes, so every process reaches the same verdict before the update.
+        sums["_nonfinite"] = nonfinite
+        if engine is not None:
+            totals = reduce_sums(accelerator, sums)
+            bad = totals.pop("_nonfinite") > 0 or deepspeed_grads_nonfinite(engine)
+            if bad:
+                skip_deepspeed_step(engine)
+            else:
+                engine.step()
+                # DeepSpeed skips a step itself when the norm it computes is not finite (every process alike):
+                # counted as skipped too
+                bad = not engine.was_step_applied()
+                grad_norm = engine.get_global_grad_norm()  # before clipping, as DeepSpeed computed it
+                if config.max_grad_norm > 0 and grad_norm is not None and not bad:
+                    totals["grad_norm"] = float(grad_norm)
+        else:
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
+            if grad_norm is not None:
+                sums["grad_norm"] = grad_norm / world  # the same value on every process (all-reduced grads)
+            totals = reduce_sums(accelerator, sums)
+            bad = totals.pop("_nonfinite") > 0 or not math.isfinite(totals.get("grad_norm", 0.0))
+            if not bad:
+                optimizer.step()
+            optimizer.zero_grad()
+            if config.max_grad_norm <= 0:
+                totals.pop("grad_norm", None)
         # The rate this step's update used: after scheduler.step() get_last_lr() is already the next step's.
         step_lr = scheduler.get_last_lr()[0]
         scheduler.step()
@@ -545,7 +649,6 @@ def train(
                 raise nonfinite_stop(accelerator, step, skipped_in_a_row, last_loss)
         else:
             skipped_in_a_row = 0
-            totals = reduce_sums(accelerator, sums)
             n, real, total = totals.pop("_n"), totals.pop("_real"), totals.pop("_total")
             real_tokens += int(real)
             all_tokens += int(total)
