@@ -139,7 +139,10 @@ REPO = Path(__file__).resolve().parents[1]
 if (REPO / "src" / "rlhf_pipeline").is_dir():  # benchmark this checkout's code, installed or not
     sys.path.insert(0, str(REPO / "src"))
 
+from rlhf_pipeline.attention import ATTENTION_IMPLEMENTATIONS  # noqa: E402  (imports neither torch nor transformers)
+
 SIDES = ("ours", "trl", "trl_precomputed")
+GPU_TOKEN_BUDGET = 8192  # ours on CUDA by default: --max-tokens-per-micro-batch
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 FIRST_ID = 4  # random ids avoid the special tokens
 LR, BETA = 1e-6, 0.1
@@ -205,13 +208,17 @@ def pair_lengths(pairs) -> list[int]:
 
 
 def step_order(spec: dict) -> list[list[list[int]]]:
-    """Pair indices of every micro-batch of every step, as our trainer orders them (one process)."""
-    from rlhf_pipeline.training.loop import global_batches, micro_batches
+    """Pair indices of every micro-batch of every step, as our trainer cuts them on one process
+    (``training.loop.step_micro_batches``: ``--batch-size`` pairs each, or by ``--max-tokens-per-micro-batch``)."""
+    from types import SimpleNamespace
 
-    pairs_n, b, a = spec["num_pairs"], spec["batch_size"], spec["accumulation"]
-    lengths = spec["pair_lengths"]
-    batches = global_batches(pairs_n, b * a, spec["seed"], 0)
-    return [micro_batches(ids, lengths, b, 1, a, 0) for ids in batches[: spec["total_steps"]]]
+    from rlhf_pipeline.training.loop import global_batches, step_micro_batches
+
+    b, a = spec["batch_size"], spec["accumulation"]
+    cut = SimpleNamespace(batch_size=b, gradient_accumulation_steps=a,
+                          max_tokens_per_micro_batch=spec.get("max_tokens_per_micro_batch"))
+    batches = global_batches(spec["num_pairs"], b * a, spec["seed"], 0)
+    return [step_micro_batches(ids, spec["pair_lengths"], cut, 1, 0) for ids in batches[: spec["total_steps"]]]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -366,7 +373,7 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
     from rlhf_pipeline.algorithms.pairs import pair_logps
     from rlhf_pipeline.algorithms.pairs import PairTask
     from rlhf_pipeline.distributed import sharded_batches
-    from rlhf_pipeline.training.loop import add_to_sums, load_trainable, warmup_cosine
+    from rlhf_pipeline.training.loop import add_to_sums, load_trainable, micro_batch_weight, warmup_cosine
 
     @dataclass(kw_only=True)
     class LoadOptions(LoraOptions):
@@ -376,6 +383,7 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
         seed: int
         trust_remote_code: bool = False
         gradient_checkpointing: bool = False
+        attn_implementation: str = "sdpa"
 
     amp = spec["precision"] == "amp"
 
@@ -387,10 +395,11 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
     # (lora.add_adapters: peft's all-linear, the model frozen) when mode asks for LoRA; the trainer's accelerator
     # moves it to the device afterwards, as here.
     options = LoadOptions(model=spec["model_dir"], seed=spec["seed"], lora_rank=mode["lora_rank"],
-                          lora_alpha=mode["lora_alpha"], gradient_checkpointing=spec["gradient_checkpointing"])
+                          lora_alpha=mode["lora_alpha"], gradient_checkpointing=spec["gradient_checkpointing"],
+                          attn_implementation=spec["attn"])
     options.check_lora()
     model = load_trainable(options, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=spec["attn"], **kw)).to(device)
+        path, dtype=torch.float32, **kw)).to(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     t_loaded = clock()
 
@@ -424,15 +433,18 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
             rows = [pairs[i] for i in ids]
             with autocast():
                 loss, metrics, (n_real, n_total) = task.loss(model, rows)
-            (loss / accumulation).backward()  # accelerate divides by the accumulation steps the same way
+            # weighted by its pairs (1 when cut by count) and divided by the accumulation steps, as the trainer does
+            (loss * micro_batch_weight(len(ids), spec["batch_size"]) / accumulation).backward()
             add_to_sums(sums, loss, metrics, len(ids))  # on the device, read once per step, as the trainer does
             lens = seq_lengths(rows)
             real, sq, positions = real + n_real, sq + sum(t * t for t in lens), positions + n_total
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, 1.0)))
+        norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(sums["loss"]) / sums["_n"])
+        loss_sum, norm = torch.stack([sums["loss"].float(), norm.float()]).tolist()  # the step's one read
+        grad_norms.append(norm)
+        losses.append(loss_sum / sums["_n"])
         stats.append({"real": real, "sq": sq, "positions": positions})
         step_ends.append(clock())
         profiler.after_step(step)
@@ -526,7 +538,7 @@ def run_trl(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock, pre
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=spec["seed"],
         use_cpu=cpu, bf16=spec["precision"] == "amp", gradient_checkpointing=spec["gradient_checkpointing"],
         precompute_ref_log_probs=precompute, precompute_ref_batch_size=spec["ref_batch_size"], max_length=None,
-        dataloader_num_workers=0, model_init_kwargs={"dtype": "float32", "attn_implementation": spec["attn"]},
+        dataloader_num_workers=0, model_init_kwargs={"dtype": "float32", "attn_implementation": spec["trl_attn"]},
     )
     fields = {f.name for f in dataclasses.fields(DPOConfig)}
     # transformers 5 dropped warmup_ratio: a warmup_steps below 1 is the ratio
@@ -586,6 +598,8 @@ def worker(side: str, mode_name: str, spec_path: str) -> None:
         import trl  # noqa: F401
 
         teach_dill_pyarrow_types()
+        if spec["trl_cudnn_sdpa"] == "off":  # as our log-prob passes run sdpa (rlhf_pipeline.attention.sdpa_backends)
+            torch.backends.cuda.enable_cudnn_sdp(False)
     device = torch.device(spec["device"])
     if device.type == "cuda":  # the parent made exactly one GPU visible (TRL refuses several: nn.DataParallel)
         torch.zeros(1, device=device)  # CUDA context outside the timing
@@ -744,9 +758,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the steps window (>= 1)")
     p.add_argument("--ref-batch-size", type=int, default=8,
                    help="pairs per reference forward (ours; TRL's precompute_ref_batch_size)")
-    p.add_argument("--pack-ratio", type=float, default=2.0, help="ours: pack ratio (0 = pad); with flash-attn try 8")
-    p.add_argument("--attn", default="sdpa", choices=("sdpa", "flash_attention_2", "eager"),
-                   help="attn_implementation for every model")
+    p.add_argument("--pack-ratio", type=float, default=2.0,
+                   help="ours: pack ratio (0 = pad; no effect with --attn varlen or flash_attention_2)")
+    p.add_argument("--attn", default=None, choices=ATTENTION_IMPLEMENTATIONS,
+                   help="ours: --attn-implementation (default: varlen on CUDA, sdpa elsewhere)")
+    p.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
+                   help=f"ours: cut each step's pairs into micro-batches of up to this many tokens (rlhf train's "
+                        f"option; default {GPU_TOKEN_BUDGET} on CUDA, 0 = by --batch-size; by --batch-size on a CPU)")
+    p.add_argument("--trl-attn", default="sdpa", choices=("sdpa", "flash_attention_2", "eager"),
+                   help="TRL sides: attn_implementation (flash_attention_2 needs flash-attn)")
+    p.add_argument("--trl-cudnn-sdpa", choices=("off", "on"), default="off",
+                   help="TRL sides: cuDNN's SDPA backend (off: as our log-prob passes run sdpa; on: PyTorch's default)")
     p.add_argument("--precision", choices=("amp", "fp32"), default=None,
                    help="amp = float32 master weights + bf16 autocast (TRL's bf16=True; default on CUDA); "
                         "fp32 = no autocast (default on CPU)")
@@ -801,8 +823,14 @@ def main(argv: list[str] | None = None) -> int:
     precision = a.precision or ("amp" if on_cuda else "fp32")
     if precision == "amp" and not on_cuda:
         print("[bench_gpu] note: bf16 autocast on a CPU is slow and not what TRL's use_cpu runs; using it anyway")
-    if a.attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise SystemExit("--attn flash_attention_2 needs the flash-attn package (pip install flash-attn)")
+    attn = a.attn or ("varlen" if on_cuda else "sdpa")
+    budget = a.max_tokens_per_micro_batch if a.max_tokens_per_micro_batch is not None else (
+        GPU_TOKEN_BUDGET if on_cuda else 0)
+    if budget < 0:
+        raise SystemExit("--max-tokens-per-micro-batch must be >= 0 (0 = by --batch-size)")
+    cut = f"up to {budget} tokens" if budget else f"{a.batch_size or (2 if a.tiny else 4)} pairs"
+    if "flash_attention_2" in (attn, a.trl_attn) and importlib.util.find_spec("flash_attn") is None:
+        raise SystemExit("--attn/--trl-attn flash_attention_2 needs the flash-attn package (pip install flash-attn)")
     if a.warmup < 1:
         raise SystemExit("--warmup must be at least 1 (the steps window starts at the end of a step)")
     batch_size = a.batch_size or (2 if a.tiny else 4)
@@ -871,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench_gpu] Llama {dims['num_hidden_layers']} layers x {dims['hidden_size']}, vocab {dims['vocab_size']}: "
           f"{count(total_params)} params ({count(flops_params)} in matmuls); {num_pairs} pairs, "
           f"{real_tokens:,} real tokens; global batch {batch_size} x {accumulation}, {a.warmup} warmup + {steps} "
-          f"timed steps; {precision}, attn {a.attn}; "
+          f"timed steps; {precision}, ours attn {attn}, micro-batches of {cut}; TRL attn {a.trl_attn}; "
           + ", ".join(m if not v["lora_rank"] else f"{m} (alpha {v['lora_alpha']:g}, {count(v['lora_params'])} "
                       "adapter params)" for m, v in modes.items())
           + f"; setup {time.perf_counter() - t:.1f} s")
@@ -881,7 +909,8 @@ def main(argv: list[str] | None = None) -> int:
         "workdir": str(workdir), "model": dims, "num_pairs": num_pairs, "pair_lengths": pair_lengths(pairs),
         "batch_size": batch_size, "accumulation": accumulation, "warmup": a.warmup, "steps": steps,
         "total_steps": total_steps, "ref_batch_size": a.ref_batch_size, "pack_ratio": a.pack_ratio,
-        "attn": a.attn, "precision": precision, "gradient_checkpointing": a.gradient_checkpointing,
+        "attn": attn, "trl_attn": a.trl_attn, "trl_cudnn_sdpa": a.trl_cudnn_sdpa,
+        "max_tokens_per_micro_batch": budget or None, "precision": precision, "gradient_checkpointing": a.gradient_checkpointing,
         "trl_order": a.trl_order, "seed": a.seed, "flops_params": flops_params, "cpu_threads": cpu_threads,
         "modes": modes, "profile": a.profile,
         "profile_trace": str(Path(a.profile_trace).resolve()) if a.profile_trace else None,
@@ -991,7 +1020,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(f"DPO, Llama {dims['num_hidden_layers']}x{dims['hidden_size']} ({count(total_params)} params), "
-          f"{report['config']['weights']}, attn {a.attn}, on {device_name}; {num_pairs} pairs, global batch "
+          f"{report['config']['weights']}, ours attn {attn} (micro-batches of {cut}), TRL attn {a.trl_attn}, "
+          f"on {device_name}; {num_pairs} pairs, global batch "
           f"{batch_size} x {accumulation}, {steps} timed steps after {a.warmup} warmup; peak "
           f"{fmt(peak_tflops, 'g')} TFLOP/s ({peak_source})")
     print()

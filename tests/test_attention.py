@@ -375,3 +375,20 @@ def test_log_prob_passes_leave_cudnn_sdpa_out_on_a_gpu():
         assert torch.backends.cuda.math_sdp_enabled()
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
             torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before
+
+
+def test_a_varlen_pass_counts_no_padding_in_its_positions(tiny_policy):
+    """The trainer's real-token fraction compares real tokens with the positions a pass ran: the packed grid
+    (padding included) for sdpa, the real tokens alone for varlen's one unpadded row."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.attention import from_pretrained_kwargs
+    from rlhf_pipeline.logprobs import build_batch, positions_processed
+
+    batch = build_batch([[1, 5, 6], [1, 7], [1, 8, 9, 10]], [[11, 12], [13], [14, 15, 16, 17, 18]], pad_id=0,
+                        pack_ratio=1.0)
+    assert batch.num_padded_tokens > 0
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_policy)
+    varlen = AutoModelForCausalLM.from_pretrained(tiny_policy, **from_pretrained_kwargs("varlen"))
+    assert positions_processed(sdpa, batch) == batch.num_real_tokens + batch.num_padded_tokens
+    assert positions_processed(varlen, batch) == batch.num_real_tokens == 17

@@ -260,6 +260,15 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
     )
 
 
+def positions_processed(model, batch: Batch) -> int:
+    """Token positions a log-prob pass of ``model`` runs for ``batch``: its real tokens alone where the model's
+    attention takes them as one unpadded row (``attention.takes_varlen``), else the batch's whole ``(R, T)`` grid,
+    padding included (what ``throughput/real_token_fraction`` compares the real tokens with)."""
+    if takes_varlen(_unwrap(model)):
+        return batch.num_real_tokens
+    return batch.num_real_tokens + batch.num_padded_tokens
+
+
 def response_lengths(batch: Batch) -> Tensor:
     """(S,) long: the number of response tokens in each sequence."""
     counts = torch.zeros(batch.num_sequences, dtype=torch.long, device=batch.seq_ids.device)

@@ -420,7 +420,8 @@ class GroupTask:
     def loss(self, model, rows):
         import torch
 
-        from rlhf_pipeline.logprobs import build_batch, token_logps_and_entropy, token_values
+        from rlhf_pipeline.logprobs import (build_batch, positions_processed, token_logps_and_entropy,
+                                            token_values)
         from rlhf_pipeline.losses import kl_estimate, value_loss
 
         p = self.params
@@ -499,7 +500,7 @@ class GroupTask:
                     out["corrected_fraction"] = corrected.sum(dim=1) / per_sample_count
             for k, v in metrics.items():
                 out[k] = v.expand(len(rows))
-        return loss, out, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
+        return loss, out, (batch.num_real_tokens, positions_processed(model, batch))
 
 
 def _totals(rows) -> tuple[int, int]:

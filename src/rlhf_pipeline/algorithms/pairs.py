@@ -205,7 +205,7 @@ class PairTask:
     def loss(self, model, rows):
         import torch
 
-        from rlhf_pipeline.logprobs import response_lengths
+        from rlhf_pipeline.logprobs import positions_processed, response_lengths
 
         chosen, rejected, batch = pair_logps(model, rows, self.pad_id, self.temperature, self.pack_ratio)
         device, dtype = chosen.device, chosen.dtype
@@ -232,7 +232,7 @@ class PairTask:
         scale = algo.gradient_scale_fn()(self.params) if algo.gradient_scale is not None else 1.0
         if scale != 1.0:  # the logged value is the loss's, the gradient is scaled (REBEL: see losses.rebel_loss)
             loss = loss.detach() + (loss - loss.detach()) * scale
-        return loss, metrics, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
+        return loss, metrics, (batch.num_real_tokens, positions_processed(model, batch))
 
 
 # ----------------------------------------------------------------------------------------------------------------

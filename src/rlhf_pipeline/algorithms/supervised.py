@@ -83,12 +83,12 @@ class SFTTask:
         )
 
     def loss(self, model, batch):
-        from rlhf_pipeline.logprobs import response_lengths, sequence_logps
+        from rlhf_pipeline.logprobs import positions_processed, response_lengths, sequence_logps
 
         batch = batch.to(next(model.parameters()).device)
         nll = -sequence_logps(model, batch)  # (B,) summed over each answer's tokens
         per_example = nll / response_lengths(batch).to(nll.dtype).clamp(min=1)
-        return per_example.mean(), {}, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
+        return per_example.mean(), {}, (batch.num_real_tokens, positions_processed(model, batch))
 
 
 def train(config) -> Path:

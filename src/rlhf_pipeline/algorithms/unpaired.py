@@ -231,6 +231,7 @@ class UnpairedTask:
     def loss(self, model, rows):
         import torch
 
+        from rlhf_pipeline.logprobs import positions_processed
         from rlhf_pipeline.losses import kto_reference_point
 
         n = len(rows)
@@ -251,7 +252,7 @@ class UnpairedTask:
         losses, metrics = compute_unpaired_loss(
             self.algorithm, self.params, logps[:n], column("completion_ref_logp"), column("desirable", torch.bool), z0
         )
-        return losses.mean(), metrics, (batch.num_real_tokens, batch.num_real_tokens + batch.num_padded_tokens)
+        return losses.mean(), metrics, (batch.num_real_tokens, positions_processed(model, batch))
 
 
 # ----------------------------------------------------------------------------------------------------------------
