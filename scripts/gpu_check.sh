@@ -16,6 +16,8 @@
 #   WHEELS   a folder of wheels to install first into a temporary site-packages, for a machine whose image lacks
 #            some of those (scripts/gpu_wheels.sh downloads the set a CUDA image with Python 3.12 needs).
 #   GPU_CHECK_HIDDEN / GPU_CHECK_LAYERS   the model's size (default 1536 / 18 on a GPU, 64 / 2 with --cpu).
+#   GPU_CHECK_DEADLINE   seconds after which the remaining steps are skipped (and counted as failed), so that a
+#            lease's end still finds the summary written (default: none).
 #
 # Writes OUT/out/gpu_check.json (every step: command, exit status, seconds; the generate timings; the ZeRO-3 vs
 # plain losses; versions and device), OUT/out/bench.json and OUT/out/profile.json (scripts/bench_gpu.py), and the
@@ -60,8 +62,9 @@ if [ "$CPU" = 1 ]; then
   BENCH_ARGS=(--device cpu --tiny) DEVICE=cpu
 else
   HIDDEN=${GPU_CHECK_HIDDEN:-1536} LAYERS=${GPU_CHECK_LAYERS:-18}
-  PROMPTS=128 EVAL_PROMPTS=64 NEW_TOKENS=48 GEN_PROMPTS=64 ZERO3_CFG=accelerate_cfgs/zero3.yaml
-  TRAIN_FAST="{bf16: true}" SFT="{max_steps: 40, bf16: true}" RM="{max_steps: 40, bf16: true}"
+  PROMPTS=64 EVAL_PROMPTS=32 NEW_TOKENS=48 GEN_PROMPTS=32 ZERO3_CFG=accelerate_cfgs/zero3.yaml
+  TRAIN_FAST="{bf16: true, attn_implementation: varlen, max_tokens_per_micro_batch: 8192}"
+  SFT="{max_steps: 20, bf16: true}" RM="{max_steps: 20, bf16: true}"
   BENCH_ARGS=() DEVICE=cuda
 fi
 RLHF=("$PYTHON" -m rlhf_pipeline.cli)
@@ -69,9 +72,17 @@ STEPS=$RESULTS/steps.jsonl
 : > "$STEPS"
 FAILED=0
 
+DEADLINE=${GPU_CHECK_DEADLINE:-0}
 step() {  # step NAME COMMAND...: run it, log its output to OUT/out/NAME.log, record status and seconds
   local name=$1; shift
   local t0 t1 rc
+  if [ "$DEADLINE" -gt 0 ] && [ "$SECONDS" -ge "$DEADLINE" ]; then
+    echo "[gpu_check] $name: skipped, past GPU_CHECK_DEADLINE ($DEADLINE s)"
+    "$PYTHON" -c 'import json, sys; print(json.dumps({"step": sys.argv[1], "rc": -1, "seconds": 0, "skipped": "deadline"}))' \
+      "$name" >> "$STEPS"
+    FAILED=1
+    return 1
+  fi
   echo "[gpu_check] $name: $*"
   t0=$(date +%s.%N)
   "$@" > "$RESULTS/$name.log" 2>&1
@@ -88,25 +99,34 @@ print(json.dumps({"step": n, "rc": int(rc), "seconds": round(float(b) - float(a)
   return "$rc"
 }
 
-# 1. Every stage of one iteration, as rlhf demo runs them: sft, train-rm, generate (hf engine), score, filter,
+# 1. The trainer benchmark against TRL (scripts/bench_gpu.py), and a profile of our steps: first, as the
+#    headline figures.
+if [ "$BENCH" = 1 ]; then
+  step bench "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --output "$RESULTS/bench.json"
+  step profile "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --sides ours --steps 3 --profile \
+    --output "$RESULTS/profile.json"
+fi
+
+# 2. Every stage of one iteration, as rlhf demo runs them: sft, train-rm, generate (hf engine), score, filter,
 #    train, eval (iterations 0 and 1) and the report, on the demo's reviews task with a model of the check's size.
 step demo "${RLHF[@]}" demo --output "$OUT/demo" --iterations 1 --hidden-size "$HIDDEN" --num-layers "$LAYERS" \
   --prompts-per-iteration "$PROMPTS" --eval-prompts "$EVAL_PROMPTS" --max-new-tokens "$NEW_TOKENS" \
   --sft-epochs 1 --rm-epochs 1 --train "$TRAIN_FAST" --sft "$SFT" --train-rm "$RM" --device "$DEVICE"
 
-# 2. The reference pass as its own stage, on the iteration's pairs.
+# 3. The reference pass as its own stage, on the iteration's pairs.
 step ref_logps "${RLHF[@]}" ref-logps --model "$OUT/demo/sft" --input "$OUT/demo/iter_1/filter" \
   --output "$OUT/ref_logps"
 
-# 3. The same DPO steps plain and under ZeRO-3 (accelerate launch, one process): their losses must agree.
+# 4. The same DPO steps plain and under ZeRO-3 (accelerate launch, one process): their losses must agree.
 TRAIN_ARGS=(--algo dpo --model "$OUT/demo/sft" --data "$OUT/ref_logps" --max-steps 3 --batch-size 4
-            --temperature 0.8 --learning-rate 1e-5 --report-to none --seed 0)
+            --temperature 0.8 --learning-rate 1e-5 --report-to none --seed 0 --attn-implementation varlen
+            --max-tokens-per-micro-batch 1024)
 [ "$CPU" = 1 ] || TRAIN_ARGS+=(--bf16)
 step train_plain "$PYTHON" -m rlhf_pipeline.stages.train "${TRAIN_ARGS[@]}" --output "$OUT/train_plain"
 step train_zero3 "$PYTHON" -m accelerate.commands.launch --config_file "$ZERO3_CFG" --num_processes 1 \
   -m rlhf_pipeline.stages.train "${TRAIN_ARGS[@]}" --output "$OUT/train_zero3"
 
-# 4. The hf engine: the demo's own tiny model and the check's model, on the GPU and on the same machine's CPU.
+# 5. The hf engine: the demo's own tiny model and the check's model, on the GPU and on the same machine's CPU.
 step tiny_model "${RLHF[@]}" tiny-model --output "$OUT/demo_size_model" --hidden-size 128 --num-layers 2
 PROMPT_FILE=$REPO/src/rlhf_pipeline/data/prompts.jsonl
 GEN_ARGS=(--prompts "$PROMPT_FILE" --limit "$GEN_PROMPTS" --n 4 --max-new-tokens 32 --temperature 0.8 --seed 0
@@ -120,13 +140,6 @@ for model in demo_size_model:"$OUT/demo_size_model" check_size_model:"$OUT/demo/
       --output "$OUT/generate_${name}_cpu"
   fi
 done
-
-# 5. The trainer benchmark against TRL (scripts/bench_gpu.py), and a profile of our steps.
-if [ "$BENCH" = 1 ]; then
-  step bench "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --output "$RESULTS/bench.json"
-  step profile "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --sides ours --steps 3 --profile \
-    --output "$RESULTS/profile.json"
-fi
 
 # The summary: every step, each stage's output checked, the ZeRO-3 vs plain losses, the generate timings.
 "$PYTHON" - "$OUT" "$CPU" <<'EOF'
