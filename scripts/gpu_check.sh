@@ -16,6 +16,7 @@
 #   WHEELS   a folder of wheels to install first into a temporary site-packages, for a machine whose image lacks
 #            some of those (scripts/gpu_wheels.sh downloads the set a CUDA image with Python 3.12 needs).
 #   GPU_CHECK_HIDDEN / GPU_CHECK_LAYERS   the model's size (default 1536 / 18 on a GPU, 64 / 2 with --cpu).
+#   GPU_CHECK_BENCH_STEPS   timed steps of the trainer benchmark (default: bench_gpu.py's).
 #   GPU_CHECK_DEADLINE   seconds after which the remaining steps are skipped (and counted as failed), so that a
 #            lease's end still finds the summary written (default: none).
 #
@@ -101,6 +102,7 @@ print(json.dumps({"step": n, "rc": int(rc), "seconds": round(float(b) - float(a)
 
 # 1. The trainer benchmark against TRL (scripts/bench_gpu.py), and a profile of our steps: first, as the
 #    headline figures.
+[ -z "${GPU_CHECK_BENCH_STEPS:-}" ] || BENCH_ARGS+=(--steps "$GPU_CHECK_BENCH_STEPS")
 if [ "$BENCH" = 1 ]; then
   step bench "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --output "$RESULTS/bench.json"
   step profile "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --sides ours --steps 3 --profile \
