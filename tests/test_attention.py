@@ -354,8 +354,8 @@ def test_a_bf16_varlen_model_on_the_gpu_gives_the_padded_sdpa_logps(tiny_policy,
 
 
 def test_log_prob_passes_leave_cudnn_sdpa_out_on_a_gpu():
-    """On a CUDA device an sdpa model's log-prob pass runs with every sdpa backend but cuDNN's (which plans anew on
-    the host for every new shape); elsewhere, and for other implementations, nothing is changed."""
+    """On a CUDA device an sdpa (or varlen) model's log-prob pass runs with every sdpa backend but cuDNN's (which
+    plans anew on the host for every new shape); elsewhere, and for other implementations, nothing is changed."""
     import contextlib
     from types import SimpleNamespace
 
@@ -364,9 +364,12 @@ def test_log_prob_passes_leave_cudnn_sdpa_out_on_a_gpu():
     from rlhf_pipeline.attention import sdpa_backends
 
     sdpa = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
-    varlen = SimpleNamespace(config=SimpleNamespace(_attn_implementation="varlen"))
+    eager = SimpleNamespace(config=SimpleNamespace(_attn_implementation="eager"))
     assert isinstance(sdpa_backends(sdpa, torch.device("cpu")), contextlib.nullcontext)
-    assert isinstance(sdpa_backends(varlen, torch.device("cuda")), contextlib.nullcontext)
+    assert isinstance(sdpa_backends(eager, torch.device("cuda")), contextlib.nullcontext)
+    # varlen's calls without bounds (generation, a padded fallback) are sdpa's: the same backends
+    varlen = SimpleNamespace(config=SimpleNamespace(_attn_implementation="varlen"))
+    assert not isinstance(sdpa_backends(varlen, torch.device("cuda")), contextlib.nullcontext)
     before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
               torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
     with sdpa_backends(sdpa, torch.device("cuda")):
@@ -392,3 +395,42 @@ def test_a_varlen_pass_counts_no_padding_in_its_positions(tiny_policy):
     varlen = AutoModelForCausalLM.from_pretrained(tiny_policy, **from_pretrained_kwargs("varlen"))
     assert positions_processed(sdpa, batch) == batch.num_real_tokens + batch.num_padded_tokens
     assert positions_processed(varlen, batch) == batch.num_real_tokens == 17
+
+
+def test_the_layout_probe_holds_under_bf16_autocast(tiny_policy, monkeypatch):
+    """The trainer runs its log-prob passes under bf16 autocast over float32 weights (--bf16). The probe that checks
+    a layout keeps sequences apart must judge the layout, not bf16's rounding: in an H100 run it compared varlen's
+    bf16 kernel with padded sdpa at float32's tolerance, failed, and sent every pass back to padded batches. Here a
+    stand-in for the GPU kernel (the reference, with bf16-sized errors added) runs wherever the inputs are bf16: the
+    probe still passes under autocast, the passes after it go through the kernel, and sdpa's packed rows pass too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline import attention
+    from rlhf_pipeline.attention import from_pretrained_kwargs
+    from rlhf_pipeline.logprobs import _CHECKED, _decoder_body, _layout_works, build_batch, sequence_logps
+
+    calls = []
+
+    def noisy_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, sliding_window):
+        calls.append(q.dtype)
+        out = attention.varlen_reference(q.float(), k.float(), v.float(), cu_q, scale=scale, causal=causal,
+                                         sliding_window=sliding_window)
+        noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(len(calls)))
+        return (out * (1 + 4e-3 * noise)).to(q.dtype)
+
+    monkeypatch.setattr(attention, "_kernel_runs", lambda q: q.dtype in (torch.bfloat16, torch.float16))
+    monkeypatch.setattr(attention, "_varlen_kernel", noisy_kernel)
+    batch = build_batch([[1, 5, 6], [1, 7]], [[11, 12], [13, 14, 15]], pad_id=0, pack_ratio=2.0)
+    for name, varlen in (("varlen", True), ("sdpa", False)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_policy, **from_pretrained_kwargs(name))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert _layout_works(model, _decoder_body(model), batch, varlen), name
+        assert getattr(model, _CHECKED[varlen]) is True
+    assert not calls  # the probe ran in float32: the reference, not the kernel
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logps = sequence_logps(model, batch)  # sdpa, packed
+        model = AutoModelForCausalLM.from_pretrained(tiny_policy, **from_pretrained_kwargs("varlen"))
+        varlen_logps = sequence_logps(model, batch)
+    assert calls and set(calls) == {torch.bfloat16}  # the real pass took the kernel, in bf16
+    assert torch.allclose(varlen_logps, logps, rtol=5e-2, atol=5e-2)

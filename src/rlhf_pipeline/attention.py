@@ -104,8 +104,8 @@ def takes_varlen(model) -> bool:
 
 
 def sdpa_backends(model, device):
-    """The context a log-prob pass runs its decoder in: on a CUDA GPU with sdpa, every backend of PyTorch's
-    ``scaled_dot_product_attention`` but cuDNN's, elsewhere nothing.
+    """The context a log-prob pass runs its decoder in: on a CUDA GPU with sdpa (or varlen, whose calls without
+    bounds are sdpa's), every backend of PyTorch's ``scaled_dot_product_attention`` but cuDNN's, elsewhere nothing.
 
     Why: the log-prob passes give every forward new shapes (each micro-batch's lengths), and cuDNN's SDPA plans
     anew for each shape on the host. In a profile of the trainer on an H100 (torch 2.11, docs/benchmarks.md) every
@@ -113,7 +113,8 @@ def sdpa_backends(model, device):
     most of each step; flash or memory-efficient attention, which PyTorch picks without cuDNN, plan nothing."""
     import contextlib
 
-    if device.type != "cuda" or getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if device.type != "cuda" or implementation not in ("sdpa", VARLEN):  # varlen's calls without bounds are sdpa's
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -183,11 +184,26 @@ def varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         raise ValueError(f"varlen attention takes no KV cache: {length} queries but {key.shape[2]} keys")
     # (B, H, T, D) -> (B*T, H, D): a view when B is 1, as the log-prob pass calls it
     q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], x.shape[3]) for x in (query, key, value))
+    q, k, v = _autocast_inputs(q, k, v)
     if _kernel_runs(q):
         out = _varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal, sliding_window)
     else:
         out = varlen_reference(q, k, v, cu_q, scale=scaling, causal=causal, sliding_window=sliding_window)
     return out.reshape(batch, length, heads, out.shape[-1]), None
+
+
+def _autocast_inputs(q, k, v):
+    """q, k, v in autocast's dtype where autocast is on for their device, as ``scaled_dot_product_attention`` gets
+    them. Under bf16 autocast over float32 weights (the trainer's --bf16) the projections come out in bf16 but a
+    Llama's rotary embedding, computed in the residual stream's float32, promotes q and k back to float32: without
+    this cast, varlen would take its float32 reference path on a GPU instead of the kernel."""
+    import torch
+
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x for x in (q, k, v))
 
 
 def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,

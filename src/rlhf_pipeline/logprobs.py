@@ -544,7 +544,14 @@ def _layout_works(model, body, batch: Batch, varlen: bool) -> bool:
     """Whether ``body`` keeps sequences apart in the layout it is about to get: packed rows (``varlen=False``), or
     the one unpadded row of a varlen pass with its bounds (a model whose own attention code dropped them would let
     the sequences mix). Checked once per model and layout on two short probe sequences against the padded layout.
-    Every process makes the same first call, so ZeRO-3's collective forwards stay in step."""
+    Every process makes the same first call, so ZeRO-3's collective forwards stay in step.
+
+    The probe runs without autocast, in the weights' own precision: what it judges is whether sequences mix, which
+    float32 shows to 1e-4, not how two attention kernels round in bf16. (Under the trainer's bf16 autocast over
+    float32 weights, an H100 run compared varlen's flash kernel with padded sdpa at float32's tolerance, failed on
+    rounding alone and sent every pass back to padded batches.) With float32 weights varlen's probe therefore runs
+    its per-sequence reference, which takes the same bounds as the kernel: the bounds reaching the attention is what
+    is checked; the kernel itself is checked against the reference by the GPU tests."""
     inner = _unwrap(model) if not isinstance(model, torch.nn.parallel.DistributedDataParallel) else model.module
     verdict = getattr(inner, _CHECKED[varlen], None)
     if verdict is None:
@@ -554,7 +561,7 @@ def _layout_works(model, body, batch: Batch, varlen: bool) -> bool:
         seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 7)]
         padded, packed = (build_batch([s[:2] for s in seqs], [s[2:] for s in seqs], 0, ratio).to(device)
                           for ratio in (0.0, 2.0))
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
             hidden = body(input_ids=padded.input_ids, attention_mask=padded.attention_mask,
                           position_ids=padded.position_ids, use_cache=False).last_hidden_state
             reference = torch.cat([hidden[padded.seq_ids == i].float() for i in range(2)])
