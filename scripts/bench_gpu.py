@@ -2,9 +2,10 @@
 """DPO training throughput and MFU on one GPU: our trainer's step against TRL's ``DPOTrainer``, full fine-tuning
 and LoRA.
 
-    python scripts/bench_gpu.py                                  # ~0.9B Llama, bf16 autocast, sdpa, on cuda:0
+    python scripts/bench_gpu.py                                  # ~0.9B Llama, bf16 autocast, on cuda:0
     python scripts/bench_gpu.py --lora-rank 0,16                 # full fine-tuning and LoRA r16 side by side
-    python scripts/bench_gpu.py --attn flash_attention_2         # needs flash-attn installed
+    python scripts/bench_gpu.py --attn sdpa --max-tokens-per-micro-batch 0   # ours as before varlen and the budget
+    python scripts/bench_gpu.py --sides ours --steps 3 --profile # a torch.profiler summary of our steps
     python scripts/bench_gpu.py --device cpu --tiny              # the same code end to end on a CPU, < 1 minute
 
 Standalone: it needs torch, transformers, peft (with ``--lora-rank``) and (for the TRL sides) trl + datasets, and
@@ -31,11 +32,17 @@ Sides, each in a fresh subprocess (so peak memory is its own)
 * ``ours``: our trainer's step, reproduced from the library without the CLI (which needs ``datasets``). Reference
   log-probs first, as ``rlhf train`` computes them when the data has none: one no-grad pass over all pairs with
   ``algorithms.pairs.pair_logps`` in length-sorted batches of ``--ref-batch-size`` (``distributed.sharded_batches``).
-  Then per step: the global batch from ``training.loop.global_batches``, cut by ``training.loop.micro_batches`` (sorted by
-  length), each micro-batch through ``pairs.PairTask.loss`` (``pair_logps`` with ``pack_ratio`` for the
-  policy log-probs, ``algorithms.pairs.compute_pair_loss("dpo", PairLossParams(beta=0.1), ...)`` against the
-  precomputed reference), backward of loss / accumulation, metrics summed per micro-batch as the trainer does
-  (``training.loop.add_to_sums``, on the device, read once per step), clip, AdamW step, schedule step.
+  Then per step: the global batch from ``training.loop.global_batches``, cut by ``training.loop.step_micro_batches``
+  (``--batch-size`` pairs each, or micro-batches of up to ``--max-tokens-per-micro-batch`` tokens: 8,192 by default
+  on CUDA), each micro-batch through ``pairs.PairTask.loss`` (``pair_logps`` for the policy log-probs, with the
+  model's ``--attn`` attention: varlen by default on CUDA, one unpadded row per micro-batch; sdpa elsewhere, packed
+  by ``pack_ratio``; ``algorithms.pairs.compute_pair_loss("dpo", PairLossParams(beta=0.1), ...)`` against the
+  precomputed reference), backward of loss x ``training.loop.micro_batch_weight`` / accumulation, metrics summed per
+  micro-batch as the trainer does (``training.loop.add_to_sums``, on the device, read once per step), clip, AdamW
+  step, schedule step.
+* TRL's sides use ``--trl-attn`` (sdpa by default) with cuDNN's SDPA backend off (``--trl-cudnn-sdpa off``, as our
+  log-prob passes run sdpa on a GPU, ``rlhf_pipeline.attention.sdpa_backends``; ``on`` is PyTorch's default, which
+  plans on the host for every new shape and halved TRL's speed on an H100).
 * ``trl``: TRL's ``DPOTrainer`` with its default reference model (a second model loaded from the same directory and
   run every step).
 * ``trl_precomputed``: TRL with ``precompute_ref_log_probs=True`` (its pass runs in the trainer's constructor, with
