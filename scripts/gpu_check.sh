@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check of the whole pipeline on one GPU, for any session or user that has one for a few minutes:
-# every stage on the GPU with a random-initialised ~0.5B Llama (the tiny kit's tokenizer, 18 layers x 1536), the
+# the GPU-gated tests (the varlen kernel against its reference), every stage on the GPU with a random-initialised ~0.5B Llama (the tiny kit's tokenizer, 18 layers x 1536), the
 # ZeRO-3 trainer under `accelerate launch` against the plain trainer, the hf engine on the GPU against the same
 # machine's CPU, and the trainer benchmark against TRL with a profile of its steps. --cpu runs the same path with
 # tiny sizes on a CPU (the test suite runs it).
@@ -99,6 +99,9 @@ print(json.dumps({"step": n, "rc": int(rc), "seconds": round(float(b) - float(a)
   fi
   return "$rc"
 }
+
+# 0. The GPU-gated tests: the varlen kernel against its reference, forward and backward, in bf16 (skipped on a CPU).
+step gpu_tests "$PYTHON" -m pytest tests/test_attention.py -q -p no:cacheprovider -k "cuda or gpu or bf16"
 
 # 1. The trainer benchmark against TRL (scripts/bench_gpu.py), and a profile of our steps: first, as the
 #    headline figures.

@@ -22,7 +22,7 @@ def test_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert summary["passed"] and summary["cpu"] and summary["device"] == "cpu"
     steps = {s["step"]: s["rc"] for s in summary["steps"]}
-    assert set(steps) >= {"demo", "ref_logps", "train_plain", "train_zero3", "generate_demo_size_model_default",
+    assert set(steps) >= {"gpu_tests", "demo", "ref_logps", "train_plain", "train_zero3", "generate_demo_size_model_default",
                           "generate_check_size_model_default", "bench", "profile"}
     assert set(steps.values()) == {0}
     checks = summary["checks"]
