@@ -538,6 +538,17 @@ def _encode_checked(tokenizer: PreTrainedTokenizerBase, items: list, allow_speci
     return out  # type: ignore[return-value]
 
 
+def encode_plain(tokenizer: PreTrainedTokenizerBase, texts: list[str], allow_special_tokens: bool = False
+                 ) -> list[list[int]]:
+    """Token ids of texts outside a template (a response alone), without added special tokens: as
+    ``tokenizer(texts, add_special_tokens=False)`` gives them, special-token strings read as text unless
+    ``allow_special_tokens``."""
+    return _encode_checked(
+        tokenizer, list(texts), allow_special_tokens,
+        lambda clean, _: [list(x) for x in tokenizer(clean, add_special_tokens=False)["input_ids"]] if clean else [],
+        lambda control, spelled: control.split_encode(spelled, False))
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Iterable[str | list[dict[str, str]]], use_chat_template: bool = True,
     allow_special_tokens: bool = False,

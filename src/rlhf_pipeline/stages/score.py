@@ -50,7 +50,7 @@ from typing import Any, Literal, NamedTuple, Optional, Sequence
 from tqdm.auto import tqdm
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, check_engine
-from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.config import ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.contracts import (
     GENERATED_COLUMNS,
     GENERATIONS_COLUMNS,
@@ -155,7 +155,7 @@ def check_reward_options(reward_model, reward_fn, reward_weights, *, exactly_one
 
 
 @dataclass(kw_only=True)
-class ScoreConfig(OutputOptions):
+class ScoreConfig(ControlTokenOptions, OutputOptions):
     """Score every response with a reward model or a python reward function (or several, combined)."""
 
     input: str = option(help="Generations dataset (the output of rlhf generate or rlhf merge).", semantic=False)
@@ -284,6 +284,7 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: 
             attn_implementation=config.attn_implementation,
             device=None if accelerator is None else accelerator.device,
             load_model=False,  # score() loads it while the conversations are encoded
+            allow_special_tokens=config.allow_special_tokens_in_text,
         )
         mine = (array("q"), array("d"))
         try:
