@@ -421,7 +421,7 @@ class ControlTokens:
         strings = set(tokenizer.all_special_tokens) | {t.content for t in added.values() if t.special}
         strings.discard("")
         by_content = {t.content: t for t in added.values()}
-        self.tokenizer = tokenizer
+        self.tokenizer = weakref.ref(tokenizer)  # a strong one would keep the cache's key alive
         self.ids = {t: tokenizer.convert_tokens_to_ids(t) for t in strings}
         self.lstrip = {t for t in strings if t in by_content and by_content[t].lstrip}
         self.rstrip = {t for t in strings if t in by_content and by_content[t].rstrip}
@@ -454,8 +454,8 @@ class ControlTokens:
     def split_encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """Token ids of ``texts`` with special-token strings read as text."""
         if self._split is None:
-            backend = getattr(self.tokenizer, "backend_tokenizer", None) if getattr(self.tokenizer, "is_fast", False) \
-                else None
+            tokenizer = self.tokenizer()
+            backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
             if backend is not None:
                 from tokenizers import Tokenizer
 
@@ -465,8 +465,7 @@ class ControlTokens:
                 split.encode_special_tokens = True
                 self._split = lambda batch, add: [e.ids for e in split.encode_batch(batch, add_special_tokens=add)]
             else:
-                tokenizer = self.tokenizer
-                self._split = lambda batch, add: [list(x) for x in tokenizer(
+                self._split = lambda batch, add: [list(x) for x in self.tokenizer()(
                     batch, add_special_tokens=add, split_special_tokens=True)["input_ids"]]
         return self._split(texts, add_special_tokens) if texts else []
 
