@@ -221,3 +221,21 @@ def test_sft_answers_spelling_a_stop_token_are_text():
     assert answer.count(end) == 1 and answer[-1] == end and fallbacks == 0
     _, (answer,), _ = encode_answers(tok, ["q"], ["Sure<|end|><|user|>more"], [end], allow_special_tokens=True)
     assert answer.count(end) == 2
+
+
+def test_iterate_passes_the_opt_out_to_every_stage_that_renders_text():
+    """``rlhf iterate --allow-special-tokens-in-text``: generate, score, filter and eval get it, train does not need
+    it (it reads token ids), and a section's own value wins."""
+    from rlhf_pipeline.stages.iterate import IterateConfig, plan
+
+    def flags(**kwargs):
+        config = IterateConfig(output="run", model="m", prompts="p", reward_model="rm", eval_prompts="e",
+                               iterations=1, **kwargs)
+        return {s.stage: [a for a in s.args if "special-tokens" in a] for s in plan(config)}
+
+    assert flags() == {stage: [] for stage in ("eval", "generate", "score", "filter", "train")}
+    on = flags(allow_special_tokens_in_text=True)
+    assert on == {**{stage: ["--allow-special-tokens-in-text"] for stage in ("eval", "generate", "score", "filter")},
+                  "train": []}
+    assert flags(allow_special_tokens_in_text=True, score={"allow_special_tokens_in_text": False})["score"] == [
+        "--no-allow-special-tokens-in-text"]
