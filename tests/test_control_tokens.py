@@ -239,3 +239,40 @@ def test_iterate_passes_the_opt_out_to_every_stage_that_renders_text():
                   "train": []}
     assert flags(allow_special_tokens_in_text=True, score={"allow_special_tokens_in_text": False})["score"] == [
         "--no-allow-special-tokens-in-text"]
+
+
+@pytest.mark.parametrize("fmt", ["tiny", "chatml"])
+def test_scoring_the_sampled_ids_equals_the_text_path_on_clean_data(fmt, tiny_rm, tmp_path, monkeypatch):
+    """``rlhf score --sampled-ids``, with a reward model that shares the policy's tokenizer and template, reads
+    prompt_token_ids + the response's ids + the template's end of turn: on data whose ids are the tokenizer's own
+    encoding (the bench's synthetic generations, some stopped, some cut at the token limit), exactly the ids and
+    rewards of the text path. ChatML writes a newline after <|im_end|>, which the sampled ids lack."""
+    from rlhf_pipeline.bench.stages import synthetic_generations
+    from rlhf_pipeline.chat import load_tokenizer
+    from rlhf_pipeline.tiny import save_tiny_model
+
+    rm = tiny_rm if fmt == "tiny" else str(save_tiny_model(tmp_path / "rm", kind="reward", seed=1, chat_format=fmt))
+    columns = synthetic_generations(load_tokenizer(rm), 12, 3, seed=1, scored=False)
+    assert set(f for row in columns["finish_reasons"] for f in row) == {"stop", "length"}
+    Dataset.from_dict(columns).save_to_disk(str(tmp_path / "generations"))
+    seen = _scored_ids(monkeypatch)
+    args = ["score", "--input", tmp_path / "generations", "--reward-model", rm]
+    assert run(*args, "--output", tmp_path / "text") == 0
+    text_path = list(seen)
+    seen.clear()
+    assert run(*args, "--output", tmp_path / "sampled", "--sampled-ids") == 0
+    assert seen == text_path and len(seen) == 36
+    rewards = [Dataset.load_from_disk(str(tmp_path / d))["rewards"] for d in ("text", "sampled")]
+    assert rewards[0] == rewards[1]
+    manifest = json.loads((tmp_path / "sampled" / "manifest.json").read_text())
+    assert manifest["config"]["sampled_ids"] is True
+
+
+def test_scoring_the_sampled_ids_refuses_a_reward_model_with_another_tokenizer(tiny_rm, tmp_path, capsys):
+    from rlhf_pipeline.bench.stages import synthetic_generations
+
+    columns = synthetic_generations(build_tokenizer(chat_format="chatml"), 4, 2, seed=1, scored=False)
+    Dataset.from_dict(columns).save_to_disk(str(tmp_path / "generations"))
+    assert run("score", "--input", tmp_path / "generations", "--reward-model", tiny_rm, "--output", tmp_path / "out",
+               "--sampled-ids") == 1
+    assert "--sampled-ids needs a reward model that shares both" in capsys.readouterr().err

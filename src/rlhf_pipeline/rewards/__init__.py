@@ -314,8 +314,11 @@ class RewardModelScorer:
     def encode(self, prompts: list, responses: list[str], meanwhile=None) -> list[list[int]]:
         from rlhf_pipeline.chat import encode_conversations
 
-        ids = encode_conversations(self.tokenizer, prompts, responses, meanwhile=meanwhile,
-                                   allow_special_tokens=self.allow_special_tokens)
+        return self.truncate(encode_conversations(self.tokenizer, prompts, responses, meanwhile=meanwhile,
+                                                  allow_special_tokens=self.allow_special_tokens))
+
+    def truncate(self, ids: list[list[int]]) -> list[list[int]]:
+        """Sequences over ``max_length`` keep their first tokens (counted in ``truncated``, with a warning)."""
         over = sum(len(x) > self.max_length for x in ids)
         if over:
             log.warning("%d of %d sequences exceed --max-length %d and are truncated", over, len(ids), self.max_length)
