@@ -97,7 +97,9 @@ def test_chunked_threaded_encoding_gives_transformers_own_ids(family, tmp_path):
     """``encode_texts`` renders and encodes a large batch in chunks over threads, calling the Rust encoder directly:
     the ids must be exactly what ``apply_chat_template(tokenize=True)`` (or the tokenizer itself, without a template)
     gives, for every chat format, over more conversations than one chunk, with texts that look like special tokens,
-    unicode, whitespace and empty responses. A tokenizer whose backend truncates is left to transformers."""
+    unicode, whitespace and empty responses. A tokenizer whose backend truncates is left to transformers.
+    ``allow_special_tokens=True`` keeps every text on the fast path, reading special-token strings as transformers
+    does (texts that spell one otherwise take ``ControlTokens``' path: tests/test_control_tokens.py)."""
     from rlhf_pipeline import chat
     from rlhf_pipeline.tiny import build_tokenizer
 
@@ -122,17 +124,18 @@ def test_chunked_threaded_encoding_gives_transformers_own_ids(family, tmp_path):
     else:
         expected = tok([chat.as_text(p) + r for p, r in zip(prompts, responses)], add_special_tokens=True)["input_ids"]
         expected_prompts = tok(prompts, add_special_tokens=True)["input_ids"]
-    assert encode_conversations(tok, prompts, responses) == [list(x) for x in expected]
-    assert encode_prompts(tok, prompts) == [list(x) for x in expected_prompts]
+    assert encode_conversations(tok, prompts, responses, allow_special_tokens=True) == [list(x) for x in expected]
+    assert encode_prompts(tok, prompts, allow_special_tokens=True) == [list(x) for x in expected_prompts]
 
     tok.backend_tokenizer.enable_truncation(8)  # transformers turns it off for its own call: so must the fast path
     assert chat._direct_backend(tok) is None
-    assert encode_conversations(tok, prompts, responses) == [list(x) for x in expected]
+    assert encode_conversations(tok, prompts, responses, allow_special_tokens=True) == [list(x) for x in expected]
 
 
 def _conversations_of_shared_prompts(n: int):
     """``n`` conversations, four per prompt as ``rlhf score`` reads them, with responses that start alike, differ at
-    their first character, start with whitespace, are empty, repeat, or look like special tokens."""
+    their first character, start with whitespace, are empty, repeat, or look like special tokens (the tests encode
+    them with ``allow_special_tokens=True``, as transformers reads them: the fast paths are what they test)."""
     starts = ["I found it fine", "I found it bad", "Yes", "  spaced", "", "<|end|> not a turn end", "<|eot_id|>x",
               "\n\nnew lines", "naïve café ✓", "Yes"]
     prompts = [f"prompt {i // 4}: write about item {i // 4}" if (i // 4) % 3 else
@@ -174,7 +177,8 @@ def test_the_conversations_of_one_prompt_share_its_encoding_and_get_transformers
     assert chat.SharedPrefix.of(tok.backend_tokenizer) is not None
     cuts = _recording_cuts(monkeypatch)
     prompts, responses = _conversations_of_shared_prompts(chat.ENCODE_CHUNK * 2 + 20)
-    assert encode_conversations(tok, prompts, responses) == _expected_ids(tok, prompts, responses)
+    assert encode_conversations(tok, prompts, responses, allow_special_tokens=True) == _expected_ids(
+        tok, prompts, responses)
     assert len(cuts) >= len(prompts) // 4 - 3 and all(c > 0 for c in cuts)  # the shared path ran, on every group
 
 
@@ -216,7 +220,8 @@ def test_a_pre_tokenizer_that_marks_the_first_piece_keeps_whole_texts(prepend_sc
     assert (chat.SharedPrefix.of(tok.backend_tokenizer) is not None) is shared
     cuts = _recording_cuts(monkeypatch)
     prompts, responses = _conversations_of_shared_prompts(chat.ENCODE_CHUNK + 40)
-    assert encode_conversations(tok, prompts, responses) == _expected_ids(tok, prompts, responses)
+    assert encode_conversations(tok, prompts, responses, allow_special_tokens=True) == _expected_ids(
+        tok, prompts, responses)
     assert bool(cuts) is shared
 
 
@@ -236,7 +241,8 @@ def test_no_cut_after_a_token_that_strips_the_whitespace_after_it(monkeypatch):
     assert _cut_after_last(tok, text, "<|assistant|>") != whole
     cuts = _recording_cuts(monkeypatch)
     prompts, responses = _conversations_of_shared_prompts(chat.ENCODE_CHUNK + 40)
-    assert encode_conversations(tok, prompts, responses) == _expected_ids(tok, prompts, responses)
+    assert encode_conversations(tok, prompts, responses, allow_special_tokens=True) == _expected_ids(
+        tok, prompts, responses)
     assert cuts and not any(cuts)  # every group kept whole: the only token before the responses strips
 
 
@@ -251,7 +257,8 @@ def test_special_tokens_read_as_text_keep_whole_texts(monkeypatch):
     tok.backend_tokenizer.encode_special_tokens = True
     assert chat._direct_backend(tok) is not None and chat.SharedPrefix.of(tok.backend_tokenizer) is None
     prompts, responses = _conversations_of_shared_prompts(chat.ENCODE_CHUNK + 40)
-    assert encode_conversations(tok, prompts, responses) == _expected_ids(tok, prompts, responses)
+    assert encode_conversations(tok, prompts, responses, allow_special_tokens=True) == _expected_ids(
+        tok, prompts, responses)
 
 
 def test_a_cut_the_rules_miss_is_caught_on_each_chunk_and_encoded_whole(monkeypatch, caplog):
@@ -269,7 +276,8 @@ def test_a_cut_the_rules_miss_is_caught_on_each_chunk_and_encoded_whole(monkeypa
     prompts = [f"prompt {i // 2}" for i in range(n)]
     responses = ["I agree" if i % 2 == 0 else "Sure" for i in range(n)]
     with caplog.at_level("WARNING", logger="rlhf_pipeline.chat"):
-        assert encode_conversations(tok, prompts, responses) == _expected_ids(tok, prompts, responses)
+        assert encode_conversations(tok, prompts, responses, allow_special_tokens=True) == _expected_ids(
+            tok, prompts, responses)
     assert "encoding them whole" in caplog.text
 
 

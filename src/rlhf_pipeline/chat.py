@@ -7,6 +7,14 @@ template is applied exactly once and its rendering encoded without adding specia
 string with them gives. Large batches are rendered and encoded in chunks over threads (:func:`encode_texts`), and the
 conversations of one prompt have the prompt's part encoded once (:class:`SharedPrefix`), with the same ids.
 No token id or template slice is hard-coded: stop tokens come from the tokenizer and the generation config.
+
+Control tokens: a message's content is text. A tokenizer reads a special-token string written inside a rendered
+conversation (``<|im_start|>``, ``<|eot_id|>``) as the special token itself, so a response or prompt that spells one
+would forge turns the reward model, the judge or the policy then reads. Every conversation is checked against the
+tokenizer's special-token strings (:class:`ControlTokens`); the clean ones (all real data, as a rule) take the paths
+above unchanged, and one whose content spells a special token is encoded so that only the template's own markup
+gives special-token ids (:meth:`ControlTokens.encode_guarded`). ``allow_special_tokens=True`` (the stages'
+``--allow-special-tokens-in-text``) reads such strings as tokens again, for data that stores control tokens on purpose.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -379,35 +388,209 @@ def _render(tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool) -> 
     return render
 
 
+# Private-use characters that open the placeholder of a special-token string hidden in a message while its
+# conversation is rendered (one a conversation does not contain); U+E0FF closes it
+_MARKS = [chr(c) for c in range(0xE000, 0xE0FF)]
+
+
+class ControlTokens:
+    """The special-token strings of one tokenizer, and the encoding that reads them as text inside message contents.
+
+    The strings are every special token the tokenizer has (``all_special_tokens`` and the added tokens marked
+    special: what ``split_special_tokens`` splits), in one regex, longest first so that it matches as the tokenizer
+    does (leftmost, longest); it is built once per tokenizer (:meth:`of`). :meth:`spelled` says whether a
+    conversation's contents (or a plain text) contain one of them: only those take :meth:`encode_guarded`.
+
+    :meth:`encode_guarded` renders a conversation with each special-token string in its contents replaced by a
+    placeholder of private-use characters (``\\ue000<k>\\ue001``; a template that strips, capitalises or otherwise
+    reworks a content keeps it whole), so every special token the rendering then holds is the template's own
+    markup. The text is cut at those, as the tokenizer cuts its input at added tokens before it encodes the pieces
+    between them (honouring a token's ``lstrip``/``rstrip``); the markup gives its ids, and each piece, placeholders
+    put back, is encoded with special tokens read as text (a copy of the Rust tokenizer with
+    ``encode_special_tokens``: the shared one is not switched, as other threads encode with it). For a tokenizer
+    whose pre-tokenizer treats every piece alike (byte-level BPE) this gives the ids the whole text gives wherever
+    no special token is spelled; around a spelled one the merges are those of the string as text, and a
+    pre-tokenizer that treats the first piece otherwise (Metaspace ``prepend_scheme="first"``) may see a space
+    before later pieces: acceptable for conversations that carry control-token text, which clean data never is.
+    """
+
+    _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        strings = set(tokenizer.all_special_tokens) | {t.content for t in added.values() if t.special}
+        strings.discard("")
+        by_content = {t.content: t for t in added.values()}
+        self.tokenizer = weakref.ref(tokenizer)  # a strong one would keep the cache's key alive
+        self.ids = {t: tokenizer.convert_tokens_to_ids(t) for t in strings}
+        self.lstrip = {t for t in strings if t in by_content and by_content[t].lstrip}
+        self.rstrip = {t for t in strings if t in by_content and by_content[t].rstrip}
+        self.pattern = (re.compile("|".join(map(re.escape, sorted(strings, key=len, reverse=True))))
+                        if strings else None)
+        self._split: Callable[[list[str], bool], list[list[int]]] | None = None
+        self.warned = False
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> ControlTokens:
+        try:
+            return cls._cache[tokenizer]
+        except (KeyError, TypeError):
+            control = cls(tokenizer)
+            try:
+                cls._cache[tokenizer] = control
+            except TypeError:  # not weakly referenceable: built again next time
+                pass
+            return control
+
+    def spelled(self, item: str | list[dict[str, str]]) -> bool:
+        """Whether a text, or a conversation's contents, spell a special token."""
+        if self.pattern is None:
+            return False
+        search = self.pattern.search
+        if isinstance(item, str):
+            return search(item) is not None
+        return any(search(m["content"]) is not None for m in item)
+
+    def split_encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Token ids of ``texts`` with special-token strings read as text."""
+        if self._split is None:
+            tokenizer = self.tokenizer()
+            backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+            if backend is not None:
+                from tokenizers import Tokenizer
+
+                split = Tokenizer.from_str(backend.to_str())
+                split.no_truncation()
+                split.no_padding()
+                split.encode_special_tokens = True
+                self._split = lambda batch, add: [e.ids for e in split.encode_batch(batch, add_special_tokens=add)]
+            else:
+                self._split = lambda batch, add: [list(x) for x in self.tokenizer()(
+                    batch, add_special_tokens=add, split_special_tokens=True)["input_ids"]]
+        return self._split(texts, add_special_tokens) if texts else []
+
+    def encode_guarded(self, convs: list[list[dict[str, str]]], render: Callable[[list], list[str]]) -> list[list[int]]:
+        """Token ids of conversations rendered by ``render`` (:func:`_render`), special-token strings in their
+        contents read as text (see the class docstring)."""
+        hidden: list[tuple[str, list[str]]] = []  # per conversation: its mark, and the strings its placeholders hold
+        masked = []
+        for conv in convs:
+            used = "".join(m["content"] for m in conv)
+            mark = next(c for c in _MARKS if c not in used)  # 255 marks: no conversation holds them all
+            strings: list[str] = []
+
+            def hide(match: re.Match, mark=mark, strings=strings) -> str:
+                strings.append(match.group())
+                return f"{mark}{len(strings) - 1}\ue0ff"
+
+            masked.append([{**m, "content": self.pattern.sub(hide, m["content"])} for m in conv])
+            hidden.append((mark, strings))
+        texts = render(masked)
+        plan: list[list[int | str]] = []  # per conversation: markup ids and text pieces, in order
+        for text, (mark, strings) in zip(texts, hidden):
+            unmask = re.compile(re.escape(mark) + r"(\d+)\ue0ff")
+            parts: list[int | str] = []
+            start = 0
+            for match in self.pattern.finditer(text):
+                token, cut, end = match.group(), match.start(), match.end()
+                if cut < start:  # inside the whitespace an rstrip token took
+                    continue
+                if token in self.lstrip:
+                    cut = len(text[start:cut].rstrip()) + start
+                if token in self.rstrip:
+                    end = len(text) - len(text[end:].lstrip())
+                if cut > start:
+                    parts.append(unmask.sub(lambda m, strings=strings: strings[int(m.group(1))], text[start:cut]))
+                parts.append(self.ids[token])
+                start = end
+            if start < len(text):
+                parts.append(unmask.sub(lambda m, strings=strings: strings[int(m.group(1))], text[start:]))
+            if not self.warned and any(isinstance(p, str) and mark in p for p in parts):
+                self.warned = True
+                log.warning("the chat template changed a message content's placeholder for a special-token string; "
+                            "its characters are encoded as text")
+            plan.append(parts)
+        pieces = [p for parts in plan for p in parts if isinstance(p, str)]
+        encoded = iter(self.split_encode(pieces, False))
+        return [[i for p in parts for i in ([p] if isinstance(p, int) else next(encoded))] for parts in plan]
+
+
+def _encode_checked(tokenizer: PreTrainedTokenizerBase, items: list, allow_special_tokens: bool,
+                    clean: Callable[[list, list | None], list[list[int]]],
+                    guarded: Callable[[ControlTokens, list], list[list[int]]],
+                    keys: list | None = None) -> list[list[int]]:
+    """``clean(items, keys)``, except for the items that spell a special token in a content (:class:`ControlTokens`),
+    which ``guarded`` encodes: clean data takes exactly the paths it took before, at their speed."""
+    if allow_special_tokens:
+        return clean(items, keys)
+    control = ControlTokens.of(tokenizer)
+    spelled = [k for k, item in enumerate(items) if control.spelled(item)]
+    if not spelled:
+        return clean(items, keys)
+    taken = set(spelled)
+    rest = [k for k in range(len(items)) if k not in taken]
+    out: list[list[int] | None] = [None] * len(items)
+    for k, ids in zip(rest, clean([items[k] for k in rest], None if keys is None else [keys[k] for k in rest])):
+        out[k] = ids
+    for k, ids in zip(spelled, guarded(control, [items[k] for k in spelled])):
+        out[k] = ids
+    return out  # type: ignore[return-value]
+
+
+def encode_plain(tokenizer: PreTrainedTokenizerBase, texts: list[str], allow_special_tokens: bool = False
+                 ) -> list[list[int]]:
+    """Token ids of texts outside a template (a response alone), without added special tokens: as
+    ``tokenizer(texts, add_special_tokens=False)`` gives them, special-token strings read as text unless
+    ``allow_special_tokens``."""
+    return _encode_checked(
+        tokenizer, list(texts), allow_special_tokens,
+        lambda clean, _: [list(x) for x in tokenizer(clean, add_special_tokens=False)["input_ids"]] if clean else [],
+        lambda control, spelled: control.split_encode(spelled, False))
+
+
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: Iterable[str | list[dict[str, str]]], use_chat_template: bool = True
+    tokenizer: PreTrainedTokenizerBase, prompts: Iterable[str | list[dict[str, str]]], use_chat_template: bool = True,
+    allow_special_tokens: bool = False,
 ) -> list[list[int]]:
-    """Token ids of each prompt, ready for generation (generation prompt appended when a template is used)."""
+    """Token ids of each prompt, ready for generation (generation prompt appended when a template is used).
+    Special-token strings in a prompt are text unless ``allow_special_tokens`` (:class:`ControlTokens`)."""
     prompts = list(prompts)
     if use_chat_template and tokenizer.chat_template:
-        return encode_texts(tokenizer, [as_messages(p) for p in prompts], _render(tokenizer, True),
-                            add_special_tokens=False)
+        render = _render(tokenizer, True)
+        return _encode_checked(
+            tokenizer, [as_messages(p) for p in prompts], allow_special_tokens,
+            lambda convs, _: encode_texts(tokenizer, convs, render, add_special_tokens=False),
+            lambda control, convs: control.encode_guarded(convs, render))
     if any(not isinstance(p, str) for p in prompts):
         raise PipelineError(
             "the tokenizer has no chat template, so 'messages' prompts cannot be rendered; "
             "use a chat model's tokenizer or give plain 'prompt' text"
         )
-    return encode_texts(tokenizer, prompts, list, add_special_tokens=True)
+    return _encode_checked(tokenizer, prompts, allow_special_tokens,
+                           lambda texts, _: encode_texts(tokenizer, texts, list, add_special_tokens=True),
+                           lambda control, texts: control.split_encode(texts, True))
 
 
 def encode_conversations(
     tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[dict[str, str]]], responses: list[str],
-    meanwhile: Callable[[], None] | None = None,
+    meanwhile: Callable[[], None] | None = None, allow_special_tokens: bool = False,
 ) -> list[list[int]]:
     """Token ids of whole prompt + response conversations, as a reward model reads them (``meanwhile``: see
     :func:`encode_texts`). Consecutive conversations of one prompt (``rlhf score``'s n responses) have the prompt's
-    part encoded once where that gives the same ids."""
+    part encoded once where that gives the same ids. Special-token strings in a prompt or response are text unless
+    ``allow_special_tokens`` (:class:`ControlTokens`); ``meanwhile`` runs while the clean ones are encoded."""
     if tokenizer.chat_template:
+        render = _render(tokenizer, False)
         convs = [as_messages(p) + [{"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
-        return encode_texts(tokenizer, convs, _render(tokenizer, False), add_special_tokens=False, keys=prompts,
-                            meanwhile=meanwhile)
-    return encode_texts(tokenizer, [as_text(p) + r for p, r in zip(prompts, responses)], list,
-                        add_special_tokens=True, meanwhile=meanwhile)
+        return _encode_checked(
+            tokenizer, convs, allow_special_tokens,
+            lambda items, keys: encode_texts(tokenizer, items, render, add_special_tokens=False, keys=keys,
+                                             meanwhile=meanwhile),
+            lambda control, items: control.encode_guarded(items, render), keys=list(prompts))
+    return _encode_checked(
+        tokenizer, [as_text(p) + r for p, r in zip(prompts, responses)], allow_special_tokens,
+        lambda texts, _: encode_texts(tokenizer, texts, list, add_special_tokens=True, meanwhile=meanwhile),
+        lambda control, texts: control.split_encode(texts, True))
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str, trust_remote_code: bool = False) -> list[int]:

@@ -7,10 +7,11 @@ option's type and choices as flags are (numbers written as text, ``1e-6``, becom
 takes ``nan`` or ``inf``; each config's ``__post_init__`` checks ranges, so a bad value is one ``error:`` line
 before anything runs (what may not exist yet, such as a later iteration's model, is checked by the stage itself).
 
-Fields shared by several stages live in small dataclasses (``OutputOptions``, ``sampling_options.SamplingOptions``)
-that stage configs inherit from, so a flag, its help and its checks are declared once; one whose ``options_group``
-names a help section gets its own section in ``--help``. A stage that needs another default for a shared field
-changes only that (:func:`override`), and passes a group on to another config with :func:`options_of`.
+Fields shared by several stages live in small dataclasses (``OutputOptions``, ``ControlTokenOptions``,
+``sampling_options.SamplingOptions``) that stage configs inherit from, so a flag, its help and its checks are
+declared once; one whose ``options_group`` names a help section gets its own section in ``--help``. A stage that
+needs another default for a shared field changes only that (:func:`override`), and passes a group on to another
+config with :func:`options_of`.
 ``metadata={"semantic": False}`` marks fields that do not change a stage's output (``--overwrite``,
 ``--num-proc``); they are left out when deciding whether a finished output can be reused.
 
@@ -79,6 +80,19 @@ class OutputOptions:
         None,
         help="Also upload the output to this Hub dataset repo (ORG/NAME). The token comes from HF_TOKEN.",
         semantic=False,
+    )
+
+
+@dataclass(kw_only=True)
+class ControlTokenOptions:
+    """How the stages that render conversations (generate, score, eval, sft, train-rm, filter) read special-token
+    strings written in prompts and responses (``chat.ControlTokens``)."""
+
+    allow_special_tokens_in_text: bool = option(
+        False,
+        help="Read special-token strings written in prompts and responses (<|im_start|>, <|eot_id|>, ...) as the "
+        "control tokens themselves, for data that stores them on purpose. By default they are text: only the chat "
+        "template's own markup gives control tokens, so a response cannot forge a turn.",
     )
 
 

@@ -261,13 +261,16 @@ class RewardModelScorer:
         attn_implementation: str = DEFAULT_ATTENTION,
         device=None,
         load_model: bool = True,
+        allow_special_tokens: bool = False,
     ):
         """``load_model=False`` leaves the model to :meth:`score`, which loads it while it encodes the texts.
-        ``attn_implementation``: the hf engine's (``rlhf_pipeline.attention``)."""
+        ``attn_implementation``: the hf engine's (``rlhf_pipeline.attention``). ``allow_special_tokens``: read
+        special-token strings in prompts and responses as tokens (``chat.ControlTokens``; by default they are text)."""
         from rlhf_pipeline.chat import load_tokenizer, pad_id
 
         self.path, self.dtype, self.trust_remote_code, self.device = path, dtype, trust_remote_code, device
         self.attn_implementation = attn_implementation
+        self.allow_special_tokens = allow_special_tokens
         self.model = None
         self.closed = False
         self.tokenizer = load_tokenizer(path, trust_remote_code)
@@ -311,7 +314,11 @@ class RewardModelScorer:
     def encode(self, prompts: list, responses: list[str], meanwhile=None) -> list[list[int]]:
         from rlhf_pipeline.chat import encode_conversations
 
-        ids = encode_conversations(self.tokenizer, prompts, responses, meanwhile=meanwhile)
+        return self.truncate(encode_conversations(self.tokenizer, prompts, responses, meanwhile=meanwhile,
+                                                  allow_special_tokens=self.allow_special_tokens))
+
+    def truncate(self, ids: list[list[int]]) -> list[list[int]]:
+        """Sequences over ``max_length`` keep their first tokens (counted in ``truncated``, with a warning)."""
         over = sum(len(x) > self.max_length for x in ids)
         if over:
             log.warning("%d of %d sequences exceed --max-length %d and are truncated", over, len(ids), self.max_length)
@@ -405,7 +412,8 @@ class RewardModelScorer:
 
             self.load_model()
             if self.mode is None and prompts:
-                self.mode = self._choose_mode(encode_conversations(self.tokenizer, prompts[:1], responses[:1]))
+                self.mode = self._choose_mode(encode_conversations(
+                    self.tokenizer, prompts[:1], responses[:1], allow_special_tokens=self.allow_special_tokens))
 
         return self.score_ids(self.encode(prompts, responses, meanwhile=load), world, rank)
 

@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import OutputOptions, option, options_of, override
+from rlhf_pipeline.config import ControlTokenOptions, OutputOptions, option, options_of, override
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.evalstats import mean_and_stderr, pair_indices, preference_comparison, reward_comparison
 from rlhf_pipeline.judge import TEMPLATE_VERSION
@@ -88,7 +88,7 @@ SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "limit"
 
 
 @dataclass(kw_only=True)
-class EvalConfig(SamplingOptions, OutputOptions):
+class EvalConfig(ControlTokenOptions, SamplingOptions, OutputOptions):
     """Generate on held-out prompts, score, and report the mean reward and the win rate against a baseline.
     The sampling and engine options are rlhf generate's; --dtype and --trust-remote-code apply to the reward model
     too, and a baseline model is sampled with the same options and --seed."""
@@ -246,7 +246,7 @@ def _sample_and_score(config: EvalConfig, model: str, directory: Path, accelerat
 
     gen = generate.GenerateConfig(
         output=str(directory / "generate"), model=model, prompts=config.prompts, logprobs=False,
-        **options_of(config, SamplingOptions),
+        **options_of(config, SamplingOptions), **options_of(config, ControlTokenOptions),
     )
     on_main_process(accelerator, lambda: generate.main(gen))
     return _score_all(config, directory / "generate", directory, accelerator)
@@ -263,7 +263,7 @@ def _score_all(config: EvalConfig, generations: Path, directory: Path, accelerat
             output=str(directory / f"score_{source.key}"), input=str(generations),
             batch_size=config.score_batch_size, max_length=config.max_length, dtype=config.dtype,
             attn_implementation=config.attn_implementation, trust_remote_code=config.trust_remote_code,
-            reference_column=config.reference_column,
+            reference_column=config.reference_column, **options_of(config, ControlTokenOptions),
             **{source.kind: source.spec},
         ), accelerator)
     return paths
@@ -382,8 +382,9 @@ def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory:
                     rows["prompt"].append(text)
             with atomic_directory(directory / "prompts") as tmp:
                 Dataset.from_dict(rows).save_to_disk(str(tmp))
-        options = {**options_of(config, SamplingOptions), "n": 1, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-                   "max_new_tokens": config.judge_max_new_tokens, "limit": None}
+        options = {**options_of(config, SamplingOptions), **options_of(config, ControlTokenOptions), "n": 1,
+                   "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": config.judge_max_new_tokens,
+                   "limit": None}
         generate.main(generate.GenerateConfig(output=str(directory / "generate"), model=config.judge,
                                               prompts=str(directory / "prompts"), logprobs=False, **options))
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import OutputOptions, check_test_size, option
+from rlhf_pipeline.config import ControlTokenOptions, OutputOptions, check_test_size, option
 from rlhf_pipeline.contracts import (
     CHOSEN_REJECTED_COLUMNS,
     PER_RESPONSE_COLUMNS,
@@ -42,7 +42,7 @@ from rlhf_pipeline.selection import decide_unpaired, mismatched_partners
 
 
 @dataclass(kw_only=True)
-class FilterConfig(OutputOptions):
+class FilterConfig(ControlTokenOptions, OutputOptions):
     """Length-filter scored generations and build pairs (REBEL, DPO family), groups (PPO family), unpaired responses
     (KTO) or each prompt's best response (RAFT)."""
 
@@ -88,13 +88,15 @@ class FilterConfig(OutputOptions):
             raise ValueError("--overlong-penalty is the penalty over --overlong-buffer's last tokens; give the buffer")
 
 
-def _tokenize_missing(batch: dict[str, list], tokenizer: Any, prompt_column: str) -> None:
+def _tokenize_missing(batch: dict[str, list], tokenizer: Any, prompt_column: str,
+                      allow_special_tokens: bool = False) -> None:
     """Token ids for data that arrives without them: each text is tokenized exactly once."""
-    from rlhf_pipeline.chat import encode_prompts
+    from rlhf_pipeline.chat import encode_plain, encode_prompts
 
-    batch["prompt_token_ids"] = encode_prompts(tokenizer, batch[prompt_column])
+    batch["prompt_token_ids"] = encode_prompts(tokenizer, batch[prompt_column],
+                                               allow_special_tokens=allow_special_tokens)
     flat = [r for rs in batch["responses"] for r in rs]
-    encoded = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    encoded = encode_plain(tokenizer, flat, allow_special_tokens)
     eos = [tokenizer.eos_token_id]
     it = iter(encoded)
     batch["response_token_ids"] = [[list(next(it)) + eos for _ in rs] for rs in batch["responses"]]
@@ -138,11 +140,12 @@ def build_rows(
     source: str,
     penalty: OverlongPenalty | None = None,
     uniform_dropped: bool = False,
+    allow_special_tokens: bool = False,
 ) -> dict[str, list]:
     """The batched map function: one output row per input row, with ``_drop`` set on rows to leave out. With
     ``penalty`` the rewards are shaped by length first (the output's rewards are the shaped ones)."""
     if "response_token_ids" not in batch:
-        _tokenize_missing(batch, tokenizer, prompt_column)
+        _tokenize_missing(batch, tokenizer, prompt_column, allow_special_tokens)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
     sampler = batch.get(SAMPLER_LOGPROBS)
@@ -274,6 +277,7 @@ def main(config: FilterConfig) -> Path:
             "source": ref.name,
             "penalty": penalty,
             "uniform_dropped": config.drop_uniform_groups,
+            "allow_special_tokens": config.allow_special_tokens_in_text,
         },
         desc=f"filter ({config.mode})",
     )
@@ -333,6 +337,7 @@ def build_unpaired_rows(
     prompt_column: str,
     source: str,
     penalty: OverlongPenalty | None = None,
+    allow_special_tokens: bool = False,
 ) -> dict[str, list]:
     """The batched map function of unpaired mode: a row per kept response (carrying the prompt's columns), and one
     row with ``_drop`` set for a dropped prompt; a prompt's counts of left-out responses ride on its first row."""
@@ -340,7 +345,7 @@ def build_unpaired_rows(
 
     if "response_token_ids" not in batch:
         batch = dict(batch)  # a copy: datasets would keep columns added to its own batch, with the input's length
-        _tokenize_missing(batch, tokenizer, prompt_column)
+        _tokenize_missing(batch, tokenizer, prompt_column, allow_special_tokens)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
     sampler = batch.get(SAMPLER_LOGPROBS)
@@ -398,7 +403,7 @@ def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tok
         num_proc=num_proc,
         remove_columns=ds.column_names,
         fn_kwargs={"limits": limits, "tokenizer": tokenizer, "prompt_column": column, "source": source,
-                   "penalty": penalty},
+                   "penalty": penalty, "allow_special_tokens": config.allow_special_tokens_in_text},
         desc="filter (unpaired)",
     )
     reasons, prompt_rows = built["_drop"], built["_prompt_row"]

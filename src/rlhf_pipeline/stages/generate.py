@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.config import ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.contracts import GENERATED_COLUMNS, SAMPLER_LOGPROBS
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.sampling_options import SamplingOptions
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
-class GenerateConfig(SamplingOptions, OutputOptions):
+class GenerateConfig(ControlTokenOptions, SamplingOptions, OutputOptions):
     """Sample n responses per prompt with vLLM or Hugging Face generate."""
 
     model: str = option(help="Policy to sample from: a local directory or a Hub model id.")
@@ -242,7 +242,8 @@ def main(config: GenerateConfig) -> Path:
     with scratch_writer(out.path, Features(features)) as writer:
         if config.executor == "ray":  # the replicas take their shards of every prompt at once
             part = ds[:]
-            prompt_ids = encode_prompts(tokenizer, part[column], config.use_chat_template)
+            prompt_ids = encode_prompts(tokenizer, part[column], config.use_chat_template,
+                                        config.allow_special_tokens_in_text)
             seeds = [request_seed(config.seed, r) for r in rows]
             engine_name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
             writer.write(columns(part, prompt_ids, completions))
@@ -252,7 +253,8 @@ def main(config: GenerateConfig) -> Path:
             try:
                 for start in range(0, ds.num_rows, CHUNK_PROMPTS):
                     part = ds[start : start + CHUNK_PROMPTS]
-                    prompt_ids = encode_prompts(tokenizer, part[column], config.use_chat_template)
+                    prompt_ids = encode_prompts(tokenizer, part[column], config.use_chat_template,
+                                        config.allow_special_tokens_in_text)
                     seeds = [request_seed(config.seed, r) for r in rows[start : start + CHUNK_PROMPTS]]
                     completions = engine.generate(prompt_ids, seeds, sampling, logprobs=config.logprobs)
                     writer.write(columns(part, prompt_ids, completions))

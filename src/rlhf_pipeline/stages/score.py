@@ -50,7 +50,7 @@ from typing import Any, Literal, NamedTuple, Optional, Sequence
 from tqdm.auto import tqdm
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, check_engine
-from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.config import ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.contracts import (
     GENERATED_COLUMNS,
     GENERATIONS_COLUMNS,
@@ -155,7 +155,7 @@ def check_reward_options(reward_model, reward_fn, reward_weights, *, exactly_one
 
 
 @dataclass(kw_only=True)
-class ScoreConfig(OutputOptions):
+class ScoreConfig(ControlTokenOptions, OutputOptions):
     """Score every response with a reward model or a python reward function (or several, combined)."""
 
     input: str = option(help="Generations dataset (the output of rlhf generate or rlhf merge).", semantic=False)
@@ -194,6 +194,12 @@ class ScoreConfig(OutputOptions):
         "generate), passed to reward functions as the keyword 'reference' (see rlhf_pipeline.rewards.verifiable); "
         "default: the functions read a column named reference, answer, solution or ground_truth."
     )
+    sampled_ids: bool = option(
+        False, help="Reward model: read each conversation as the token ids the policy sampled (prompt_token_ids, "
+        "the response_token_ids up to the stop token, then the template's end of turn), with no rendering or "
+        "tokenization. For a reward model that shares the policy's tokenizer and chat template: each chunk's first "
+        "prompts, rendered with the reward model's template, must give the stored prompt_token_ids."
+    )
 
     def __post_init__(self) -> None:
         self.reward_model = one_or_list(self.reward_model)
@@ -208,6 +214,8 @@ class ScoreConfig(OutputOptions):
             raise ValueError("--batch-size must be at least 1")
         if self.max_length < 1:
             raise ValueError("--max-length must be at least 1")
+        if self.sampled_ids and self.reward_model is None:
+            raise ValueError("--sampled-ids is how a --reward-model reads the conversations; give one")
 
     @property
     def sources(self) -> list[RewardSource]:
@@ -283,14 +291,20 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: 
             engine=config.engine,
             attn_implementation=config.attn_implementation,
             device=None if accelerator is None else accelerator.device,
-            load_model=False,  # score() loads it while the conversations are encoded
+            load_model=config.sampled_ids,  # else score() loads it while the conversations are encoded
+            allow_special_tokens=config.allow_special_tokens_in_text,
         )
         mine = (array("q"), array("d"))
         try:
             for start, end in _row_chunks(locations, CHUNK_ROWS):
-                prompts, responses = _texts(ds, column, locations[start:end])
                 scorer.mode = None  # the fast path is checked on each chunk's first conversation
-                for k, value in enumerate(scorer.score(prompts, responses, world, rank)):
+                if config.sampled_ids:
+                    sequences = _sampled_sequences(scorer.tokenizer, ds, column, locations[start:end],
+                                                   config.allow_special_tokens_in_text, config.input, source.spec)
+                    values = scorer.score_ids(scorer.truncate(sequences), world, rank)
+                else:
+                    values = scorer.score(*_texts(ds, column, locations[start:end]), world, rank)
+                for k, value in enumerate(values):
                     if value is not None:  # another process's share: None here
                         mine[0].append(start + k)
                         mine[1].append(value)
@@ -405,6 +419,48 @@ def _texts(ds, column: str, locations: Locations) -> tuple[list, list[str]]:
     part = ds.select_columns([column, "responses"])[first : locations[-1][0] + 1]
     return ([part[column][row - first] for row, _ in locations],
             [part["responses"][row - first][j] for row, j in locations])
+
+
+SAMPLED_IDS_CHECKED = 8  # --sampled-ids: prompts per chunk whose stored ids are checked against the reward model's
+
+
+def _sampled_sequences(tokenizer, ds, column: str, locations: Locations, allow_special_tokens: bool,
+                       data: str, reward_model: str) -> list[list[int]]:
+    """``--sampled-ids``: each (row, j) of ``locations`` as the policy's ids, ``prompt_token_ids`` + the response's
+    ``response_token_ids`` without the stop token it ended on + what the reward model's template writes after a
+    response (its end of turn: ``<|eot_id|>``, ``<|im_end|>\\n``). That is the text path's input wherever
+    re-tokenizing a response gives the ids it was sampled as, without rendering or encoding anything; the policy's
+    sampled ids are what the reward model reads otherwise, special ids it sampled included.
+
+    The reward model must share the policy's tokenizer and template: the chunk's first :data:`SAMPLED_IDS_CHECKED`
+    prompts are rendered with the reward model's and must give the stored ids, and its template must render a
+    prompt as the start of the conversation (Mistral's does not), else this is a PipelineError."""
+    from rlhf_pipeline.chat import encode_conversations, encode_prompts
+    from rlhf_pipeline.contracts import require_columns
+
+    require_columns(ds, ("prompt_token_ids", "response_token_ids", "finish_reasons"), data,
+                    "--sampled-ids reads the token ids rlhf generate stores")
+    first = locations[0][0]
+    part = ds.select_columns([column, "prompt_token_ids", "response_token_ids", "finish_reasons"])[
+        first : locations[-1][0] + 1]
+    prompt_ids, response_ids, finish = part["prompt_token_ids"], part["response_token_ids"], part["finish_reasons"]
+    rows = sorted({row for row, _ in locations})[:SAMPLED_IDS_CHECKED]
+    prompts = [part[column][row - first] for row in rows]
+    rendered = encode_prompts(tokenizer, prompts, allow_special_tokens=allow_special_tokens)
+    for row, ids in zip(rows, rendered):
+        if ids != list(prompt_ids[row - first]):
+            raise PipelineError(
+                f"{reward_model}: its tokenizer and chat template render row {row}'s prompt as other ids than the "
+                "policy's (prompt_token_ids); --sampled-ids needs a reward model that shares both: score without it"
+            )
+    (whole,) = encode_conversations(tokenizer, prompts[:1], [""], allow_special_tokens=allow_special_tokens)
+    if whole[: len(rendered[0])] != rendered[0] or len(whole) == len(rendered[0]):
+        raise PipelineError(f"{reward_model}: its chat template does not render a prompt as the start of the "
+                            "conversation, so the sampled ids cannot be read as one; score without --sampled-ids")
+    close = whole[len(rendered[0]):]
+    return [list(prompt_ids[row - first])
+            + list(response_ids[row - first][j][: -1 if finish[row - first][j] == "stop" else None]) + close
+            for row, j in locations]
 
 
 def _row_chunks(locations: Locations, rows: int) -> list[tuple[int, int]]:

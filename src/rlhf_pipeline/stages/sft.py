@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import check_test_size, option
+from rlhf_pipeline.config import ControlTokenOptions, check_test_size, option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.algorithms.supervised import SFTTask, has_token_ids, sampled_rows
 from rlhf_pipeline.training.loop import TrainOptions
 
 
 @dataclass(kw_only=True)
-class SFTConfig(TrainOptions):
+class SFTConfig(ControlTokenOptions, TrainOptions):
     """Supervised fine-tuning on prompt/answer or messages rows, with the loss on answer tokens."""
 
     learning_rate: float = option(1e-5, help="Peak learning rate of AdamW.")
@@ -75,7 +75,7 @@ def split_conversation(row: dict[str, Any], row_index: int, source: str) -> tupl
 
 
 def encode_answers(
-    tokenizer, prompts: list, answers: list[str], stop_ids: Iterable[int] = ()
+    tokenizer, prompts: list, answers: list[str], stop_ids: Iterable[int] = (), allow_special_tokens: bool = False
 ) -> tuple[list[list[int]], list[list[int]], int]:
     """(prompt ids, answer ids, rows whose template does not render the prompt as a prefix of the whole).
 
@@ -84,11 +84,11 @@ def encode_answers(
     (ChatML's ``<|im_end|>\\n``, Gemma's ``<end_of_turn>\\n``) would otherwise train a token that sampling, stopped
     at the end token, never produces, and that the RL stages' sampled responses never contain.
     """
-    from rlhf_pipeline.chat import encode_conversations, encode_prompts
+    from rlhf_pipeline.chat import encode_conversations, encode_plain, encode_prompts
 
     stops = set(stop_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    prompt_ids = encode_prompts(tokenizer, prompts)
-    full_ids = encode_conversations(tokenizer, prompts, answers)
+    prompt_ids = encode_prompts(tokenizer, prompts, allow_special_tokens=allow_special_tokens)
+    full_ids = encode_conversations(tokenizer, prompts, answers, allow_special_tokens=allow_special_tokens)
     answer_ids, fallbacks = [], 0
     for p, full, answer in zip(prompt_ids, full_ids, answers):
         if full[: len(p)] == p and len(full) > len(p):
@@ -97,18 +97,21 @@ def encode_answers(
             answer_ids.append(rest[: ends[-1] + 1] if ends else rest)
         else:
             fallbacks += 1
-            answer_ids.append(list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id])
+            (ids,) = encode_plain(tokenizer, [answer], allow_special_tokens)
+            answer_ids.append(ids + [tokenizer.eos_token_id])
     return prompt_ids, answer_ids, fallbacks
 
 
-def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int] = ()):
+def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int] = (),
+             allow_special_tokens: bool = False):
     """Add ``prompt_token_ids``, ``answer_token_ids`` and ``num_tokens``; drop rows over ``max_length``."""
     counts = {"fallback": 0}
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         prompts, answers = zip(*(split_conversation(r, i, source) for r, i in zip(rows, indices)))
-        prompt_ids, answer_ids, fallbacks = encode_answers(tokenizer, list(prompts), list(answers), stop_ids)
+        prompt_ids, answer_ids, fallbacks = encode_answers(tokenizer, list(prompts), list(answers), stop_ids,
+                                                             allow_special_tokens)
         counts["fallback"] += fallbacks
         return {
             "prompt_token_ids": prompt_ids,
@@ -139,7 +142,8 @@ def main(config: SFTConfig) -> Path:
             (data, dropped), fallbacks = sampled_rows(dd, config.max_length, str(ref)), 0
         else:
             stops = stop_token_ids(tokenizer, config.model, config.trust_remote_code)
-            data, dropped, fallbacks = tokenize(dd, tokenizer, config.max_length, str(ref), stops)
+            data, dropped, fallbacks = tokenize(dd, tokenizer, config.max_length, str(ref), stops,
+                                                     config.allow_special_tokens_in_text)
         if data["train"].num_rows == 0:
             raise PipelineError(f"{ref}: no training row fits in --max-length {config.max_length}; raise it")
 

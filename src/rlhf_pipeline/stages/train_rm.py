@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import check_test_size, option
+from rlhf_pipeline.config import ControlTokenOptions, check_test_size, option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.training.loop import TrainOptions
 
 
 @dataclass(kw_only=True)
-class TrainRMConfig(TrainOptions):
+class TrainRMConfig(ControlTokenOptions, TrainOptions):
     """Train a Bradley-Terry reward model on chosen/rejected pairs."""
 
     learning_rate: float = option(1e-5, help="Peak learning rate of AdamW.")
@@ -85,7 +85,7 @@ def conversation(prompt: Any, response: Any, row_index: int, source: str) -> tup
     )
 
 
-def tokenize(dd, tokenizer, max_length: int, source: str):
+def tokenize(dd, tokenizer, max_length: int, source: str, allow_special_tokens: bool = False):
     """Each split as ``chosen_input_ids`` / ``rejected_input_ids`` conversations; over-long pairs dropped."""
     from rlhf_pipeline.chat import encode_conversations
 
@@ -100,7 +100,7 @@ def tokenize(dd, tokenizer, max_length: int, source: str):
                 chosen.append(t_c)
                 rejected.append(t_r)
         texts = [t for pair in zip(chosen, rejected) for t in pair]
-        ids = encode_conversations(tokenizer, prompts, texts)
+        ids = encode_conversations(tokenizer, prompts, texts, allow_special_tokens=allow_special_tokens)
         return {"chosen_input_ids": ids[0::2], "rejected_input_ids": ids[1::2],
                 "num_tokens": [max(len(c), len(r)) for c, r in zip(ids[0::2], ids[1::2])]}
 
@@ -166,7 +166,8 @@ def main(config: TrainRMConfig) -> Path:
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         dd = train_test_splits(ref, config.test_size, config.seed)
         rows_in = sum(ds.num_rows for ds in dd.values())
-        data, dropped = tokenize(dd, tokenizer, config.max_length, str(ref))
+        data, dropped = tokenize(dd, tokenizer, config.max_length, str(ref),
+                                 config.allow_special_tokens_in_text)
         if data["train"].num_rows == 0:
             raise PipelineError(f"{ref}: no training pair fits in --max-length {config.max_length}; raise it")
         pad = pad_id(tokenizer)
