@@ -5,18 +5,20 @@ block-diagonal mask and against padding, forward + backward, and the matmul ceil
     python scripts/bench_attention.py                         # the GPU bench's shapes (heads 16/8, head dim 128)
     python scripts/bench_attention.py --device cpu --tiny     # the same code on a CPU, seconds (a smoke test)
 
-Standalone: torch, and this checkout's ``rlhf_pipeline.logprobs.pack_rows`` (the trainer's row packing). For each batch of sequence lengths (drawn as ``scripts/bench_gpu.py`` draws its pairs:
-prompt 16-256 tokens + response 16-512), the same q, k, v (bf16 on CUDA, float32 on a CPU) go through:
+Standalone: torch, and this checkout's ``rlhf_pipeline`` (``logprobs.pack_rows``, ``attention``'s kernel call and
+reference). For each batch of sequence lengths (drawn as ``scripts/bench_gpu.py`` draws its pairs: prompt 16-256
+tokens + response 16-512), the same q, k, v (bf16 on CUDA, float32 on a CPU) go through:
 
 * ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` over every sequence packed in one row (no padding, no mask),
-  causal (``window_size=(-1, 0)``), GQA by repeating the key/value heads where the torch release has no
-  ``enable_gqa`` (2.11 has none). CUDA only.
+  called as the trainer calls it (``rlhf_pipeline.attention``'s kernel path: causal, GQA by repeating the
+  key/value heads where the torch release has no ``enable_gqa``). CUDA only.
 * ``sdpa_packed``: ``scaled_dot_product_attention`` over rows of up to ``--pack-ratio`` x the longest sequence with
   the dense block-diagonal causal mask transformers builds for packed rows (what ``rlhf train`` ran before varlen).
 * ``sdpa_padded``: one sequence per row, right-padded to the longest, ``is_causal=True`` (pads masked by position:
   their outputs are discarded).
-* ``reference``: a loop over the sequences, ``scaled_dot_product_attention(is_causal=True)`` in float32 each: the
-  oracle every layout is compared with (max abs error of the outputs on real tokens and of the gradient of q).
+* ``reference``: ``rlhf_pipeline.attention.varlen_reference`` in float32, one causal
+  ``scaled_dot_product_attention`` per sequence: the oracle every layout is compared with (max abs error of the
+  outputs on real tokens and of the gradient of q).
 
 Times are medians of ``--repeats`` runs after ``--warmup``, with ``torch.cuda.synchronize`` at each clock reading.
 The matmul ceiling times the MLP's up-projection at the same token count (``tokens x hidden`` @ ``hidden x
@@ -28,7 +30,6 @@ Output: a JSON file (``--output``) and a table on stdout.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -53,33 +54,28 @@ def repeat_kv(x, groups: int):
     return x if groups == 1 else x.repeat_interleave(groups, dim=-2)
 
 
-def run_reference(q, k, v, lengths, scale):
-    """(T, H, D) outputs of every sequence attended alone, in float32."""
-    import torch
-    import torch.nn.functional as F
+def cumulative(lengths: list[int], device):
+    """The sequences' bounds in the packed row, int32 (``cu_seq_lens``)."""
+    import itertools
 
-    groups = q.shape[1] // k.shape[1]
-    outs, start = [], 0
-    for n in lengths:
-        qs, ks, vs = (t[start:start + n].float().transpose(0, 1) for t in (q, repeat_kv(k, groups), repeat_kv(v, groups)))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
-        start += n
-    return torch.cat(outs)
+    import torch
+
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def run_reference(q, k, v, lengths, scale):
+    """(T, H, D) outputs of every sequence attended alone, in float32 (``attention.varlen_reference``)."""
+    from rlhf_pipeline.attention import varlen_reference
+
+    return varlen_reference(q.float(), k.float(), v.float(), cumulative(lengths, q.device), scale=scale)
 
 
 def run_varlen(q, k, v, lengths, scale):
-    import torch
-    from torch.nn.attention.varlen import varlen_attn
+    """The trainer's varlen kernel call (``attention._varlen_kernel``: ``varlen_attn``, causal, GQA)."""
+    from rlhf_pipeline.attention import _varlen_kernel
 
-    cu = torch.tensor([0] + list(__import__("itertools").accumulate(lengths)), dtype=torch.int32, device=q.device)
-    kwargs = {"scale": scale, "window_size": (-1, 0)}
-    if "enable_gqa" in inspect.signature(varlen_attn).parameters:
-        kwargs["enable_gqa"] = True
-    else:
-        groups = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    m = max(lengths)
-    return varlen_attn(q, k, v, cu, cu, m, m, **kwargs)
+    cu, longest = cumulative(lengths, q.device), max(lengths)
+    return _varlen_kernel(q, k, v, cu, cu, longest, longest, scale, True, None)
 
 
 def scatter_rows(q, rows, lengths):
@@ -189,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         ref_q = q0.detach().float().clone().requires_grad_()
         ref = run_reference(ref_q, k0.float(), v0.float(), lengths, scale)
         ref.backward(grad.float())
-        layouts = {"sdpa_padded": lambda q, k, v: run_sdpa_rows(q, k, v, lengths, [[i] for i in range(n)], scale, False),
+        layouts = {"sdpa_padded": lambda q, k, v: run_sdpa_rows(q, k, v, lengths, [[i] for i in range(n)], scale,
+                                                                 False),
                    "sdpa_packed": lambda q, k, v: run_sdpa_rows(q, k, v, lengths, pack_rows(lengths, a.pack_ratio),
                                                                 scale, True)}
         if have_varlen:
@@ -225,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": str(dtype), "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
               "pack_ratio": a.pack_ratio, "results": results}
     Path(a.output).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"attention on {report['device']} (torch {torch.__version__}, {dtype}); heads {heads}/{kv_heads} x {head_dim}")
+    print(f"attention on {report['device']} (torch {torch.__version__}, {dtype}); "
+          f"heads {heads}/{kv_heads} x {head_dim}")
     print("| sequences | tokens | layout | fwd ms | fwd+bwd ms | max err out | max err grad q |")
     print("|---|---|---|---|---|---|---|")
     for row in results:

@@ -331,7 +331,8 @@ def summarise_trace(trace: dict, steps: int) -> dict[str, Any]:
     out["families_ms"] = {f: round(v / 1e3, 3) for f, v in sorted(families.items(), key=lambda kv: -kv[1])}
     gaps.sort(key=lambda g: -g[0])
     out["gaps"] = {
-        "count_over_20us": sum(1 for g in gaps if g[0] > 20), "ms_over_20us": round(sum(g[0] for g in gaps if g[0] > 20) / 1e3, 3),
+        "count_over_20us": sum(1 for g in gaps if g[0] > 20),
+        "ms_over_20us": round(sum(g[0] for g in gaps if g[0] > 20) / 1e3, 3),
         "ms_total": round(sum(g[0] for g in gaps) / 1e3, 3),
         "largest": [{"us": round(g[0], 1), "after": (g[1] or "")[:100], "before": g[2][:100]} for g in gaps[:12]],
     }
@@ -917,7 +918,8 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": batch_size, "accumulation": accumulation, "warmup": a.warmup, "steps": steps,
         "total_steps": total_steps, "ref_batch_size": a.ref_batch_size, "pack_ratio": a.pack_ratio,
         "attn": attn, "trl_attn": a.trl_attn, "trl_cudnn_sdpa": a.trl_cudnn_sdpa,
-        "max_tokens_per_micro_batch": budget or None, "precision": precision, "gradient_checkpointing": a.gradient_checkpointing,
+        "max_tokens_per_micro_batch": budget or None, "precision": precision,
+        "gradient_checkpointing": a.gradient_checkpointing,
         "trl_order": a.trl_order, "seed": a.seed, "flops_params": flops_params, "cpu_threads": cpu_threads,
         "modes": modes, "profile": a.profile,
         "profile_trace": str(Path(a.profile_trace).resolve()) if a.profile_trace else None,
@@ -1003,7 +1005,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "config": {
-            **{k: v for k, v in spec.items() if k not in ("pair_lengths", "model_dir", "pairs_path", "workdir")},
+            **{k: v for k, v in spec.items()
+               if k not in ("pair_lengths", "model_dir", "pairs_path", "workdir", "profile_trace")},
             "device_name": device_name, "peak_tflops_bf16": peak_tflops, "peak_tflops_source": peak_source,
             "total_params": total_params, "real_tokens_all_pairs": real_tokens, "tiny": a.tiny,
             "weights": "float32 master weights" + (" + bf16 autocast" if precision == "amp" else ", no autocast"),

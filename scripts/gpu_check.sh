@@ -154,6 +154,8 @@ from pathlib import Path
 out, cpu = Path(sys.argv[1]), sys.argv[2] == "1"
 results = out / "out"
 steps = [json.loads(l) for l in (results / "steps.jsonl").read_text().splitlines() if l]
+for s in steps:  # the summary names no machine's paths: OUT is the check's --out, . the checkout
+    s["command"] = [a.replace(str(out), "OUT").replace(str(Path.cwd()), ".") for a in s.get("command", [])]
 summary = {"cpu": cpu, "python": platform.python_version(), "steps": steps, "checks": {}}
 try:
     import torch, transformers
