@@ -48,8 +48,18 @@ def test_yaml_config_and_flags_override_it(tmp_path):
 def test_yaml_unknown_key_names_file_and_key(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model: m\noutput: o\ntemprature: 1.0\n")
-    with pytest.raises(PipelineError, match=r"run.yaml: unknown option 'temprature'"):
+    with pytest.raises(PipelineError, match=r"run.yaml: unknown option 'temprature'; did you mean temperature\?$"):
         parse_config(DemoConfig, ["--config", str(path)], "test")
+    path.write_text("model: m\noutput: o\nzzz: 1.0\n")  # nothing close: no list of every option either
+    with pytest.raises(PipelineError, match=r"run.yaml: unknown option 'zzz'; --help lists the options$"):
+        parse_config(DemoConfig, ["--config", str(path)], "test")
+
+
+def test_misspelt_flag_gets_the_closest_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(DemoConfig, ["--model", "m", "--output", "o", "--temprature", "1"], "test")
+    assert capsys.readouterr().err.strip().endswith(
+        "unrecognized arguments: --temprature 1; did you mean --temperature?")
 
 
 def test_missing_required_option_exits(capsys):
@@ -80,3 +90,44 @@ def test_every_stage_option_is_documented(stage):
     for f in dataclasses.fields(config_cls):
         assert f.metadata.get("help"), f"{config_cls.__name__}.{f.name} has no help text"
         assert "--" + f.name.replace("_", "-") in help_text
+
+
+def _option_help(stage: str, flag: str) -> str:
+    """The help text of ``flag`` in ``rlhf STAGE --help``, whitespace collapsed."""
+    from rlhf_pipeline.cli import config_class
+
+    parser = build_parser(config_class(stage), f"rlhf {stage}")
+    (action,) = [a for a in parser._actions if flag in a.option_strings]
+    return " ".join(action.help.split())
+
+
+@pytest.mark.parametrize("stage", ["train", "sft", "train-rm"])
+def test_training_stages_say_they_write_a_model(stage):
+    assert "the model (save_pretrained" in _option_help(stage, "--output")
+    assert "Hub model repo" in _option_help(stage, "--push-to-hub")
+
+
+@pytest.mark.parametrize("stage", ["generate", "score", "filter", "merge", "ref-logps"])
+def test_data_stages_say_they_write_a_dataset(stage):
+    assert "save_to_disk" in _option_help(stage, "--output")
+    assert "Hub dataset repo" in _option_help(stage, "--push-to-hub")
+
+
+@pytest.mark.parametrize("stage, flag", [("generate", "--prompts"), ("eval", "--prompts"), ("iterate", "--prompts"),
+                                         ("train", "--data"), ("score", "--input"), ("filter", "--input")])
+def test_dataset_inputs_name_the_revision_syntax(stage, flag):
+    assert "ORG/NAME[:SPLIT][@REVISION]" in _option_help(stage, flag)
+
+
+def test_group_defaults_in_the_help_come_from_the_registry():
+    """Every group algorithm whose own default differs from the family's is named in the option's help."""
+    from rlhf_pipeline.algorithms import ALGORITHMS, GROUPS
+
+    for name, base in [("kl_coef", 0.05), ("clip", 0.2), ("clip_high", None)]:
+        text = _option_help("train", "--" + name.replace("_", "-"))
+        differ = [a.name for a in ALGORITHMS.values()
+                  if a.data == GROUPS and a.defaults.get(name, base) != base]
+        assert differ, name  # each of these has algorithms of its own (DAPO, GSPO, CISPO, SPPO, ...)
+        for algorithm in differ:
+            assert algorithm in text, (name, algorithm, text)
+    assert "sppo" in _option_help("train", "--kl-coef") and "cispo" in _option_help("train", "--kl-coef")

@@ -84,7 +84,7 @@ def test_sections_may_not_set_what_iterate_sets(tmp_path):
 
 def test_a_misspelt_option_fails_before_anything_runs(tmp_path):
     steps = plan(config(tmp_path, train={"learning_rat": 1e-6}))
-    with pytest.raises(PipelineError, match=r"iter_1/train: .*unrecognized arguments: --learning-rat"):
+    with pytest.raises(PipelineError, match=r"iter_1/train: .*unrecognized arguments: --learning-rat 1e-06; did you mean --learning-rate\?"):
         check(steps)
     assert not (tmp_path / "run").exists()
 

@@ -28,21 +28,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import math
 import sys
 import types
 import typing
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, ClassVar, Iterable, Literal, Optional, Sequence, TypeVar, Union
 
 from rlhf_pipeline.errors import PipelineError
 
 C = TypeVar("C")
 
 
-def option(default: Any = MISSING, help: str = "", semantic: bool = True, **kwargs: Any) -> Any:
-    """A config field with its help text. ``semantic=False`` means the value does not change the output."""
+def option(default: Any = MISSING, help: str | Callable[[], str] = "", semantic: bool = True, **kwargs: Any) -> Any:
+    """A config field with its help text. ``semantic=False`` means the value does not change the output. ``help`` may
+    be a function, called when the help is shown: for a text derived from the algorithm registry, whose entries are
+    registered after the options that describe them."""
     return field(default=default, metadata={"help": help, "semantic": semantic}, **kwargs)
 
 
@@ -62,14 +65,20 @@ def options_of(config: Any, group: type) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(group)}
 
 
+# How a stage's dataset input may be given (datasets_io.parse_ref reads it); quoted by the options' help.
+DATASET_REF = "a directory, a .json/.jsonl/.parquet file, or a Hub dataset ORG/NAME[:SPLIT][@REVISION]"
+
+
 @dataclass(kw_only=True)
 class OutputOptions:
-    """Where a dataset-producing stage writes, and what it does when the output already exists."""
+    """Where a stage writes, and what it does when the output already exists. ``writes`` is what its output is, for
+    the help: ``"dataset"`` (the default) or ``"model"`` (the training stages)."""
 
     options_group: ClassVar[str] = "output options"
+    writes: ClassVar[str] = "dataset"
 
     output: str = option(
-        help="Output directory (a `datasets.save_to_disk` layout plus manifest.json).", semantic=False
+        help="Output directory: {writes_layout}.", semantic=False
     )
     overwrite: bool = option(
         False,
@@ -78,7 +87,7 @@ class OutputOptions:
     )
     push_to_hub: Optional[str] = option(
         None,
-        help="Also upload the output to this Hub dataset repo (ORG/NAME). The token comes from HF_TOKEN.",
+        help="Also upload the output to this Hub {writes} repo (ORG/NAME). The token comes from HF_TOKEN.",
         semantic=False,
     )
 
@@ -122,6 +131,20 @@ def _help_sections(cls: type, first: type | None = None) -> list[tuple[str, set[
     return inherited + [(OutputOptions.options_group, {f.name for f in dataclasses.fields(OutputOptions)})]
 
 
+# What a stage's output is (OutputOptions.writes), in its options' help
+_WRITES_LAYOUT = {"dataset": "a `datasets.save_to_disk` layout plus manifest.json",
+                  "model": "the model (save_pretrained: safetensors, config, tokenizer) plus manifest.json, its "
+                  "metrics and its checkpoints"}
+
+
+def _help(cls: type, text: str | Callable[[], str]) -> str:
+    """An option's help (called, when a function) with ``{writes}`` and ``{writes_layout}`` filled in for ``cls``
+    (see OutputOptions)."""
+    text = text() if callable(text) else text
+    writes = getattr(cls, "writes", "dataset")
+    return text.replace("{writes_layout}", _WRITES_LAYOUT[writes]).replace("{writes}", writes)
+
+
 def build_parser(cls: type, prog: str, description: str | None = None, only: set[str] | None = None,
                  first: type | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one kebab-case flag per dataclass field: the stage's own options first, then one
@@ -147,7 +170,7 @@ def build_parser(cls: type, prog: str, description: str | None = None, only: set
         fields = [f for f in fields if f.name in only]
     for f in fields:
         tp, _ = _strip_optional(hints[f.name])
-        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "")}
+        kwargs: dict[str, Any] = {"dest": f.name, "help": _help(cls, f.metadata.get("help", ""))}
         required = f.default is MISSING and f.default_factory is MISSING
         if required:
             kwargs["default"] = None
@@ -205,6 +228,12 @@ def _mapping(text: str) -> dict[str, Any]:
     return value
 
 
+def did_you_mean(name: str, known: Iterable[str], hint: str = "; --help lists the options") -> str:
+    """The end of an unknown-option error: the closest known name (a misspelling), else where to look."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else hint
+
+
 def _load_yaml(path: str, cls: type) -> dict[str, Any]:
     import yaml
 
@@ -223,9 +252,7 @@ def _load_yaml(path: str, cls: type) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in names:
-            raise PipelineError(
-                f"--config {path}: unknown option '{key}'; valid options are: {', '.join(sorted(names))}"
-            )
+            raise PipelineError(f"--config {path}: unknown option '{key}'{did_you_mean(name, names)}")
         out[name] = _yaml_value(f"--config {path}: {key}", value, hints[name])
     return out
 
@@ -286,7 +313,13 @@ def parse_config(cls: type[C], argv: Sequence[str] | None, prog: str) -> C:
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
         parser.set_defaults(**_load_yaml(pre.config, cls))
-    ns = vars(parser.parse_args(argv))
+    parsed, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flags = [name for action in parser._actions for name in action.option_strings]
+        given = next((a.partition("=")[0] for a in unknown if a.startswith("--")), None)
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}"
+                     + (did_you_mean(given, flags, hint=f"; {prog} --help lists the options") if given else ""))
+    ns = vars(parsed)
     ns.pop("config")
     missing = [
         _flag(f.name)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Optional, Sequence
 
@@ -577,6 +577,23 @@ def scales_by_group_std(algorithm) -> bool:
 # The family's options and recipe
 
 
+def _defaults_help(name: str, text: str, unset: str = "") -> Callable[[], str]:
+    """The help of the option that sets ``RLParams.name``: ``text``, the family's default (``unset`` names what
+    stands for a default of None), then every group algorithm's own, read from the registry when the help is shown."""
+
+    def help_text() -> str:
+        (base,) = [f.default for f in fields(RLParams) if f.name == name]
+        own: dict[Any, list[str]] = {}
+        for algorithm in ALGORITHMS.values():
+            value = algorithm.defaults.get(name, base) if algorithm.data == GROUPS else base
+            if value != base:
+                own.setdefault(value, []).append(algorithm.name)
+        shown = [f"{unset or base}"] + [f"{', '.join(names)}: {value:g}" for value, names in own.items()]
+        return f"{text} (default {'; '.join(shown)})."
+
+    return help_text
+
+
 @dataclass(kw_only=True)
 class GroupOptions:
     """``rlhf train`` options of the PPO family."""
@@ -584,11 +601,11 @@ class GroupOptions:
     options_group: ClassVar[str] = "group options (the PPO family)"
 
     clip: Optional[float] = option(
-        None, help="PPO family: clip range epsilon of the ratio to the sampling policy, both sides (default 0.2; "
-        "GSPO 3e-4 below, 4e-4 above)."
+        None, help=_defaults_help("clip", "PPO family: clip range epsilon of the ratio to the sampling policy, both "
+                                  "sides")
     )
     kl_coef: Optional[float] = option(
-        None, help="PPO family: weight beta of the KL to the reference model, 0 = none (default 0.05; DAPO and GSPO 0)."
+        None, help=_defaults_help("kl_coef", "PPO family: weight beta of the KL to the reference model, 0 = none")
     )
     kl_mode: Literal["reward", "loss"] = option(
         "reward", help="PPO family: KL as a per-token reward penalty (reward) or as a term of the loss (loss)."
@@ -613,7 +630,7 @@ class GroupOptions:
     value_clip: Optional[float] = option(0.2, help="PPO: clip range of the values around the old values.")
     clip_low: Optional[float] = option(None, help="PPO family: epsilon below 1 only (default: --clip).")
     clip_high: Optional[float] = option(
-        None, help="PPO family: epsilon above 1 only (default: --clip; DAPO's clip-higher: 0.28)."
+        None, help=_defaults_help("clip_high", "PPO family: epsilon above 1 only, DAPO's clip-higher", unset="--clip")
     )
     importance_level: Optional[Literal["token", "sequence"]] = option(
         None, help="PPO family: one importance ratio per token (default) or per sequence, its tokens' mean log-ratio "
@@ -630,7 +647,7 @@ class GroupOptions:
     )
     entropy_coef: float = option(
         0.0, help="PPO family: weight of an entropy bonus, the policy's mean token entropy subtracted from the loss "
-        "(aggregated as the policy loss is); 0 = none. The entropy is logged (policy/entropy) either way."
+        "(aggregated as the policy loss is); 0 = none. The entropy is logged (policy/train_entropy) either way."
     )
     sapo_temperature_pos: Optional[float] = option(
         None, help="SAPO: temperature of the soft gate on tokens with a positive advantage (default 1.0, TRL's)."

@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import ControlTokenOptions, OutputOptions, option, options_of, override
+from rlhf_pipeline.config import DATASET_REF, ControlTokenOptions, OutputOptions, option, options_of, override
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.evalstats import mean_and_stderr, pair_indices, preference_comparison, reward_comparison
 from rlhf_pipeline.judge import TEMPLATE_VERSION
@@ -94,7 +94,7 @@ class EvalConfig(ControlTokenOptions, SamplingOptions, OutputOptions):
     too, and a baseline model is sampled with the same options and --seed."""
 
     model: str = option(help="Policy to evaluate: a local directory or a Hub model id.")
-    prompts: str = option(help="Held-out prompt dataset (directory, .json/.jsonl/.parquet file, or Hub id).",
+    prompts: str = option(help=f"Held-out prompt dataset: {DATASET_REF}.",
                           semantic=False)
     # One scorer of a kind is kept as a plain string, as before several existed (see stages.score.ScoreConfig).
     reward_model: Optional[list[str]] = option(

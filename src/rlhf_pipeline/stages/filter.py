@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import ControlTokenOptions, OutputOptions, check_test_size, option
+from rlhf_pipeline.config import DATASET_REF, ControlTokenOptions, OutputOptions, check_test_size, option
 from rlhf_pipeline.contracts import (
     CHOSEN_REJECTED_COLUMNS,
     PER_RESPONSE_COLUMNS,
@@ -46,7 +46,7 @@ class FilterConfig(ControlTokenOptions, OutputOptions):
     """Length-filter scored generations and build pairs (REBEL, DPO family), groups (PPO family), unpaired responses
     (KTO) or each prompt's best response (RAFT)."""
 
-    input: str = option(help="Scored dataset (the output of rlhf score).", semantic=False)
+    input: str = option(help=f"Scored dataset (the output of rlhf score): {DATASET_REF}.", semantic=False)
     tokenizer: str = option(help="The policy's tokenizer (checks token ids; tokenizes data that has none).")
     mode: Literal["pairs", "groups", "unpaired", "best"] = option(
         "pairs", help="pairs: best vs worst response; groups: all n; unpaired (KTO): one row per response, desirable "

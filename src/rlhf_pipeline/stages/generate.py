@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rlhf_pipeline.config import ControlTokenOptions, OutputOptions, option
+from rlhf_pipeline.config import DATASET_REF, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.contracts import GENERATED_COLUMNS, SAMPLER_LOGPROBS
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.sampling_options import SamplingOptions
@@ -47,7 +47,7 @@ class GenerateConfig(ControlTokenOptions, SamplingOptions, OutputOptions):
 
     model: str = option(help="Policy to sample from: a local directory or a Hub model id.")
     prompts: str = option(
-        help="Prompt dataset: directory, .json/.jsonl/.parquet file, or Hub id (ORG/NAME[:SPLIT]).",
+        help=f"Prompt dataset: {DATASET_REF}.",
         semantic=False,  # compared by the data's fingerprint, not by how the path is spelled
     )
     shard: Optional[str] = option(None, help="Generate only shard i of N contiguous slices, written as i/N.")

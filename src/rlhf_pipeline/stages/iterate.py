@@ -51,7 +51,7 @@ from typing import Any, Optional, Sequence
 
 from rlhf_pipeline.algorithms import GROUPS, PAIRS, AlgoName, get, help_text
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation
-from rlhf_pipeline.config import ControlTokenOptions, OutputOptions, option
+from rlhf_pipeline.config import DATASET_REF, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CRITIC, ITERATE_CONFIG, ITERATION_STAGES, STEPS_LOG, iteration_dir, step_name
 from rlhf_pipeline.stages import run_stage
@@ -83,7 +83,7 @@ class IterateConfig(ControlTokenOptions, OutputOptions):
         semantic=False,
     )
     model: str = option(help="The policy of iteration 0 (it samples iteration 1): a local directory or a Hub id.")
-    prompts: str = option(help="Training prompts: a dataset reference (directory, file or Hub id).")
+    prompts: str = option(help=f"Training prompts: {DATASET_REF}.")
     iterations: int = option(3, help="Number of iterations T.")
     prompts_per_iteration: Optional[int] = option(
         None, help="Iteration t takes this many prompts starting at row (t-1)*k (wrapping); default: all of them."
@@ -101,7 +101,8 @@ class IterateConfig(ControlTokenOptions, OutputOptions):
         "or more sources, rlhf score combines them (GDPO keeps each source's own rewards)."
     )
     eval_prompts: Optional[str] = option(
-        None, help="Held-out prompts: when set, the starting policy and every iteration's policy are evaluated."
+        None, help=f"Held-out prompts ({DATASET_REF}): when set, the starting policy and every iteration's policy are "
+        "evaluated."
     )
     lm_eval: Optional[list[str]] = option(
         None, help="With eval_prompts: every evaluation also runs these lm-eval tasks (rlhf eval --lm-eval; names, "

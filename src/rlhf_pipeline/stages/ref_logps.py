@@ -25,7 +25,7 @@ from typing import Literal, Optional, Sequence
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.config import DATASET_REF, OutputOptions, option
 
 @dataclass(kw_only=True)
 class RefLogpsConfig(OutputOptions):
@@ -33,8 +33,10 @@ class RefLogpsConfig(OutputOptions):
     kl_ref_logp of KTO's unpaired rows) computed with the sampling policy."""
 
     model: str = option(help="The policy that sampled the data (the reference of the next training run).")
-    input: str = option(help="Pairs or unpaired rows with train and test splits (the output of rlhf filter).",
-                       semantic=False)
+    input: str = option(
+        help=f"Pairs or unpaired rows with train and test splits (the output of rlhf filter): {DATASET_REF}.",
+        semantic=False,
+    )
     temperature: Optional[float] = option(
         None, help="Temperature of the log-probs (default: the sampling temperature recorded upstream)."
     )

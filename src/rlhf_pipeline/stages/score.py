@@ -50,7 +50,7 @@ from typing import Any, Literal, NamedTuple, Optional, Sequence
 from tqdm.auto import tqdm
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, check_engine
-from rlhf_pipeline.config import ControlTokenOptions, OutputOptions, option
+from rlhf_pipeline.config import DATASET_REF, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.contracts import (
     GENERATED_COLUMNS,
     GENERATIONS_COLUMNS,
@@ -158,7 +158,8 @@ def check_reward_options(reward_model, reward_fn, reward_weights, *, exactly_one
 class ScoreConfig(ControlTokenOptions, OutputOptions):
     """Score every response with a reward model or a python reward function (or several, combined)."""
 
-    input: str = option(help="Generations dataset (the output of rlhf generate or rlhf merge).", semantic=False)
+    input: str = option(help=f"Generations dataset (the output of rlhf generate or rlhf merge): {DATASET_REF}.",
+                        semantic=False)
     # One source is kept as a plain string (one_or_list), as it was before several existed: its manifest and the
     # reuse check of existing outputs are unchanged.
     reward_model: Optional[list[str]] = option(

@@ -42,11 +42,11 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Literal, Optional, Protocol, Sequence
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, from_pretrained_kwargs
 from rlhf_pipeline.training.checkpoints import resume_checkpoint, save_checkpoint, save_model
-from rlhf_pipeline.config import OutputOptions, option
+from rlhf_pipeline.config import DATASET_REF, OutputOptions, option
 from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches
 from rlhf_pipeline.errors import FailedElsewhere, PipelineError
@@ -61,8 +61,10 @@ log = logging.getLogger(__name__)
 class TrainOptions(OutputOptions, LoraOptions):
     """Options every training stage shares."""
 
+    writes: ClassVar[str] = "model"
+
     model: str = option(help="Model to start from: a local directory or a Hub model id.")
-    data: str = option(help="Training data with train and test splits (directory or Hub id).", semantic=False)
+    data: str = option(help=f"Training data with train and test splits: {DATASET_REF}.", semantic=False)
     epochs: int = option(1, help="Passes over the training data (ignored when --max-steps is set).")
     max_steps: Optional[int] = option(None, help="Stop after this many optimizer steps.")
     batch_size: int = option(4, help="Examples per process per forward pass (micro-batch); with "
