@@ -49,9 +49,9 @@ class Family:
     """A kind of training data and what ``rlhf train`` does with it.
 
     ``options`` is a dataclass of the family's ``rlhf train`` options (its ``options_group`` titles their section of
-    ``--help``; its ``check_options(self, algorithm)`` checks them, whatever the algorithm, since a value given to
-    an algorithm that does not use it may be an error); ``train(config) -> Path`` is the family's recipe, the body
-    of ``rlhf train`` for its algorithms.
+    ``--help``; each field declares the algorithms that read it, ``reads``, for :func:`check_reads`; its
+    ``check_options(self, algorithm)`` checks their values, whatever the algorithm); ``train(config) -> Path`` is
+    the family's recipe, the body of ``rlhf train`` for its algorithms.
     """
 
     data: str  # the rlhf filter --mode that makes this data
