@@ -45,12 +45,13 @@ def test_every_familys_option_given_to_every_algorithm_is_accepted_or_one_clear_
     assert taken and taken != set(ALGORITHMS), option  # each option belongs to some algorithms, not to all
 
 
-def test_every_familys_options_are_flags_of_rlhf_train_and_their_help_is_the_familys():
-    """rlhf train takes every family's options (from the registry); --algo X --help shows X's family in full and no
-    other family's options."""
+def test_every_familys_options_are_flags_of_rlhf_train_and_algo_help_shows_the_ones_it_reads():
+    """rlhf train takes every family's options (from the registry); --algo X --help shows the options X reads (each
+    option's declared ``reads``: its family's, the reference, SPPO's --eta) and none that it does not."""
     import dataclasses
+    import re
 
-    from rlhf_pipeline.stages.train import TrainConfig, algorithm_help
+    from rlhf_pipeline.stages.train import ALGORITHM_OPTIONS, TrainConfig, algorithm_help
 
     flags = {f.name for f in dataclasses.fields(TrainConfig)}
     for family in FAMILIES.values():
@@ -58,13 +59,49 @@ def test_every_familys_options_are_flags_of_rlhf_train_and_their_help_is_the_fam
             assert {f.name for f in dataclasses.fields(family.options)} <= flags, family.data
     for name, algorithm in ALGORITHMS.items():
         text = algorithm_help(name)
+        for options in ALGORITHM_OPTIONS:
+            for f in dataclasses.fields(options):
+                shown = re.search(rf"--{f.name.replace('_', '-')}(?![\w-])", text) is not None
+                assert shown == f.metadata["reads"](algorithm), (name, f.name)
         own = FAMILIES[algorithm.data].options
-        for other in {f.options for f in FAMILIES.values()} - {own, None}:
-            foreign = {f.name for f in dataclasses.fields(other)} - (
-                {f.name for f in dataclasses.fields(own)} if own else set())
-            assert not any(f"--{n.replace('_', '-')} " in text for n in foreign), (name, other.__name__)
         if own is not None:
             assert own.options_group in text, name
+
+
+def test_every_algorithm_option_declares_who_reads_it_and_one_rule_refuses_it_for_the_others(toy, capsys):
+    """Each option that only some algorithms read declares which (``reads``, a predicate on the entries'
+    capabilities), and the one rule (``registry.check_reads``) refuses it, given, to any other algorithm in one
+    line whose list of readers is derived from the registry: a new entry that declares the capability is listed."""
+    import dataclasses
+
+    from rlhf_pipeline.cli import main as rlhf
+    from rlhf_pipeline.stages.train import ALGORITHM_OPTIONS
+
+    assert all("reads" in f.metadata for o in ALGORITHM_OPTIONS for f in dataclasses.fields(o))
+    toy(PairAlgorithm("toy_regression", toy_pair_terms, "a regression on eta", regression=True, uses_rewards=True))
+    betas = ", ".join(n for n, a in ALGORITHMS.items() if algorithms.takes_beta(a))
+    assert betas.startswith("dpo, cdpo") and betas.endswith("kto") and "rebel" not in betas
+    for argv, message in [
+        (["--algo", "rebel", "--beta", "0.5"], f"--beta is not read by --algo rebel (it is read by {betas}); leave "
+         "it out"),
+        (["--algo", "dpo", "--eta", "1e6", "--gamma", "3"], "--eta is not read by --algo dpo (it is read by rebel, "
+         "sppo, toy_regression); leave it out"),
+        (["--algo", "dpo", "--gamma", "3"], "--gamma is not read by --algo dpo (it is read by simpo); leave it out"),
+        (["--algo", "simpo", "--ref-model", "m"], "--ref-model is not read by --algo simpo (it is read by rebel, dpo"),
+        (["--algo", "grpo", "--discount", "0.9"], "--discount is not read by --algo grpo (it is read by ppo, "
+         "reinforce_pp); leave it out"),
+        (["--algo", "rloo", "--vf-coef", "1"], "--vf-coef is not read by --algo rloo (it is read by ppo); leave it "
+         "out"),
+    ]:
+        assert rlhf(["train", *argv, "--model", "m", "--data", "d", "--output", "o"]) == 1, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: rlhf train: {message}"), (argv, err)
+    from rlhf_pipeline.stages.train import TrainConfig
+
+    # an option left at its default is not given; each algorithm takes its own
+    TrainConfig(algo="rebel", model="m", data="d", output="o", eta=1e6, gamma=0.5)
+    TrainConfig(algo="dpo", model="m", data="d", output="o", beta=0.5, eta=1.0, ref_model="sft")
+    TrainConfig(algo="sppo", model="m", data="d", output="o", eta=2.0)
 
 
 def test_unknown_and_duplicate_names_are_refused():

@@ -224,10 +224,10 @@ def test_given_options_win_and_clip_sets_both_sides():
     ("dapo", {"clip": 0.0}, "--clip must be > 0"),
     ("dapo", {"clip_high": -0.1}, "--clip-high must be > 0"),
     ("dapo", {"clip_low": 1.0}, "--clip-low must be below 1"),
-    ("dpo", {"loss_aggregation": "token", "clip_high": 0.3}, "--clip-high, --loss-aggregation: PPO-family options"),
-    ("kto", {"importance_level": "sequence"}, "--importance-level: PPO-family options, which --algo kto does not"),
-    ("rloo", {"scale_rewards": "none"}, "--scale-rewards switches GRPO's group std"),
-    ("ppo", {"scale_rewards": "group"}, "--scale-rewards switches GRPO's group std"),
+    ("dpo", {"loss_aggregation": "token", "clip_high": 0.3}, "--clip-high is not read by --algo dpo"),
+    ("kto", {"importance_level": "sequence"}, "--importance-level is not read by --algo kto"),
+    ("rloo", {"scale_rewards": "none"}, r"--scale-rewards is not read by --algo rloo \(it is read by grpo, dapo"),
+    ("ppo", {"scale_rewards": "group"}, "--scale-rewards is not read by --algo ppo"),
 ])
 def test_options_an_algorithm_does_not_use_are_refused(algo, options, message):
     with pytest.raises(ValueError, match=message):

@@ -174,6 +174,53 @@ def test_ppo_family_plans_groups_a_fixed_reference_and_a_critic_carried_over(tmp
         plan(config(tmp_path, algo="grpo", filter={"mode": "pairs"}))
 
 
+def test_a_plan_that_cannot_work_fails_before_any_stage_runs(tmp_path, tiny_policy, small_prompts, capsys):
+    """iterate checks the plan against what the algorithm's training needs (the registry's declarations) before
+    anything runs: GDPO with one reward source fails in seconds with one line, leaving no run directory, instead of
+    after iteration 1's generate, score and filter."""
+    from conftest import LENGTH_REWARD
+
+    from rlhf_pipeline.stages.iterate import cli
+
+    (tmp_path / "reward.py").write_text(LENGTH_REWARD)
+    run = tmp_path / "run"
+    assert cli(["--algo", "gdpo", "--model", tiny_policy, "--prompts", small_prompts, "--reward-fn",
+                f"{tmp_path / 'reward.py'}:reward", "--output", str(run)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: run config: --algo gdpo normalises each reward source within its group, and this run scores with "
+        "one; give two or more (reward_model and reward_fn, or several reward_fn)"]
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(algo="gdpo"), "run config: --algo gdpo normalises each reward source within its group"),
+    (dict(algo="dpo", filter={"mode": "groups"}), "run config: --algo dpo trains on pairs; remove filter mode 'groups'"),
+    (dict(algo="rebel", train={"ref_model": "sft"}), "run config: --algo rebel's reference is the policy that sampled "
+     "each iteration's data, which iterate passes as train's --model; remove ref_model from the train section"),
+])
+def test_the_plan_is_checked_against_the_algorithms_declared_needs(tmp_path, overrides, message):
+    with pytest.raises(PipelineError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        plan(config(tmp_path, **overrides))
+
+
+def test_each_problem_of_a_plan_is_a_line_and_the_plans_that_work_pass(tmp_path):
+    with pytest.raises(PipelineError) as e:
+        plan(config(tmp_path, algo="gdpo", filter={"mode": "pairs"}))
+    assert [line.split(";")[0] for line in str(e.value).splitlines()] == [
+        "run config: --algo gdpo trains on groups", "run config: --algo gdpo normalises each reward source within "
+        "its group, and this run scores with one"]
+    # what each algorithm reads is refused by train's own options before anything runs, the critic's included
+    for algo, train, flag in [("grpo", {"critic_model": "rm"}, "--critic-model"), ("simpo", {"ref_model": "sft"},
+                                                                                   "--ref-model")]:
+        with pytest.raises(PipelineError, match=f"iter_1/train: .*{flag} is not read by --algo {algo}"):
+            check(plan(config(tmp_path, algo=algo, train=train)))
+    # and the plans that work: GDPO with two sources, iterative DPO keeping the SFT model as its reference
+    check(plan(config(tmp_path, algo="gdpo", reward_fn="my_rewards:r")))
+    dpo = plan(config(tmp_path, algo="dpo", train={"ref_model": "sft"}))
+    check(dpo)
+    assert all(s.args[s.args.index("--ref-model") + 1] == "sft" for s in dpo if s.stage == "train")
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's prctl")
 def test_a_stage_does_not_outlive_a_killed_iterate(tmp_path):
     """SIGKILL to iterate (a scheduler's kill) takes its running stage with it: a rerun must not find the old stage

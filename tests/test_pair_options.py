@@ -54,8 +54,8 @@ def test_nll_term_against_trls_rpo_alpha():
     assert metrics["nll"].mean().item() != pytest.approx(trl_rpo_nll(tokens).item(), abs=1e-3)
 
 
-@pytest.mark.parametrize("algo, value, message", [("rebel", 0.5, "--nll-coef is for the DPO family"),
-                                                  ("grpo", 0.5, "--nll-coef is for the DPO family"),
+@pytest.mark.parametrize("algo, value, message", [("rebel", 0.5, "--nll-coef is not read by --algo rebel"),
+                                                  ("grpo", 0.5, "--nll-coef is not read by --algo grpo"),
                                                   ("dpo", -1.0, "--nll-coef must be >= 0")])
 def test_nll_coef_checks(algo, value, message):
     with pytest.raises(ValueError, match=message):

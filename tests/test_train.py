@@ -362,5 +362,73 @@ def test_divergence_is_said_once():
 def test_reward_gap_scale_is_rebels():
     from rlhf_pipeline.stages.train import TrainConfig
 
-    with pytest.raises(ValueError, match="--reward-gap-scale is for the algorithms that regress on reward gaps"):
+    with pytest.raises(ValueError, match="--reward-gap-scale is not read by --algo dpo"):
         TrainConfig(model="m", data="d", output="o", algo="dpo", reward_gap_scale="rms")
+
+
+@pytest.fixture(scope="module")
+def other_policy(tmp_path_factory) -> str:
+    """A policy that did not sample ``pairs`` (other weights, the same tokenizer)."""
+    from rlhf_pipeline.tiny import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("models") / "other", kind="policy", seed=1))
+
+
+def test_rebel_trains_against_the_policy_that_sampled_its_pairs(pairs, tiny_policy, other_policy, tmp_path, capsys):
+    """REBEL's reference is the sampler: --model another policy without --ref-model is one line naming both and
+    the fix, and nothing is trained; with --ref-model the sampler, its reference pass is the sampler's log-probs
+    (those rlhf ref-logps computed with it) and the manifest records it."""
+    from rlhf_pipeline.layout import REF_LOGPS_CACHE
+
+    common = ["--max-steps", 1, "--learning-rate", 1e-4]
+    out = tmp_path / "wrong"
+    assert run(*train_args(pairs, other_policy, out, *common, data="pairs")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {pairs / 'pairs'}: --algo rebel regresses onto the log-probs of the policy that sampled the "
+                   f"data, {tiny_policy}, but its reference here is {other_policy}; pass --model {tiny_policy} (the "
+                   f"next iteration trains the policy that sampled it), or --ref-model {tiny_policy} to train another "
+                   "model against the sampler"]
+    assert not (out / "manifest.json").exists()
+
+    out = tmp_path / "against_sampler"
+    assert run(*train_args(pairs, other_policy, out, *common, "--ref-model", tiny_policy, data="pairs")) == 0
+    assert json.loads((out / "manifest.json").read_text())["training"]["ref_model"] == tiny_policy
+    computed, made_by_ref_logps = load_from_disk(str(out / REF_LOGPS_CACHE)), load_from_disk(str(pairs / "ref"))
+    for column in ("chosen_ref_logp", "rejected_ref_logp"):
+        assert computed["train"][column] == pytest.approx(made_by_ref_logps["train"][column], abs=1e-4)
+
+
+def test_dpo_keeps_another_reference_with_ref_model_and_checks_the_one_of_its_columns(
+        pairs, tiny_policy, other_policy, tmp_path, capsys, caplog):
+    """DPO (iterative DPO with the SFT model kept as the reference): --ref-model is the reference of its pass and
+    the manifest's; without it, --model that did not sample the data is a warning line (its reference is the model
+    it starts from, by convention); columns rlhf ref-logps made with another model than the reference are one line."""
+    from rlhf_pipeline.chat import load_tokenizer
+    from rlhf_pipeline.layout import REF_LOGPS_CACHE
+    from rlhf_pipeline.logprobs import build_batch, sequence_logps
+    from rlhf_pipeline.modeling import load_causal_lm
+
+    common = ["--algo", "dpo", "--max-steps", 1, "--learning-rate", 1e-4]
+    out = tmp_path / "sft_reference"
+    assert run(*train_args(pairs, tiny_policy, out, *common, "--ref-model", other_policy, data="pairs")) == 0
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and r.name.endswith(".reference")]
+    assert json.loads((out / "manifest.json").read_text())["training"]["ref_model"] == other_policy
+    row = load_from_disk(str(out / REF_LOGPS_CACHE))["test"][0]
+    batch = build_batch([row["prompt_token_ids"]], [row["chosen_token_ids"]], load_tokenizer(other_policy).pad_token_id)
+    with torch.no_grad():
+        expected = sequence_logps(load_causal_lm(other_policy), batch, temperature=1.0).item()
+    assert row["chosen_ref_logp"] == pytest.approx(expected, abs=1e-4)
+
+    out = tmp_path / "from_another"
+    assert run(*train_args(pairs, other_policy, out, *common, data="pairs")) == 0
+    warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.endswith(".reference")]
+    assert len(warning) == 1 and f"sampled by {tiny_policy}" in warning[0] and other_policy in warning[0]
+    assert json.loads((out / "manifest.json").read_text())["training"]["ref_model"] == other_policy
+
+    out = tmp_path / "columns_of_another"
+    assert run(*train_args(pairs, other_policy, out, *common, "--temperature", 0.8)) == 1  # data: ref, tiny_policy's
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {pairs / 'ref'}: its reference log-probs were computed by {tiny_policy} (rlhf ref-logps), but this "
+        f"run's reference is {other_policy}; pass --ref-model {tiny_policy}, or recompute them with rlhf ref-logps "
+        f"--model {other_policy}")
+    assert run(*train_args(pairs, other_policy, out, *common, "--temperature", 0.8, "--ref-model", tiny_policy)) == 0

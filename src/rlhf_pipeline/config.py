@@ -42,11 +42,15 @@ from rlhf_pipeline.errors import PipelineError
 C = TypeVar("C")
 
 
-def option(default: Any = MISSING, help: str | Callable[[], str] = "", semantic: bool = True, **kwargs: Any) -> Any:
+def option(default: Any = MISSING, help: str | Callable[[], str] = "", semantic: bool = True, reads: Any = None,
+           **kwargs: Any) -> Any:
     """A config field with its help text. ``semantic=False`` means the value does not change the output. ``help`` may
     be a function, called when the help is shown: for a text derived from the algorithm registry, whose entries are
-    registered after the options that describe them."""
-    return field(default=default, metadata={"help": help, "semantic": semantic}, **kwargs)
+    registered after the options that describe them. ``reads`` (``rlhf train``'s algorithm options) is a predicate on
+    an algorithm entry, true for the algorithms that read it (``algorithms.registry.check_reads`` refuses the option,
+    given, for the others)."""
+    metadata = {"help": help, "semantic": semantic, **({"reads": reads} if reads is not None else {})}
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 def override(group: type, name: str, default: Any = MISSING, *, semantic: bool | None = None) -> Any:

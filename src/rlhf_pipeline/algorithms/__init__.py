@@ -12,6 +12,7 @@ from rlhf_pipeline.algorithms.registry import (  # noqa: F401  (the registry's A
     PAIRS,
     UNPAIRED,
     Family,
+    check_reads,
     family,
     get,
     help_text,
@@ -20,6 +21,7 @@ from rlhf_pipeline.algorithms.registry import (  # noqa: F401  (the registry's A
     register,
     register_family,
     resolve_temperature,
+    takes_beta,
 )
 from rlhf_pipeline.algorithms.pairs import PairAlgorithm, compute_pair_loss, pair_loss_params  # noqa: F401
 from rlhf_pipeline.algorithms.unpaired import (  # noqa: F401

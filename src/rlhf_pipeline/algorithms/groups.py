@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Optional, Sequence
 
-from rlhf_pipeline.algorithms.registry import ALGORITHMS, GROUPS, Family, register, register_family, resolve, with_defaults
+from rlhf_pipeline.algorithms.registry import GROUPS, Family, register, register_family, resolve, with_defaults
 from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import GROUP_COLUMNS, SAMPLER_LOGPROBS, SCORED_KINDS, require_columns, require_types
 from rlhf_pipeline.errors import PipelineError
@@ -144,11 +144,13 @@ class GroupAlgorithm:
     uses_critic: bool = False
     scales_by_std: bool = False
     reward_sources: bool = False
+    regression: bool = False  # the loss regresses log-ratios onto targets scaled by --eta (SPPO)
     defaults: dict[str, Any] = field(default_factory=dict)
     filter: dict[str, Any] = field(default_factory=dict)
     demo: dict[str, Any] = field(default_factory=dict)
     data: str = GROUPS
     logp_at_sampling_temperature: ClassVar[bool] = True  # the ratio's denominator is the sampling policy's
+    needs_reference: ClassVar[bool] = True  # the KL's reference (--ref-model; default the starting policy)
 
     def advantages_fn(self) -> Callable:
         return resolve(self.advantages)
@@ -573,6 +575,24 @@ def scales_by_group_std(algorithm) -> bool:
     return getattr(algorithm, "scales_by_std", False)
 
 
+# Which algorithms read each group option (its ``reads``; ``registry.check_reads`` refuses it for the others).
+def _in_groups(algorithm) -> bool:
+    return algorithm.data == GROUPS
+
+
+def _uses_critic(algorithm) -> bool:
+    return algorithm.uses_critic
+
+
+def _discounts(algorithm) -> bool:
+    """PPO's GAE and REINFORCE++'s returns-to-go discount; GRPO-style scores are undiscounted."""
+    return algorithm.data == GROUPS and algorithm.advantages in (_gae_whitened, _reinforce_pp)
+
+
+def _sapo_gate(algorithm) -> bool:
+    return getattr(algorithm, "policy_loss", None) is _sapo
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The family's options and recipe
 
@@ -602,85 +622,83 @@ class GroupOptions:
 
     clip: Optional[float] = option(
         None, help=_defaults_help("clip", "PPO family: clip range epsilon of the ratio to the sampling policy, both "
-                                  "sides")
+                                  "sides"), reads=_in_groups,
     )
     kl_coef: Optional[float] = option(
-        None, help=_defaults_help("kl_coef", "PPO family: weight beta of the KL to the reference model, 0 = none")
+        None, help=_defaults_help("kl_coef", "PPO family: weight beta of the KL to the reference model, 0 = none"),
+        reads=_in_groups,
     )
     kl_mode: Literal["reward", "loss"] = option(
-        "reward", help="PPO family: KL as a per-token reward penalty (reward) or as a term of the loss (loss)."
+        "reward", help="PPO family: KL as a per-token reward penalty (reward) or as a term of the loss (loss).",
+        reads=_in_groups,
     )
     kl_estimator: Optional[Literal["k1", "k2", "k3"]] = option(
-        None, help="PPO family: KL estimator (default k1 in the reward, k3 in the loss)."
+        None, help="PPO family: KL estimator (default k1 in the reward, k3 in the loss).", reads=_in_groups,
     )
-    ref_model: Optional[str] = option(
-        None, help="PPO family: the KL reference (e.g. the SFT model); default: the starting policy (--model)."
-    )
-    normalize_rewards: bool = option(False, help="PPO family: standardise the rewards over the dataset first.")
+    normalize_rewards: bool = option(False, help="PPO family: standardise the rewards over the dataset first.",
+                                     reads=_in_groups)
     discount: float = option(1.0, help="PPO / REINFORCE++: discount gamma of the token rewards (GRPO and RLOO "
-                             "give every token the group-relative score undiscounted).")
-    lam: float = option(0.95, help="PPO: GAE lambda.")
+                             "give every token the group-relative score undiscounted).", reads=_discounts)
+    lam: float = option(0.95, help="PPO: GAE lambda.", reads=_uses_critic)
     critic_model: Optional[str] = option(
         None, help="PPO: the critic's starting point (default: the reward model of rlhf score; with a python reward "
-        "function, or several sources, the policy --model with a new value head)."
+        "function, or several sources, the policy --model with a new value head).", reads=_uses_critic,
     )
     critic_learning_rate: Optional[float] = option(None, help="PPO: the critic's peak learning rate "
-                                                   "(default: --learning-rate).")
-    vf_coef: float = option(0.5, help="PPO: weight of the value loss.")
-    value_clip: Optional[float] = option(0.2, help="PPO: clip range of the values around the old values.")
-    clip_low: Optional[float] = option(None, help="PPO family: epsilon below 1 only (default: --clip).")
+                                                   "(default: --learning-rate).", reads=_uses_critic)
+    vf_coef: float = option(0.5, help="PPO: weight of the value loss.", reads=_uses_critic)
+    value_clip: Optional[float] = option(0.2, help="PPO: clip range of the values around the old values.",
+                                         reads=_uses_critic)
+    clip_low: Optional[float] = option(None, help="PPO family: epsilon below 1 only (default: --clip).",
+                                       reads=_in_groups)
     clip_high: Optional[float] = option(
-        None, help=_defaults_help("clip_high", "PPO family: epsilon above 1 only, DAPO's clip-higher", unset="--clip")
+        None, help=_defaults_help("clip_high", "PPO family: epsilon above 1 only, DAPO's clip-higher", unset="--clip"),
+        reads=_in_groups,
     )
     importance_level: Optional[Literal["token", "sequence"]] = option(
         None, help="PPO family: one importance ratio per token (default) or per sequence, its tokens' mean log-ratio "
-        "(GSPO's default)."
+        "(GSPO's default).", reads=_in_groups,
     )
     loss_aggregation: Optional[Literal["sequence", "token", "sequence_sum_norm"]] = option(
         None, help="PPO family: sequence = mean over each response's tokens, then over responses (default, the "
         "GRPO paper); token = mean over every token of the optimizer step (DAPO's default); sequence_sum_norm = each "
-        "response's token sum over the generation's --max-new-tokens, mean over responses (Dr. GRPO's default)."
+        "response's token sum over the generation's --max-new-tokens, mean over responses (Dr. GRPO's default).",
+        reads=_in_groups,
     )
     scale_rewards: Optional[Literal["group", "none"]] = option(
         None, help="GRPO-style group baseline: (r - group mean) divided by the group's std (group, default) or not "
-        "(none, Dr. GRPO's default)."
+        "(none, Dr. GRPO's default).", reads=scales_by_group_std,
     )
     entropy_coef: float = option(
         0.0, help="PPO family: weight of an entropy bonus, the policy's mean token entropy subtracted from the loss "
-        "(aggregated as the policy loss is); 0 = none. The entropy is logged (policy/train_entropy) either way."
+        "(aggregated as the policy loss is); 0 = none. The entropy is logged (policy/train_entropy) either way.",
+        reads=_in_groups,
     )
     sapo_temperature_pos: Optional[float] = option(
-        None, help="SAPO: temperature of the soft gate on tokens with a positive advantage (default 1.0, TRL's)."
+        None, help="SAPO: temperature of the soft gate on tokens with a positive advantage (default 1.0, TRL's).",
+        reads=_sapo_gate,
     )
     sapo_temperature_neg: Optional[float] = option(
-        None, help="SAPO: temperature of the soft gate on the other tokens (default 1.05, TRL's)."
+        None, help="SAPO: temperature of the soft gate on the other tokens (default 1.05, TRL's).", reads=_sapo_gate,
     )
     rollout_correction: Optional[Literal["none", "tis", "mask", "sequence_mask"]] = option(
         None, help="PPO family: correct for the sampler's log-probs differing from the trainer's, w = pi_old/"
         "pi_sampler per token: tis = min(w, cap); mask = drop tokens with w outside [1/cap, cap]; sequence_mask = drop "
         "responses whose geometric-mean w is outside it; none. Default: tis when the data carries the sampler's "
-        "log-probs (rlhf generate writes them), else none."
+        "log-probs (rlhf generate writes them), else none.", reads=_in_groups,
     )
-    rollout_correction_cap: float = option(2.0, help="PPO family: the cap C of --rollout-correction (> 1).")
+    rollout_correction_cap: float = option(2.0, help="PPO family: the cap C of --rollout-correction (> 1).",
+                                           reads=_in_groups)
 
     def check_options(self, algorithm) -> None:
-        """The group options' ranges, and none of them for an algorithm of another family."""
+        """The group options' ranges, and SPPO's refusal of a rollout correction. (An option this algorithm does not
+        read: ``registry.check_reads``, from each option's ``reads``.)"""
         if not 0.0 <= self.discount <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError("--discount and --lam must be in [0, 1]")
         for name in ("clip", "clip_low", "clip_high"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-        if algorithm.data != GROUPS:
-            given = [f for f in ("clip", "clip_low", "clip_high", "importance_level", "loss_aggregation",
-                                 "scale_rewards", "kl_coef") if getattr(self, f) is not None]
-            if given:
-                raise ValueError(f"{', '.join('--' + f.replace('_', '-') for f in given)}: PPO-family options, which "
-                                 f"--algo {algorithm.name} does not use; leave them out")
-        if self.scale_rewards is not None and not scales_by_group_std(algorithm):
-            which = ", ".join(a.name for a in ALGORITHMS.values() if scales_by_group_std(a))
-            raise ValueError(f"--scale-rewards switches GRPO's group std ({which}); --algo {algorithm.name} has "
-                             "another baseline")
         if self.clip_low is not None and self.clip_low >= 1:
             raise ValueError("--clip-low must be below 1 (the ratio is clipped at 1 - clip-low)")
         for name in ("kl_coef", "vf_coef"):
@@ -694,23 +712,13 @@ class GroupOptions:
             raise ValueError("--entropy-coef must be >= 0")
         if not self.rollout_correction_cap > 1:
             raise ValueError("--rollout-correction-cap must be > 1")
-        if self.rollout_correction not in (None, "none"):
-            if algorithm.data != GROUPS:
-                raise ValueError(f"--rollout-correction is for the PPO family's policy losses, not --algo "
-                                 f"{algorithm.name}")
-            if getattr(algorithm, "policy_loss", None) is _sppo:
-                raise ValueError("--rollout-correction weighs policy-gradient terms; SPPO regresses log-ratios onto "
-                                 "targets, so leave it out for --algo sppo")
-        if self.entropy_coef and algorithm.data != GROUPS:
-            raise ValueError(f"--entropy-coef is for the PPO family's policy losses, not --algo {algorithm.name}")
+        if self.rollout_correction not in (None, "none") and getattr(algorithm, "policy_loss", None) is _sppo:
+            raise ValueError("--rollout-correction weighs policy-gradient terms; SPPO regresses log-ratios onto "
+                             "targets, so leave it out for --algo sppo")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             value = getattr(self, name)
-            if value is None:
-                continue
-            if value <= 0:
+            if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-            if getattr(algorithm, "policy_loss", None) is not _sapo:
-                raise ValueError(f"--{name.replace('_', '-')} is SAPO's (--algo sapo), not --algo {algorithm.name}'s")
 
     def rl_params(self, sampling: dict | None = None, longest_response: Callable[[], int] = lambda: 1) -> RLParams:
         """``groups.RLParams`` from the options given, the algorithm's defaults for those left unset. ``--clip``
@@ -809,18 +817,15 @@ def _rollout(config, params, accelerator, setup_model, dd, temperature, pad, out
     OUTPUT/rollout when an interrupted run made them, else computed now and kept there."""
     import datasets
 
-    from rlhf_pipeline.modeling import load_causal_lm
+    from rlhf_pipeline.algorithms.reference import load_reference
     from rlhf_pipeline.training.stage import cached_splits
 
     def compute():
         uses_critic = config.algorithm.uses_critic
         samples = {split: flatten_groups(ds, f"{config.data}:{split}", source_columns)
                    for split, ds in dd.items()}
-        reference = None
-        if config.ref_model and params.kl_coef and config.ref_model != config.model:  # else: the rollout's own
-            reference = load_causal_lm(config.ref_model, dtype="float32" if not config.bf16 else "bfloat16",
-                                       trust_remote_code=config.trust_remote_code, device=accelerator.device,
-                                       attn_implementation=config.attn_implementation)
+        # the KL's reference, when it weighs anything and is not the policy as loaded (the rollout's own log-probs)
+        reference = load_reference(config, accelerator) if params.kl_coef else None
         for split, s in samples.items():
             batch = config.eval_batch_size
             passed = rollout_pass(accelerator, setup_model, s, pad, temperature, batch, config.pack_ratio,
@@ -972,5 +977,5 @@ register(GroupAlgorithm(
     demo={"learning_rate": 2e-4, "kl_mode": "loss", "kl_coef": 0.02}))
 register(GroupAlgorithm(
     "sppo", _undiscounted_returns, "self-play: regress each response's log-ratio onto eta x (its win rate "
-    "against its group - 1/2)", baseline=_sppo_targets, policy_loss=_sppo,
+    "against its group - 1/2)", baseline=_sppo_targets, policy_loss=_sppo, regression=True,
     defaults={"kl_coef": 0.0}, demo={"learning_rate": 2e-4}))

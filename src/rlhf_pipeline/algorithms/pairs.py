@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Optional
 
-from rlhf_pipeline.algorithms.registry import (ALGORITHMS, PAIRS, Family, register, register_family, resolve,
+from rlhf_pipeline.algorithms.registry import (PAIRS, Family, register, register_family, resolve, takes_beta,
                                                with_defaults)
 from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import PAIR_TOKEN_COLUMNS, REF_LOGP_COLUMNS, require_columns, require_types
@@ -37,8 +37,13 @@ class PairAlgorithm:
     loss: Callable | str
     help: str
     needs_reference: bool = True
+    # the reference must be the policy that sampled the pairs (REBEL regresses onto its log-ratios); else, as for
+    # DPO, it is conventionally the model training starts from (algorithms.reference.check_reference)
+    sampler_reference: bool = False
     uses_rewards: bool = False
+    regression: bool = False  # the loss regresses log-ratios onto a target scaled by --eta (REBEL)
     length_normalized: bool = False
+    target_margin: bool = False  # the loss has a target reward margin, --gamma (SimPO)
     logp_at_sampling_temperature: bool = False  # REBEL's code takes log-probs at the sampling temperature
     label_smoothing: bool = False  # the loss is cDPO's: --label-smoothing > 0 is required (and refused elsewhere)
     nll_term: bool = True  # --nll-coef may add an NLL term on the chosen response (RPO)
@@ -249,60 +254,50 @@ class PairOptions:
 
     eta: float = option(
         1.0, help="REBEL: scale of the log-ratio regression, ((logratio_c - logratio_r)/eta - (r_c - r_r))^2. "
-        "REBEL's UltraFeedback runs use 1e6. SPPO: the target log-ratio of a response is eta x (its win rate - 1/2)."
+        "REBEL's UltraFeedback runs use 1e6. SPPO: the target log-ratio of a response is eta x (its win rate - 1/2).",
+        reads=lambda algorithm: getattr(algorithm, "regression", False),
     )
     reward_gap_scale: Literal["none", "rms"] = option(
         "none", help="REBEL: rms divides the reward gaps (chosen - rejected) by their root mean square over the train "
         "split, so that --eta does not depend on the reward's scale (then eta 1 regresses the log-ratio gap onto gaps "
-        "of typical size 1); recorded in the manifest."
+        "of typical size 1); recorded in the manifest.",
+        reads=lambda algorithm: getattr(algorithm, "uses_rewards", False),
     )
-    beta: Optional[float] = option(None, help=BETA_HELP)
+    beta: Optional[float] = option(None, help=BETA_HELP, reads=takes_beta)
     nll_coef: float = option(
         0.0, help="DPO family: weight alpha of an NLL term on the chosen response, alpha * (-log pi(chosen) / "
-        "|chosen|) per pair (RPO; TRL's rpo_alpha, OpenRLHF's nll_loss_coef); 0 = none."
+        "|chosen|) per pair (RPO; TRL's rpo_alpha, OpenRLHF's nll_loss_coef); 0 = none.",
+        reads=lambda algorithm: getattr(algorithm, "nll_term", False),
     )
-    label_smoothing: Optional[float] = option(None, help="cDPO: probability that a label is flipped (default 0.1).")
-    gamma: float = option(0.5, help="SimPO: target reward margin.")
+    label_smoothing: Optional[float] = option(None, help="cDPO: probability that a label is flipped (default 0.1).",
+                                              reads=lambda algorithm: getattr(algorithm, "label_smoothing", False))
+    gamma: float = option(0.5, help="SimPO: target reward margin.",
+                          reads=lambda algorithm: getattr(algorithm, "target_margin", False))
     sft_coef: Optional[float] = option(
         None, help="ORPO / CPO: weight of their NLL term on the chosen response (default 1.0: ORPO's loss, CPO's "
-        "alpha; TRL's cpo_alpha)."
+        "alpha; TRL's cpo_alpha).", reads=lambda algorithm: getattr(algorithm, "sft_term", False),
     )
 
     def check_options(self, algorithm) -> None:
-        """The pair options' ranges, and the ones this algorithm cannot take."""
+        """The pair options' ranges, and cDPO's label smoothing. (An option this algorithm does not read:
+        ``registry.check_reads``, from each option's ``reads``.)"""
         # The losses check these too (losses.py), but only at the first step, after the model is loaded.
         if self.eta <= 0:
             raise ValueError("--eta must be > 0 (REBEL divides the log-ratio gap by it)")
         if self.nll_coef < 0:
             raise ValueError("--nll-coef must be >= 0")
-        if self.nll_coef and not getattr(algorithm, "nll_term", False):
-            raise ValueError(f"--nll-coef is for the DPO family (an NLL term beside a preference loss), not --algo "
-                             f"{algorithm.name}")
-        if self.reward_gap_scale != "none" and not getattr(algorithm, "uses_rewards", False):
-            raise ValueError(f"--reward-gap-scale is for the algorithms that regress on reward gaps (REBEL), not "
-                             f"--algo {algorithm.name}")
         if self.beta is not None and self.beta <= 0:
             raise ValueError("--beta must be > 0")
         if self.label_smoothing is not None:
-            smoothing = getattr(algorithm, "label_smoothing", False)
             if not 0 <= self.label_smoothing < 0.5:
                 raise ValueError("--label-smoothing must be in [0, 0.5)")
-            if smoothing and self.label_smoothing == 0:
+            if getattr(algorithm, "label_smoothing", False) and self.label_smoothing == 0:
                 raise ValueError(f"--algo {algorithm.name} needs --label-smoothing > 0 (e.g. 0.1); with 0 it is "
                                  "--algo dpo")
-            if not smoothing and self.label_smoothing > 0:
-                raise ValueError(
-                    f"--label-smoothing is cDPO's; use --algo cdpo, or leave it out for --algo {algorithm.name}"
-                )
         if self.gamma < 0:
             raise ValueError("--gamma must be >= 0")
-        if self.sft_coef is not None:
-            if self.sft_coef < 0:
-                raise ValueError("--sft-coef must be >= 0")
-            if not getattr(algorithm, "sft_term", False):
-                which = ", ".join(a.name for a in ALGORITHMS.values() if getattr(a, "sft_term", False))
-                raise ValueError(f"--sft-coef weighs the NLL term of {which}; --algo {algorithm.name} has none "
-                                 "(the DPO family's is --nll-coef)")
+        if self.sft_coef is not None and self.sft_coef < 0:
+            raise ValueError("--sft-coef must be >= 0")
 
     def loss_params(self):
         """(the pair algorithm, its ``losses.PairLossParams``): the options given, the algorithm's defaults for the
@@ -318,7 +313,7 @@ class PairOptions:
 def train(config) -> Path:
     """``rlhf train`` on pairs (REBEL, the DPO family): the reference pass when the algorithm needs one, then
     :class:`PairTask`."""
-    from rlhf_pipeline.algorithms.reference import reference_columns
+    from rlhf_pipeline.algorithms.reference import data_reference, reference_columns
     from rlhf_pipeline.algorithms.registry import logp_temperature
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.modeling import check_model_ref
@@ -342,6 +337,8 @@ def train(config) -> Path:
             dd, rms = scale_reward_gaps(dd, str(ref))
             gap_scale = {"mode": "rms", "rms": rms}
         sampling = find_in_lineage([ref], "sampling")
+        reference, ref_record = (data_reference(config, algo, dd, REF_LOGP_COLUMNS, ref, sampling)
+                                 if algo.needs_reference else (None, None))
         temperature = logp_temperature(algo, config.temperature, sampling, str(ref))
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)
@@ -349,15 +346,13 @@ def train(config) -> Path:
         def task(run, setup):
             splits = dd
             if algo.needs_reference:
-                splits = reference_columns(
-                    run.accelerator, setup.model, dd, config, temperature, pad, find_in_lineage([ref], "ref_logps"),
-                    run.path, REF_LOGP_COLUMNS, compute_ref_logps,
-                )
+                splits = reference_columns(run.accelerator, setup.model, dd, config, temperature, pad, ref_record,
+                                           run.path, REF_LOGP_COLUMNS, compute_ref_logps)
             return PairTask(algo, params, temperature, pad, config.pack_ratio), splits["train"], splits.get("test")
 
         def record(run, result):
             training = {"algo": algo.name, "loss_params": vars(params), "logp_temperature": temperature,
-                        "reward_gap_scale": gap_scale, **training_summary(result)}
+                        "ref_model": reference, "reward_gap_scale": gap_scale, **training_summary(result)}
             return training_record(algo.name, result, dd, sampling, training)
 
         return TrainingJob(tokenizer, dd["train"].num_rows, task, record)
@@ -369,7 +364,7 @@ register_family(Family(PAIRS, PairOptions, train, "preference pairs (rlhf filter
 
 register(PairAlgorithm(
     "rebel", "rlhf_pipeline.losses:rebel_terms", "regress the log-ratio gap / eta onto the reward gap",
-    uses_rewards=True, logp_at_sampling_temperature=True, nll_term=False,
+    sampler_reference=True, uses_rewards=True, regression=True, logp_at_sampling_temperature=True, nll_term=False,
     gradient_scale="rlhf_pipeline.losses:rebel_gradient_scale", demo={"learning_rate": 3e-4, "eta": 1.0}))
 register(PairAlgorithm(
     "dpo", "rlhf_pipeline.losses:dpo_terms", "-log sigmoid(beta x log-ratio gap)",
@@ -382,7 +377,8 @@ register(PairAlgorithm(
     demo={"learning_rate": 3e-4, "beta": 0.1}))
 register(PairAlgorithm(
     "simpo", "rlhf_pipeline.losses:simpo_terms", "reference-free, length-normalised, target margin gamma",
-    needs_reference=False, length_normalized=True, defaults={"beta": 2.0}, demo={"learning_rate": 3e-4}))
+    needs_reference=False, length_normalized=True, target_margin=True, defaults={"beta": 2.0},
+    demo={"learning_rate": 3e-4}))
 register(PairAlgorithm(
     "orpo", "rlhf_pipeline.losses:orpo_terms", "reference-free: the chosen NLL + beta x the log odds ratio term",
     needs_reference=False, length_normalized=True, nll_term=False, sft_term=True, demo={"learning_rate": 3e-4}))

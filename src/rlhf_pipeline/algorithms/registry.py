@@ -11,6 +11,10 @@ Two kinds of entry:
   (``needs_reference``, ``uses_rewards``, ``uses_critic``, ``logp_at_sampling_temperature``, and the family's own,
   such as a pair loss's ``label_smoothing`` or a group algorithm's ``policy_loss``), so nothing tests a name.
 
+Which algorithms read an option is declared with the option, as a predicate on those capabilities
+(``option(..., reads=lambda algorithm: ...)``), and one rule (:func:`check_reads`) refuses an option given to an
+algorithm that does not read it, naming the ones that do.
+
 A new algorithm is one entry in one module (plus its pure function and its test)::
 
     from rlhf_pipeline.algorithms import PairAlgorithm, register
@@ -22,6 +26,7 @@ stage's ``--help``) does not import torch. This module imports no family: the pa
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -44,9 +49,9 @@ class Family:
     """A kind of training data and what ``rlhf train`` does with it.
 
     ``options`` is a dataclass of the family's ``rlhf train`` options (its ``options_group`` titles their section of
-    ``--help``; its ``check_options(self, algorithm)`` checks them, whatever the algorithm, since a value given to
-    an algorithm that does not use it may be an error); ``train(config) -> Path`` is the family's recipe, the body
-    of ``rlhf train`` for its algorithms.
+    ``--help``; each field declares the algorithms that read it, ``reads``, for :func:`check_reads`; its
+    ``check_options(self, algorithm)`` checks their values, whatever the algorithm); ``train(config) -> Path`` is
+    the family's recipe, the body of ``rlhf train`` for its algorithms.
     """
 
     data: str  # the rlhf filter --mode that makes this data
@@ -102,6 +107,29 @@ def help_text() -> str:
 def with_defaults(params_type: type, defaults: dict[str, Any], **given: Any):
     """``params_type`` from the options given (None = unset), an algorithm's ``defaults`` filling the rest."""
     return params_type(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
+
+
+def takes_beta(algorithm: Any) -> bool:
+    """Whether the loss has a preference strength ``--beta``: the DPO family and KTO (pair and unpaired losses but
+    the regression on reward gaps, REBEL)."""
+    return algorithm.data in (PAIRS, UNPAIRED) and not algorithm.uses_rewards
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def check_reads(options: Any, algorithm: Any) -> None:
+    """The one rule for options given to the wrong algorithm: every field of ``options`` (a config dataclass) that
+    declares which algorithms read it (``metadata["reads"]``, a predicate on an entry) and is given, i.e. set to
+    other than its default, must be read by ``algorithm``; else one line naming the ones that read it."""
+    for f in dataclasses.fields(options):
+        reads = f.metadata.get("reads")
+        if reads is None or reads(algorithm) or getattr(options, f.name) == _default(f):
+            continue
+        readers = ", ".join(a.name for a in ALGORITHMS.values() if reads(a))
+        raise ValueError(f"--{f.name.replace('_', '-')} is not read by --algo {algorithm.name} (it is read by "
+                         f"{readers}); leave it out")
 
 
 def resolve_temperature(requested: float | None, sampling: dict | None, source: str, default: float | None) -> float:

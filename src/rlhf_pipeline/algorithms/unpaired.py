@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
-from rlhf_pipeline.algorithms.registry import UNPAIRED, Family, register, register_family, resolve, with_defaults
+from rlhf_pipeline.algorithms.registry import (UNPAIRED, Family, register, register_family, resolve, takes_beta,
+                                               with_defaults)
 from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import (
     UNPAIRED_REF_LOGP_COLUMNS,
@@ -265,21 +266,23 @@ class UnpairedOptions:
 
     options_group: ClassVar[str] = "unpaired options (KTO)"
 
-    beta: Optional[float] = option(None, help="DPO/cDPO/IPO/SimPO/KTO strength (default 0.1; 2.0 for SimPO).")
+    beta: Optional[float] = option(None, help="DPO/cDPO/IPO/SimPO/KTO strength (default 0.1; 2.0 for SimPO).",
+                                   reads=takes_beta)
     desirable_weight: Optional[float] = option(
-        None, help="KTO: weight lambda_D of the desirable responses' losses (default 1.0)."
+        None, help="KTO: weight lambda_D of the desirable responses' losses (default 1.0).",
+        reads=lambda algorithm: algorithm.data == UNPAIRED,
     )
     undesirable_weight: Optional[float] = option(
         None, help="KTO: weight lambda_U of the undesirable responses' losses (default 1.0); the paper advises "
-        "lambda_D n_D / (lambda_U n_U) in [1, 4/3], and training warns outside it."
+        "lambda_D n_D / (lambda_U n_U) in [1, 4/3], and training warns outside it.",
+        reads=lambda algorithm: algorithm.data == UNPAIRED,
     )
 
     def check_options(self, algorithm) -> None:
-        """The weights' ranges; they are refused for an algorithm of another family. (--beta: PairOptions.)"""
+        """The weights' ranges. (--beta: PairOptions; an option this algorithm does not read:
+        ``registry.check_reads``.)"""
         for name in ("desirable_weight", "undesirable_weight"):
             value, flag = getattr(self, name), "--" + name.replace("_", "-")
-            if value is not None and algorithm.data != UNPAIRED:
-                raise ValueError(f"{flag} is KTO's (--algo kto), not --algo {algorithm.name}'s")
             if value is not None and value < 0:
                 raise ValueError(f"{flag} must be >= 0")
         if self.desirable_weight == 0 and self.undesirable_weight == 0:
@@ -289,7 +292,7 @@ class UnpairedOptions:
 def train(config) -> Path:
     """``rlhf train --algo kto``: reference log-probs of the responses and of their mismatched pairs come from the
     data (``rlhf ref-logps``) or from one pass here, kept in OUTPUT/ref_logps; then :class:`UnpairedTask`."""
-    from rlhf_pipeline.algorithms.reference import reference_columns
+    from rlhf_pipeline.algorithms.reference import data_reference, reference_columns
     from rlhf_pipeline.algorithms.registry import logp_temperature
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.modeling import check_model_ref
@@ -307,15 +310,15 @@ def train(config) -> Path:
         for split, ds in dd.items():
             check_unpaired(ds, f"{ref}:{split}")
         sampling = find_in_lineage([ref], "sampling")
+        reference, ref_record = data_reference(config, algo, dd, REF_LOGP_COLUMNS, ref, sampling)
         temperature = logp_temperature(algo, config.temperature, sampling, str(ref))
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)
         balance = class_balance(dd["train"]["desirable"], params)
 
         def task(run, setup):
-            splits = reference_columns(run.accelerator, setup.model, dd, config, temperature, pad,
-                                       find_in_lineage([ref], "ref_logps"), run.path, REF_LOGP_COLUMNS,
-                                       compute_ref_logps)
+            splits = reference_columns(run.accelerator, setup.model, dd, config, temperature, pad, ref_record,
+                                       run.path, REF_LOGP_COLUMNS, compute_ref_logps)
             if balance["warning"]:
                 run.accelerator.print(f"warning: {balance['warning']}")
             task = UnpairedTask(algo, params, temperature, pad, config.pack_ratio, config.eval_batch_size)
@@ -323,7 +326,7 @@ def train(config) -> Path:
 
         def record(run, result):
             training = {"algo": algo.name, "loss_params": vars(params), "logp_temperature": temperature,
-                        "classes": balance, **training_summary(result)}
+                        "ref_model": reference, "classes": balance, **training_summary(result)}
             return training_record(algo.name, result, dd, sampling, training)
 
         return TrainingJob(tokenizer, dd["train"].num_rows, task, record)

@@ -253,10 +253,31 @@ def eval_step(config: IterateConfig, run: Path, t: int, model: str) -> Step:
     return Step(name, "eval", args, output, _launcher(config, "eval"))
 
 
+def check_plan(config: IterateConfig, sections: dict[str, dict[str, Any]]) -> None:
+    """The whole plan against what the algorithm's training will need, as the registry declares it (its kind of
+    data, its reward sources, its reference), before any stage runs: one line per problem. (Options the algorithm
+    does not read, ``critic_model`` included, are refused when :func:`check` parses train's options.)"""
+    algorithm = get(config.algo)
+    problems = []
+    mode = sections["filter"].get("mode", algorithm.data)
+    if mode != algorithm.data:
+        problems.append(f"--algo {config.algo} trains on {algorithm.data}; remove filter mode {mode!r}")
+    sources = (config.reward_model is not None) + len(as_list(config.reward_fn))
+    if getattr(algorithm, "reward_sources", False) and sources < 2:
+        problems.append(f"--algo {config.algo} normalises each reward source within its group, and this run scores "
+                        "with one; give two or more (reward_model and reward_fn, or several reward_fn)")
+    if getattr(algorithm, "sampler_reference", False) and sections["train"].get("ref_model") is not None:
+        problems.append(f"--algo {config.algo}'s reference is the policy that sampled each iteration's data, which "
+                        "iterate passes as train's --model; remove ref_model from the train section")
+    if problems:
+        raise PipelineError("\n".join(f"run config: {p}" for p in problems))
+
+
 def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
-    """Every stage run of the whole loop, in order."""
+    """Every stage run of the whole loop, in order (:func:`check_plan` first)."""
     run = Path(config.output).expanduser()
     sections = {s: _section(getattr(config, s), s) for s in ("generate", "score", "filter", "train")}
+    check_plan(config, sections)
     _section(config.eval, "eval", allowed_extra={"reward_model", "reward_fn"})
     unknown = sorted(set(config.launchers) - set(STAGE_SECTIONS))
     if unknown:
@@ -272,16 +293,15 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
     base_seed = int(sections["generate"].pop("seed", 0))
     algorithm = get(config.algo)
     if algorithm.data != PAIRS:  # groups, unpaired (KTO): the filter mode is the algorithm's kind of data
-        if sections["filter"].get("mode", algorithm.data) != algorithm.data:
-            raise PipelineError(f"run config: --algo {config.algo} trains on {algorithm.data}; remove filter mode "
-                                f"{sections['filter']['mode']!r}")
         sections["filter"]["mode"] = algorithm.data
     if algorithm.data == GROUPS:
         sections["train"].setdefault("ref_model", config.model)
     for key, value in algorithm.filter.items():  # the algorithm's filter options (DAPO's), unless set in the config
         sections["filter"].setdefault(key, value)
-    # PPO's critic starts from the reward model, else (a python reward) from the policy, and then carries over
-    critic = sections["train"].pop("critic_model", None) or config.reward_model or config.model
+    # PPO's critic starts from the reward model, else (a python reward) from the policy, and then carries over (given
+    # to an algorithm without a critic, the option stays in train's options, which refuse it)
+    critic = ((sections["train"].pop("critic_model", None) if algorithm.uses_critic else None) or config.reward_model
+              or config.model)
     for t in range(1, config.iterations + 1):
         it = iteration_dir(run, t)
         gen_opts = dict(sections["generate"], seed=base_seed + t - 1)

@@ -29,16 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rlhf_pipeline.algorithms import ALGORITHMS, FAMILIES, AlgoName, family, get, help_text
+from rlhf_pipeline.algorithms import ALGORITHMS, FAMILIES, AlgoName, check_reads, family, get, help_text
+from rlhf_pipeline.algorithms.reference import ReferenceOptions
 from rlhf_pipeline.config import build_parser, option
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.training.loop import TrainOptions
 
 FAMILY_OPTIONS = tuple(f.options for f in FAMILIES.values() if f.options is not None)
+# The options that only some algorithms read (each declares which: its ``reads``): the families' and the reference.
+ALGORITHM_OPTIONS = (*FAMILY_OPTIONS, ReferenceOptions)
 
 
 @dataclass(kw_only=True)
-class TrainConfig(*FAMILY_OPTIONS, TrainOptions):  # type: ignore[misc]  (the families' options, from the registry)
+class TrainConfig(*ALGORITHM_OPTIONS, TrainOptions):  # type: ignore[misc]  (the families' options, from the registry)
     """Train a policy on pairs (REBEL, DPO family), unpaired responses (KTO), groups (PPO family) or each prompt's
     best response (RAFT)."""
 
@@ -57,7 +60,8 @@ class TrainConfig(*FAMILY_OPTIONS, TrainOptions):  # type: ignore[misc]  (the fa
         algorithm = get(self.algo)  # an unknown name fails here, with the list of algorithms
         if self.temperature is not None and self.temperature <= 0:
             raise ValueError("--temperature must be > 0 (log-probs of greedy samples are not defined)")
-        for options in FAMILY_OPTIONS:  # every family checks its options, given to this algorithm or not
+        check_reads(self, algorithm)  # an option given to an algorithm that does not read it: one line
+        for options in FAMILY_OPTIONS:  # every family checks its options' values
             options.check_options(self, algorithm)
 
 
@@ -67,14 +71,15 @@ def main(config: TrainConfig) -> Path:
 
 
 def algorithm_help(algo: str) -> str:
-    """``rlhf train --algo X --help``: X's family options in full, then the options every algorithm shares, by name
-    with their defaults (``rlhf train --help`` explains each)."""
+    """``rlhf train --algo X --help``: the options X reads in full (its family's, the reference, SPPO's --eta), then the
+    options every algorithm shares, by name with their defaults (``rlhf train --help`` explains each)."""
     import textwrap
 
     entry, fam = get(algo), family(algo)
     own = fam.options
-    mine = ["algo", "temperature"] + ([f.name for f in dataclasses.fields(own)] if own is not None else [])
-    family_names = {f.name for o in FAMILY_OPTIONS for f in dataclasses.fields(o)}
+    mine = ["algo", "temperature"] + [f.name for o in ALGORITHM_OPTIONS for f in dataclasses.fields(o)
+                                      if f.metadata.get("reads", lambda _: o is own)(entry)]
+    family_names = {f.name for o in ALGORITHM_OPTIONS for f in dataclasses.fields(o)}
     parser = build_parser(TrainConfig, "rlhf train", f"Train a policy with --algo {algo}: {entry.help}. It trains on "
                           f"{fam.help}.", only=set(mine), first=own)
     parser.usage = f"rlhf train --algo {algo} --model MODEL --data DATA --output OUTPUT [options]"
