@@ -145,3 +145,19 @@ def test_armorm_itself_from_the_hub_cache_is_refused_without_the_flag(monkeypatc
                        r"modeling_custom.LlamaForRewardModelWithGating\)"):
         check_reward_model("--reward-model", repo)
     check_reward_model("--reward-model", repo, trust_remote_code=True)
+
+
+def test_what_config_json_says_about_a_reward_model():
+    from rlhf_pipeline.modeling import reward_model_problem
+
+    assert reward_model_problem({"architectures": ["GPT2LMHeadModel"]}, False).startswith(
+        "is a causal language model (GPT2LMHeadModel), not a reward model")
+    assert reward_model_problem({"architectures": ["Qwen2ForCausalLM"]}, True, judge=True).endswith(
+        "with --reward-fn, or give it as --judge to compare answers pairwise")  # trusting code changes nothing here
+    for fine in ({"architectures": ["LlamaForSequenceClassification"]}, {},
+                 {"architectures": ["LlamaForCausalLM", "LlamaForSequenceClassification"]},  # not every one causal
+                 {"architectures": ["LlamaForSequenceClassification"], "auto_map": ["a", "b"]}):  # a malformed map
+        assert reward_model_problem(fine, False) is None, fine
+    remote = {"architectures": ["TinyArmoForRewardModel"], "auto_map": {"AutoModelForSequenceClassification": "m.C"}}
+    assert "auto_map: AutoModelForSequenceClassification -> m.C" in reward_model_problem(remote, False)
+    assert reward_model_problem(remote, True) is None

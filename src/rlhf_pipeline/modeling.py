@@ -154,9 +154,8 @@ def reward_model_problem(config: dict, trust_remote_code: bool, *, judge: bool =
                          trust_option: str = "--trust-remote-code") -> str | None:
     """Why a model with this ``config.json`` cannot score as a reward model here, and the fix (see
     :func:`check_reward_model`), or None."""
-    remote = (config.get("auto_map") or {}).get(REWARD_AUTO_CLASS)
-    if isinstance(remote, (list, tuple)):  # [class, tokenizer-like] pairs are how some auto_map entries are written
-        remote = remote[0]
+    auto_map = config.get("auto_map")
+    remote = auto_map.get(REWARD_AUTO_CLASS) if isinstance(auto_map, dict) else None
     if remote:
         if trust_remote_code:
             return None
