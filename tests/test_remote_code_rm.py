@@ -120,6 +120,20 @@ def test_without_the_flag_it_is_one_line_and_none_of_its_code_runs(layout, armo,
         abs=1e-5)
 
 
+@pytest.mark.parametrize("stage", ["eval", "iterate"])
+def test_eval_and_iterate_refuse_it_before_they_start(stage, armo, tiny_policy, bundled_prompts, tmp_path, capsys):
+    """rlhf eval takes --trust-remote-code as score does; rlhf iterate passes its score section's to every score."""
+    allow = "--trust-remote-code" if stage == "eval" else "--score '{trust_remote_code: true}'"
+    capsys.readouterr()
+    assert run(stage, "--model", tiny_policy, "--prompts", bundled_prompts, "--reward-model", armo,
+               "--output", tmp_path / "out") == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: --reward-model {armo}: ships its own code for its "
+                                                     "reward head (config.json's auto_map: "), errors
+    assert errors[0].endswith(f"read that code, then allow it with {allow}"), errors
+    assert not (tmp_path / "out").exists()
+
+
 def test_armorm_itself_from_the_hub_cache_is_refused_without_the_flag(monkeypatch, tmp_path):
     """The Hub id REBEL's recipe passes, offline, with ArmoRM's config.json (its fields that matter here) in the
     local Hub cache: refused without the flag before anything is loaded, accepted with it."""
