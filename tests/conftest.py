@@ -252,6 +252,25 @@ def choice_logliks(model_dir: str, rows: list[dict]) -> list[list[float]]:
     return out
 
 
+def armo_scores(model_dir, prompts: list[str], responses: list[str]) -> list[float]:
+    """The oracle of a remote-code reward model (the tiny kit's ``armo`` kind, ArmoRM's layout): its own ``forward``,
+    loaded with ``trust_remote_code=True``, on each conversation alone (the chat template's ids, no padding), read
+    from the output's ``score`` (tests/test_remote_code_rm.py, tests/vllm_env/test_vllm_generate.py)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)  # a plain tokenizer: no code of its own
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, trust_remote_code=True,
+                                                               dtype=torch.float32).eval()
+    scores = []
+    for prompt, response in zip(prompts, responses):
+        conversation = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        ids = tok.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
+        with torch.no_grad():
+            scores.append(model(input_ids=torch.tensor([ids])).score[0].item())
+    return scores
+
+
 def naive_sequence_logps(model, prompts, responses, temperature=1.0, softcap=None):
     """The log-prob oracle of tests/test_logprobs.py and tests/test_attention.py: one unpadded sequence at a time,
     full logits, full-vocab log_softmax, gather, sum over the response."""

@@ -218,6 +218,12 @@ CASES = [
          "returned something that is not a list of numbers"),
     Case("score-reward-model-not-found", ["score", "--input", "{gen}", "--reward-model", "org/reward-model"],
          "--reward-model org/reward-model: not found locally"),
+    # a causal LM given as a reward model (issue 37, point 8): it would have scored with a new, random head
+    Case("score-causal-lm-as-reward-model", ["score", "--input", "{gen}", "--reward-model", "{policy}"],
+         "--reward-model {policy}: is a causal language model (LlamaForCausalLM), not a reward model: loaded as one "
+         "it would score with a new, randomly initialised head; pass a sequence-classification reward model "
+         "(AutoModelForSequenceClassification; rlhf train-rm trains one from this model) or a python reward function "
+         "with --reward-fn"),
     # score: several reward sources (issue 14, item 4)
     Case("score-no-reward-source", ["score", "--input", "{gen}"], "give a reward source: --reward-model, --reward-fn"),
     Case("score-reward-weights-count", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good",
@@ -336,6 +342,12 @@ CASES = [
                                      "{rewards}:good", "--baseline", "{dir}/runs/iter_0/eval"], "--baseline"),
     Case("eval-reward-model-not-found", ["eval", "--model", "{policy}", "--prompts", "{prompts}",
                                          "--reward-model", "nomodel"], "--reward-model nomodel: not found locally"),
+    Case("eval-causal-lm-as-reward-model", ["eval", "--model", "{policy}", "--prompts", "{prompts}",
+                                            "--reward-model", "{policy}"],
+         "--reward-model {policy}: is a causal language model (LlamaForCausalLM), not a reward model: loaded as one "
+         "it would score with a new, randomly initialised head; pass a sequence-classification reward model "
+         "(AutoModelForSequenceClassification; rlhf train-rm trains one from this model) or a python reward function "
+         "with --reward-fn, or give it as --judge to compare answers pairwise"),
     Case("eval-reward-fn-file-missing", ["eval", "--model", "{policy}", "--prompts", "{prompts}", "--reward-fn",
                                          "{dir}/rewardz.py:good"], "no such file"),
     Case("eval-prompts-wrong-column", ["eval", "--model", "{policy}", "--prompts", "{questions}", "--reward-fn",
@@ -363,6 +375,9 @@ CASES = [
          "prompts_per_iteration must be at least 1"),
     Case("iterate-model-not-found", ["iterate", "--config", "{iterate_reserved}", "--model", "nomodel"],
          "--model nomodel: not found locally"),
+    Case("iterate-causal-lm-as-reward-model", ["iterate", "--config", "{iterate_reserved}", "--reward-model",
+                                               "{policy}"],
+         "--reward-model {policy}: is a causal language model (LlamaForCausalLM), not a reward model: "),
     Case("iterate-prompts-missing", ["iterate", "--config", "{iterate_reserved}", "--prompts", "{missing}"],
          "no such file"),
     Case("report-run-dir-missing", ["report", "{dir}/no_run"], "no such directory"),

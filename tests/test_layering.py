@@ -33,6 +33,7 @@ LEVELS: list[tuple[int, str, str]] = [
     (1, "selection", "pure choice of pairs, groups and splits"),
     (1, "tiny", "the offline tiny tokenizer and models"),
     (1, "data.lm_eval.rlhf_arith", "the bundled lm-eval task's dataset loader (a file of data/, beside its jsonl)"),
+    (1, "data.modeling_tiny_armo", "the tiny kit's remote-code reward model (a file of data/ it copies into a model)"),
     (1, "evalstats", "pure statistics of an evaluation: win rates, length control, pass@k"),
     (1, "judge", "the pairwise judge's prompt, verdicts and both orders, as pure functions"),
     (2, "files", "whole files: damaged-file checks, sealed directories, a full disk as one line"),

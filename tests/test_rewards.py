@@ -36,6 +36,31 @@ def test_reward_from_output_prefers_score_field():
         reward_from_output(types.SimpleNamespace(logits=torch.zeros(2, 2)))
 
 
+def test_reward_from_output_reads_an_armorm_style_model_output():
+    """ArmoRM's remote code returns a ModelOutput with rewards (B, 19), gating_output and score of shape (B,), and a
+    model output may have neither field: read score, whatever its logits, and say what the output has."""
+    from dataclasses import dataclass
+    from typing import Optional
+
+    from transformers.utils import ModelOutput
+
+    @dataclass
+    class Gated(ModelOutput):
+        rewards: Optional[torch.Tensor] = None
+        gating_output: Optional[torch.Tensor] = None
+        score: Optional[torch.Tensor] = None
+        logits: Optional[torch.Tensor] = None
+
+    out = Gated(rewards=torch.ones(2, 19), gating_output=torch.full((2, 19), 1 / 19), score=torch.tensor([0.25, -2.0]))
+    assert reward_from_output(out).tolist() == [0.25, -2.0]
+    assert reward_from_output(Gated(logits=torch.tensor([[3.0], [4.0]]))).tolist() == [3.0, 4.0]  # score None
+    with pytest.raises(PipelineError, match=r"output \(Gated: rewards, gating_output\) has neither a score nor a "
+                                            "logits tensor"):
+        reward_from_output(Gated(rewards=torch.ones(2, 3), gating_output=torch.ones(2, 3)))
+    with pytest.raises(PipelineError, match=r"rewards of shape \(\); expected one per sequence"):
+        reward_from_output(Gated(score=torch.tensor(1.0)))
+
+
 def test_load_reward_fn_from_file_and_module(tmp_path):
     f = tmp_path / "my_rewards.py"
     f.write_text("def length(prompts, responses, **cols):\n    return [len(r) for r in responses]\n")

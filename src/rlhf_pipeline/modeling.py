@@ -4,6 +4,7 @@ check of a model or tokenizer reference (:func:`check_model_ref`) that every sta
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -113,6 +114,81 @@ def _check_on_hub(flag: str, ref: str, needed: str) -> None:
             f"{flag} {ref}: not a local directory; tried as a Hub id and the Hub has no such model (or it is private: "
             f"set HF_TOKEN); check the path or the id of {needed}"
         )
+
+
+# config.json's auto_map key for the class a reward model is loaded with (AutoModelForSequenceClassification).
+REWARD_AUTO_CLASS = "AutoModelForSequenceClassification"
+# How causal LMs' architecture names end (LlamaForCausalLM, GPT2LMHeadModel): a model whose every architecture is one.
+_CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+_REWARD_MODEL_HINT = ("pass a sequence-classification reward model (AutoModelForSequenceClassification; rlhf train-rm "
+                      "trains one from this model) or a python reward function with --reward-fn")
+
+
+def check_reward_model(flag: str, ref: str, trust_remote_code: bool = False, *, judge: bool = False,
+                       trust_option: str = "--trust-remote-code") -> None:
+    """:func:`check_model_ref`, then what the model's ``config.json`` says it is, read as JSON (none of the model's
+    code runs, nothing is written), so that two mistakes are one line each before a stage reads its data:
+
+    * a model that ships its own code for its reward head (``auto_map``'s ``AutoModelForSequenceClassification``
+      entry, as ArmoRM does) without ``--trust-remote-code``. transformers refuses such a model with a traceback
+      when its ``model_type`` is its own, and when the type is a standard one (ArmoRM's is ``llama``) it loads that
+      type's standard classifier instead, with a new, random score head, and scores with it;
+    * a causal LM (every one of its ``architectures`` a causal LM's): loaded as a sequence classifier it gets a new,
+      random score head too. ``judge``: the stage also takes a ``--judge`` model (``rlhf eval``), named in the fix.
+
+    ``trust_option`` is how the fix names the option that allows the code (``rlhf iterate`` sets it in its score
+    section).
+
+    A Hub id's config.json is read from the local Hub cache, or downloaded (one small file) when online; where
+    neither works the checks are left to the loader."""
+    check_model_ref(flag, ref)
+    config = _config_json(ref)
+    if config is None:
+        return
+    problem = reward_model_problem(config, trust_remote_code, judge=judge, trust_option=trust_option)
+    if problem is not None:
+        raise PipelineError(f"{flag} {ref}: {problem}")
+
+
+def reward_model_problem(config: dict, trust_remote_code: bool, *, judge: bool = False,
+                         trust_option: str = "--trust-remote-code") -> str | None:
+    """Why a model with this ``config.json`` cannot score as a reward model here, and the fix (see
+    :func:`check_reward_model`), or None."""
+    auto_map = config.get("auto_map")
+    remote = auto_map.get(REWARD_AUTO_CLASS) if isinstance(auto_map, dict) else None
+    if remote:
+        if trust_remote_code:
+            return None
+        return (f"ships its own code for its reward head (config.json's auto_map: {REWARD_AUTO_CLASS} -> {remote}), "
+                f"which is not run unless allowed; read that code, then allow it with {trust_option}")
+    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    if architectures and all(a.endswith(_CAUSAL_LM_SUFFIXES) for a in architectures):
+        fix = _REWARD_MODEL_HINT + (", or give it as --judge to compare answers pairwise" if judge else "")
+        return (f"is a causal language model ({', '.join(architectures)}), not a reward model: loaded as one it "
+                f"would score with a new, randomly initialised head; {fix}")
+    return None
+
+
+def _config_json(ref: str) -> dict | None:
+    """A model's ``config.json`` as a dict: from a local directory (:func:`check_model_ref` has checked it has one),
+    else from the local Hub cache, else from the Hub unless offline; None where it cannot be read."""
+    path = Path(ref).expanduser()
+    try:
+        if path.is_dir():
+            config = json.loads((path / MODEL_CONFIG).read_text())
+        else:
+            from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+            cached = try_to_load_from_cache(ref, MODEL_CONFIG)
+            if not isinstance(cached, str):
+                if offline_variable() is not None:
+                    return None
+                cached = hf_hub_download(ref, MODEL_CONFIG)
+            config = json.loads(Path(cached).read_text())
+    except Exception as e:  # a damaged file, no network: the loader reports it as it always has
+        log.info("%s: config.json not read before loading (%s)", ref, e)
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def default_device() -> torch.device:

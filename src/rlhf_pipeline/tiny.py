@@ -6,6 +6,7 @@ so tests and the CPU demo exercise the real code. Nothing here downloads anythin
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -189,26 +190,14 @@ def build_tokenizer(vocab_size: int = 1024, chat_format: str = "tiny") -> PreTra
     return fast
 
 
-def build_model(
-    tokenizer: PreTrainedTokenizerFast,
-    kind: str = "policy",
-    seed: int = 0,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-) -> PreTrainedModel:
-    """A random-initialised Llama: a causal LM (``policy``) or a 1-label sequence classifier (``reward``).
-
-    Heads are 32 wide (``hidden_size // 32`` query heads, half as many KV heads): vLLM's CPU attention kernel takes
-    head sizes of 32 and up only, and 32 keeps the projections as small as the hidden size allows, so the same
-    tiny model runs on both engines.
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
-
+def _llama_config_kwargs(tokenizer: PreTrainedTokenizerFast, hidden_size: int, num_layers: int) -> dict:
+    """The tiny Llama's configuration. Heads are 32 wide (``hidden_size // 32`` query heads, half as many KV heads):
+    vLLM's CPU attention kernel takes head sizes of 32 and up only, and 32 keeps the projections as small as the
+    hidden size allows, so the same tiny model runs on both engines."""
     if hidden_size % TINY_HEAD_DIM:
         raise ValueError(f"hidden_size {hidden_size} is not a multiple of the tiny kit's head size {TINY_HEAD_DIM}")
     heads = hidden_size // TINY_HEAD_DIM
-    config = LlamaConfig(
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 3,
@@ -221,6 +210,21 @@ def build_model(
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast,
+    kind: str = "policy",
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+) -> PreTrainedModel:
+    """A random-initialised Llama (:func:`_llama_config_kwargs`): a causal LM (``policy``) or a 1-label sequence
+    classifier (``reward``). The ``armo`` kind is remote code, built by :func:`save_tiny_model` alone."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    config = LlamaConfig(**_llama_config_kwargs(tokenizer, hidden_size, num_layers))
     torch.manual_seed(seed)
     if kind == "policy":
         return LlamaForCausalLM(config)
@@ -230,6 +234,14 @@ def build_model(
     raise ValueError(f"unknown kind {kind!r}; expected 'policy' or 'reward'")
 
 
+# What the tiny kit builds: a causal LM, a sequence classifier, or a reward model that ships its own code (ArmoRM's
+# layout: see save_tiny_armo_model).
+KINDS = ("policy", "reward", "armo")
+TinyKind = Literal[KINDS]  # type: ignore[valid-type]  # the CLI's choices, from the table
+ARMO_CODE = "modeling_tiny_armo.py"  # the remote code, a file of rlhf_pipeline/data copied into the model directory
+ARMO_OBJECTIVES = 4
+
+
 def save_tiny_model(
     output: str | Path, kind: str = "policy", seed: int = 0, chat_format: str = "tiny", **model_kwargs
 ) -> Path:
@@ -237,16 +249,65 @@ def save_tiny_model(
 
     ``chat_format`` picks the tokenizer's family (:data:`CHAT_FORMATS`). A policy's ``generation_config.json`` names
     the family's stop tokens as its real models do: one id as an int, several as a list (Llama-3:
-    ``[<|end_of_text|>, <|eot_id|>]``).
+    ``[<|end_of_text|>, <|eot_id|>]``). ``kind="armo"`` writes :func:`save_tiny_armo_model`'s remote-code model.
     """
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
     tokenizer = build_tokenizer(chat_format=chat_format)
-    model = build_model(tokenizer, kind=kind, seed=seed, **model_kwargs)
+    output = Path(output)
+    if kind == "armo":
+        model = _build_armo(tokenizer, seed=seed, **model_kwargs)
+    else:
+        model = build_model(tokenizer, kind=kind, seed=seed, **model_kwargs)
     if kind == "policy":
         stops = [tokenizer.convert_tokens_to_ids(t) for t in chat_format_spec(chat_format).generation_eos]
         model.generation_config.eos_token_id = stops[0] if len(stops) == 1 else stops
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.bos_token_id = tokenizer.bos_token_id
-    output = Path(output)
     model.save_pretrained(output, safe_serialization=True)
+    if kind == "armo":
+        shutil.copyfile(bundled_path(ARMO_CODE), output / ARMO_CODE)
     tokenizer.save_pretrained(output)
     return output
+
+
+def save_tiny_armo_model(output: str | Path, seed: int = 0, chat_format: str = "tiny", **model_kwargs) -> Path:
+    """A tiny reward model laid out as ArmoRM is: remote code (``modeling_tiny_armo.py``, named in ``config.json``'s
+    ``auto_map`` for ``AutoConfig`` and ``AutoModelForSequenceClassification``, with a ``model_type`` of its own) that
+    transformers runs only with ``trust_remote_code=True``; a Llama body, a regression layer to
+    :data:`ARMO_OBJECTIVES` objectives, a gating network over the hidden state of the token that opens the answer,
+    and an output with ``rewards``, ``gating_output`` and ``score`` (the gated sum, one per sequence; no ``logits``).
+    Seeded and offline like every tiny model."""
+    return save_tiny_model(output, kind="armo", seed=seed, chat_format=chat_format, **model_kwargs)
+
+
+def _build_armo(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_size: int = 64, num_layers: int = 2):
+    """The model of :func:`save_tiny_armo_model`, made from the bundled file by this process (the kit's own code, so
+    nothing of a model directory runs here). The gating token is the last special token of the chat template's
+    generation prompt: the one that opens the assistant turn (``<|assistant|>``, Llama-3's ``<|end_header_id|>``)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("rlhf_tiny_armo", bundled_path(ARMO_CODE))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]
+    special = set(tokenizer.all_special_ids)
+    gating_token = next(t for t in reversed(prompt) if t in special)
+    name = module.TinyArmoForRewardModel.__name__
+    config = module.TinyArmoConfig(
+        **_llama_config_kwargs(tokenizer, hidden_size, num_layers),
+        num_labels=1,
+        num_objectives=ARMO_OBJECTIVES,
+        gating_hidden_dim=hidden_size,
+        gating_temperature=1.0,
+        gating_token_id=gating_token,
+        auto_map={"AutoConfig": f"{Path(ARMO_CODE).stem}.{module.TinyArmoConfig.__name__}",
+                  "AutoModelForSequenceClassification": f"{Path(ARMO_CODE).stem}.{name}"},
+    )
+    torch.manual_seed(seed)
+    model = module.TinyArmoForRewardModel(config)
+    model.config.architectures = [name]
+    return model

@@ -16,7 +16,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: two may 
 
 from datasets import load_from_disk  # noqa: E402
 
-from conftest import run, write_jsonl  # noqa: E402
+from conftest import armo_scores, run, write_jsonl  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("shared_vllm_engines")
 
@@ -145,13 +145,23 @@ def test_messages_prompts_multi_turn(policy, tok, tmp_path):
 
 
 def test_eval_with_the_vllm_engine(policy, prompts, tmp_path):
+    """Also scored by a reward model that ships its own code (the tiny kit's ArmoRM layout), in this environment's
+    transformers: with --trust-remote-code each response gets the model's own score."""
     (tmp_path / "rewards.py").write_text(REWARD_FN)
+    armo = tmp_path / "tiny_armo"
+    assert run("tiny-model", "--kind", "armo", "--seed", 2, "--output", armo) == 0
     assert run("eval", "--model", policy, "--prompts", prompts, "--reward-fn", f"{tmp_path}/rewards.py:reward",
-               "--engine", "vllm", "--n", 2, "--max-new-tokens", MAX_NEW, "--output", tmp_path / "eval") == 0
+               "--reward-model", armo, "--trust-remote-code", "--engine", "vllm", "--n", 2,
+               "--max-new-tokens", MAX_NEW, "--output", tmp_path / "eval") == 0
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert results["scores"]["reward_fn"]["stderr"] > 0 and 0 < results["stop_fraction"] < 1
     samples = next(p for p in (tmp_path / "eval").rglob("manifest.json") if manifest(p.parent)["stage"] == "generate")
     assert manifest(samples.parent)["sampling"]["engine"] == "vllm"
+    scored = load_from_disk(str(tmp_path / "eval" / "score_reward_model"))
+    assert [x for row in scored["rewards"] for x in row] == pytest.approx(armo_scores(
+        armo, [row["prompt"] for row in scored for _ in row["responses"]],
+        [r for row in scored for r in row["responses"]]), abs=1e-5)
+    assert results["scores"]["reward_model"]["stderr"] > 0
 
 
 def test_score_with_vllms_pooling_runner_equals_the_hf_path(gens, tiny_rm, tmp_path):

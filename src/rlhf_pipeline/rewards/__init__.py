@@ -193,9 +193,20 @@ def combine_rewards(
 
 
 def reward_from_output(output: Any):
-    """The (B,) reward tensor of a reward model's output: ``.score`` when present (ArmoRM), else ``.logits``."""
+    """The (B,) reward tensor of a reward model's output: its ``score`` when it has one (ArmoRM's remote code returns
+    ``rewards`` per objective, ``gating_output`` and ``score``, the gated preference, (B,) or (B, 1)), else its
+    ``logits`` (a sequence classifier's, (B, 1)). This is the one place a model's output becomes rewards."""
+    import torch
+
     score = getattr(output, "score", None)
-    values = score if score is not None else output.logits
+    values = score if torch.is_tensor(score) else getattr(output, "logits", None)
+    if not torch.is_tensor(values):
+        fields = ", ".join(output.keys()) if hasattr(output, "keys") else ""
+        raise PipelineError(
+            f"the reward model's output ({type(output).__name__}{': ' + fields if fields else ''}) has neither a score "
+            "nor a logits tensor; score with a sequence-classification model (logits) or one whose output has a score "
+            "field (ArmoRM)"
+        )
     if values.dim() == 2:
         if values.shape[1] != 1:
             raise PipelineError(
@@ -203,6 +214,9 @@ def reward_from_output(output: Any):
                 "(a sequence-classification model with num_labels=1)"
             )
         values = values[:, 0]
+    if values.dim() != 1:
+        raise PipelineError(f"the reward model outputs rewards of shape {tuple(values.shape)}; expected one per "
+                            "sequence, (batch,) or (batch, 1)")
     return values.float()
 
 

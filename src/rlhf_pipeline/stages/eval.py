@@ -439,7 +439,7 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     from rlhf_pipeline.executors import check_ray_installed
     from rlhf_pipeline.stages.generate import select_prompts
     from rlhf_pipeline.stages.score import check_reference_column
-    from rlhf_pipeline.modeling import check_model_ref
+    from rlhf_pipeline.modeling import check_model_ref, check_reward_model
     from rlhf_pipeline.rewards import load_reward_fn
 
     if config.executor == "ray":
@@ -450,7 +450,7 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
         check_engine(config.attn_implementation, resolve_engine_name(config.engine))
     for source in _scorers(config):
         if source.kind == "reward_model":
-            check_model_ref(source.flag, source.spec)
+            check_reward_model(source.flag, source.spec, config.trust_remote_code, judge=True)
         else:
             load_reward_fn(source.spec)
     prompts, column, _, _ = select_prompts(ref, limit=config.limit)

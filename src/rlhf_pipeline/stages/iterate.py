@@ -439,12 +439,13 @@ def main(config: IterateConfig) -> Path:
     fails in seconds and leaves no run directory; then run (:func:`run_iterations`). The later iterations' policies
     do not exist yet: each stage checks its own when it starts."""
     from rlhf_pipeline.datasets_io import parse_ref
-    from rlhf_pipeline.modeling import check_model_ref
+    from rlhf_pipeline.modeling import check_model_ref, check_reward_model
     from rlhf_pipeline.rewards import check_reward_fn_spec
 
     check_model_ref("--model", config.model)
     if config.reward_model is not None:
-        check_model_ref("--reward-model", config.reward_model)
+        check_reward_model("--reward-model", config.reward_model, bool(config.score.get("trust_remote_code")),
+                           trust_option="--score '{trust_remote_code: true}'")
     for spec in as_list(config.reward_fn):
         check_reward_fn_spec(spec)
     parse_ref(config.prompts)

@@ -483,15 +483,16 @@ def _read(config: ScoreConfig, processes: int) -> _Work | None:
                             "itself); run it without accelerate launch, or score with --engine hf")
     from rlhf_pipeline.attention import check_attn_implementation
     from rlhf_pipeline.datasets_io import StageOutput, load_dataset_ref, parse_ref
-    from rlhf_pipeline.modeling import check_model_ref
+    from rlhf_pipeline.modeling import check_reward_model
     from rlhf_pipeline.rewards import load_reward_fn
 
-    # The reward sources first: a mistyped model or function fails before the data is read.
+    # The reward sources first: a mistyped model or function fails before the data is read (and a model's own code
+    # that was not allowed, or a causal LM, before any of it is loaded).
     sources = config.sources
     fns = {}
     for source in sources:
         if source.kind == "reward_model":
-            check_model_ref(source.flag, source.spec)
+            check_reward_model(source.flag, source.spec, config.trust_remote_code)
             check_attn_implementation(config.attn_implementation)
         else:
             fns[source.key] = load_reward_fn(source.spec)

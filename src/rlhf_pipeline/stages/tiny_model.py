@@ -3,10 +3,13 @@
     rlhf tiny-model --output models/tiny-policy
     rlhf tiny-model --output models/tiny-rm --kind reward --seed 1
     rlhf tiny-model --output models/tiny-llama3 --chat-format llama3
+    rlhf tiny-model --output models/tiny-armo --kind armo     # remote code: score it with --trust-remote-code
 
 The directory loads with ``from_pretrained`` like any Hub model, so every stage runs on it unchanged.
 ``--chat-format`` gives the tokenizer a real family's special tokens and chat template (Llama-3, ChatML/Qwen,
 Mistral, Gemma; see ``rlhf_pipeline.tiny.CHAT_FORMATS``), so a pipeline can be checked on that layout offline.
+``--kind armo`` writes a reward model laid out as ArmoRM is (``rlhf_pipeline.tiny.save_tiny_armo_model``): its own
+modeling code named in config.json's auto_map, a multi-objective head with a gating layer, and a ``score`` output.
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Sequence
 
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.datasets_io import atomic_directory, clean_stale
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.tiny import TINY_HEAD_DIM, ChatFormatName
+from rlhf_pipeline.tiny import TINY_HEAD_DIM, ChatFormatName, TinyKind
 
 
 @dataclass(kw_only=True)
@@ -28,8 +31,10 @@ class TinyModelConfig:
     """Build a tiny tokenizer + Llama offline and save it with save_pretrained (safetensors)."""
 
     output: str = option(help="Directory to write the model and tokenizer to.")
-    kind: Literal["policy", "reward"] = option(
-        "policy", help="policy: LlamaForCausalLM; reward: LlamaForSequenceClassification with num_labels=1."
+    kind: TinyKind = option(
+        "policy", help="policy: LlamaForCausalLM; reward: LlamaForSequenceClassification with num_labels=1; armo: a "
+        "multi-objective reward model with a gating layer that ships its own code, as ArmoRM does (score it with "
+        "--trust-remote-code)."
     )
     seed: int = option(0, help="Seed of the random initialisation.")
     hidden_size: int = option(64, help="Hidden size of the Llama.")
