@@ -8,6 +8,12 @@ string with them gives. Large batches are rendered and encoded in chunks over th
 conversations of one prompt have the prompt's part encoded once (:class:`SharedPrefix`), with the same ids.
 No token id or template slice is hard-coded: stop tokens come from the tokenizer and the generation config.
 
+Which template: :func:`use_chat_template` sets the one a stage renders with on its tokenizer (``--chat-template``, a
+built-in of ``chat_templates`` or a Jinja file, else the tokenizer's own; none at all is an error naming the fix, and
+``none`` renders raw text on purpose) and returns it as a :class:`ChatTemplate`, whose ``record()`` the manifests
+carry; every renderer here reads ``tokenizer.chat_template``, so all of them, the direct Jinja rendering included,
+render with that one.
+
 Control tokens: a message's content is text. A tokenizer reads a special-token string written inside a rendered
 conversation (``<|im_start|>``, ``<|eot_id|>``) as the special token itself, so a response or prompt that spells one
 would forge turns the reward model, the judge or the policy then reads. Every conversation is checked against the
@@ -154,7 +160,11 @@ def read_chat_template(value: Optional[str]) -> Optional[ChatTemplate]:
         raise PipelineError(f"--chat-template {value}: no such file, and not a built-in template "
                             f"({', '.join(BUILTIN_TEMPLATES)}) or {NO_CHAT_TEMPLATE}; give a Jinja template file or "
                             "one of those names")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PipelineError(f"--chat-template {value}: cannot be read as text ({e}); give a Jinja template "
+                            "file") from None
     from jinja2 import Environment, TemplateSyntaxError
 
     try:

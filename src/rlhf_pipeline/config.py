@@ -9,11 +9,11 @@ before anything runs (what may not exist yet, such as a later iteration's model,
 
 Fields shared by several stages live in small dataclasses (``OutputOptions``, ``ControlTokenOptions``,
 ``ChatTemplateOptions``, ``sampling_options.SamplingOptions``) that stage configs inherit from, so a flag, its help
-and its checks are declared once; one whose ``options_group`` names a help section gets its own section in ``--help``. A stage that
-needs another default for a shared field changes only that (:func:`override`), and passes a group on to another
-config with :func:`options_of`.
-``metadata={"semantic": False}`` marks fields that do not change a stage's output (``--overwrite``,
-``--num-proc``); they are left out when deciding whether a finished output can be reused.
+and its checks are declared once; one whose ``options_group`` names a help section gets its own section in
+``--help``. A stage that needs another default for a shared field changes only that (:func:`override`), and passes a
+group on to another config with :func:`options_of`. ``metadata={"semantic": False}`` marks fields that do not change
+a stage's output (``--overwrite``, ``--num-proc``); they are left out when deciding whether a finished output can be
+reused.
 
 Why not transformers' ``HfArgumentParser`` (which TRL builds on): it maps the same dataclasses to flags (with dash
 aliases, ``Literal`` and ``Enum`` choices, help from metadata), but it reads a YAML file *instead of* the command

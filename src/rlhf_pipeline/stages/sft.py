@@ -2,7 +2,8 @@
 
     rlhf sft --model M --data demos.jsonl --output runs/sft
     accelerate launch --config_file accelerate_cfgs/zero3.yaml -m rlhf_pipeline.stages.sft \\
-        --model meta-llama/Meta-Llama-3-8B --data ORG/demos --output runs/sft --bf16 --learning-rate 1e-5
+        --model meta-llama/Meta-Llama-3-8B --chat-template llama3 --data ORG/demos --output runs/sft --bf16 \\
+        --learning-rate 1e-5
 
 Rows are ``prompt``/``answer`` (ReaL's and OpenRLHF's format), ``messages`` (a conversation that ends with an
 assistant turn; the loss is on that last turn, the earlier turns are the prompt), or token ids

@@ -36,8 +36,8 @@ class TinyModelConfig:
     hidden_size: int = option(64, help="Hidden size of the Llama.")
     num_layers: int = option(2, help="Number of decoder layers.")
     chat_format: ChatFormatName = option(
-        "tiny", help="Tokenizer family: special tokens, chat template and stop tokens (tiny: the kit's own format; base: "
-        "the kit's tokens without a chat template, as a base model ships)."
+        "tiny", help="Tokenizer family: special tokens, chat template and stop tokens (tiny: the kit's own format; "
+        "base: the kit's tokens without a chat template, as a base model ships)."
     )
     overwrite: bool = option(False, help="Replace an existing directory.")
 
