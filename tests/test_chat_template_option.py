@@ -231,3 +231,13 @@ def test_iterate_and_eval_pass_the_option_on(monkeypatch, tmp_path):
     monkeypatch.setattr(score, "score", lambda c, accelerator=None: scored.append(c) or tmp_path / "score")
     eval_stage._sample_and_score(ev, "p", tmp_path / "ev")
     assert [c.chat_template for c in seen + scored] == ["llama3", "llama3"]
+
+
+def test_the_docs_name_every_builtin_template():
+    from rlhf_pipeline.chat_templates import BUILTIN_TEMPLATES
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "stages.md").read_text()
+    section = text.split("### Chat templates", 1)[1].split("\n## ", 1)[0]
+    assert f"`--chat-template {'|'.join(BUILTIN_TEMPLATES)}|FILE`" in section
+    for name in BUILTIN_TEMPLATES:
+        assert f"`{name}`:" in section, name
