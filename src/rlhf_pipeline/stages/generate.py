@@ -258,7 +258,7 @@ def main(config: GenerateConfig) -> Path:
                 for start in range(0, ds.num_rows, CHUNK_PROMPTS):
                     part = ds[start : start + CHUNK_PROMPTS]
                     prompt_ids = encode_prompts(tokenizer, part[column],
-                                        allow_special_tokens=config.allow_special_tokens_in_text)
+                                                allow_special_tokens=config.allow_special_tokens_in_text)
                     seeds = [request_seed(config.seed, r) for r in rows[start : start + CHUNK_PROMPTS]]
                     completions = engine.generate(prompt_ids, seeds, sampling, logprobs=config.logprobs)
                     writer.write(columns(part, prompt_ids, completions))
