@@ -85,7 +85,7 @@ def test_eval_lists_generates_sampling_options_with_the_same_help_and_eval_defau
     assert {k: v for k, v in gen.items() if k != "--n"} == {k: v for k, v in ev.items() if k != "--n"}
     assert gen["--n"] == (5, "Responses sampled per prompt, in one request. (default: 5)")
     assert ev["--n"] == (1, "Responses sampled per prompt, in one request. (default: 1)")  # eval's default stays 1
-    for stage_only in ("--model", "--prompts", "--shard", "--offset", "--use-chat-template"):
+    for stage_only in ("--model", "--prompts", "--shard", "--offset", "--chat-template"):
         assert stage_only in flags(build_parser(GenerateConfig, "rlhf generate"), "stage options")
 
 
@@ -116,7 +116,7 @@ def test_eval_hands_every_sampling_option_to_generate(monkeypatch, tmp_path):
     assert [c.attn_implementation for c in scored] == ["varlen"]  # the reward model's too
     assert (gen.model, gen.prompts) == ("baseline-model", "p.jsonl")
     assert gen.output == str(tmp_path / "baseline" / "generate")
-    assert (gen.offset, gen.shard, gen.use_chat_template) == (0, None, True)  # generate's defaults, as before
+    assert (gen.offset, gen.shard, gen.chat_template) == (0, None, None)  # generate's defaults
 
 
 def test_shards_cover_every_row_once():

@@ -21,6 +21,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: accelerate_cfgs/ and re
 
 MODEL=${MODEL:-meta-llama/Meta-Llama-3-8B}            # a base (not instruction-tuned) model
 DATA=${DATA:-HuggingFaceH4/ultrachat_200k:train_sft}  # messages rows; any prompt/answer or messages data works
+CHAT_TEMPLATE=${CHAT_TEMPLATE:-llama3}   # the base model ships none: the layout it learns, saved into $OUT's tokenizer
 RUN=${RUN:-runs/rebel_llama3}
 OUT=${OUT:-$RUN/sft}
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_cfgs/zero3.yaml}
@@ -49,7 +50,7 @@ fi
 push=(); [ -n "$PUSH_TO_HUB" ] && push=(--push-to-hub "$PUSH_TO_HUB")
 
 accelerate launch --config_file "$ACCELERATE_CONFIG" --num_processes "$NUM_GPUS" -m rlhf_pipeline.stages.sft \
-  --model "$MODEL" --data "$DATA" --output "$OUT" \
+  --model "$MODEL" --data "$DATA" --output "$OUT" --chat-template "$CHAT_TEMPLATE" \
   --max-length "$MAX_LENGTH" --test-size "$TEST_SIZE" \
   --epochs "$EPOCHS" --batch-size "$BATCH_SIZE" --gradient-accumulation-steps "$GRAD_ACC" \
   --learning-rate "$LEARNING_RATE" --weight-decay "$WEIGHT_DECAY" --warmup-ratio "$WARMUP_RATIO" \

@@ -8,6 +8,12 @@ string with them gives. Large batches are rendered and encoded in chunks over th
 conversations of one prompt have the prompt's part encoded once (:class:`SharedPrefix`), with the same ids.
 No token id or template slice is hard-coded: stop tokens come from the tokenizer and the generation config.
 
+Which template: :func:`use_chat_template` sets the one a stage renders with on its tokenizer (``--chat-template``, a
+built-in of ``chat_templates`` or a Jinja file, else the tokenizer's own; none at all is an error naming the fix, and
+``none`` renders raw text on purpose) and returns it as a :class:`ChatTemplate`, whose ``record()`` the manifests
+carry; every renderer here reads ``tokenizer.chat_template``, so all of them, the direct Jinja rendering included,
+render with that one.
+
 Control tokens: a message's content is text. A tokenizer reads a special-token string written inside a rendered
 conversation (``<|im_start|>``, ``<|eot_id|>``) as the special token itself, so a response or prompt that spells one
 would forge turns the reward model, the judge or the policy then reads. Every conversation is checked against the
@@ -19,14 +25,18 @@ gives special-token ids (:meth:`ControlTokens.encode_guarded`). ``allow_special_
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
+from rlhf_pipeline.chat_templates import BUILTIN_TEMPLATES
+from rlhf_pipeline.config import NO_CHAT_TEMPLATE
 from rlhf_pipeline.contracts import PROMPT_COLUMNS
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
@@ -103,6 +113,118 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str
     if padding_side is not None:
         tok.padding_side = padding_side
     return tok
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which chat template a stage renders with (--chat-template, config.ChatTemplateOptions)
+
+CHAT_TEMPLATE_FIX = (f"pass --chat-template {'|'.join(BUILTIN_TEMPLATES)}|FILE to render with one, or "
+                     f"--chat-template {NO_CHAT_TEMPLATE} for raw prompt text")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The chat template a stage renders with, and where it came from: ``tokenizer`` (the model's own), ``builtin``
+    (``name`` in ``chat_templates.BUILTIN_TEMPLATES``), ``file`` (``name`` is its path) or ``none`` (raw text)."""
+
+    source: str
+    text: Optional[str] = None
+    name: Optional[str] = None
+
+    @property
+    def sha(self) -> Optional[str]:
+        """A short hash of the template text (None without one): what the stages compare."""
+        return None if self.text is None else hashlib.sha256(self.text.encode()).hexdigest()[:12]
+
+    def record(self) -> dict[str, Any]:
+        """What a manifest records of it (``chat_template``)."""
+        return {"source": self.source, **({"name": self.name} if self.name else {}), "sha256": self.sha}
+
+    def describe(self) -> str:
+        what = {"tokenizer": "the tokenizer's own", "builtin": f"built-in {self.name}", "file": f"file {self.name}",
+                "none": "none (raw text)"}[self.source]
+        return what if self.sha is None else f"{what} (sha256 {self.sha})"
+
+
+def read_chat_template(value: Optional[str]) -> Optional[ChatTemplate]:
+    """The template ``--chat-template VALUE`` names (None: the tokenizer's own, decided by :func:`use_chat_template`):
+    a built-in name, ``none``, or a Jinja file, checked to parse."""
+    if value is None:
+        return None
+    if value == NO_CHAT_TEMPLATE:
+        return ChatTemplate("none")
+    if value in BUILTIN_TEMPLATES:
+        return ChatTemplate("builtin", BUILTIN_TEMPLATES[value], value)
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise PipelineError(f"--chat-template {value}: no such file, and not a built-in template "
+                            f"({', '.join(BUILTIN_TEMPLATES)}) or {NO_CHAT_TEMPLATE}; give a Jinja template file or "
+                            "one of those names")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PipelineError(f"--chat-template {value}: cannot be read as text ({e}); give a Jinja template "
+                            "file") from None
+    from jinja2 import Environment, TemplateSyntaxError
+
+    try:
+        Environment().parse(text)
+    except TemplateSyntaxError as e:
+        raise PipelineError(f"--chat-template {value}: not a Jinja template (line {e.lineno}: {e.message}); "
+                            "fix the file") from None
+    if not text.strip():
+        raise PipelineError(f"--chat-template {value}: the file is empty; give a Jinja chat template")
+    return ChatTemplate("file", text, str(path))
+
+
+def use_chat_template(tokenizer: PreTrainedTokenizerBase, value: Optional[str], model: str,
+                      required: bool = True) -> ChatTemplate:
+    """Set the template ``tokenizer`` renders with, and return it: ``--chat-template VALUE`` when given (a built-in,
+    a file, or ``none``, which removes the tokenizer's own), else the tokenizer's own template. A tokenizer with none
+    and no option is a PipelineError naming ``model`` and the fix when the stage must render (``required``); else
+    it renders raw text. Every renderer below reads ``tokenizer.chat_template``, so each renders with this one, and a
+    training stage's saved tokenizer carries it."""
+    chosen = read_chat_template(value)
+    if chosen is not None:
+        tokenizer.chat_template = chosen.text
+        return chosen
+    if tokenizer.chat_template:
+        return ChatTemplate("tokenizer", tokenizer.get_chat_template())
+    if required:
+        raise PipelineError(f"{model}: its tokenizer has no chat template; {CHAT_TEMPLATE_FIX}")
+    return ChatTemplate("none")
+
+
+def recorded_chat_template(record: Optional[dict[str, Any]]) -> Optional[str]:
+    """The ``--chat-template`` value that renders as a manifest's ``chat_template`` record says the data was rendered
+    (None: the tokenizer's own, or not recorded: manifests from before it, with ``use_chat_template`` only)."""
+    if not record:
+        return None
+    if record["source"] in ("builtin", "none"):
+        return record.get("name", NO_CHAT_TEMPLATE)
+    if record["source"] == "file" and Path(record["name"]).is_file():
+        return record["name"]
+    return None
+
+
+def check_same_template(used: ChatTemplate, record: Optional[dict[str, Any]], source: str, what: str) -> None:
+    """A PipelineError when ``used`` is not the template a manifest's ``chat_template`` ``record`` says ``source``
+    was rendered with (nothing to check in a manifest without one)."""
+    if not record or record.get("sha256") == used.sha:
+        return
+    recorded = ChatTemplate(record["source"], None, record.get("name"))
+    hint = recorded_chat_template(record) or (record.get("name") if record["source"] == "file" else None)
+    fix = (f"pass --chat-template {hint}" if hint else "pass the sampling model's tokenizer, or its template as "
+           "--chat-template FILE")
+    raise PipelineError(f"{source} was rendered with the chat template {recorded.describe()} (sha256 "
+                        f"{record.get('sha256')}), but {what} renders with {used.describe()}; {fix}")
+
+
+def raw_conversation_error(source: str, row: int) -> PipelineError:
+    """The error for a ``messages`` row (a conversation) that a stage without a chat template cannot render."""
+    return PipelineError(f"{source}: row {row} is a 'messages' conversation, which --chat-template "
+                         f"{NO_CHAT_TEMPLATE} cannot render as raw text; give a chat template (--chat-template "
+                         f"{'|'.join(BUILTIN_TEMPLATES)}|FILE) or plain 'prompt' text")
 
 
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -8,12 +8,12 @@ takes ``nan`` or ``inf``; each config's ``__post_init__`` checks ranges, so a ba
 before anything runs (what may not exist yet, such as a later iteration's model, is checked by the stage itself).
 
 Fields shared by several stages live in small dataclasses (``OutputOptions``, ``ControlTokenOptions``,
-``sampling_options.SamplingOptions``) that stage configs inherit from, so a flag, its help and its checks are
-declared once; one whose ``options_group`` names a help section gets its own section in ``--help``. A stage that
-needs another default for a shared field changes only that (:func:`override`), and passes a group on to another
-config with :func:`options_of`.
-``metadata={"semantic": False}`` marks fields that do not change a stage's output (``--overwrite``,
-``--num-proc``); they are left out when deciding whether a finished output can be reused.
+``ChatTemplateOptions``, ``sampling_options.SamplingOptions``) that stage configs inherit from, so a flag, its help
+and its checks are declared once; one whose ``options_group`` names a help section gets its own section in
+``--help``. A stage that needs another default for a shared field changes only that (:func:`override`), and passes a
+group on to another config with :func:`options_of`. ``metadata={"semantic": False}`` marks fields that do not change
+a stage's output (``--overwrite``, ``--num-proc``); they are left out when deciding whether a finished output can be
+reused.
 
 Why not transformers' ``HfArgumentParser`` (which TRL builds on): it maps the same dataclasses to flags (with dash
 aliases, ``Literal`` and ``Enum`` choices, help from metadata), but it reads a YAML file *instead of* the command
@@ -37,6 +37,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Literal, Optional, Sequence, TypeVar, Union
 
+from rlhf_pipeline.chat_templates import BUILTIN_TEMPLATES
 from rlhf_pipeline.errors import PipelineError
 
 C = TypeVar("C")
@@ -106,6 +107,22 @@ class ControlTokenOptions:
         help="Read special-token strings written in prompts and responses (<|im_start|>, <|eot_id|>, ...) as the "
         "control tokens themselves, for data that stores them on purpose. By default they are text: only the chat "
         "template's own markup gives control tokens, so a response cannot forge a turn.",
+    )
+
+
+NO_CHAT_TEMPLATE = "none"  # --chat-template none: raw text, on purpose
+
+
+@dataclass(kw_only=True)
+class ChatTemplateOptions:
+    """Which chat template the stages that render conversations (generate, score, eval, sft, train-rm, filter) use
+    (``chat.use_chat_template``): the option, then the tokenizer's own; none at all is an error."""
+
+    chat_template: Optional[str] = option(
+        None,
+        help="Render conversations with this chat template instead of the tokenizer's own: a Jinja template file, a "
+        f"built-in name ({', '.join(BUILTIN_TEMPLATES)}), or '{NO_CHAT_TEMPLATE}' for raw prompt text (no "
+        "'messages' rows then). Default: the tokenizer's template; a tokenizer without one is an error.",
     )
 
 

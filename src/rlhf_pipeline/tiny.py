@@ -12,6 +12,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional
 
+from rlhf_pipeline.chat_templates import CHATML, LLAMA3
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
@@ -44,7 +46,7 @@ class ChatFormat:
     pad: Optional[str]  # the tokenizer's pad_token; None: the family ships none (the pipeline pads with EOS)
     end_of_turn: str  # what closes an assistant turn in the template: the token sampling must stop on
     specials: tuple[str, ...]  # the other special tokens (roles, headers, turn markers)
-    template: str  # the Jinja chat template
+    template: Optional[str]  # the Jinja chat template; None: a base model's tokenizer, which has none
     generation_eos: tuple[str, ...]  # generation_config.json's eos_token_id (an int when one, a list when more)
 
     def special_tokens(self) -> list[str]:
@@ -65,26 +67,14 @@ CHAT_FORMATS: dict[str, ChatFormat] = {
     "llama3": ChatFormat(
         bos="<|begin_of_text|>", eos="<|end_of_text|>", pad=None, end_of_turn="<|eot_id|>",
         specials=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-        template=(
-            "{{ bos_token }}"
-            "{% for message in messages %}"
-            "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
-            " + '<|eot_id|>' }}"
-            "{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-        ),
+        template=LLAMA3,
         generation_eos=("<|end_of_text|>", "<|eot_id|>"),
     ),
     # ChatML (Qwen2/2.5 Instruct): <|im_start|>role\ncontent<|im_end|>\n, no BOS; <|im_end|> is the EOS and ends a
     # turn, <|endoftext|> pads; the generation config stops on both. The "\n" after <|im_end|> is the template's.
     "chatml": ChatFormat(
         bos=None, eos="<|im_end|>", pad="<|endoftext|>", end_of_turn="<|im_end|>", specials=("<|im_start|>",),
-        template=(
-            "{% for message in messages %}"
-            "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-            "{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-        ),
+        template=CHATML,
         generation_eos=("<|im_end|>", "<|endoftext|>"),
     ),
     # Mistral Instruct: <s>[INST] user [/INST] answer</s>[INST] ... ; [INST]/[/INST] are control tokens (v0.3), the
@@ -132,6 +122,11 @@ CHAT_FORMATS: dict[str, ChatFormat] = {
             "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
         ),
         generation_eos=("<eos>", "<end_of_turn>"),
+    ),
+    # A base model: the kit's own tokens and no chat template, as a pretrained-only checkpoint ships (the stages
+    # that render conversations then need --chat-template: chat.use_chat_template).
+    "base": ChatFormat(
+        bos=BOS, eos=EOS, pad=PAD, end_of_turn=EOS, specials=tuple(ROLE_TOKENS), template=None, generation_eos=(EOS,),
     ),
 }
 ChatFormatName = Literal[tuple(CHAT_FORMATS)]  # type: ignore[valid-type]  # the CLI's choices, from the table

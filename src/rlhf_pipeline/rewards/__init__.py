@@ -276,11 +276,13 @@ class RewardModelScorer:
         device=None,
         load_model: bool = True,
         allow_special_tokens: bool = False,
+        chat_template: str | None = None,
     ):
         """``load_model=False`` leaves the model to :meth:`score`, which loads it while it encodes the texts.
         ``attn_implementation``: the hf engine's (``rlhf_pipeline.attention``). ``allow_special_tokens``: read
-        special-token strings in prompts and responses as tokens (``chat.ControlTokens``; by default they are text)."""
-        from rlhf_pipeline.chat import load_tokenizer, pad_id
+        special-token strings in prompts and responses as tokens (``chat.ControlTokens``; by default they are text).
+        ``chat_template``: ``--chat-template`` (``chat.use_chat_template``; default: the reward model's own)."""
+        from rlhf_pipeline.chat import load_tokenizer, pad_id, use_chat_template
 
         self.path, self.dtype, self.trust_remote_code, self.device = path, dtype, trust_remote_code, device
         self.attn_implementation = attn_implementation
@@ -288,6 +290,7 @@ class RewardModelScorer:
         self.model = None
         self.closed = False
         self.tokenizer = load_tokenizer(path, trust_remote_code)
+        self.chat_template = use_chat_template(self.tokenizer, chat_template, path)
         self.batch_size = batch_size
         self.max_length = max_length
         self.pad_id = pad_id(self.tokenizer)

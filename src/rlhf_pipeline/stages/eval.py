@@ -75,7 +75,9 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import DATASET_REF, ControlTokenOptions, OutputOptions, option, options_of, override
+from rlhf_pipeline.config import (
+    DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option, options_of, override,
+)
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.evalstats import mean_and_stderr, pair_indices, preference_comparison, reward_comparison
 from rlhf_pipeline.judge import TEMPLATE_VERSION
@@ -88,10 +90,11 @@ SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "limit"
 
 
 @dataclass(kw_only=True)
-class EvalConfig(ControlTokenOptions, SamplingOptions, OutputOptions):
+class EvalConfig(ChatTemplateOptions, ControlTokenOptions, SamplingOptions, OutputOptions):
     """Generate on held-out prompts, score, and report the mean reward and the win rate against a baseline.
-    The sampling and engine options are rlhf generate's; --dtype and --trust-remote-code apply to the reward model
-    too, and a baseline model is sampled with the same options and --seed."""
+    The sampling and engine options are rlhf generate's; --dtype, --trust-remote-code and --chat-template apply to
+    the reward model too (not to a --judge, which renders with its own template), and a baseline model is sampled
+    with the same options and --seed."""
 
     model: str = option(help="Policy to evaluate: a local directory or a Hub model id.")
     prompts: str = option(help=f"Held-out prompt dataset: {DATASET_REF}.",
@@ -247,6 +250,7 @@ def _sample_and_score(config: EvalConfig, model: str, directory: Path, accelerat
     gen = generate.GenerateConfig(
         output=str(directory / "generate"), model=model, prompts=config.prompts, logprobs=False,
         **options_of(config, SamplingOptions), **options_of(config, ControlTokenOptions),
+        **options_of(config, ChatTemplateOptions),
     )
     on_main_process(accelerator, lambda: generate.main(gen))
     return _score_all(config, directory / "generate", directory, accelerator)
@@ -264,7 +268,7 @@ def _score_all(config: EvalConfig, generations: Path, directory: Path, accelerat
             batch_size=config.score_batch_size, max_length=config.max_length, dtype=config.dtype,
             attn_implementation=config.attn_implementation, trust_remote_code=config.trust_remote_code,
             reference_column=config.reference_column, **options_of(config, ControlTokenOptions),
-            **{source.kind: source.spec},
+            **options_of(config, ChatTemplateOptions), **{source.kind: source.spec},
         ), accelerator)
     return paths
 

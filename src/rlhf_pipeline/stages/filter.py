@@ -8,9 +8,11 @@ each prompt's best; train/test split.
 
 Lengths are measured on the token ids the engine saw and sampled, so nothing is re-tokenized. Scored data from
 elsewhere without token ids is tokenized here once (prompt with the chat template, each response followed by
-EOS). Rows dropped per reason go in the manifest. The work runs as one batched ``datasets.map`` over
-``--num-proc`` processes. Output: ``train`` and ``test`` splits of the pairs, groups or unpaired contract
-(``rlhf_pipeline.contracts``; unpaired mode: see ``filter_unpaired``).
+EOS): the template is ``--chat-template``, else the one the generate manifest records, else the tokenizer's own, and
+one that differs from what the sampler recorded is refused (``_chat_template``). Rows dropped per reason go in the
+manifest. The work runs as one batched ``datasets.map`` over ``--num-proc`` processes. Output: ``train`` and
+``test`` splits of the pairs, groups or unpaired contract (``rlhf_pipeline.contracts``; unpaired mode: see
+``filter_unpaired``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import DATASET_REF, ControlTokenOptions, OutputOptions, check_test_size, option
+from rlhf_pipeline.config import (
+    DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, check_test_size, option,
+)
 from rlhf_pipeline.contracts import (
     CHOSEN_REJECTED_COLUMNS,
     PER_RESPONSE_COLUMNS,
@@ -42,7 +46,7 @@ from rlhf_pipeline.selection import decide_unpaired, mismatched_partners
 
 
 @dataclass(kw_only=True)
-class FilterConfig(ControlTokenOptions, OutputOptions):
+class FilterConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
     """Length-filter scored generations and build pairs (REBEL, DPO family), groups (PPO family), unpaired responses
     (KTO) or each prompt's best response (RAFT)."""
 
@@ -238,6 +242,23 @@ def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -
     return prompt_column(ds, source)
 
 
+def _chat_template(config: FilterConfig, tokenizer, ds, column: str, source: str, sampling: dict | None):
+    """The template filter renders prompts with (data that arrives without token ids): ``--chat-template``, else the
+    one the sampler's manifest records, else the tokenizer's own. One that differs from what the sampler recorded
+    is refused, whether or not filter renders anything: the pairs must be the ids that template gave."""
+    from rlhf_pipeline.chat import check_same_template, raw_conversation_error, recorded_chat_template
+    from rlhf_pipeline.chat import use_chat_template
+
+    recorded = (sampling or {}).get("chat_template")  # None in manifests from before it (use_chat_template only)
+    renders = "response_token_ids" not in ds.column_names
+    value = config.chat_template if config.chat_template is not None else recorded_chat_template(recorded)
+    template = use_chat_template(tokenizer, value, config.tokenizer, required=renders)
+    check_same_template(template, recorded, source, f"--tokenizer {config.tokenizer}")
+    if renders and template.text is None and column == "messages":
+        raise raw_conversation_error(source, 0)
+    return template
+
+
 def main(config: FilterConfig) -> Path:
     from datasets import DatasetDict, List, Value
 
@@ -255,12 +276,13 @@ def main(config: FilterConfig) -> Path:
     column = _check_input(ds, config, ref.name, sampling)
     ds, renamed = rename_clashes(ds, config.mode)
     tokenizer = load_tokenizer(config.tokenizer, config.trust_remote_code)
+    template = _chat_template(config, tokenizer, ds, column, ref.name, sampling)
     limits = LengthLimits(config.max_prompt_tokens, config.max_response_tokens, config.drop_truncated)
     penalty = _overlong_penalty(config, sampling, ref.name)
     num_proc = config.num_proc or (min(os.cpu_count() or 1, 8) if ds.num_rows >= 20_000 else None)
     if config.mode == "unpaired":  # KTO: one row per labelled response, split by prompt (filter_unpaired)
         return filter_unpaired(out, ds, config, ref.name, column, tokenizer, limits, penalty, num_proc, sampling,
-                               renamed, find_in_lineage([ref], "reward"))
+                               renamed, find_in_lineage([ref], "reward"), template.record())
 
     built = ds.map(
         build_rows,
@@ -308,7 +330,8 @@ def main(config: FilterConfig) -> Path:
     # --test-size 0: no test split at all (datasets cannot read back a split saved with no rows)
     result = DatasetDict({"train": kept.select(train_rows), **({"test": kept.select(test_rows)} if test_rows else {})})
     extra: dict[str, Any] = {"mode": config.mode, "sampling": sampling, "renamed_columns": renamed,
-                             "reward": find_in_lineage([ref], "reward")}  # how it was scored (PPO's critic reads it)
+                             "reward": find_in_lineage([ref], "reward"),  # how it was scored (PPO's critic reads it)
+                             "chat_template": template.record()}
     if config.mode in ("pairs", "best"):
         extra["responses_left_out"] = responses_left_out
     if penalty is not None:
@@ -385,7 +408,7 @@ def build_unpaired_rows(
 
 def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tokenizer, limits: LengthLimits,
                     penalty: OverlongPenalty | None, num_proc: int | None, sampling: dict | None,
-                    renamed: dict, reward: dict | None) -> Path:
+                    renamed: dict, reward: dict | None, chat_template: dict | None = None) -> Path:
     """``rlhf filter --mode unpaired``: label, split the prompts into train and test (``--test-size`` counts
     prompts, so no prompt has responses on both sides), pair each row with a response of another prompt of its
     split (``selection.mismatched_partners``), write the splits and the manifest.
@@ -449,6 +472,7 @@ def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tok
         result[split] = part
     extra: dict[str, Any] = {
         "mode": "unpaired", "sampling": sampling, "renamed_columns": renamed, "reward": reward,
+        "chat_template": chat_template,
         "responses_left_out": {"response_too_long": sum(built["_response_too_long"]),
                                "response_truncated": sum(built["_response_truncated"])},
         "unpaired": {"rule": "desirable above the prompt's mean reward, undesirable below it, at it left out",

@@ -4,11 +4,12 @@
         --output runs/iter_0/generate --n 5 --temperature 0.8 --top-p 0.9 --max-new-tokens 2048
     rlhf generate --model models/tiny-policy --prompts prompts.jsonl --output out/gen --n 5 --max-new-tokens 64
 
-Prompts come as ``prompt`` text or ``messages``; the chat template is applied once and the engine receives token
-ids. All n samples of a prompt come from one request (``n=``), not n passes. Each prompt gets its own seed derived
-from ``--seed`` and its row, so with vLLM (and the hf engine at ``--batch-size 1``) a prompt's samples do not depend
-on sharding or batching. The sampling and engine options (``sampling_options.SamplingOptions``) are the ones
-``rlhf eval`` takes too.
+Prompts come as ``prompt`` text or ``messages``; the chat template (``--chat-template``, else the tokenizer's own;
+``chat.use_chat_template``) is applied once and the engine receives token ids, and the manifest's ``sampling``
+records which template it was (``chat_template``: its source and a hash of its text). All n samples of a prompt
+come from one request (``n=``), not n passes. Each prompt gets its own seed derived from ``--seed`` and its row,
+so with vLLM (and the hf engine at ``--batch-size 1``) a prompt's samples do not depend on sharding or batching.
+The sampling and engine options (``sampling_options.SamplingOptions``) are the ones ``rlhf eval`` takes too.
 
 Shards: ``--shard i/N`` takes the i-th of N contiguous slices, so N engines can work in parallel; ``rlhf merge``
 joins them. ``--executor ray --replicas N`` does both in one run: N engine replicas on a Ray cluster (local when
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rlhf_pipeline.config import DATASET_REF, ControlTokenOptions, OutputOptions, option
+from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.contracts import GENERATED_COLUMNS, SAMPLER_LOGPROBS
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.sampling_options import SamplingOptions
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
-class GenerateConfig(ControlTokenOptions, SamplingOptions, OutputOptions):
+class GenerateConfig(ChatTemplateOptions, ControlTokenOptions, SamplingOptions, OutputOptions):
     """Sample n responses per prompt with vLLM or Hugging Face generate."""
 
     model: str = option(help="Policy to sample from: a local directory or a Hub model id.")
@@ -55,7 +56,6 @@ class GenerateConfig(ControlTokenOptions, SamplingOptions, OutputOptions):
         0, help="Skip the first OFFSET prompts; --limit counts from there (rlhf iterate gives each iteration its "
         "own rows)."
     )
-    use_chat_template: bool = option(True, help="Apply the tokenizer's chat template (when it has one).")
     logprobs: bool = option(
         True, help="Keep each sampled token's log-prob as the sampler drew it (after temperature, top-k and top-p) "
         "in response_logprobs, for the PPO family's rollout correction (--rollout-correction)."
@@ -188,7 +188,8 @@ def main(config: GenerateConfig) -> Path:
     from datasets import Features, List, Value, concatenate_datasets
 
     from rlhf_pipeline.attention import check_attn_implementation, check_engine
-    from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids
+    from rlhf_pipeline.chat import encode_prompts, load_tokenizer, raw_conversation_error, stop_token_ids
+    from rlhf_pipeline.chat import use_chat_template
     from rlhf_pipeline.datasets_io import StageOutput, parse_ref, scratch_writer
     from rlhf_pipeline.engines import SamplingSettings, resolve_engine_name
     from rlhf_pipeline.modeling import check_model_ref
@@ -208,6 +209,9 @@ def main(config: GenerateConfig) -> Path:
     ds, column, rows, rows_total = select_prompts(ref, config.offset, config.limit, config.shard)
 
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+    template = use_chat_template(tokenizer, config.chat_template, config.model)
+    if template.text is None and column == "messages":
+        raise raw_conversation_error(ref.name, rows.start)
     sampling = SamplingSettings(
         n=config.n,
         temperature=config.temperature,
@@ -242,8 +246,8 @@ def main(config: GenerateConfig) -> Path:
     with scratch_writer(out.path, Features(features)) as writer:
         if config.executor == "ray":  # the replicas take their shards of every prompt at once
             part = ds[:]
-            prompt_ids = encode_prompts(tokenizer, part[column], config.use_chat_template,
-                                        config.allow_special_tokens_in_text)
+            prompt_ids = encode_prompts(tokenizer, part[column],
+                                        allow_special_tokens=config.allow_special_tokens_in_text)
             seeds = [request_seed(config.seed, r) for r in rows]
             engine_name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
             writer.write(columns(part, prompt_ids, completions))
@@ -253,8 +257,8 @@ def main(config: GenerateConfig) -> Path:
             try:
                 for start in range(0, ds.num_rows, CHUNK_PROMPTS):
                     part = ds[start : start + CHUNK_PROMPTS]
-                    prompt_ids = encode_prompts(tokenizer, part[column], config.use_chat_template,
-                                        config.allow_special_tokens_in_text)
+                    prompt_ids = encode_prompts(tokenizer, part[column],
+                                                allow_special_tokens=config.allow_special_tokens_in_text)
                     seeds = [request_seed(config.seed, r) for r in rows[start : start + CHUNK_PROMPTS]]
                     completions = engine.generate(prompt_ids, seeds, sampling, logprobs=config.logprobs)
                     writer.write(columns(part, prompt_ids, completions))
@@ -275,7 +279,8 @@ def main(config: GenerateConfig) -> Path:
                     "stop_token_ids": list(sampling.stop_token_ids),
                     "model": config.model,
                     "engine": engine_name,
-                    "use_chat_template": config.use_chat_template,
+                    "use_chat_template": template.text is not None,  # what manifests before chat_template say
+                    "chat_template": template.record(),
                 },
                 "shard": {"spec": config.shard, "rows": [rows.start, rows.stop], "rows_total": rows_total},
                 "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),

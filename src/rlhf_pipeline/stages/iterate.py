@@ -51,7 +51,7 @@ from typing import Any, Optional, Sequence
 
 from rlhf_pipeline.algorithms import GROUPS, PAIRS, AlgoName, get, help_text
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation
-from rlhf_pipeline.config import DATASET_REF, ControlTokenOptions, OutputOptions, option
+from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CRITIC, ITERATE_CONFIG, ITERATION_STAGES, STEPS_LOG, iteration_dir, step_name
 from rlhf_pipeline.stages import run_stage
@@ -74,7 +74,7 @@ COMMON = {"overwrite", "push_to_hub"}
 
 
 @dataclass(kw_only=True)
-class IterateConfig(ControlTokenOptions, OutputOptions):
+class IterateConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
     """T iterations of generate -> score -> filter -> train (and eval), each stage its own process, resumable."""
 
     output: str = option(help="The run directory: outputs go to RUN/iter_<t>/<stage>/.", semantic=False)
@@ -242,6 +242,8 @@ def eval_step(config: IterateConfig, run: Path, t: int, model: str) -> Step:
                 options[key] = config.score[key]
     if config.allow_special_tokens_in_text:  # the run's opt-out, unless the eval section says otherwise
         options.setdefault("allow_special_tokens_in_text", True)
+    if config.chat_template is not None:  # the run's template, unless the eval section names its own
+        options.setdefault("chat_template", config.chat_template)
     if config.lm_eval and "lm_eval" not in options:  # the eval section's own lm_eval wins
         options["lm_eval"] = config.lm_eval
     options = _attention(config, "eval", options)
@@ -287,9 +289,11 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
     if config.eval_prompts:
         steps.append(eval_step(config, run, 0, config.model))
     policy = config.model
-    if config.allow_special_tokens_in_text:  # every stage that renders text, unless its section says otherwise
-        for stage in ("generate", "score", "filter"):
-            sections[stage].setdefault("allow_special_tokens_in_text", True)
+    # the run's text options, for every stage that renders text, unless its section says otherwise
+    for key in ("allow_special_tokens_in_text", "chat_template"):
+        if getattr(config, key) not in (None, False):
+            for stage in ("generate", "score", "filter"):
+                sections[stage].setdefault(key, getattr(config, key))
     base_seed = int(sections["generate"].pop("seed", 0))
     algorithm = get(config.algo)
     if algorithm.data != PAIRS:  # groups, unpaired (KTO): the filter mode is the algorithm's kind of data

@@ -9,9 +9,11 @@
     accelerate launch --multi_gpu --num_processes 8 -m rlhf_pipeline.stages.score \\
         --input runs/iter_0/generate --output runs/iter_0/score --reward-model runs/rm   # data parallel
 
-Adds ``rewards`` (one float per response) to the generations. A NaN or infinite reward stops the stage with an
-error naming the row; nothing is written then. See ``rlhf_pipeline.rewards`` for the truncation rule and the
-reward-function signature.
+Adds ``rewards`` (one float per response) to the generations. A reward model reads each prompt + response as a
+conversation rendered with its own chat template (it is another model than the policy, trained on its own layout),
+or with ``--chat-template`` (``chat.use_chat_template``; a reward model without a template needs it); the manifest
+records the template of each reward model. A NaN or infinite reward stops the stage with an error naming the row;
+nothing is written then. See ``rlhf_pipeline.rewards`` for the truncation rule and the reward-function signature.
 
 Several reward sources (``--reward-model`` and ``--reward-fn`` each take one or more; repeat the flag, or give a
 YAML list) are combined by "normalise, then sum" (``rewards.combine_rewards``)::
@@ -50,7 +52,7 @@ from typing import Any, Literal, NamedTuple, Optional, Sequence
 from tqdm.auto import tqdm
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, check_engine
-from rlhf_pipeline.config import DATASET_REF, ControlTokenOptions, OutputOptions, option
+from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.contracts import (
     GENERATED_COLUMNS,
     GENERATIONS_COLUMNS,
@@ -155,7 +157,7 @@ def check_reward_options(reward_model, reward_fn, reward_weights, *, exactly_one
 
 
 @dataclass(kw_only=True)
-class ScoreConfig(ControlTokenOptions, OutputOptions):
+class ScoreConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
     """Score every response with a reward model or a python reward function (or several, combined)."""
 
     input: str = option(help=f"Generations dataset (the output of rlhf generate or rlhf merge): {DATASET_REF}.",
@@ -294,9 +296,14 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: 
             device=None if accelerator is None else accelerator.device,
             load_model=config.sampled_ids,  # else score() loads it while the conversations are encoded
             allow_special_tokens=config.allow_special_tokens_in_text,
+            chat_template=config.chat_template,
         )
         mine = (array("q"), array("d"))
         try:
+            if scorer.chat_template.text is None and column == "messages" and not config.sampled_ids:
+                from rlhf_pipeline.chat import raw_conversation_error
+
+                raise raw_conversation_error(config.input, locations[0][0])
             for start, end in _row_chunks(locations, CHUNK_ROWS):
                 scorer.mode = None  # the fast path is checked on each chunk's first conversation
                 if config.sampled_ids:
@@ -311,7 +318,8 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: 
                         mine[1].append(value)
         finally:
             scorer.close()  # before the next source loads its model
-        return mine, {"reward_model": source.spec, "engine": config.engine, "truncated_sequences": scorer.truncated}
+        return mine, {"reward_model": source.spec, "engine": config.engine, "truncated_sequences": scorer.truncated,
+                      "chat_template": scorer.chat_template.record()}
 
     from rlhf_pipeline.chat import as_text
     from rlhf_pipeline.progress import bars_disabled

@@ -2,7 +2,8 @@
 
     rlhf sft --model M --data demos.jsonl --output runs/sft
     accelerate launch --config_file accelerate_cfgs/zero3.yaml -m rlhf_pipeline.stages.sft \\
-        --model meta-llama/Meta-Llama-3-8B --data ORG/demos --output runs/sft --bf16 --learning-rate 1e-5
+        --model meta-llama/Meta-Llama-3-8B --chat-template llama3 --data ORG/demos --output runs/sft --bf16 \\
+        --learning-rate 1e-5
 
 Rows are ``prompt``/``answer`` (ReaL's and OpenRLHF's format), ``messages`` (a conversation that ends with an
 assistant turn; the loss is on that last turn, the earlier turns are the prompt), or token ids
@@ -13,7 +14,9 @@ fed: the prompt is the template with the generation prompt, the answer is what t
 answer text and the turn's end token, which is what generation stops on), up to that stop token: what a template
 writes after it (ChatML's and Gemma's "\\n") is never sampled, so it is not trained on. When a template does not
 render the prompt as a prefix of the whole conversation, the answer is tokenized on its own and followed by EOS;
-the manifest counts those rows.
+the manifest counts those rows. The template is ``--chat-template`` when given, else the model's own (none at all is
+an error; ``--chat-template none`` trains on raw prompt + answer text, and ``messages`` rows are then an error); the
+saved tokenizer carries it, so every later stage renders as the policy was trained, and the manifest records it.
 
 The loss of an example is the mean negative log-likelihood of its answer tokens, averaged over the examples of
 the batch (so batch size, accumulation and process count give the same update, as in every training stage).
@@ -29,14 +32,14 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import ControlTokenOptions, check_test_size, option
+from rlhf_pipeline.config import ChatTemplateOptions, ControlTokenOptions, check_test_size, option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.algorithms.supervised import SFTTask, has_token_ids, sampled_rows
 from rlhf_pipeline.training.loop import TrainOptions
 
 
 @dataclass(kw_only=True)
-class SFTConfig(ControlTokenOptions, TrainOptions):
+class SFTConfig(ChatTemplateOptions, ControlTokenOptions, TrainOptions):
     """Supervised fine-tuning on prompt/answer or messages rows, with the loss on answer tokens."""
 
     learning_rate: float = option(1e-5, help="Peak learning rate of AdamW.")
@@ -108,8 +111,14 @@ def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int
     counts = {"fallback": 0}
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        from rlhf_pipeline.chat import raw_conversation_error
+
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         prompts, answers = zip(*(split_conversation(r, i, source) for r, i in zip(rows, indices)))
+        if not tokenizer.chat_template:  # --chat-template none: prompt/answer text only
+            for prompt, i in zip(prompts, indices):
+                if not isinstance(prompt, str):
+                    raise raw_conversation_error(source, i)
         prompt_ids, answer_ids, fallbacks = encode_answers(tokenizer, list(prompts), list(answers), stop_ids,
                                                              allow_special_tokens)
         counts["fallback"] += fallbacks
@@ -126,7 +135,7 @@ def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int
 
 
 def main(config: SFTConfig) -> Path:
-    from rlhf_pipeline.chat import load_tokenizer, pad_id, stop_token_ids
+    from rlhf_pipeline.chat import load_tokenizer, pad_id, stop_token_ids, use_chat_template
     from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.datasets_io import parse_ref
     from rlhf_pipeline.training.stage import StageRun, TrainingJob, run_training, train_test_splits, training_summary
@@ -140,7 +149,10 @@ def main(config: SFTConfig) -> Path:
         rows_in = sum(ds.num_rows for ds in dd.values())
         if has_token_ids(dd["train"]):  # sampled token ids (rlhf filter --mode best): trained on as they are
             (data, dropped), fallbacks = sampled_rows(dd, config.max_length, str(ref)), 0
+            template = use_chat_template(tokenizer, config.chat_template, config.model, required=False)
         else:
+            # the saved tokenizer carries the template trained on, so the next stages render as this one did
+            template = use_chat_template(tokenizer, config.chat_template, config.model)
             stops = stop_token_ids(tokenizer, config.model, config.trust_remote_code)
             data, dropped, fallbacks = tokenize(dd, tokenizer, config.max_length, str(ref), stops,
                                                      config.allow_special_tokens_in_text)
@@ -156,7 +168,8 @@ def main(config: SFTConfig) -> Path:
                 result=result,
                 rows_in=rows_in,
                 dropped=dropped,
-                extra={"training": {"answer_tokenized_alone": fallbacks, **training_summary(result)}},
+                extra={"training": {"answer_tokenized_alone": fallbacks, **training_summary(result)},
+                       "chat_template": template.record()},
                 summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
                 + (f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""),
             )

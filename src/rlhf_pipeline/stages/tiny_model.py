@@ -7,7 +7,8 @@
 
 The directory loads with ``from_pretrained`` like any Hub model, so every stage runs on it unchanged.
 ``--chat-format`` gives the tokenizer a real family's special tokens and chat template (Llama-3, ChatML/Qwen,
-Mistral, Gemma; see ``rlhf_pipeline.tiny.CHAT_FORMATS``), so a pipeline can be checked on that layout offline.
+Mistral, Gemma; see ``rlhf_pipeline.tiny.CHAT_FORMATS``), so a pipeline can be checked on that layout offline;
+``--chat-format base`` gives it none, as a base model ships (the stages then need ``--chat-template``).
 ``--kind armo`` writes a reward model laid out as ArmoRM is (``rlhf_pipeline.tiny.save_tiny_armo_model``): its own
 modeling code named in config.json's auto_map, a multi-objective head with a gating layer, and a ``score`` output.
 """
@@ -40,7 +41,8 @@ class TinyModelConfig:
     hidden_size: int = option(64, help="Hidden size of the Llama.")
     num_layers: int = option(2, help="Number of decoder layers.")
     chat_format: ChatFormatName = option(
-        "tiny", help="Tokenizer family: special tokens, chat template and stop tokens (tiny: the kit's own format)."
+        "tiny", help="Tokenizer family: special tokens, chat template and stop tokens (tiny: the kit's own format; "
+        "base: the kit's tokens without a chat template, as a base model ships)."
     )
     overwrite: bool = option(False, help="Replace an existing directory.")
 

@@ -11,9 +11,10 @@ of messages.
 
 The model is ``AutoModelForSequenceClassification`` with one label, loaded from ``--model``: a causal LM (the SFT
 policy, as is usual) gets a new, randomly initialised score head on its decoder; a reward model continues training.
-Conversations are rendered with its chat template and read exactly as ``rlhf score`` reads them (right-padded, the
-reward taken at the last real token), and the result is saved with ``save_pretrained`` so that
-``AutoModelForSequenceClassification.from_pretrained`` and ``rlhf score --reward-model`` load it. The evaluation
+Conversations are rendered with its chat template (``--chat-template``, else the model's own; the saved tokenizer
+carries it) and read exactly as ``rlhf score`` reads them (right-padded, the reward taken at the last real token),
+and the result is saved with ``save_pretrained`` so that ``AutoModelForSequenceClassification.from_pretrained`` and
+``rlhf score --reward-model`` load it. The evaluation
 reports the loss and the accuracy (the share of held-out pairs where the chosen response scores higher), before
 the first update and at the end. Pairs longer than ``--max-length`` tokens are dropped and counted.
 """
@@ -26,13 +27,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import ControlTokenOptions, check_test_size, option
+from rlhf_pipeline.config import ChatTemplateOptions, ControlTokenOptions, check_test_size, option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.training.loop import TrainOptions
 
 
 @dataclass(kw_only=True)
-class TrainRMConfig(ControlTokenOptions, TrainOptions):
+class TrainRMConfig(ChatTemplateOptions, ControlTokenOptions, TrainOptions):
     """Train a Bradley-Terry reward model on chosen/rejected pairs."""
 
     learning_rate: float = option(1e-5, help="Peak learning rate of AdamW.")
@@ -87,7 +88,7 @@ def conversation(prompt: Any, response: Any, row_index: int, source: str) -> tup
 
 def tokenize(dd, tokenizer, max_length: int, source: str, allow_special_tokens: bool = False):
     """Each split as ``chosen_input_ids`` / ``rejected_input_ids`` conversations; over-long pairs dropped."""
-    from rlhf_pipeline.chat import encode_conversations
+    from rlhf_pipeline.chat import encode_conversations, raw_conversation_error
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
@@ -96,6 +97,8 @@ def tokenize(dd, tokenizer, max_length: int, source: str, allow_special_tokens: 
             for prompt, c, r in expand_pairs(row, i, source):
                 p_c, t_c = conversation(prompt, c, i, source)
                 p_r, t_r = conversation(prompt, r, i, source)
+                if not tokenizer.chat_template and not (isinstance(p_c, str) and isinstance(p_r, str)):
+                    raise raw_conversation_error(source, i)  # --chat-template none: text only
                 prompts += [p_c, p_r]
                 chosen.append(t_c)
                 rejected.append(t_r)
@@ -153,7 +156,7 @@ def load_reward_model_for_training(path: str, trust_remote_code: bool = False, *
 
 
 def main(config: TrainRMConfig) -> Path:
-    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.chat import load_tokenizer, pad_id, use_chat_template
     from rlhf_pipeline.modeling import check_model_ref
     from rlhf_pipeline.datasets_io import parse_ref
     from rlhf_pipeline.rewards import prepare_reward_model
@@ -164,6 +167,8 @@ def main(config: TrainRMConfig) -> Path:
 
     def read(run) -> TrainingJob:
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        # the saved tokenizer carries the template trained on, so rlhf score renders as this stage did
+        template = use_chat_template(tokenizer, config.chat_template, config.model)
         dd = train_test_splits(ref, config.test_size, config.seed)
         rows_in = sum(ds.num_rows for ds in dd.values())
         data, dropped = tokenize(dd, tokenizer, config.max_length, str(ref),
@@ -182,7 +187,8 @@ def main(config: TrainRMConfig) -> Path:
                 rows_in=rows_in,
                 dropped=dropped,
                 extra={"training": {"pairs": {split: ds.num_rows for split, ds in data.items()},
-                                    **training_summary(result)}},
+                                    **training_summary(result)},
+                       "chat_template": template.record()},
                 summary=f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
                 + (f", eval accuracy {accuracy:.3f}" if accuracy is not None else ""),
             )
