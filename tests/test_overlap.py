@@ -237,3 +237,31 @@ def test_report_draws_the_schedule_of_a_run_beside_another(tmp_path):
     assert "plots/schedule.png" in report.read_text()
     with pytest.raises(PipelineError, match="--compare .*: no steps.jsonl"):
         write_report(sequential, tmp_path / "out", compare=tmp_path / "nothing")
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+DEMO_SMALL = ["--iterations", "2", "--prompts-per-iteration", "48", "--n", "2", "--max-new-tokens", "12",
+              "--eval-prompts", "16", "--eval-n", "1", "--sft-epochs", "1", "--rm-epochs", "1", "--hidden-size", "32"]
+
+
+@pytest.mark.slow
+def test_overlapped_demo_runs_every_stage_with_the_stale_sampler_named(tmp_path):
+    run = tmp_path / "demo"
+    env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "rlhf_pipeline.stages.demo", "--output", str(run), "--overlap", "1",
+                           *DEMO_SMALL], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = log(run)
+    assert all(r["rc"] == 0 for r in records.values())
+    for t in (1, 2):
+        for stage in ("generate", "score", "filter", "train", "eval"):
+            assert (run / f"iter_{t}" / stage / "manifest.json").exists(), (t, stage)
+    manifest = lambda t, stage: json.loads((run / f"iter_{t}" / stage / "manifest.json").read_text())  # noqa: E731
+    # iteration 2 was sampled by the SFT policy (one behind) while iteration 1 trained it
+    assert manifest(2, "generate")["config"]["model"] == str(run / "sft")
+    assert manifest(2, "train")["config"]["model"] == str(run / "iter_1" / "train")
+    assert manifest(2, "train")["config"]["ref_model"] == str(run / "sft")  # REBEL's reference: the sampler
+    gen2, train1 = records["iter_2/generate"], records["iter_1/train"]
+    assert gen2["started"] < train1["ended"] and train1["started"] < gen2["ended"], "the two sides did not overlap"
+    assert (run / "plots" / "schedule.png").exists()
