@@ -265,3 +265,25 @@ def test_overlapped_demo_runs_every_stage_with_the_stale_sampler_named(tmp_path)
     gen2, train1 = records["iter_2/generate"], records["iter_1/train"]
     assert gen2["started"] < train1["ended"] and train1["started"] < gen2["ended"], "the two sides did not overlap"
     assert (run / "plots" / "schedule.png").exists()
+
+
+def test_bench_pins_each_side_and_reads_seconds_per_iteration(tmp_path, monkeypatch):
+    from rlhf_pipeline.bench import overlap as bench
+
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(bench, "vllm_python", lambda: "/envs/vllm/bin/python")
+    overlapped = bench.run_config(tmp_path, "o", overlap=True, quick=True)
+    sequential = bench.run_config(tmp_path, "s", overlap=False, quick=True)
+    assert overlapped["launchers"]["generate"] == "taskset -c 0 /envs/vllm/bin/python"
+    assert overlapped["launchers"]["train"].startswith("taskset -c 1 ")
+    assert overlapped["lane_env"]["train"] == {"OMP_NUM_THREADS": 1} and overlapped["overlap"] == 1
+    assert sequential["launchers"]["generate"] == "/envs/vllm/bin/python" and "lane_env" not in sequential
+    assert sequential["generate"]["engine"] == "vllm"
+    IterateConfig(**{k: v for k, v in overlapped.items()})  # a config rlhf iterate takes
+    _steps_log(tmp_path / "r", [("iter_1/generate", "sample", 0, 10, 0), ("iter_1/train", "train", 10, 30, 0),
+                                ("iter_2/generate", "sample", 10, 20, 0), ("iter_2/train", "train", 30, 50, 0),
+                                ("iter_3/generate", "sample", 30, 40, 0), ("iter_3/train", "train", 50, 60, 0)])
+    result = bench.per_iteration(tmp_path / "r")
+    assert result["seconds_per_iteration"] == pytest.approx(60 / 3)
+    assert result["stage_seconds"] == {"generate": 30.0, "train": 50.0}
