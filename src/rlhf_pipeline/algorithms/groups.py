@@ -149,6 +149,9 @@ class GroupAlgorithm:
     filter: dict[str, Any] = field(default_factory=dict)
     demo: dict[str, Any] = field(default_factory=dict)
     data: str = GROUPS
+    # rlhf iterate --overlap 1 trains on samples of the policy one behind: a reason why this algorithm cannot (refused
+    # then), or "" (it can: the stored sampler log-probs are the behaviour policy of --rollout-correction)
+    refuses_stale_sampler: str = ""
     logp_at_sampling_temperature: ClassVar[bool] = True  # the ratio's denominator is the sampling policy's
     needs_reference: ClassVar[bool] = True  # the KL's reference (--ref-model; default the starting policy)
 
@@ -978,4 +981,5 @@ register(GroupAlgorithm(
 register(GroupAlgorithm(
     "sppo", _undiscounted_returns, "self-play: regress each response's log-ratio onto eta x (its win rate "
     "against its group - 1/2)", baseline=_sppo_targets, policy_loss=_sppo, regression=True,
-    defaults={"kl_coef": 0.0}, demo={"learning_rate": 2e-4}))
+    defaults={"kl_coef": 0.0}, demo={"learning_rate": 2e-4},
+    refuses_stale_sampler="its targets are win rates among the samples of the policy it regresses from"))

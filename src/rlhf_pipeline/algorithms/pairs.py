@@ -54,6 +54,9 @@ class PairAlgorithm:
     # params -> factor on the gradient only (the logged loss keeps its value); REBEL backpropagates its code's form
     gradient_scale: Callable | str | None = None
     data: str = PAIRS
+    # rlhf iterate --overlap 1 trains on samples of the policy one behind: a reason why this algorithm cannot (refused
+    # then), or "" (it can: the sampler is the reference, --ref-model; the reference-free losses need none)
+    refuses_stale_sampler: str = ""
     uses_critic: ClassVar[bool] = False  # pair losses train the policy alone
 
     def loss_fn(self) -> Callable:

@@ -29,6 +29,9 @@ class SupervisedAlgorithm:
     demo: dict[str, Any] = field(default_factory=dict)
     filter: dict[str, Any] = field(default_factory=dict)
     data: str = BEST
+    # rlhf iterate --overlap 1 trains on samples of the policy one behind: a reason why this algorithm cannot (refused
+    # then), or "" (it can: the selected responses are supervised data, whoever sampled them)
+    refuses_stale_sampler: str = ""
     needs_reference: ClassVar[bool] = False  # no reference pass, no rewards in the loss, no critic
     uses_rewards: ClassVar[bool] = False
     uses_critic: ClassVar[bool] = False

@@ -61,6 +61,9 @@ class UnpairedAlgorithm:
     demo: dict[str, Any] = field(default_factory=dict)
     filter: dict[str, Any] = field(default_factory=dict)
     data: str = UNPAIRED
+    # rlhf iterate --overlap 1 trains on samples of the policy one behind: a reason why this algorithm cannot (refused
+    # then), or "" (it can: the sampler is its reference, --ref-model)
+    refuses_stale_sampler: str = ""
     # the log-ratios need the reference pass; no rewards, no critic; log-probs at 1.0, as the DPO family
     needs_reference: ClassVar[bool] = True
     uses_rewards: ClassVar[bool] = False

@@ -23,7 +23,7 @@ from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.errors import PipelineError
 
-GROUPS = ("trainer", "lora", "stages", "memory_growth")
+GROUPS = ("trainer", "lora", "stages", "memory_growth", "overlap")
 
 
 @dataclass(kw_only=True)
@@ -60,7 +60,7 @@ def context() -> dict[str, str]:
 
 
 def main(config: BenchConfig) -> Path:
-    from rlhf_pipeline.bench import lora, memory, stages, trainer
+    from rlhf_pipeline.bench import lora, memory, overlap, stages, trainer
     from rlhf_pipeline.bench.common import write_results
 
     output = Path(config.output).expanduser()
@@ -68,7 +68,8 @@ def main(config: BenchConfig) -> Path:
     scratch.mkdir(parents=True, exist_ok=True)
     entries, records = [], []
     started = time.time()
-    for name, module in (("trainer", trainer), ("lora", lora), ("stages", stages), ("memory_growth", memory)):
+    for name, module in (("trainer", trainer), ("lora", lora), ("stages", stages), ("memory_growth", memory),
+                         ("overlap", overlap)):
         if config.only in (None, name):
             group_entries, group_records = module.run(config, scratch / name)
             entries += group_entries

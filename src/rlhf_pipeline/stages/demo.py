@@ -57,6 +57,10 @@ class DemoConfig:
         f"{t.name}: {t.summary}" for t in TASKS.values()) + ".")
     algo: AlgoName = option("rebel", help=f"The RLHF algorithm (rlhf train --algo): {help_text()}.")
     iterations: int = option(3, help="RLHF iterations.")
+    overlap: int = option(
+        0, help="1: overlapped iterations (rlhf iterate's overlap): iteration t+1 samples, scores and filters with the "
+        "policy one behind while iteration t trains, each side on half of this machine's cores."
+    )
     prompts_per_iteration: int = option(320, help="Training prompts sampled per iteration (of 640).")
     n: int = option(4, help="Responses sampled per prompt.")
     max_new_tokens: int = option(48, help="Maximum tokens per response.")
@@ -90,12 +94,17 @@ class DemoConfig:
 
 def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
     """The demo's steps: SFT, reward model, then the iterate loop with evaluation."""
-    from rlhf_pipeline.stages.iterate import IterateConfig, Step, count_prompts, option_args
+    import os
+
+    from rlhf_pipeline.stages.iterate import IterateConfig, Step, count_prompts, option_args, with_dependencies
     from rlhf_pipeline.stages.iterate import plan as iterate_plan
 
     algorithm = get(config.algo)
     task = TASKS[config.task]
     common = {"batch_size": 16, "report_to": "none", "seed": config.seed}
+    # overlapped: each side's stages get half of the cores (torch's threads), so the two run side by side
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    lanes = {"sample": {"OMP_NUM_THREADS": threads}, "train": {"OMP_NUM_THREADS": threads}} if config.overlap else {}
     sft = Step("sft", "sft", [
         "--model", str(run / "base_policy"), "--data", str(data["sft"]), "--output", str(run / "sft"), "--resume",
         *option_args({**common, "epochs": config.sft_epochs, "learning_rate": 3e-3, "test_size": 64, **config.sft}),
@@ -115,6 +124,8 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
         iterations=config.iterations,
         prompts_per_iteration=config.prompts_per_iteration,
         algo=config.algo,
+        overlap=config.overlap,
+        lane_env=lanes,
         # the reviews are scored by the reward model trained on them, the topics by their gold reward itself; an
         # algorithm that reads each reward source (GDPO) gets a second one beside it
         reward_model=str(run / "reward_model") if task.reward_model else None,
@@ -131,7 +142,8 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
               "limit": config.eval_prompts, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,
               "engine": "hf", "seed": config.seed + 1000, "batch_size": 64, "score_batch_size": 64},
     )
-    return [sft, *([rm] if rm is not None else []), *iterate_plan(loop, count_prompts(loop))]
+    steps = [sft, *([rm] if rm is not None else []), *iterate_plan(loop, count_prompts(loop))]
+    return with_dependencies(steps, lanes) if config.overlap else steps
 
 
 def summary(run: Path, iterations: int) -> dict:

@@ -39,7 +39,9 @@ the first hour of generation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -71,6 +73,9 @@ RESERVED = {
     "eval": {"model", "prompts", "output", "baseline"},
 }
 COMMON = {"overwrite", "push_to_hub"}
+# An overlapped run's two sides: each runs one stage at a time, beside the other (see IterateConfig.overlap)
+SAMPLE_LANE, TRAIN_LANE = "sample", "train"
+LANES = (SAMPLE_LANE, TRAIN_LANE)
 
 
 @dataclass(kw_only=True)
@@ -113,6 +118,20 @@ class IterateConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
         "with transformers: train, score, and generate and eval where their section says engine: hf (vLLM picks its "
         "own, and engine auto may be vLLM); a section's own attn_implementation wins.", semantic=False,
     )
+    overlap: int = option(
+        0, help="1: overlapped iterations. While iteration t trains, iteration t+1 generates, scores and filters with "
+        "the newest finished policy, one behind (pi_{t-1} where a sequential run samples with pi_t), on its own "
+        "resources (lane_env); iteration t+1 then trains pi_t on those samples, each algorithm correcting as the "
+        "registry declares (REBEL, the DPO family and KTO take the sampler as their reference; the PPO family weighs "
+        "by the stored sampler log-probs). 0: sequential.",
+    )
+    lane_env: dict = option(
+        default_factory=dict,
+        help="With overlap 1: environment variables of each side's stage processes, {sample: {...}, train: {...}} "
+        "(sample = generate, score, filter and eval; train = train), e.g. {sample: {CUDA_VISIBLE_DEVICES: '0,1,2,3'}, "
+        "train: {CUDA_VISIBLE_DEVICES: '4,5,6,7'}}, or on a CPU {sample: {OMP_NUM_THREADS: 1}, train: "
+        "{OMP_NUM_THREADS: 1}}.", semantic=False,
+    )
     launchers: dict = option(
         default_factory=dict,
         help="Per-stage command prefix that behaves like python, e.g. {generate: conda run -n rlhf-vllm python, "
@@ -139,6 +158,18 @@ class IterateConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
             raise ValueError("iterations must be at least 1")
         if self.prompts_per_iteration is not None and self.prompts_per_iteration < 1:
             raise ValueError("prompts_per_iteration must be at least 1")
+        if self.overlap not in (0, 1):
+            raise ValueError(f"overlap {self.overlap}: 0 (sequential) or 1 (sampling one policy behind)")
+        if self.lane_env and not self.overlap:
+            raise ValueError("lane_env sets each side's environment of an overlapped run: set overlap 1 too")
+        unknown = sorted(set(self.lane_env) - set(LANES))
+        if unknown:
+            raise ValueError(f"lane_env: unknown side(s) {', '.join(map(str, unknown))}; the sides are "
+                             f"{', '.join(LANES)}")
+        reason = get(self.algo).refuses_stale_sampler if self.overlap else ""
+        if reason:
+            raise ValueError(f"overlap 1: --algo {self.algo} needs samples of the policy it trains ({reason}); "
+                             "run it with overlap 0")
         from rlhf_pipeline.harness import parse_tasks
 
         self.lm_eval = parse_tasks(self.lm_eval)
@@ -152,13 +183,18 @@ class IterateConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
 
 @dataclass
 class Step:
-    """One stage run: ``LAUNCHER -m MODULE ARGS`` writing ``output``."""
+    """One stage run: ``LAUNCHER -m MODULE ARGS`` writing ``output``, launched once the steps named in ``after`` have
+    finished (None: every step listed before it, a sequential run), one step at a time per ``lane``, with ``env``
+    added to its environment."""
 
     name: str  # e.g. "iter_2/train"
     stage: str  # a key of stage_configs()
     args: list[str]
     output: Path
     launcher: list[str] = field(default_factory=lambda: [sys.executable])
+    after: Optional[list[str]] = None
+    lane: str = "main"
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def command(self) -> list[str]:
@@ -270,7 +306,8 @@ def check_plan(config: IterateConfig, sections: dict[str, dict[str, Any]]) -> No
                         "with one; give two or more (reward_model and reward_fn, or several reward_fn)")
     if getattr(algorithm, "sampler_reference", False) and sections["train"].get("ref_model") is not None:
         problems.append(f"--algo {config.algo}'s reference is the policy that sampled each iteration's data, which "
-                        "iterate passes as train's --model; remove ref_model from the train section")
+                        "iterate passes itself (as train's --model, or with overlap 1 as its --ref-model); remove "
+                        "ref_model from the train section")
     if problems:
         raise PipelineError("\n".join(f"run config: {p}" for p in problems))
 
@@ -288,7 +325,7 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
     steps: list[Step] = []
     if config.eval_prompts:
         steps.append(eval_step(config, run, 0, config.model))
-    policy = config.model
+    policies = [config.model]  # policies[t]: the policy iteration t trains (t = 0: the starting one)
     # the run's text options, for every stage that renders text, unless its section says otherwise
     for key in ("allow_special_tokens_in_text", "chat_template"):
         if getattr(config, key) not in (None, False):
@@ -306,8 +343,11 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
     # to an algorithm without a critic, the option stays in train's options, which refuse it)
     critic = ((sections["train"].pop("critic_model", None) if algorithm.uses_critic else None) or config.reward_model
               or config.model)
+    evals: list[Step] = []
     for t in range(1, config.iterations + 1):
         it = iteration_dir(run, t)
+        policy = policies[t - 1]  # what iteration t trains from
+        sampler = policies[max(t - 1 - config.overlap, 0)]  # what samples it: overlapped, one policy behind
         gen_opts = dict(sections["generate"], seed=base_seed + t - 1)
         if config.prompts_per_iteration is not None:
             k = config.prompts_per_iteration
@@ -316,11 +356,15 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
         train_opts = dict(sections["train"])
         if algorithm.uses_critic:
             train_opts["critic_model"] = critic
+        if sampler != policy and algorithm.data != GROUPS and algorithm.needs_reference:
+            # REBEL, the DPO family, KTO: the policy that sampled the data is the reference (the PPO family keeps
+            # its KL reference and weighs by the sampler's stored log-probs instead)
+            train_opts.setdefault("ref_model", sampler)
         specs = [
-            ("generate", ["--model", policy, "--prompts", config.prompts], _attention(config, "generate", gen_opts)),
+            ("generate", ["--model", sampler, "--prompts", config.prompts], _attention(config, "generate", gen_opts)),
             ("score", ["--input", str(it / "generate"), *option_args(reward)],
              _attention(config, "score", sections["score"])),
-            ("filter", ["--input", str(it / "score"), "--tokenizer", policy], sections["filter"]),
+            ("filter", ["--input", str(it / "score"), "--tokenizer", sampler], sections["filter"]),
             ("train", ["--model", policy, "--data", str(it / "filter"), "--algo", config.algo, "--resume"],
              _attention(config, "train", train_opts)),
         ]
@@ -328,11 +372,34 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
             name = step_name(t, stage)
             args = [*fixed, "--output", str(it / stage), *option_args(options), *_common(config, name)]
             steps.append(Step(name, stage, args, it / stage, _launcher(config, stage)))
-        policy = str(it / "train")
+        policies.append(str(it / "train"))
         critic = str(it / "train" / CRITIC)  # PPO: the next iteration's critic is this one's
         if config.eval_prompts:
-            steps.append(eval_step(config, run, t, policy))
-    return steps
+            evals.append(eval_step(config, run, t, policies[t]))
+            if not config.overlap:
+                steps.append(evals.pop())
+            elif t > 1:  # overlapped: policy t-1 is evaluated once iteration t has its samples, before t+1 samples
+                steps.append(evals.pop(0))
+    steps += evals
+    return with_dependencies(steps, config.lane_env) if config.overlap else steps
+
+
+def with_dependencies(steps: Sequence[Step], lane_env: Optional[dict] = None) -> list[Step]:
+    """The steps of an overlapped run: each waits for the earlier steps whose output it reads (an output directory
+    named in its arguments, or a path inside one) and for the step before it on its side, training stages on one
+    side and the others on the other (``lane_env`` gives each side its environment)."""
+    out: list[Step] = []
+    last_on: dict[str, str] = {}
+    for step in steps:
+        lane = TRAIN_LANE if step.stage in TRAINING_STAGES else SAMPLE_LANE
+        paths = [Path(a) for a in step.args if a.startswith(("/", ".")) or "/" in a]
+        reads = [s.name for s in out
+                 if any(p == s.output or s.output in p.parents for p in paths) and s.output != step.output]
+        after = list(dict.fromkeys(reads + ([last_on[lane]] if lane in last_on else [])))
+        env = {str(k): str(v) for k, v in ((lane_env or {}).get(lane) or {}).items()}
+        out.append(dataclasses.replace(step, after=after, lane=lane, env=env))
+        last_on[lane] = step.name
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -407,35 +474,93 @@ def _die_with_parent() -> None:
 
 
 def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate") -> list[str]:
-    """Run the steps in order, skipping finished ones. Returns the names of the steps that were launched."""
+    """Run the steps, skipping finished ones: each once the steps it comes ``after`` have finished, at most one at a
+    time per lane (a sequential plan: one after the other). Returns the names of the steps that were launched.
+
+    A failed step stops new launches; a step still running on the other lane is let finish (its work is kept), then
+    the failure is raised. Ctrl-C reaches the running stages too (one process group) and is waited out."""
     run.mkdir(parents=True, exist_ok=True)
-    launched = []
-    for i, step in enumerate(steps, 1):
-        if is_complete(step):
-            continue
-        print(f"[{label}] ({i}/{len(steps)}) {step.name}: {shlex.join(step.command)}", flush=True)
-        started = time.time()
-        proc = subprocess.Popen(step.command, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        try:
-            rc = proc.wait()
-        except KeyboardInterrupt:  # the child got the same Ctrl-C; let it clean up
-            rc = proc.wait()
-            _log(run, {"step": step.name, "command": step.command, "rc": "interrupted",
-                       "seconds": round(time.time() - started, 2)})
-            raise PipelineError(
-                f"interrupted during {step.name}; run the same command again to resume there (finished stages are "
-                "kept)"
-            ) from None
-        _log(run, {"step": step.name, "command": step.command, "rc": rc, "seconds": round(time.time() - started, 2)})
-        launched.append(step.name)
-        if rc != 0:
-            raise PipelineError(
-                f"{step.name} failed (exit status {rc}; its error is above). Fix the cause and run the same command "
-                "again: finished stages are kept"
-            )
-        if not (step.output / "manifest.json").exists():
-            raise PipelineError(f"{step.name} exited without writing {step.output / 'manifest.json'}")
+    steps = list(steps)
+    index = {step.name: i for i, step in enumerate(steps, 1)}
+    finished: set[str] = set()
+    pending = list(steps)
+    running: dict[str, tuple[Step, subprocess.Popen, float]] = {}  # lane -> its running step
+    launched: list[str] = []
+    failure: Optional[str] = None
+
+    def ready(step: Step) -> bool:
+        before = step.after if step.after is not None else [s.name for s in steps[:index[step.name] - 1]]
+        return step.lane not in running and all(name in finished for name in before)
+
+    def finish(step: Step, rc: Any, started: float) -> None:
+        ended = time.time()
+        _log(run, {"step": step.name, "command": step.command, "rc": rc, "seconds": round(ended - started, 2),
+                   "started": round(started, 3), "ended": round(ended, 3), "lane": step.lane})
+
+    try:
+        while pending or running:
+            for step in [s for s in pending if failure is None and ready(s)]:
+                if not ready(step):  # its lane took a step earlier in this pass
+                    continue
+                pending.remove(step)
+                if is_complete(step):
+                    finished.add(step.name)
+                    continue
+                print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: {shlex.join(step.command)}",
+                      flush=True)
+                env = {**os.environ, **step.env} if step.env else None
+                proc = subprocess.Popen(step.command, env=env,
+                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                running[step.lane] = (step, proc, time.time())
+                launched.append(step.name)
+            if not running:
+                if pending and failure is None:  # nothing runs and nothing can start: a plan that names no step
+                    raise PipelineError(f"{label}: {pending[0].name} waits for a step that is not in the plan")
+                break
+            done = _wait_any(running)
+            for lane, (step, proc, started) in list(running.items()):
+                if lane not in done:
+                    continue
+                del running[lane]
+                rc = proc.returncode
+                finish(step, rc, started)
+                if rc != 0:
+                    failure = failure or (
+                        f"{step.name} failed (exit status {rc}; its error is above). Fix the cause and run the same "
+                        "command again: finished stages are kept")
+                    if running:
+                        print(f"[{label}] {step.name} failed; waiting for "
+                              f"{', '.join(s.name for s, _, _ in running.values())} to finish", flush=True)
+                elif not (step.output / "manifest.json").exists():
+                    failure = failure or f"{step.name} exited without writing {step.output / 'manifest.json'}"
+                else:
+                    finished.add(step.name)
+    except KeyboardInterrupt:  # the children got the same Ctrl-C; let them clean up
+        names = []
+        for step, proc, started in running.values():
+            proc.wait()
+            finish(step, "interrupted", started)
+            names.append(step.name)
+        raise PipelineError(
+            f"interrupted during {', '.join(names) or 'the run'}; run the same command again to resume there "
+            "(finished stages are kept)"
+        ) from None
+    if failure:
+        raise PipelineError(failure)
     return launched
+
+
+def _wait_any(running: dict[str, tuple[Step, subprocess.Popen, float]]) -> set[str]:
+    """Block until at least one running step's process has exited; the lanes of those that have."""
+    if len(running) == 1:
+        (lane, (_, proc, _)), = running.items()
+        proc.wait()
+        return {lane}
+    while True:
+        done = {lane for lane, (_, proc, _) in running.items() if proc.poll() is not None}
+        if done:
+            return done
+        time.sleep(0.2)
 
 
 def main(config: IterateConfig) -> Path:

@@ -13,6 +13,7 @@ is an error):
     RUN/iter_<t>/eval/results.json           held-out mean reward, win rate, response length of policy t
     RUN/sft/, RUN/reward_model/              optional training runs (manifest.json, metrics.jsonl)
     RUN/summary.json                         optional (rlhf demo), shown as is
+    RUN/steps.jsonl                          each launched stage's start and end (the schedule plot)
 
 Iteration t's generate sampled from policy t-1, its train made policy t and its eval evaluated policy t.
 
@@ -25,6 +26,8 @@ Writes (``--output``, default the run directory; each file replaced atomically):
     OUT/plots/response_length.png            mean response tokens and fraction stopped, per policy
     OUT/plots/judge_and_pass_at_k.png        the LLM judge's win rates and pass@k per iteration (only with them)
     OUT/plots/lm_eval.png                    lm-eval metrics +- stderr per iteration (only with rlhf eval --lm-eval)
+    OUT/plots/schedule.png                   each stage's start and end on one time axis, per side of an overlapped
+                                             run (and --compare's run below it)
 
 A plot whose data is absent is not drawn (an older copy is removed) and report.md says why; the two plots of options
 a run may not use are left out of report.md without a word when it did not use them. The plots need
@@ -45,7 +48,8 @@ from typing import Any, Callable, Optional, Sequence
 from rlhf_pipeline.config import option
 from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.layout import EVAL_RESULTS, ITER_DIR, ITERATION_STAGES, METRICS, PLOTS_DIR, REPORT, SUMMARY
+from rlhf_pipeline.layout import (EVAL_RESULTS, ITER_DIR, ITERATION_STAGES, METRICS, PLOTS_DIR, REPORT, STEPS_LOG,
+                                  SUMMARY)
 from rlhf_pipeline.stages import run_stage
 
 log = logging.getLogger(__name__)
@@ -65,6 +69,10 @@ class ReportConfig:
     output: Optional[str] = option(
         None, help="Directory for report.md and plots/ (default: the run directory itself).", semantic=False
     )
+    compare: Optional[str] = option(
+        None, help="Another run directory whose schedule (plots/schedule.png) is drawn below this run's, on the same "
+        "time axis: an overlapped run against a sequential one, say.", semantic=False
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -80,8 +88,9 @@ def _read_json(path: Path) -> Any:
         raise PipelineError(f"{path}: not valid JSON ({e}); delete it or rerun the stage that wrote it") from None
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl; a cut-off last line (a run still writing) is skipped."""
+def _read_jsonl(path: Path, step_type: type) -> list[dict[str, Any]]:
+    """The records of a JSON-lines log whose every record has a ``step`` of ``step_type``; a cut-off last line (a
+    run still writing) is skipped."""
     if not path.is_file():
         return []
     lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -96,10 +105,16 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
             raise PipelineError(
                 f"{path}: line {k + 1} is not valid JSON ({e}); delete the line or rerun the training"
             ) from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise PipelineError(f"{path}: line {k + 1} is not an object with an integer \"step\"; delete the line")
+        if not isinstance(record, dict) or not isinstance(record.get("step"), step_type):
+            raise PipelineError(f"{path}: line {k + 1} is not an object with a \"step\" of type "
+                                f"{step_type.__name__}; delete the line")
         records.append(record)
     return records
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (an integer ``step`` each)."""
+    return _read_jsonl(path, int)
 
 
 def _generate_stats(path: Path) -> Optional[dict[str, Any]]:
@@ -149,6 +164,16 @@ def _has_data(entry: dict[str, Any]) -> bool:
                 or any(entry.get("manifests", {}).values()) or entry.get("manifest"))
 
 
+def read_schedule(run_dir: Path) -> list[dict[str, Any]]:
+    """The launched stages of ``RUN/steps.jsonl`` that record their start and end (each launch of a resumed stage
+    is its own record), as ``{"step", "lane", "started", "ended", "rc"}``."""
+    records = []
+    for record in _read_jsonl(Path(run_dir) / STEPS_LOG, str):
+        if isinstance(record.get("started"), (int, float)) and isinstance(record.get("ended"), (int, float)):
+            records.append({key: record.get(key) for key in ("step", "lane", "started", "ended", "rc")})
+    return records
+
+
 def collect(run_dir: Path) -> dict[str, Any]:
     """Everything the report shows, read from ``run_dir``.
 
@@ -192,7 +217,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
                  "metrics": _read_metrics(run_dir / name / METRICS)}
         runs[name] = entry if _has_data(entry) else None
     data = {"run_dir": str(run_dir), "iterations": iterations, **runs,
-            "summary": _read_json(run_dir / SUMMARY)}
+            "summary": _read_json(run_dir / SUMMARY), "schedule": read_schedule(run_dir)}
     if not any(_has_data(it) for it in iterations) and not any(runs.values()):
         raise PipelineError(
             f"{run_dir}: holds no run data (no iter_<t>/eval/results.json, iter_<t>/train/metrics.jsonl, "
@@ -588,6 +613,45 @@ def _plot_lm_eval(data: dict[str, Any], path: Path) -> Optional[str]:
     return None
 
 
+# The rows of the schedule plot, top to bottom; a stage not listed gets a row of its own below them
+SCHEDULE_ROWS = ("sft", "reward_model", *ITERATION_STAGES)
+
+
+def _plot_schedule(data: dict[str, Any], path: Path) -> Optional[str]:
+    runs = [(data["run_dir"], data["schedule"])] + ([data["compare"]] if data.get("compare") else [])
+    runs = [(name, records) for name, records in runs if records]
+    if not runs:
+        return "no RUN/steps.jsonl with each stage's start and end"
+    span = max(max(r["ended"] for r in records) - min(r["started"] for r in records) for _, records in runs)
+    fig, axes = _figure(len(runs), 1, width=10.0, height=3.0)
+    colors = {}
+    for (name, records), (ax,) in zip(runs, axes):
+        start = min(r["started"] for r in records)
+        kinds = [r["step"].rpartition("/")[2] for r in records]
+        rows = [k for k in SCHEDULE_ROWS if k in kinds] + sorted(set(kinds) - set(SCHEDULE_ROWS))
+        for record, kind in zip(records, kinds):
+            color = colors.setdefault(kind, f"C{len(colors) % 10}")
+            left, width = record["started"] - start, record["ended"] - record["started"]
+            failed = record["rc"] != 0
+            ax.barh(rows.index(kind), width, left=left, color=color, alpha=0.4 if failed else 0.85,
+                    hatch="//" if failed else None, edgecolor="black", linewidth=0.5)
+            label = record["step"].partition("/")[0].removeprefix("iter_") if "/" in record["step"] else ""
+            if label:
+                ax.text(left + width / 2, rows.index(kind), label, ha="center", va="center", fontsize=8)
+        wall = max(r["ended"] for r in records) - start
+        lanes = sorted({r["lane"] for r in records if r.get("lane") not in (None, "main")})
+        ax.set_title(f"{Path(name).name}: {wall:.0f} s, "
+                     + (f"overlapped ({' and '.join(lanes)} sides)" if lanes else "sequential"))
+        ax.set_yticks(range(len(rows)), rows)
+        ax.invert_yaxis()
+        ax.set_xlim(0, span * 1.02)
+        ax.set_xlabel("seconds since the run's first stage started (numbers: the iteration; hatched: failed or "
+                      "interrupted)")
+        ax.grid(alpha=0.3, axis="x")
+    _save(fig, path)
+    return None
+
+
 PLOTS: list[tuple[str, str, Callable[[dict[str, Any], Path], Optional[str]]]] = [
     ("reward_per_iteration.png", "Held-out reward per iteration", _plot_rewards),
     ("loss.png", "Training loss", _plot_loss),
@@ -595,9 +659,11 @@ PLOTS: list[tuple[str, str, Callable[[dict[str, Any], Path], Optional[str]]]] = 
     ("response_length.png", "Response length", _plot_lengths),
     ("judge_and_pass_at_k.png", "LLM judge and pass@k per iteration", _plot_judge_and_pass),
     ("lm_eval.png", "lm-eval per iteration", _plot_lm_eval),
+    ("schedule.png", "Schedule: each stage's start and end", _plot_schedule),
 ]
-# Plots of options a run may not use: left out of report.md, rather than listed as not drawn, when it did not.
-OPTIONAL_PLOTS = {"judge_and_pass_at_k.png", "lm_eval.png"}
+# Plots of options a run may not use: left out of report.md, rather than listed as not drawn, when it did not (a run
+# directory of stages launched by hand has no steps.jsonl).
+OPTIONAL_PLOTS = {"judge_and_pass_at_k.png", "lm_eval.png", "schedule.png"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -768,11 +834,18 @@ def _markdown(data: dict[str, Any], plots: list[tuple[str, str, Optional[str]]])
     return "\n".join(lines)
 
 
-def write_report(run_dir: Path, output: Optional[Path] = None) -> Path:
+def write_report(run_dir: Path, output: Optional[Path] = None, compare: Optional[Path] = None) -> Path:
     """Write ``output/report.md`` and ``output/plots/*.png`` (``output`` defaults to ``run_dir``); return the
-    path of report.md. Raises PipelineError when matplotlib is missing or the run directory holds no data."""
+    path of report.md. ``compare``: a second run directory whose schedule is drawn below this one's. Raises
+    PipelineError when matplotlib is missing or the run directory holds no data."""
     _require_matplotlib()
     data = collect(Path(run_dir))
+    if compare is not None:
+        schedule = read_schedule(Path(compare).expanduser())
+        if not schedule:
+            raise PipelineError(f"--compare {compare}: no steps.jsonl with each stage's start and end there; pass "
+                                "the --output directory of rlhf iterate or rlhf demo")
+        data["compare"] = (str(compare), schedule)
     output = Path(run_dir if output is None else output).expanduser()
     plots_dir = output / PLOTS_DIR
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -791,7 +864,8 @@ def write_report(run_dir: Path, output: Optional[Path] = None) -> Path:
 
 
 def main(config: ReportConfig) -> Path:
-    report = write_report(Path(config.run_dir), Path(config.output) if config.output else None)
+    report = write_report(Path(config.run_dir), Path(config.output) if config.output else None,
+                          Path(config.compare) if config.compare else None)
     print(f"[report] wrote {report} and its plots in {report.parent / 'plots'}")
     return report
 
