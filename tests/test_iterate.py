@@ -196,7 +196,8 @@ def test_a_plan_that_cannot_work_fails_before_any_stage_runs(tmp_path, tiny_poli
     (dict(algo="gdpo"), "run config: --algo gdpo normalises each reward source within its group"),
     (dict(algo="dpo", filter={"mode": "groups"}), "run config: --algo dpo trains on pairs; remove filter mode 'groups'"),
     (dict(algo="rebel", train={"ref_model": "sft"}), "run config: --algo rebel's reference is the policy that sampled "
-     "each iteration's data, which iterate passes as train's --model; remove ref_model from the train section"),
+     "each iteration's data, which iterate passes itself (as train's --model, or with overlap 1 as its "
+     "--ref-model); remove ref_model from the train section"),
 ])
 def test_the_plan_is_checked_against_the_algorithms_declared_needs(tmp_path, overrides, message):
     with pytest.raises(PipelineError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):

@@ -47,7 +47,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Optional, Sequence
 
-from rlhf_pipeline.algorithms.registry import GROUPS, Family, register, register_family, resolve, with_defaults
+from rlhf_pipeline.algorithms.registry import (ALGORITHMS, GROUPS, Family, register, register_family, resolve,
+                                               with_defaults)
 from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import GROUP_COLUMNS, SAMPLER_LOGPROBS, SCORED_KINDS, require_columns, require_types
 from rlhf_pipeline.errors import PipelineError
