@@ -78,8 +78,19 @@ class OutputOptions:
     )
     push_to_hub: Optional[str] = option(
         None,
-        help="Also upload the output to this Hub dataset repo (ORG/NAME). The token comes from HF_TOKEN.",
+        help="Also upload the output to this Hub repo (ORG/NAME): a dataset repo, or for a training stage a model "
+        "repo. The token comes from HF_TOKEN.",
         semantic=False,
+    )
+    hub_config: Optional[str] = option(
+        None,
+        help="Where in --push-to-hub's repo the output goes: a configuration (subset) NAME of the dataset repo, its "
+        "manifest at manifests/NAME.json (read it back as ORG/REPO#NAME), or a training stage's branch NAME of the "
+        "model repo. Default: the default configuration (manifest.json), the main branch.",
+        semantic=False,
+    )
+    private: bool = option(
+        False, help="Create --push-to-hub's repo private (a repo that exists keeps its visibility).", semantic=False
     )
 
 
