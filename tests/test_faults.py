@@ -514,9 +514,10 @@ def test_a_failed_push_keeps_the_output_and_the_rerun_pushes_without_recomputing
 
 def test_a_run_whose_push_failed_resumes_and_a_lost_run_resumes_from_the_hub(kit, tmp_path, monkeypatch, capfd):
     """rlhf iterate's steps score and filter, each its own process, pushing to one private repo: the filter's upload
-    fails (the run stops there); the same run again pushes it without recomputing. With the run directory gone,
-    --resume finds both finished on the Hub and launches nothing; with the filter's settings changed, it pulls the
-    score from the Hub (the same output, not recomputed) and runs only the filter."""
+    fails (the run stops there); the same run again pushes it without recomputing. With the stages' outputs deleted,
+    --resume finds both finished on the Hub and launches nothing; in another run directory (another machine's), with
+    the filter's settings changed, it pulls the score from the Hub (the same output, not recomputed) and runs only
+    the filter."""
     import sys
 
     import fake_hub
@@ -529,15 +530,15 @@ def test_a_run_whose_push_failed_resumes_and_a_lost_run_resumes_from_the_hub(kit
     monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnopqrstuvwxyz0123")
     launcher = f"{sys.executable} {Path(fake_hub.__file__)}"
 
-    def steps(**filter_options):
-        config = IterateConfig(output=str(run_dir), model=str(kit["policy"]), prompts=str(kit["prompts"]),
+    def steps(run=run_dir, **filter_options):
+        config = IterateConfig(output=str(run), model=str(kit["policy"]), prompts=str(kit["prompts"]),
                                reward_fn=kit["reward"], iterations=1, push_to_hub="org/run", private=True,
                                resume=True, filter={"test_size": 4, **filter_options},
                                launchers={"score": launcher, "filter": launcher})
         return [s for s in plan(config) if s.stage in ("score", "filter")]
 
-    def output_id(stage):
-        return json.loads((run_dir / "iter_1" / stage / "manifest.json").read_text())["output_id"]
+    def output_id(stage, run=run_dir):
+        return json.loads((run / "iter_1" / stage / "manifest.json").read_text())["output_id"]
 
     shutil.copytree(kit["gen"], run_dir / "iter_1" / "generate")
     hub.mkdir()
@@ -562,8 +563,12 @@ def test_a_run_whose_push_failed_resumes_and_a_lost_run_resumes_from_the_hub(kit
     assert "iter_1/filter: finished on the Hub (org/run#iter1-filter)" in capfd.readouterr().out
     assert not (run_dir / "iter_1" / "score").exists()  # pulled only when a launched stage reads it
 
-    assert run_steps(steps(test_size=6), run_dir, hub=True) == ["iter_1/filter"]
-    assert output_id("score") == score_id  # pulled from the Hub, not recomputed
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(kit["gen"], elsewhere / "iter_1" / "generate")
+    assert run_steps(steps(elsewhere, test_size=6), elsewhere, hub=True) == ["iter_1/filter"]
+    assert output_id("score", elsewhere) == score_id  # pulled from the Hub, not recomputed
+    assert json.loads((elsewhere / "iter_1" / "score" / "manifest.json").read_text())["config"]["output"] == str(
+        elsewhere / "iter_1" / "score")  # the pulled output's manifest says where it is now
     assert fake_hub.hub_manifest(hub, "org/run", "iter1-filter")["config"]["test_size"] == 6
     captured = capfd.readouterr()
     assert "hf_abcdefghijklmnopqrstuvwxyz0123" not in captured.out + captured.err

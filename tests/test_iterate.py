@@ -95,6 +95,35 @@ def test_the_runs_hub_options_are_checked(tmp_path, options, message):
         config(tmp_path, **options)
 
 
+def test_a_stage_another_run_directory_pushed_counts_as_finished_in_this_one(tmp_path, monkeypatch):
+    """--resume on another machine: iteration 2's generate, pushed from a run directory elsewhere (its --model is
+    that run's iteration-1 policy), matches this run's plan once the paths into the run are moved; another setting
+    does not match."""
+    import fake_hub
+    import huggingface_hub
+
+    from conftest import write_jsonl
+    from rlhf_pipeline.stages.iterate import _stage_config, _stage_output, on_the_hub
+
+    fake_hub.install(monkeypatch.setattr, tmp_path / "hub")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+
+    def generate_2(run, **options):
+        steps = plan(config(tmp_path, output=str(run), prompts=prompts, iterations=2, push_to_hub="me/run",
+                            resume=True, generate=options))
+        return next(s for s in steps if s.name == "iter_2/generate")
+
+    pushed = generate_2(tmp_path / "there")
+    manifest = _stage_output(pushed, _stage_config(pushed), {}).manifest(rows_in=1, rows_out=2)
+    huggingface_hub.HfApi().upload_file(path_or_fileobj=json.dumps(manifest).encode(), repo_id="me/run",
+                                        path_in_repo="manifests/iter2-generate.json", repo_type="dataset")
+    found = on_the_hub(generate_2(tmp_path / "here"), {})
+    assert found is not None and found.manifest["output_id"] == manifest["output_id"]
+    assert found.manifest["config"]["model"] == str(tmp_path / "here" / "iter_1" / "train")
+    assert on_the_hub(generate_2(tmp_path / "here", temperature=0.5), {}) is None
+    assert on_the_hub(generate_2(tmp_path / "there"), {}) is not None  # the directory it was pushed from
+
+
 def test_sections_may_not_set_what_iterate_sets(tmp_path):
     with pytest.raises(PipelineError, match="train section sets model"):
         plan(config(tmp_path, train={"model": "other"}))

@@ -96,6 +96,10 @@ class IterateConfig(ControlTokenOptions, OutputOptions):
         "to the model repo ORG/NAME as the branch iter<t>-train.",
         semantic=False,
     )
+    hub_config: Optional[str] = option(
+        None, help="Not for rlhf iterate, which names each stage's place in push_to_hub's repos itself "
+        "(iter<t>-<stage>).", semantic=False,
+    )
     resume: bool = option(
         False, help="Also take finished stages from push_to_hub's repos: a stage whose output is missing here but "
         "whose manifest there records the same config and inputs counts as finished, and is pulled when a launched "
@@ -437,12 +441,30 @@ def on_the_hub(step: Step, on_hub: dict[Path, OnHub]) -> OnHub | None:
     manifest = hub_manifest(hub, model=model)
     if manifest is None:
         return None
+    manifest = relocated(manifest, step.output)
     diffs = _stage_output(step, config, on_hub).differences(manifest)
     if diffs:
         print(f"[iterate] {step.name}: {hub} holds a run with another config or inputs ({'; '.join(diffs)}); "
               "running it here", flush=True)
         return None
     return OnHub(hub, manifest, model)
+
+
+def relocated(manifest: dict[str, Any], output: Path) -> dict[str, Any]:
+    """``manifest``, of a stage output that another run directory wrote and pushed (another machine's, or this one's
+    before it moved), as if this run had written it into ``output``: the paths into that run in its config (the
+    policy of the iteration before, the output itself) point into this one."""
+    old = manifest.get("config", {}).get("output")
+    if not old or Path(old).parent.parent == output.parent.parent:
+        return manifest
+    old, new = str(Path(old).parent.parent), str(output.parent.parent)
+
+    def move(value: Any) -> Any:
+        if isinstance(value, str) and (value == old or value.startswith(old + os.sep)):
+            return new + value[len(old):]
+        return [move(v) for v in value] if isinstance(value, list) else value
+
+    return {**manifest, "config": {key: move(value) for key, value in manifest["config"].items()}}
 
 
 def pull_inputs(step: Step, on_hub: dict[Path, OnHub]) -> None:
