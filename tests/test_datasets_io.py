@@ -228,3 +228,19 @@ def test_outputs_pushed_to_configurations_of_one_private_repo_load_back_with_the
 def test_hub_options_without_a_repo_or_with_a_bad_name_are_one_line(tmp_path, options, message):
     with pytest.raises(PipelineError, match=message):
         StageOutput("unit", Cfg(output=str(tmp_path / "out"), **options), [])
+
+
+@pytest.mark.parametrize("error", ["offline", "server"])
+def test_a_hub_that_cannot_be_read_is_one_line_not_an_empty_repo(monkeypatch, error):
+    """iterate --resume reads each stage's manifest on the Hub: not finding one means the stage runs, but not reaching
+    the Hub is an error (else an offline resume would recompute everything)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def download(*args, **kw):
+        raise LocalEntryNotFoundError("outgoing traffic has been disabled") if error == "offline" else \
+            RuntimeError("500 Server Error")
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", download)
+    with pytest.raises(PipelineError, match=r"--push-to-hub org/run#iter1-score: could not read its "
+                                            r"manifests/iter1-score\.json"):
+        hub_manifest(HubTarget("org/run", "iter1-score"), model=False)

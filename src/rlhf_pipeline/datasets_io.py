@@ -610,6 +610,9 @@ def hub_manifest(hub: HubTarget, model: bool) -> dict[str, Any] | None:
                             "network and that HF_HUB_OFFLINE is not set") from None
     except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
         return None
+    except Exception as e:  # the Hub's and the network's other errors
+        raise PipelineError(f"--push-to-hub {hub}: could not read its {path} ({type(e).__name__}: "
+                            f"{redact(first_line(e))}); check HF_TOKEN and the network") from None
     try:
         return json.loads(Path(local).read_text())
     except ValueError as e:
