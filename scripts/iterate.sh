@@ -14,9 +14,11 @@
 # - Outputs: <output>/iter_<t>/<stage>/, each with a manifest.json written last. Ctrl-C, a crash or a lost node:
 #   run the same command again. Finished stages are skipped and it resumes at the first incomplete stage; an
 #   interrupted train stage continues from its newest checkpoint (train.save_every).
-# - --push-to-hub ORG/NAME (or `push_to_hub:` in the config) is a prefix: each stage output goes to
-#   ORG/NAME-iter<t>-<stage>. The token is read from HF_TOKEN in the environment (export HF_TOKEN=...); it is
-#   never put on the command line or in the config.
+# - --push-to-hub ORG/NAME (or `push_to_hub:` in the config) names the run's Hub repos: each stage's dataset goes
+#   to the dataset repo ORG/NAME as the configuration iter<t>-<stage> (its manifest as manifests/iter<t>-<stage>.json),
+#   each policy to the model repo ORG/NAME as the branch iter<t>-train; --private creates them private, and
+#   --resume on another machine goes on from what is there. The token is read from HF_TOKEN in the environment
+#   (export HF_TOKEN=...); it is never put on the command line or in the config.
 # Other arguments are passed to `rlhf iterate` as they are (`rlhf iterate --help`).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."   # repo root: the config's relative paths resolve from here

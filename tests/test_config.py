@@ -116,7 +116,7 @@ def test_data_stages_say_they_write_a_dataset(stage):
 @pytest.mark.parametrize("stage, flag", [("generate", "--prompts"), ("eval", "--prompts"), ("iterate", "--prompts"),
                                          ("train", "--data"), ("score", "--input"), ("filter", "--input")])
 def test_dataset_inputs_name_the_revision_syntax(stage, flag):
-    assert "ORG/NAME[:SPLIT][@REVISION]" in _option_help(stage, flag)
+    assert "ORG/NAME[#CONFIG][:SPLIT][@REVISION]" in _option_help(stage, flag)
 
 
 def test_group_defaults_in_the_help_come_from_the_registry():

@@ -9,15 +9,20 @@ from datasets import Dataset, DatasetDict, load_from_disk
 from rlhf_pipeline.config import OutputOptions, option
 from rlhf_pipeline.datasets_io import (
     MANIFEST,
+    HubTarget,
     StageOutput,
     atomic_directory,
     fingerprint,
+    hub_manifest,
     load_dataset_dict,
     load_dataset_ref,
     parse_ref,
+    pull_output,
+    read_manifest,
 )
 from rlhf_pipeline.errors import PipelineError
 
+import fake_hub
 from conftest import write_jsonl
 
 
@@ -165,10 +170,77 @@ def test_a_pending_push_is_not_complete_for_iterate_and_is_uploaded_by_the_stage
     out = StageOutput("unit", Cfg(output=str(tmp_path / "out")), [])
     out.save(Dataset.from_dict({"x": [1]}), rows_in=1)  # no push asked: nothing pending
     assert not out.push_pending()
-    pusher = lambda path, repo, manifest: uploads.append((repo, json.loads(manifest)["push"]))  # noqa: E731
+    pusher = lambda path, hub, manifest: uploads.append((hub.repo_id, json.loads(manifest)["push"]))  # noqa: E731
     again = StageOutput("unit", Cfg(output=str(tmp_path / "out"), push_to_hub="org/a"), [], pusher=pusher)
     assert again.done(push=False) and again.push_pending() and uploads == []
     assert again.done() and uploads == [("org/a", {"repo_id": "org/a", "pushed": True})]
     assert not again.push_pending()
     other = StageOutput("unit", Cfg(output=str(tmp_path / "out"), push_to_hub="org/b"), [], pusher=pusher)
     assert other.push_pending()  # another repo has not had it
+    place = StageOutput("unit", Cfg(output=str(tmp_path / "out"), push_to_hub="org/a", hub_config="c"), [],
+                        pusher=pusher)
+    assert place.push_pending()  # nor another configuration of the same repo
+
+
+def test_parse_ref_reads_a_hub_configuration():
+    ref = parse_ref("org/run#iter1-filter:train@abc123")
+    assert (ref.kind, ref.location, ref.config, ref.split, ref.revision) == (
+        "hub", "org/run", "iter1-filter", "train", "abc123")
+    assert str(ref) == "org/run#iter1-filter:train@abc123"
+    assert parse_ref("org/run").config is None
+    assert fingerprint(parse_ref("org/run#iter1-score")) != fingerprint(parse_ref("org/run#iter1-filter"))
+
+
+def test_outputs_pushed_to_configurations_of_one_private_repo_load_back_with_their_manifests(tmp_path, monkeypatch):
+    """--hub-config puts each output in a configuration of the one repo, its manifest in manifests/; --private
+    creates the repo private; ORG/NAME#CONFIG reads the data and the manifest back, and pull_output makes the stage
+    output again, with the same output_id."""
+    hub = tmp_path / "hub"
+    fake_hub.install(monkeypatch.setattr, hub)
+    scored = StageOutput("score", Cfg(output=str(tmp_path / "score"), push_to_hub="org/run", hub_config="iter1-score",
+                                      private=True), [])
+    scored.save(Dataset.from_dict({"x": [1, 2]}), rows_in=2)
+    pairs = StageOutput("filter", Cfg(output=str(tmp_path / "filter"), push_to_hub="org/run",
+                                      hub_config="iter1-filter"), [])
+    pairs.save(DatasetDict({"train": Dataset.from_dict({"x": [1]}), "test": Dataset.from_dict({"x": [2]})}), rows_in=2)
+    assert fake_hub.is_private(hub, "dataset", "org/run")
+    assert load_dataset_ref(parse_ref("org/run#iter1-score"))["x"] == [1, 2]
+    assert load_dataset_ref(parse_ref("org/run#iter1-filter:test"))["x"] == [2]
+    manifest = read_manifest(parse_ref("org/run#iter1-score"))
+    assert manifest["push"] == {"repo_id": "org/run", "config": "iter1-score", "pushed": True}
+    assert manifest == json.loads((tmp_path / "score" / MANIFEST).read_text())
+    for name, config in (("score", "iter1-score"), ("filter", "iter1-filter")):
+        target = HubTarget("org/run", config)
+        local = json.loads((tmp_path / name / MANIFEST).read_text())
+        assert hub_manifest(target, model=False) == local
+        pull_output(target, tmp_path / "pulled" / name, hub_manifest(target, model=False), model=False)
+        assert read_manifest(parse_ref(str(tmp_path / "pulled" / name)))["output_id"] == local["output_id"]
+    assert load_dataset_ref(parse_ref(str(tmp_path / "pulled" / "score")))["x"] == [1, 2]
+    assert sorted(load_dataset_dict(parse_ref(str(tmp_path / "pulled" / "filter")))) == ["test", "train"]
+    assert hub_manifest(HubTarget("org/run", "iter2-score"), model=False) is None  # nothing pushed there
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"hub_config": "iter1-score"}, "--hub-config iter1-score without --push-to-hub"),
+    ({"private": True}, "--private without --push-to-hub"),
+    ({"push_to_hub": "org/run", "hub_config": "a/b"}, "--hub-config a/b: use letters, digits"),
+])
+def test_hub_options_without_a_repo_or_with_a_bad_name_are_one_line(tmp_path, options, message):
+    with pytest.raises(PipelineError, match=message):
+        StageOutput("unit", Cfg(output=str(tmp_path / "out"), **options), [])
+
+
+@pytest.mark.parametrize("error", ["offline", "server"])
+def test_a_hub_that_cannot_be_read_is_one_line_not_an_empty_repo(monkeypatch, error):
+    """iterate --resume reads each stage's manifest on the Hub: not finding one means the stage runs, but not reaching
+    the Hub is an error (else an offline resume would recompute everything)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def download(*args, **kw):
+        raise LocalEntryNotFoundError("outgoing traffic has been disabled") if error == "offline" else \
+            RuntimeError("500 Server Error")
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", download)
+    with pytest.raises(PipelineError, match=r"--push-to-hub org/run#iter1-score: could not read its "
+                                            r"manifests/iter1-score\.json"):
+        hub_manifest(HubTarget("org/run", "iter1-score"), model=False)

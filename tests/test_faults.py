@@ -10,7 +10,9 @@ and the fix, no traceback, and nothing written. Beside it:
 * damaged checkpoints: ``--resume`` sets the newest aside, warns, and goes on from the one before, equal to an
   uninterrupted run; none whole is one line;
 * ``--push-to-hub`` failing: one line, the output finished with the push recorded as pending, and the same command
-  again uploads it without recomputing; the token never shows.
+  again uploads it without recomputing; the token never shows. Under ``rlhf iterate`` (its stages in their own
+  processes, on a Hub kept on the disk, ``tests/fake_hub.py``), the same, and a run whose directory is lost goes on
+  from the Hub with ``--resume``, pulling what a launched stage reads.
 
 Non-finite losses and gradients are in tests/test_nonfinite.py; bounded memory in the ``memory_growth`` bench entries.
 """
@@ -508,6 +510,68 @@ def test_a_failed_push_keeps_the_output_and_the_rerun_pushes_without_recomputing
     for text in (captured.out, captured.err, captured2.out, captured2.err,
                  *(p.read_text() for p in out.rglob("*.json*"))):
         assert "hf_abcdefghijklmnopqrstuvwxyz0123" not in text
+
+
+def test_a_run_whose_push_failed_resumes_and_a_lost_run_resumes_from_the_hub(kit, tmp_path, monkeypatch, capfd):
+    """rlhf iterate's steps score and filter, each its own process, pushing to one private repo: the filter's upload
+    fails (the run stops there); the same run again pushes it without recomputing. With the stages' outputs deleted,
+    --resume finds both finished on the Hub and launches nothing; in another run directory (another machine's), with
+    the filter's settings changed, it pulls the score from the Hub (the same output, not recomputed) and runs only
+    the filter."""
+    import sys
+
+    import fake_hub
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.stages.iterate import IterateConfig, plan, run_steps
+
+    hub, run_dir = tmp_path / "hub", tmp_path / "run"
+    fake_hub.install(monkeypatch.setattr, hub)
+    monkeypatch.setenv("FAKE_HUB", str(hub))
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnopqrstuvwxyz0123")
+    launcher = f"{sys.executable} {Path(fake_hub.__file__)}"
+
+    def steps(run=run_dir, **filter_options):
+        config = IterateConfig(output=str(run), model=str(kit["policy"]), prompts=str(kit["prompts"]),
+                               reward_fn=kit["reward"], iterations=1, push_to_hub="org/run", private=True,
+                               resume=True, filter={"test_size": 4, **filter_options},
+                               launchers={"score": launcher, "filter": launcher})
+        return [s for s in plan(config) if s.stage in ("score", "filter")]
+
+    def output_id(stage, run=run_dir):
+        return json.loads((run / "iter_1" / stage / "manifest.json").read_text())["output_id"]
+
+    shutil.copytree(kit["gen"], run_dir / "iter_1" / "generate")
+    hub.mkdir()
+    (hub / "fail").write_text("iter1-filter")
+    with pytest.raises(PipelineError, match="iter_1/filter failed"):
+        run_steps(steps(), run_dir)
+    score_id, filter_id = output_id("score"), output_id("filter")
+    assert fake_hub.hub_manifest(hub, "org/run", "iter1-score")["output_id"] == score_id
+    assert fake_hub.is_private(hub, "dataset", "org/run")
+    pending = json.loads((run_dir / "iter_1" / "filter" / "manifest.json").read_text())["push"]
+    assert pending == {"repo_id": "org/run", "config": "iter1-filter", "pushed": False}
+
+    (hub / "fail").unlink()
+    assert run_steps(steps(), run_dir) == ["iter_1/filter"]
+    assert (output_id("score"), output_id("filter")) == (score_id, filter_id)  # nothing recomputed
+    assert fake_hub.hub_manifest(hub, "org/run", "iter1-filter")["push"]["pushed"] is True
+
+    shutil.rmtree(run_dir / "iter_1" / "score")
+    shutil.rmtree(run_dir / "iter_1" / "filter")
+    capfd.readouterr()
+    assert run_steps(steps(), run_dir, hub=True) == []
+    assert "iter_1/filter: finished on the Hub (org/run#iter1-filter)" in capfd.readouterr().out
+    assert not (run_dir / "iter_1" / "score").exists()  # pulled only when a launched stage reads it
+
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(kit["gen"], elsewhere / "iter_1" / "generate")
+    assert run_steps(steps(elsewhere, test_size=6), elsewhere, hub=True) == ["iter_1/filter"]
+    assert output_id("score", elsewhere) == score_id  # pulled from the Hub, not recomputed
+    assert json.loads((elsewhere / "iter_1" / "score" / "manifest.json").read_text())["config"]["output"] == str(
+        elsewhere / "iter_1" / "score")  # the pulled output's manifest says where it is now
+    assert fake_hub.hub_manifest(hub, "org/run", "iter1-filter")["config"]["test_size"] == 6
+    captured = capfd.readouterr()
+    assert "hf_abcdefghijklmnopqrstuvwxyz0123" not in captured.out + captured.err
 
 
 def test_two_process_zero3_resume_skips_a_damaged_checkpoint(kit, tmp_path):

@@ -71,10 +71,57 @@ def test_lora_options_reach_every_iterations_training(tmp_path):
         assert parsed.lora_scale == 2.0  # alpha defaults to twice the rank
 
 
-def test_push_to_hub_prefix_names_every_output(tmp_path):
-    steps = plan(config(tmp_path, iterations=1, push_to_hub="me/run"))
-    pushed = [s.args[s.args.index("--push-to-hub") + 1] for s in steps]
-    assert pushed == ["me/run-iter1-generate", "me/run-iter1-score", "me/run-iter1-filter", "me/run-iter1-train"]
+def test_a_run_pushes_every_stage_to_one_private_repo_a_configuration_each(tmp_path):
+    from rlhf_pipeline.stages.iterate import _stage_config
+
+    steps = plan(config(tmp_path, iterations=2, push_to_hub="me/run", private=True, eval_prompts="e.jsonl"))
+    places = []
+    for step in steps:
+        parsed = _stage_config(step)
+        assert (parsed.push_to_hub, parsed.private) == ("me/run", True), step.name
+        places.append(parsed.hub_config)
+    assert places == ["iter0-eval"] + [f"iter{t}-{s}" for t in (1, 2)
+                                       for s in ("generate", "score", "filter", "train", "eval")]
+    assert not any("--private" in s.args for s in plan(config(tmp_path, iterations=1, push_to_hub="me/run")))
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"resume": True}, "resume takes finished stages from push_to_hub's repos: set push_to_hub too"),
+    ({"private": True}, "private: set push_to_hub too"),
+    ({"push_to_hub": "me/run", "hub_config": "x"}, "hub_config x: rlhf iterate names each stage's place"),
+])
+def test_the_runs_hub_options_are_checked(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, **options)
+
+
+def test_a_stage_another_run_directory_pushed_counts_as_finished_in_this_one(tmp_path, monkeypatch):
+    """--resume on another machine: iteration 2's generate, pushed from a run directory elsewhere (its --model is
+    that run's iteration-1 policy), matches this run's plan once the paths into the run are moved; another setting
+    does not match."""
+    import fake_hub
+    import huggingface_hub
+
+    from conftest import write_jsonl
+    from rlhf_pipeline.stages.iterate import _stage_config, _stage_output, on_the_hub
+
+    fake_hub.install(monkeypatch.setattr, tmp_path / "hub")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+
+    def generate_2(run, **options):
+        steps = plan(config(tmp_path, output=str(run), prompts=prompts, iterations=2, push_to_hub="me/run",
+                            resume=True, generate=options))
+        return next(s for s in steps if s.name == "iter_2/generate")
+
+    pushed = generate_2(tmp_path / "there")
+    manifest = _stage_output(pushed, _stage_config(pushed), {}).manifest(rows_in=1, rows_out=2)
+    huggingface_hub.HfApi().upload_file(path_or_fileobj=json.dumps(manifest).encode(), repo_id="me/run",
+                                        path_in_repo="manifests/iter2-generate.json", repo_type="dataset")
+    found = on_the_hub(generate_2(tmp_path / "here"), {})
+    assert found is not None and found.manifest["output_id"] == manifest["output_id"]
+    assert found.manifest["config"]["model"] == str(tmp_path / "here" / "iter_1" / "train")
+    assert on_the_hub(generate_2(tmp_path / "here", temperature=0.5), {}) is None
+    assert on_the_hub(generate_2(tmp_path / "there"), {}) is not None  # the directory it was pushed from
 
 
 def test_sections_may_not_set_what_iterate_sets(tmp_path):

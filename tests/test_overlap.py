@@ -117,7 +117,7 @@ def fake(tmp_path, name, lane, after, seconds=0.0, rc=0, stage="generate") -> St
 @pytest.fixture
 def manifest_means_done(monkeypatch):
     """Stand-in stages have no config to compare: a manifest means finished."""
-    monkeypatch.setattr(iterate, "is_complete", lambda step: (step.output / "manifest.json").exists())
+    monkeypatch.setattr(iterate, "is_complete", lambda step, *hub: (step.output / "manifest.json").exists())
 
 
 def log(run: Path) -> dict[str, dict]:
@@ -158,7 +158,7 @@ def test_a_killed_overlapped_run_resumes_without_redoing_finished_steps(tmp_path
     parent = (
         "import sys; from pathlib import Path; from rlhf_pipeline.stages import iterate; "
         "from rlhf_pipeline.stages.iterate import Step, run_steps; "
-        "iterate.is_complete = lambda s: (s.output / 'manifest.json').exists(); "
+        "iterate.is_complete = lambda s, *hub: (s.output / 'manifest.json').exists(); "
         f"steps = [Step(n, 'generate', [str(Path({str(tmp_path)!r}) / n), str(sec), '0'], Path({str(tmp_path)!r}) / n, "
         f"launcher=[sys.executable, '-c', {STAGE!r}], after=a, lane=l) for n, l, a, sec in {spec!r}]; "
         f"run_steps(steps, Path({str(run)!r}))"

@@ -239,6 +239,33 @@ def test_save_total_limit_keeps_the_newest_and_resumes_from_them(pairs, tiny_pol
     assert sorted(p.name for p in (tmp_path / "one" / "checkpoints").iterdir()) == ["step_000004"]
 
 
+def test_a_policy_pushed_to_a_branch_of_a_private_repo_is_pulled_back_with_its_manifest(tmp_path, monkeypatch):
+    """--hub-config on a training stage names a branch of the model repo (rlhf iterate: iter<t>-train); --private
+    creates the repo private; what iterate --resume reads back is the model and the manifest, without checkpoints."""
+    import fake_hub
+    from rlhf_pipeline.datasets_io import HubTarget, hub_manifest, pull_output
+    from rlhf_pipeline.training.stage import push_model_to_hub
+
+    hub = tmp_path / "hub"
+    fake_hub.install(monkeypatch.setattr, hub)
+    model = tmp_path / "train"
+    (model / "checkpoints" / "step_000002").mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    manifest = {"stage": "train", "output_id": "abc", "push": {"repo_id": "org/run", "config": "iter1-train",
+                                                                "pushed": True}}
+    target = HubTarget("org/run", "iter1-train", private=True)
+    push_model_to_hub(model, target, json.dumps(manifest).encode())
+    assert fake_hub.is_private(hub, "model", "org/run")
+    assert hub_manifest(target, model=True) == manifest
+    assert hub_manifest(HubTarget("org/run", "iter2-train"), model=True) is None  # another iteration's branch
+    assert hub_manifest(HubTarget("org/run"), model=True) is None  # nothing on main
+    pull_output(target, tmp_path / "pulled", manifest, model=True)
+    assert sorted(p.name for p in (tmp_path / "pulled").iterdir()) == ["config.json", "manifest.json",
+                                                                         "model.safetensors"]
+    assert json.loads((tmp_path / "pulled" / "manifest.json").read_text()) == manifest
+
+
 def test_finished_run_is_not_redone_and_pushes_only_the_model(pairs, tiny_policy, tmp_path, capsys, monkeypatch):
     uploads = []
 

@@ -71,7 +71,8 @@ def options_of(config: Any, group: type) -> dict[str, Any]:
 
 
 # How a stage's dataset input may be given (datasets_io.parse_ref reads it); quoted by the options' help.
-DATASET_REF = "a directory, a .json/.jsonl/.parquet file, or a Hub dataset ORG/NAME[:SPLIT][@REVISION]"
+DATASET_REF = ("a directory, a .json/.jsonl/.parquet file, or a Hub dataset ORG/NAME[#CONFIG][:SPLIT][@REVISION] "
+               "(#CONFIG: a configuration, as rlhf iterate --push-to-hub writes each stage)")
 
 
 @dataclass(kw_only=True)
@@ -94,6 +95,16 @@ class OutputOptions:
         None,
         help="Also upload the output to this Hub {writes} repo (ORG/NAME). The token comes from HF_TOKEN.",
         semantic=False,
+    )
+    hub_config: Optional[str] = option(
+        None,
+        help="Where in --push-to-hub's repo the output goes: a configuration (subset) NAME of the dataset repo, its "
+        "manifest at manifests/NAME.json (read it back as ORG/REPO#NAME), or a training stage's branch NAME of the "
+        "model repo. Default: the default configuration (manifest.json), the main branch.",
+        semantic=False,
+    )
+    private: bool = option(
+        False, help="Create --push-to-hub's repo private (a repo that exists keeps its visibility).", semantic=False
     )
 
 

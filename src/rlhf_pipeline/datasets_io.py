@@ -4,7 +4,9 @@ A reference (``REF``) is one of:
 
 * a local directory in the ``datasets.save_to_disk`` layout (what every stage writes);
 * a local ``.json`` / ``.jsonl`` / ``.parquet`` file;
-* a Hub dataset id ``ORG/NAME``, optionally ``ORG/NAME:SPLIT`` and ``ORG/NAME@REVISION``.
+* a Hub dataset id ``ORG/NAME``, optionally ``ORG/NAME#CONFIG`` (a configuration, or subset, of the repo: what
+  ``--push-to-hub ORG/NAME --hub-config CONFIG`` writes, and ``rlhf iterate`` per stage), ``ORG/NAME:SPLIT`` and
+  ``ORG/NAME@REVISION``, in the order ``ORG/NAME[#CONFIG][:SPLIT][@REVISION]``.
 
 A local directory or Hub id holding several splits takes ``:SPLIT`` too (``runs/iter_0/filter:train``).
 
@@ -43,7 +45,9 @@ log = logging.getLogger(__name__)
 REWRITE_HINT = "run the stage that wrote it again (with --overwrite), or copy it again from where it came from"
 TRAINING_STAGES = ("sft", "train-rm", "train")  # outputs that are models, whose rows_out counts steps
 FILE_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-_HUB_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?::(?P<split>[\w.-]+))?(?:@(?P<revision>[\w./-]+))?$")
+_HUB_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:#(?P<config>[\w.-]+))?(?::(?P<split>[\w.-]+))?"
+                     r"(?:@(?P<revision>[\w./-]+))?$")
+HUB_MANIFESTS = "manifests"  # where a dataset repo keeps the manifest of each configuration: manifests/CONFIG.json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +58,12 @@ class DatasetRef:
     location: str
     split: str | None = None
     revision: str | None = None
+    config: str | None = None  # a Hub dataset's configuration (subset)
 
     def __str__(self) -> str:
         text = self.location
+        if self.config:
+            text += f"#{self.config}"
         if self.split:
             text += f":{self.split}"
         if self.revision:
@@ -88,8 +95,11 @@ def parse_ref(text: str) -> DatasetRef:
     match = _HUB_ID.match(text)
     looks_local = text.startswith((".", "/", "~")) or Path(text).suffix in FILE_SUFFIXES or text.count("/") != 1
     if match and not looks_local:
-        return DatasetRef("hub", match["repo"], split=match["split"], revision=match["revision"])
-    raise PipelineError(f"{text}: no such file or directory, and not a Hub dataset id (ORG/NAME[:SPLIT][@REVISION])")
+        return DatasetRef("hub", match["repo"], split=match["split"], revision=match["revision"],
+                          config=match["config"])
+    raise PipelineError(
+        f"{text}: no such file or directory, and not a Hub dataset id (ORG/NAME[#CONFIG][:SPLIT][@REVISION])"
+    )
 
 
 def _load_raw(ref: DatasetRef) -> Dataset | DatasetDict:
@@ -116,7 +126,7 @@ def _load_raw(ref: DatasetRef) -> Dataset | DatasetDict:
         except Exception as e:  # datasets wraps JSON/Arrow parse errors in several exception types
             raise PipelineError(f"{ref.location}: could not be read as {builder} ({type(e).__name__}: {e})") from e
     else:
-        ds = datasets.load_dataset(ref.location, revision=ref.revision)
+        ds = datasets.load_dataset(ref.location, name=ref.config, revision=ref.revision)
     if ref.split is not None:
         if not isinstance(ds, datasets.DatasetDict) or ref.split not in ds:
             have = ", ".join(ds) if isinstance(ds, datasets.DatasetDict) else "none"
@@ -179,7 +189,8 @@ def read_manifest(ref: DatasetRef) -> dict[str, Any] | None:
         from huggingface_hub.errors import EntryNotFoundError
 
         try:
-            local = hf_hub_download(ref.location, MANIFEST, repo_type="dataset", revision=ref.revision)
+            local = hf_hub_download(ref.location, hub_manifest_file(ref.config), repo_type="dataset",
+                                    revision=ref.revision)
         except EntryNotFoundError:
             return None
         return json.loads(Path(local).read_text())
@@ -212,7 +223,7 @@ def fingerprint(ref: DatasetRef) -> str:
         return "datasets:" + h.hexdigest()[:32]
     if ref.kind == "file":
         return "sha256:" + _sha256_file(Path(ref.location))
-    return f"hub:{ref.location}@{ref.revision or 'main'}"
+    return f"hub:{ref.location}{'#' + ref.config if ref.config else ''}@{ref.revision or 'main'}"
 
 
 def find_in_lineage(inputs: list[DatasetRef], key: str) -> Any:
@@ -332,12 +343,13 @@ class StageOutput:
         self.stage = stage
         self.pusher = pusher or push_dataset_dir  # uploads the output to --push-to-hub's repo
         self.config = config
+        self.hub = HubTarget.of(config)
         self.inputs = inputs
         self.path = Path(config.output).expanduser()
         self.started = time.time()
         self.input_records = [{"ref": str(r), "fingerprint": fingerprint(r)} for r in inputs]
 
-    def _same_run(self, manifest: dict[str, Any]) -> list[str]:
+    def differences(self, manifest: dict[str, Any]) -> list[str]:
         """What differs between this run and the one recorded in ``manifest`` (empty when they match)."""
         diffs = []
         if manifest.get("stage") != self.stage:
@@ -374,7 +386,7 @@ class StageOutput:
         if not manifest_path.exists():
             started = self.path / RUN_RECORD
             if resume and started.exists():
-                diffs = self._same_run(json.loads(started.read_text()))
+                diffs = self.differences(json.loads(started.read_text()))
                 if not diffs:
                     return False
                 if not self.config.overwrite:
@@ -394,12 +406,12 @@ class StageOutput:
                 f"--output {self.path}: exists but holds no completed stage output (no {MANIFEST}); {hint}"
             )
         manifest = read_manifest(DatasetRef("dir", str(self.path)))
-        diffs = self._same_run(manifest)
+        diffs = self.differences(manifest)
         if not diffs:
             log.info("%s: %s already holds this run (same config and inputs); skipping", self.stage, self.path)
             pending = push and self.push_pending(manifest)
             print(f"[{self.stage}] {self.path} is complete for this config and inputs; "
-                  f"{'pushing it to ' + self.config.push_to_hub if pending else 'nothing to do'}")
+                  f"{f'pushing it to {self.hub}' if pending else 'nothing to do'}")
             if pending and _main_process():
                 self.push(manifest)
             return True
@@ -420,33 +432,33 @@ class StageOutput:
         write_text_atomic(self.path / RUN_RECORD, json.dumps(record, indent=2, default=str) + "\n")
 
     def push_pending(self, manifest: dict[str, Any] | None = None) -> bool:
-        """Whether ``--push-to-hub`` asks for an upload that this output has not had yet."""
-        repo = getattr(self.config, "push_to_hub", None)
-        if not repo:
+        """Whether ``--push-to-hub`` asks for an upload (to that repo and ``--hub-config``) that this output has not
+        had yet."""
+        if self.hub is None:
             return False
         if manifest is None:
             manifest = read_manifest(DatasetRef("dir", str(self.path))) or {}
-        record = manifest.get(PUSH) or {}
-        return not (record.get("repo_id") == repo and record.get("pushed"))
+        return manifest.get(PUSH) != self.hub.record(pushed=True)
 
     def push(self, manifest: dict[str, Any]) -> None:
         """Upload the finished output to ``--push-to-hub``'s repo with its manifest, then record in the local
         manifest that it was pushed. A failure is one line; the manifest then records the push as pending, so that
         the same command run again uploads it without recomputing anything."""
-        repo = self.config.push_to_hub
-        pushed = dict(manifest, **{PUSH: {"repo_id": repo, "pushed": True}})
+        hub = self.hub
+        pushed = dict(manifest, **{PUSH: hub.record(pushed=True)})
         try:
-            self.pusher(self.path, repo, (json.dumps(pushed, indent=2, default=str) + "\n").encode())
+            self.pusher(self.path, hub, (json.dumps(pushed, indent=2, default=str) + "\n").encode())
         except Exception as e:  # the Hub's and the network's errors are many kinds
-            manifest[PUSH] = {"repo_id": repo, "pushed": False}
+            manifest[PUSH] = hub.record(pushed=False)
             write_text_atomic(self.path / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
             raise PipelineError(
-                f"--push-to-hub {repo}: the upload failed ({type(e).__name__}: {redact(first_line(e))}); {self.path} "
+                f"--push-to-hub {hub}: the upload failed ({type(e).__name__}: {redact(first_line(e))}); {self.path} "
                 f"is complete and its {MANIFEST} records the push as pending: run the same command again to upload "
                 "it (nothing is recomputed); check HF_TOKEN, the network, and that HF_HUB_OFFLINE is not set"
             ) from None
         write_text_atomic(self.path / MANIFEST, json.dumps(pushed, indent=2, default=str) + "\n")
-        print(f"[{self.stage}] pushed to https://huggingface.co/{_hub_kind(self.pusher)}{repo}")
+        where = f" ({'configuration' if _hub_kind(self.pusher) else 'branch'} {hub.config})" if hub.config else ""
+        print(f"[{self.stage}] pushed to https://huggingface.co/{_hub_kind(self.pusher)}{hub.repo_id}{where}")
 
     def manifest(
         self,
@@ -468,8 +480,7 @@ class StageOutput:
             "rows_out": rows_out,
             "dropped": dict(sorted((dropped or {}).items())),
             **(extra or {}),
-            **({PUSH: {"repo_id": self.config.push_to_hub, "pushed": False}}
-               if getattr(self.config, "push_to_hub", None) else {}),
+            **({PUSH: self.hub.record(pushed=False)} if self.hub else {}),
         }
 
     def write_manifest(self, manifest: dict[str, Any], directory: Path | None = None) -> None:
@@ -515,19 +526,65 @@ def _rows_text(rows_out: int | dict[str, int]) -> str:
     return f"{rows_out} rows"
 
 
-Pusher = Callable[[Path, str, bytes], None]  # (output directory, repo id, the manifest to upload beside it)
-PUSH = "push"  # the manifest's record of --push-to-hub: {"repo_id": ..., "pushed": true/false}
+PUSH = "push"  # the manifest's record of --push-to-hub: {"repo_id": ..., ["config": ...,] "pushed": true/false}
 
 
-def push_dataset_dir(path: Path, repo_id: str, manifest: bytes) -> None:
-    """Upload a finished dataset output and its manifest to a Hub dataset repo. The token is read from the
-    environment (HF_TOKEN) by huggingface_hub."""
+@dataclasses.dataclass(frozen=True)
+class HubTarget:
+    """Where ``--push-to-hub`` sends an output: the repo, the place in it (``--hub-config``: a configuration of a
+    dataset repo, a branch of a model repo; None: the default configuration, the main branch) and whether a repo
+    the upload creates is private (``--private``)."""
+
+    repo_id: str
+    config: str | None = None
+    private: bool = False
+
+    @classmethod
+    def of(cls, config: Any) -> HubTarget | None:
+        """The target a stage's options name, or None without ``--push-to-hub``."""
+        repo, place = getattr(config, "push_to_hub", None), getattr(config, "hub_config", None)
+        if not repo:
+            if place or getattr(config, "private", False):
+                raise PipelineError(f"--{'hub-config ' + place if place else 'private'} without --push-to-hub: "
+                                    "give --push-to-hub ORG/NAME too, or leave it out")
+            return None
+        if place is not None and not re.fullmatch(r"[\w.-]+", place):
+            raise PipelineError(f"--hub-config {place}: use letters, digits, '_', '-' and '.' only (e.g. iter1-score)")
+        return cls(repo, place, bool(getattr(config, "private", False)))
+
+    def __str__(self) -> str:
+        return self.repo_id + (f"#{self.config}" if self.config else "")
+
+    def record(self, pushed: bool) -> dict[str, Any]:
+        """The manifest's ``push`` entry (the configuration only when there is one, as before it existed)."""
+        return {"repo_id": self.repo_id, **({"config": self.config} if self.config else {}), "pushed": pushed}
+
+    def manifest_file(self, model: bool) -> tuple[str, str | None]:
+        """Where the manifest is uploaded: (path in the repo, revision). A dataset repo holds one per configuration
+        (``manifests/CONFIG.json``); a model repo's is ``manifest.json`` on its branch."""
+        return (MANIFEST, self.config) if model else (hub_manifest_file(self.config), None)
+
+
+def hub_manifest_file(config: str | None) -> str:
+    """The path of a dataset repo's manifest of ``config`` (the default configuration's: ``manifest.json``)."""
+    return f"{HUB_MANIFESTS}/{config}.json" if config else MANIFEST
+
+
+Pusher = Callable[[Path, HubTarget, bytes], None]  # (output directory, target, the manifest to upload beside it)
+
+
+def push_dataset_dir(path: Path, hub: HubTarget, manifest: bytes) -> None:
+    """Upload a finished dataset output and its manifest to a Hub dataset repo, as the configuration
+    ``hub.config`` (if any). The token is read from the environment (HF_TOKEN) by huggingface_hub."""
     import datasets
     from huggingface_hub import HfApi
 
-    log.info("pushing %s to the Hub dataset repo %s", path, repo_id)
-    datasets.load_from_disk(str(path)).push_to_hub(repo_id)
-    HfApi().upload_file(path_or_fileobj=manifest, path_in_repo=MANIFEST, repo_id=repo_id, repo_type="dataset")
+    log.info("pushing %s to the Hub dataset repo %s", path, hub)
+    datasets.load_from_disk(str(path)).push_to_hub(
+        hub.repo_id, **({"config_name": hub.config} if hub.config else {}), private=hub.private or None
+    )
+    HfApi().upload_file(path_or_fileobj=manifest, path_in_repo=hub.manifest_file(model=False)[0],
+                        repo_id=hub.repo_id, repo_type="dataset")
 
 
 push_dataset_dir.hub_kind = "datasets/"  # type: ignore[attr-defined]
@@ -535,6 +592,52 @@ push_dataset_dir.hub_kind = "datasets/"  # type: ignore[attr-defined]
 
 def _hub_kind(pusher: Pusher) -> str:
     return getattr(pusher, "hub_kind", "")
+
+
+def hub_manifest(hub: HubTarget, model: bool) -> dict[str, Any] | None:
+    """The manifest that ``--push-to-hub`` uploaded to ``hub`` (a model repo's branch when ``model``), or None when
+    there is none (no such repo, branch or file: nothing finished was pushed there). Not reaching the Hub is one
+    line."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    path, revision = hub.manifest_file(model)
+    try:
+        local = hf_hub_download(hub.repo_id, path, repo_type="model" if model else "dataset", revision=revision)
+    except LocalEntryNotFoundError as e:  # offline (HF_HUB_OFFLINE) or unreachable, and not in the cache
+        raise PipelineError(f"--push-to-hub {hub}: could not read its {path} ({redact(first_line(e))}); check the "
+                            "network and that HF_HUB_OFFLINE is not set") from None
+    except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
+        return None
+    except Exception as e:  # the Hub's and the network's other errors
+        raise PipelineError(f"--push-to-hub {hub}: could not read its {path} ({type(e).__name__}: "
+                            f"{redact(first_line(e))}); check HF_TOKEN and the network") from None
+    try:
+        return json.loads(Path(local).read_text())
+    except ValueError as e:
+        raise PipelineError(f"--push-to-hub {hub}: its {path} is damaged ({e}); push the stage again") from None
+
+
+def pull_output(hub: HubTarget, path: Path, manifest: dict[str, Any], model: bool) -> None:
+    """Make ``path`` the stage output that ``--push-to-hub`` uploaded to ``hub`` (``manifest``, read from there, is
+    written beside it): the dataset, its splits as the stage wrote them, or the model repo's branch; atomically, as
+    a stage writes its output."""
+    print(f"pulling {path} from the Hub ({hub})", flush=True)
+    with atomic_directory(path) as tmp:
+        if model:
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(hub.repo_id, repo_type="model", revision=hub.config, local_dir=str(tmp))
+            shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's download records
+        else:
+            import datasets
+
+            data = datasets.load_dataset(hub.repo_id, name=hub.config)
+            if not isinstance(manifest.get("rows_out"), dict):  # a single dataset, pushed as the split "train"
+                data = next(iter(data.values()))
+            data.save_to_disk(str(tmp))
+        write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
 
 
 def redact(text: str) -> str:

@@ -72,7 +72,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence
 
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import (
@@ -84,6 +84,10 @@ from rlhf_pipeline.judge import TEMPLATE_VERSION
 from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES, LM_EVAL_DIR
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.stages.score import RewardSource, check_reward_options, one_or_list, reward_sources
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.datasets_io import HubTarget
+
 
 # What must match for an earlier evaluation's samples to serve as the baseline.
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "limit")
@@ -760,11 +764,11 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def push_samples(path: Path, repo_id: str, manifest: bytes) -> None:
+def push_samples(path: Path, hub: HubTarget, manifest: bytes) -> None:
     """``--push-to-hub``: the samples (prompts, responses, rewards), with the evaluation's manifest beside them."""
     from rlhf_pipeline.datasets_io import push_dataset_dir
 
-    push_dataset_dir(path / EVAL_SAMPLES, repo_id, manifest)
+    push_dataset_dir(path / EVAL_SAMPLES, hub, manifest)
 
 
 push_samples.hub_kind = "datasets/"  # type: ignore[attr-defined]

@@ -33,6 +33,15 @@ incomplete stage. Training stages are always launched with ``--resume``, so an i
 continues from its newest checkpoint (``train: {save_every: N}``). A changed config is refused unless
 ``--overwrite`` is given, in which case only the stages whose config changed are redone.
 
+The Hub: ``push_to_hub: ORG/NAME`` gives the run one dataset repo and one model repo, both ``ORG/NAME``. Every
+dataset stage of iteration t (generate, score, filter, eval's samples) goes to the dataset repo's configuration
+``iter<t>-<stage>`` (``rlhf <stage> --push-to-hub ORG/NAME --hub-config iter<t>-<stage>``), its manifest to
+``manifests/iter<t>-<stage>.json`` there; iteration t's policy goes to the model repo's branch ``iter<t>-train``, its
+manifest beside it. ``private: true`` creates both repos private. With ``--resume`` a stage whose output is missing
+here but whose manifest on the Hub records the same config and inputs counts as finished: the run goes on from the
+Hub (on another machine, or after the run directory was lost), and pulls such an output into its place only when a
+stage that is launched reads it (evaluations are not taken from the Hub: one whose output is missing runs again).
+
 Every stage's options are checked before anything is launched, so a misspelt option fails in seconds, not after
 the first hour of generation.
 """
@@ -72,7 +81,9 @@ RESERVED = {
     "train": {"model", "data", "output", "algo", "resume"},
     "eval": {"model", "prompts", "output", "baseline"},
 }
-COMMON = {"overwrite", "push_to_hub"}
+COMMON = {"overwrite", "push_to_hub", "hub_config", "private"}
+# The stages whose outputs a run with --resume takes from the Hub (a model for the training stage).
+HUB_STAGES = ("generate", "score", "filter", "train")
 # An overlapped run's two sides: each runs one stage at a time, beside the other (see IterateConfig.overlap)
 SAMPLE_LANE, TRAIN_LANE = "sample", "train"
 LANES = (SAMPLE_LANE, TRAIN_LANE)
@@ -84,8 +95,19 @@ class IterateConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
 
     output: str = option(help="The run directory: outputs go to RUN/iter_<t>/<stage>/.", semantic=False)
     push_to_hub: Optional[str] = option(
-        None, help="Prefix ORG/NAME: every stage's output also goes to the Hub as ORG/NAME-iter<t>-<stage>.",
+        None, help="The run's Hub repos, ORG/NAME: every stage's dataset goes to the dataset repo ORG/NAME as the "
+        "configuration iter<t>-<stage> (its manifest as manifests/iter<t>-<stage>.json), every iteration's policy "
+        "to the model repo ORG/NAME as the branch iter<t>-train.",
         semantic=False,
+    )
+    hub_config: Optional[str] = option(
+        None, help="Not for rlhf iterate, which names each stage's place in push_to_hub's repos itself "
+        "(iter<t>-<stage>).", semantic=False,
+    )
+    resume: bool = option(
+        False, help="Also take finished stages from push_to_hub's repos: a stage whose output is missing here but "
+        "whose manifest there records the same config and inputs counts as finished, and is pulled when a launched "
+        "stage reads it. (A run resumes from its own finished outputs without it.)", semantic=False,
     )
     model: str = option(help="The policy of iteration 0 (it samples iteration 1): a local directory or a Hub id.")
     prompts: str = option(help=f"Training prompts: {DATASET_REF}.")
@@ -150,6 +172,14 @@ class IterateConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
     )
 
     def __post_init__(self) -> None:
+        if self.hub_config is not None:
+            raise ValueError(f"hub_config {self.hub_config}: rlhf iterate names each stage's place in push_to_hub's "
+                             "repos itself (iter<t>-<stage>); remove it")
+        if self.resume and not self.push_to_hub:
+            raise ValueError("resume takes finished stages from push_to_hub's repos: set push_to_hub too (a run "
+                             "resumes from its own finished outputs without resume)")
+        if self.private and not self.push_to_hub:
+            raise ValueError("private: set push_to_hub too (private creates push_to_hub's repos private)")
         self.reward_fn = one_or_list(self.reward_fn)
         if self.reward_model is None and self.reward_fn is None:
             raise ValueError("give reward_model, reward_fn, or both (rlhf score then combines the two; set their "
@@ -237,10 +267,17 @@ def _launcher(config: IterateConfig, stage: str) -> list[str]:
     return shlex.split(spec) if spec else [sys.executable]
 
 
+def hub_config_name(name: str) -> str:
+    """A step's place in the run's Hub repos: ``iter_2/score`` -> ``iter2-score``."""
+    return name.replace("/", "-").replace("_", "")
+
+
 def _common(config: IterateConfig, name: str) -> list[str]:
     args = ["--overwrite"] if config.overwrite else []
     if config.push_to_hub:
-        args += ["--push-to-hub", f"{config.push_to_hub}-{name.replace('/', '-').replace('_', '')}"]
+        args += ["--push-to-hub", config.push_to_hub, "--hub-config", hub_config_name(name)]
+        if config.private:
+            args.append("--private")
     return args
 
 
@@ -445,18 +482,91 @@ def check(steps: Sequence[Step]) -> None:
         _stage_config(step)
 
 
-def is_complete(step: Step) -> bool:
+@dataclass
+class OnHub:
+    """A step's output that is finished on the Hub and not here (yet): where it is and its manifest there."""
+
+    hub: Any  # datasets_io.HubTarget
+    manifest: dict[str, Any]
+    model: bool
+
+
+def _stage_output(step: Step, config, on_hub: dict[Path, OnHub]):
+    """The stage's own output record (``datasets_io.StageOutput``) for ``step``, as the stage would make it. An input
+    that is only on the Hub is fingerprinted by its manifest there, as it will be once pulled."""
+    from rlhf_pipeline.datasets_io import StageOutput, parse_ref
+
+    text = getattr(config, INPUT_FIELD[step.stage])
+    remote = on_hub.get(Path(text).expanduser())
+    if remote is None:
+        return StageOutput(step.stage, config, inputs=[parse_ref(text)])
+    out = StageOutput(step.stage, config, inputs=[])
+    # the fingerprint the pulled output will have: its manifest's output_id
+    out.input_records = [{"ref": str(Path(text).expanduser()), "fingerprint": remote.manifest["output_id"]}]
+    return out
+
+
+def is_complete(step: Step, on_hub: dict[Path, OnHub] | None = None) -> bool:
     """Whether ``step.output`` holds this exact run (the stage's own reuse check, made without launching it), its
     ``--push-to-hub`` upload included. Raises when it holds a run with another config (and --overwrite was not
     given)."""
-    from rlhf_pipeline.datasets_io import StageOutput, parse_ref
-
     if not (step.output / "manifest.json").exists():
         return False
-    config = _stage_config(step)
-    out = StageOutput(step.stage, config, inputs=[parse_ref(getattr(config, INPUT_FIELD[step.stage]))])
+    out = _stage_output(step, _stage_config(step), on_hub or {})
     resume = True if step.stage in TRAINING_STAGES or step.stage == "eval" else None
     return out.done(resume=resume, push=False) and not out.push_pending()  # a pending upload: the stage does it
+
+
+def on_the_hub(step: Step, on_hub: dict[Path, OnHub]) -> OnHub | None:
+    """Where the Hub holds ``step``'s finished output, when its output is missing here and the manifest that its
+    ``--push-to-hub`` upload left records the same config and inputs as this run's; else None."""
+    from rlhf_pipeline.datasets_io import HubTarget, hub_manifest
+
+    if step.stage not in HUB_STAGES or step.output.exists():
+        return None
+    config = _stage_config(step)
+    hub = HubTarget.of(config)
+    if hub is None:
+        return None
+    model = step.stage in TRAINING_STAGES
+    manifest = hub_manifest(hub, model=model)
+    if manifest is None:
+        return None
+    manifest = relocated(manifest, step.output)
+    diffs = _stage_output(step, config, on_hub).differences(manifest)
+    if diffs:
+        print(f"[iterate] {step.name}: {hub} holds a run with another config or inputs ({'; '.join(diffs)}); "
+              "running it here", flush=True)
+        return None
+    return OnHub(hub, manifest, model)
+
+
+def relocated(manifest: dict[str, Any], output: Path) -> dict[str, Any]:
+    """``manifest``, of a stage output that another run directory wrote and pushed (another machine's, or this one's
+    before it moved), as if this run had written it into ``output``: the paths into that run in its config (the
+    policy of the iteration before, the output itself) point into this one."""
+    old = manifest.get("config", {}).get("output")
+    if not old or Path(old).parent.parent == output.parent.parent:
+        return manifest
+    old, new = str(Path(old).parent.parent), str(output.parent.parent)
+
+    def move(value: Any) -> Any:
+        if isinstance(value, str) and (value == old or value.startswith(old + os.sep)):
+            return new + value[len(old):]
+        return [move(v) for v in value] if isinstance(value, list) else value
+
+    return {**manifest, "config": {key: move(value) for key, value in manifest["config"].items()}}
+
+
+def pull_inputs(step: Step, on_hub: dict[Path, OnHub]) -> None:
+    """Pull the outputs that ``step`` reads (its arguments name them, or a path inside one) and that are only on the
+    Hub into their places in the run."""
+    from rlhf_pipeline.datasets_io import pull_output
+
+    for path in list(on_hub):
+        if any(arg == str(path) or arg.startswith(str(path) + os.sep) for arg in step.args):
+            remote = on_hub.pop(path)
+            pull_output(remote.hub, path, remote.manifest, model=remote.model)
 
 
 def _log(run: Path, record: dict[str, Any]) -> None:
@@ -473,13 +583,16 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate") -> list[str]:
-    """Run the steps, skipping finished ones: each once the steps it comes ``after`` have finished, at most one at a
+def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: bool = False,
+              on_hub: dict[Path, OnHub] | None = None) -> list[str]:
+    """Run the steps, skipping finished ones, here or with ``hub`` on the Hub (those are recorded in ``on_hub`` and
+    pulled when a launched step reads them): each once the steps it comes ``after`` have finished, at most one at a
     time per lane (a sequential plan: one after the other). Returns the names of the steps that were launched.
 
     A failed step stops new launches; a step still running on the other lane is let finish (its work is kept), then
     the failure is raised. Ctrl-C reaches the running stages too (one process group) and is waited out."""
     run.mkdir(parents=True, exist_ok=True)
+    on_hub = {} if on_hub is None else on_hub
     steps = list(steps)
     index = {step.name: i for i, step in enumerate(steps, 1)}
     finished: set[str] = set()
@@ -503,9 +616,17 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate") -> list[
                 if not ready(step):  # its lane took a step earlier in this pass
                     continue
                 pending.remove(step)
-                if is_complete(step):
+                if is_complete(step, on_hub):
                     finished.add(step.name)
                     continue
+                remote = on_the_hub(step, on_hub) if hub else None
+                if remote is not None:
+                    on_hub[step.output] = remote
+                    finished.add(step.name)
+                    print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: finished on the Hub "
+                          f"({remote.hub}); pulled when a stage reads it", flush=True)
+                    continue
+                pull_inputs(step, on_hub)
                 print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: {shlex.join(step.command)}",
                       flush=True)
                 env = {**os.environ, **step.env} if step.env else None
@@ -593,8 +714,11 @@ def run_iterations(config: IterateConfig) -> Path:
     check(steps)
     run.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run / ITERATE_CONFIG, json.dumps(to_dict(config), indent=2, default=str) + "\n")
-    run_steps(steps, run)
-    print(f"[iterate] {config.iterations} iteration(s) complete; the last policy is {last_policy(config)}")
+    on_hub: dict[Path, OnHub] = {}
+    run_steps(steps, run, hub=config.resume, on_hub=on_hub)
+    last = last_policy(config)
+    where = f"on the Hub: {on_hub[last].hub.repo_id}, branch {on_hub[last].hub.config}" if last in on_hub else last
+    print(f"[iterate] {config.iterations} iteration(s) complete; the last policy is {where}")
     return run
 
 

@@ -21,7 +21,7 @@ from rlhf_pipeline.config import OutputOptions
 from rlhf_pipeline.errors import PipelineError
 
 # Settings that may differ between the shards of one run.
-PER_SHARD = ("shard", "output", "overwrite", "push_to_hub", "gpu_memory_utilization")
+PER_SHARD = ("shard", "output", "overwrite", "push_to_hub", "hub_config", "private", "gpu_memory_utilization")
 
 
 @dataclass(kw_only=True)

@@ -41,7 +41,7 @@ from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
 
 if TYPE_CHECKING:
-    from rlhf_pipeline.datasets_io import StageOutput
+    from rlhf_pipeline.datasets_io import HubTarget, StageOutput
     from rlhf_pipeline.training.loop import TrainOptions, TrainResult
 
 SOURCE_ROW = "_source_row"  # a row's index in the data as given, kept through the train/test split for error messages
@@ -183,20 +183,28 @@ def training_record(name: str, result: TrainResult, dd, sampling: dict | None, t
     )
 
 
-def push_model_to_hub(output: Path, repo_id: str, manifest: bytes) -> None:
-    """Upload the final model and its manifest (not the checkpoints, logs, cached reference log-probs or PPO rollout).
-    The token comes from the environment (HF_TOKEN), read by huggingface_hub."""
+def push_model_to_hub(output: Path, hub: HubTarget, manifest: bytes) -> None:
+    """Upload the final model and its manifest (not the checkpoints, logs, cached reference log-probs or PPO rollout)
+    to a model repo: its main branch, or the branch ``hub.config`` (``--hub-config``; rlhf iterate gives each
+    iteration's policy its own, ``iter<t>-train``). The token comes from the environment (HF_TOKEN), read by
+    huggingface_hub."""
     from huggingface_hub import HfApi
 
     api = HfApi()
-    api.create_repo(repo_id, repo_type="model", exist_ok=True)
+    api.create_repo(hub.repo_id, repo_type="model", private=hub.private or None, exist_ok=True)
+    revision = {}
+    if hub.config:
+        api.create_branch(hub.repo_id, branch=hub.config, repo_type="model", exist_ok=True)
+        revision = {"revision": hub.config}
     api.upload_folder(
         folder_path=str(output),
-        repo_id=repo_id,
+        repo_id=hub.repo_id,
         repo_type="model",
         ignore_patterns=[f"{CHECKPOINTS}/*", "runs/*", f"{REF_LOGPS_CACHE}/*", f"{ROLLOUT_CACHE}/*", MANIFEST],
+        **revision,
     )
-    api.upload_file(path_or_fileobj=manifest, path_in_repo=MANIFEST, repo_id=repo_id, repo_type="model")
+    api.upload_file(path_or_fileobj=manifest, path_in_repo=MANIFEST, repo_id=hub.repo_id, repo_type="model",
+                    **revision)
 
 
 # ----------------------------------------------------------------------------------------------------------------
