@@ -10,7 +10,9 @@
 #   bash scripts/gpu/prepare_prompts.sh (the config's `prompts:`), and `conda env create -f envs/vllm.yml`.
 # - Each stage runs with its launcher from the config's `launchers:` (`-m rlhf_pipeline.stages.<stage> args`):
 #   generate under `conda run -n rlhf-vllm python` (vLLM pins its own torch), train under
-#   `accelerate launch --config_file accelerate_cfgs/zero3.yaml` (8 processes, ZeRO-3); the others in this env.
+#   `accelerate launch --config_file accelerate_cfgs/zero3.yaml` (8 processes, ZeRO-3), score and eval under
+#   `accelerate launch --multi_gpu --num_processes 8` (data parallel; eval in rlhf-vllm); filter in this env.
+#   Another node size: --launchers '{...}' on the command line replaces the config's launchers.
 # - Outputs: <output>/iter_<t>/<stage>/, each with a manifest.json written last. Ctrl-C, a crash or a lost node:
 #   run the same command again. Finished stages are skipped and it resumes at the first incomplete stage; an
 #   interrupted train stage continues from its newest checkpoint (train.save_every).

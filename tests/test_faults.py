@@ -311,7 +311,8 @@ def test_a_disk_that_fills_during_training_keeps_the_checkpoints_and_the_rerun_r
     """The disk fills while the second checkpoint is written: one line, the first checkpoint untouched, no partial
     second one; with space freed, ``--resume`` ends equal to a run that never stopped."""
     common = ["--model", kit["policy"], "--data", kit["ref"], "--algo", "dpo", "--temperature", 0.8, "--max-steps", 4, "--save-every", 1,
-              "--batch-size", 2, "--learning-rate", 1e-3, "--report-to", "none"]
+              "--batch-size", 2, "--learning-rate", 1e-3, "--report-to", "none", "--save-total-limit", 0,
+              "--keep-checkpoints"]
     assert run("train", *common, "--output", tmp_path / "full") == 0
     one_checkpoint = sum(p.stat().st_size for p in (tmp_path / "full" / "checkpoints" / "step_000001").rglob("*")
                          if p.is_file())
@@ -322,6 +323,7 @@ def test_a_disk_that_fills_during_training_keeps_the_checkpoints_and_the_rerun_r
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no space left on the device" in errors[0] and "--resume" in errors[0], err
+    assert "--save-total-limit N keeps only the newest N checkpoints" in errors[0], errors[0]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
     first = tree_digest(out / "checkpoints" / "step_000001")
     assert not (out / "manifest.json").exists()
@@ -584,7 +586,7 @@ def test_two_process_zero3_resume_skips_a_damaged_checkpoint(kit, tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     args = ["--model", kit["policy"], "--data", kit["ref"], "--algo", "dpo", "--temperature", 0.8, "--max-steps", 6,
-            "--save-every", 2, "--batch-size", 2, "--learning-rate", 1e-3, "--report-to", "none"]
+            "--save-every", 2, "--batch-size", 2, "--learning-rate", 1e-3, "--report-to", "none", "--keep-checkpoints"]
 
     def launch(out: Path, *extra) -> None:
         cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",

@@ -93,7 +93,7 @@ def assert_cut_run_resumes_to(full: Path, args: list, monkeypatch) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_lora_trains_adapters_only_resumes_and_saves_a_merged_model(case, data, tiny_policy, tiny_rm, tmp_path,
                                                                      monkeypatch):
-    common = ["--max-steps", 4, "--save-every", 2]
+    common = ["--max-steps", 4, "--save-every", 2, "--keep-checkpoints"]
     assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "full", *common)) == 0
 
     # Cut after the step-2 checkpoint, resumed: the same losses and the same merged weights.

@@ -92,7 +92,8 @@ def test_a_non_finite_loss_skips_its_step_and_nothing_changes(pairs, tiny_policy
     nan_on_calls(monkeypatch, {2})
     out = tmp_path / "out"
     assert run(*train_args(pairs / "ref", tiny_policy, out, "--algo", "dpo", "--temperature", 0.8, "--max-steps", 4,
-                           "--batch-size", 2, "--save-every", 1, "--learning-rate", 1e-3)) == 0
+                           "--batch-size", 2, "--save-every", 1, "--learning-rate", 1e-3, "--save-total-limit", 0,
+                           "--keep-checkpoints")) == 0
     one, two, three = (out / "checkpoints" / f"step_00000{i}" for i in (1, 2, 3))
     assert max_weight_diff(one, two) == 0.0  # the skipped step applied no update
     assert same_state(optimizer_state(one), optimizer_state(two))  # nor touched Adam's moments
@@ -140,7 +141,7 @@ def test_non_finite_gradients_under_a_finite_loss_are_skipped_too(pairs, tiny_po
     monkeypatch.setattr(loop, "prepare", prepare)
     out = tmp_path / "out"
     assert run(*train_args(pairs / "ref", tiny_policy, out, "--algo", "dpo", "--temperature", 0.8, "--max-steps", 3,
-                           "--batch-size", 2, "--save-every", 1, "--learning-rate", 1e-3)) == 0
+                           "--batch-size", 2, "--save-every", 1, "--learning-rate", 1e-3, "--keep-checkpoints")) == 0
     assert max_weight_diff(out / "checkpoints" / "step_000001", out / "checkpoints" / "step_000002") == 0.0
     assert json.loads((out / "manifest.json").read_text())["training"]["skipped_steps"] == 1
     assert len(logged(out)) == 2
@@ -211,7 +212,7 @@ def test_two_process_zero3_skips_the_same_step_as_one_process(pairs, tiny_policy
     does (the accumulation included: ZeRO-3 adds the window's micro-batches up, see begin_deepspeed_micro_batch)."""
     data = ["--model", tiny_policy, "--data", pairs / "nan_reward", "--report-to", "none"]
     common = ["--algo", "rebel", "--temperature", 0.8, "--max-steps", 5, "--learning-rate", 1e-3, "--save-every", 1,
-              "--gradient-accumulation-steps", 2]
+              "--gradient-accumulation-steps", 2, "--save-total-limit", 0, "--keep-checkpoints"]
     assert run("train", *data, *common, "--batch-size", 2, "--output", tmp_path / "single") == 0
     res = launch_zero3(tmp_path / "zero3", *data, *common, "--batch-size", 1)
     assert res.returncode == 0, launch_failure(res)

@@ -48,7 +48,9 @@ from rlhf_pipeline.layout import REF_LOGPS_CACHE
 
 ENV = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 MANIFEST = "manifest.json"
-TRAINING = {"--max-steps": 30, "--batch-size": 2, "--save-every": 3, "--learning-rate": 1e-4, "--report-to": "none"}
+# every checkpoint kept, through the run and after it: the tests compare them with the uninterrupted run's
+TRAINING = {"--max-steps": 30, "--batch-size": 2, "--save-every": 3, "--learning-rate": 1e-4, "--report-to": "none",
+            "--save-total-limit": 0, "--keep-checkpoints": True}
 FIRST_CHECKPOINT = f"checkpoints/step_{TRAINING['--save-every']:06d}"
 ITERATE_STEPS = ["iter_1/generate", "iter_1/score", "iter_1/filter", "iter_1/train"]
 
@@ -231,7 +233,7 @@ def kit(tmp_path_factory, bundled_prompts) -> dict:
 
 
 def _flags(options: dict) -> list:
-    return [x for kv in options.items() for x in kv]
+    return [x for k, v in options.items() for x in ((k,) if v is True else (k, v))]
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +315,8 @@ def iterate_ref(kit, tiny_policy, tmp_path_factory) -> Reference:
     config.write_text(
         f"model: {tiny_policy}\nprompts: {kit['prompts']}\nreward_fn: {kit['reward_fn']}\niterations: 1\n"
         "prompts_per_iteration: 24\ngenerate: {n: 4, max_new_tokens: 16}\nfilter: {test_size: 4}\n"
-        "train: {max_steps: 8, batch_size: 2, save_every: 2, learning_rate: 0.0001, report_to: none}\n"
+        "train: {max_steps: 8, batch_size: 2, save_every: 2, learning_rate: 0.0001, report_to: none, save_total_limit: 0,\n"
+        "        keep_checkpoints: true}\n"
     )
 
     def command(out):

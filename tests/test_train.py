@@ -183,7 +183,8 @@ def test_reference_free_pair_losses_train_invariant_to_accumulation_and_resume(a
 
 
 def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_path, monkeypatch, capsys):
-    common = ["--algo", "rebel", "--max-steps", 6, "--batch-size", 2, "--save-every", 2, "--learning-rate", 1e-3]
+    common = ["--algo", "rebel", "--max-steps", 6, "--batch-size", 2, "--save-every", 2, "--learning-rate", 1e-3,
+              "--keep-checkpoints"]
     assert run(*train_args(pairs, tiny_policy, tmp_path / "full", *common)) == 0
 
     real_save = trainer.save_checkpoint
@@ -211,9 +212,10 @@ def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_pa
 
 
 def test_save_total_limit_keeps_the_newest_and_resumes_from_them(pairs, tiny_policy, tmp_path, monkeypatch):
-    common = ["--algo", "rebel", "--max-steps", 5, "--batch-size", 2, "--save-every", 1, "--learning-rate", 1e-3]
-    assert run(*train_args(pairs, tiny_policy, tmp_path / "all", *common)) == 0
-    assert run(*train_args(pairs, tiny_policy, tmp_path / "two", *common, "--save-total-limit", 2)) == 0
+    common = ["--algo", "rebel", "--max-steps", 5, "--batch-size", 2, "--save-every", 1, "--learning-rate", 1e-3,
+              "--keep-checkpoints"]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "all", *common, "--save-total-limit", 0)) == 0
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "two", *common)) == 0  # the default: 2
     names = ["checkpoints/step_000003", "checkpoints/step_000004"]  # step 5 is the final model, not a checkpoint
     assert sorted(f"checkpoints/{p.name}" for p in (tmp_path / "two" / "checkpoints").iterdir()) == names
     assert json.loads((tmp_path / "two" / "manifest.json").read_text())["checkpoints"] == names
@@ -264,6 +266,22 @@ def test_a_policy_pushed_to_a_branch_of_a_private_repo_is_pulled_back_with_its_m
     assert sorted(p.name for p in (tmp_path / "pulled").iterdir()) == ["config.json", "manifest.json",
                                                                          "model.safetensors"]
     assert json.loads((tmp_path / "pulled" / "manifest.json").read_text()) == manifest
+
+
+def test_a_finished_run_deletes_its_checkpoints_unless_kept(pairs, tiny_policy, tmp_path, capsys):
+    """By default a run keeps 2 checkpoints while it trains and deletes them once its final model and manifest are
+    written; the model is the one a run that kept them wrote. A negative limit is one line naming the option."""
+    common = ["--algo", "rebel", "--max-steps", 4, "--batch-size", 2, "--save-every", 1, "--learning-rate", 1e-3]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "kept", *common, "--keep-checkpoints")) == 0
+    assert sorted(p.name for p in (tmp_path / "kept" / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "gone", *common)) == 0
+    assert not (tmp_path / "gone" / "checkpoints").exists()
+    assert json.loads((tmp_path / "gone" / "manifest.json").read_text())["checkpoints"] == []
+    assert max_weight_diff(tmp_path / "gone", tmp_path / "kept") == 0.0
+    capsys.readouterr()
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "bad", *common, "--save-total-limit", -1)) == 1
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert "--save-total-limit -1: must be >= 0 (0 = keep every checkpoint)" in line, line
 
 
 def test_finished_run_is_not_redone_and_pushes_only_the_model(pairs, tiny_policy, tmp_path, capsys, monkeypatch):

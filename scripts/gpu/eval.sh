@@ -7,7 +7,9 @@
 #
 #   conda env: rlhf-vllm (envs/vllm.yml): --engine vllm needs vLLM, which rlhf-train does not have; the reward
 #              model runs on transformers, which rlhf-vllm has too. (With ENGINE=hf it runs in rlhf-train.)
-#   hardware:  one 80 GB GPU for the 8B policy and the 8B reward model
+#   hardware:  one node, 8 GPUs under `accelerate launch` (NUM_GPUS processes): the main process samples (vLLM on
+#              its GPU, TP=1), then every process scores its share of the responses with a whole bf16 copy of the
+#              reward model (data parallel, as score.sh); NUM_GPUS=1 runs it all on one 80 GB GPU
 #   reads:     $EVAL_PROMPTS (held out: UltraFeedback's test prompts; REBEL trains on the train split),
 #              $POLICY (ITER=0: $MODEL, the starting policy; ITER=t: $RUN/iter_t/train), $REWARD_MODEL, $BASELINE
 #   writes:    $RUN/iter_$ITER/eval (generations, rewards, summary + manifest.json), the layout `rlhf iterate` uses
@@ -32,17 +34,23 @@ SCORE_BATCH_SIZE=${SCORE_BATCH_SIZE:-8}  # reward-model batch, as score.sh
 MAX_LENGTH=${MAX_LENGTH:-4096}           # reward-model truncation, as REBEL's rank.py:25,41-47
 DTYPE=${DTYPE:-bfloat16}                 # REBEL loads ArmoRM in bfloat16 (rank.py:25)
 ENGINE=${ENGINE:-vllm}
+NUM_GPUS=${NUM_GPUS:-8}                  # processes of the launch (1 = one process, no --multi_gpu)
+ACCELERATE_ARGS=${ACCELERATE_ARGS:-}     # more `accelerate launch` options, e.g. --main_process_port 29501
 PUSH_TO_HUB=${PUSH_TO_HUB:-}             # e.g. ORG/NAME-iter1-eval; the token comes from HF_TOKEN
 
-command -v rlhf >/dev/null || { echo "rlhf not found: conda activate rlhf-vllm" >&2; exit 1; }
+command -v accelerate >/dev/null || { echo "accelerate not found: conda activate rlhf-vllm" >&2; exit 1; }
 if [ "$ENGINE" = vllm ]; then
   python -c 'import vllm' 2>/dev/null || { echo "vllm does not import: conda activate rlhf-vllm" >&2; exit 1; }
 fi
 extra=()
 [ -n "$BASELINE" ] && extra+=(--baseline "$BASELINE")
 [ -n "$PUSH_TO_HUB" ] && extra+=(--push-to-hub "$PUSH_TO_HUB")
+multi=(); [ "$NUM_GPUS" -gt 1 ] && multi=(--multi_gpu)
 
-rlhf eval --model "$POLICY" --prompts "$EVAL_PROMPTS" --reward-model "$REWARD_MODEL" --trust-remote-code \
+# shellcheck disable=SC2086  # ACCELERATE_ARGS: several words
+accelerate launch ${multi[@]+"${multi[@]}"} --num_processes "$NUM_GPUS" --num_machines 1 --mixed_precision no \
+  --dynamo_backend no $ACCELERATE_ARGS -m rlhf_pipeline.stages.eval \
+  --model "$POLICY" --prompts "$EVAL_PROMPTS" --reward-model "$REWARD_MODEL" --trust-remote-code \
   --output "$OUT" --n "$N" --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --top-p "$TOP_P" \
   --seed "$SEED" --batch-size "$BATCH_SIZE" --engine "$ENGINE" \
   --score-batch-size "$SCORE_BATCH_SIZE" --max-length "$MAX_LENGTH" --dtype "$DTYPE" \

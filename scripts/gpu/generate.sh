@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Stage 1 of an iteration: sample n=5 responses per prompt from the current policy with vLLM.
 #
-#   conda env: rlhf-vllm (envs/vllm.yml; vLLM pins its own torch, so generation lives apart from rlhf-train)
+#   conda env: rlhf-vllm (envs/vllm.yml; vLLM pins its own torch, so generation lives apart from rlhf-train);
+#              with ENGINE=hf (Hugging Face generate, what the tests run on a CPU) rlhf-train works too
 #   hardware:  one node, 8 x 80 GB GPUs (REBEL's setting)
 #   reads:     $PROMPTS (default runs/prompts/ultrafeedback, made by scripts/gpu/prepare_prompts.sh) and $POLICY
 #              (iteration 1: $MODEL; iteration t > 1: $RUN/iter_<t-1>/train)
@@ -36,18 +37,22 @@ SEED=${SEED:-0}
 TP=${TP:-8}                    # GPUs per vLLM engine (--tensor-parallel-size)
 SHARDS=${SHARDS:-1}            # independent engines, each on TP GPUs (SHARDS x TP <= number of GPUs)
 GPU_MEMORY_UTILIZATION=${GPU_MEMORY_UTILIZATION:-0.9}
+ENGINE=${ENGINE:-vllm}         # or hf (transformers' generate: slower, no vLLM needed)
+DTYPE=${DTYPE:-bfloat16}       # the policy's weights (REBEL samples in bf16)
 LIMIT=${LIMIT:-}               # e.g. LIMIT=100 for a quick trial on the first 100 prompts
 PUSH_TO_HUB=${PUSH_TO_HUB:-}   # e.g. ORG/NAME-iter1-generate; the token comes from HF_TOKEN
 
 command -v rlhf >/dev/null || { echo "rlhf not found: conda activate rlhf-vllm" >&2; exit 1; }
-python -c 'import vllm' 2>/dev/null || { echo "vllm does not import: conda activate rlhf-vllm" >&2; exit 1; }
+if [ "$ENGINE" = vllm ]; then
+  python -c 'import vllm' 2>/dev/null || { echo "vllm does not import: conda activate rlhf-vllm" >&2; exit 1; }
+fi
 if [ "$PROMPTS" = runs/prompts/ultrafeedback ] && [ ! -e "$PROMPTS" ]; then
   echo "$PROMPTS is missing: run scripts/gpu/prepare_prompts.sh first" >&2; exit 1
 fi
 
 common=(--model "$POLICY" --prompts "$PROMPTS"
         --n "$N" --temperature "$TEMPERATURE" --top-p "$TOP_P" --max-new-tokens "$MAX_NEW_TOKENS" --seed "$SEED"
-        --engine vllm --dtype bfloat16 --tensor-parallel-size "$TP"
+        --engine "$ENGINE" --dtype "$DTYPE" --tensor-parallel-size "$TP"
         --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION")
 [ -n "$LIMIT" ] && common+=(--limit "$LIMIT")
 push=(); [ -n "$PUSH_TO_HUB" ] && push=(--push-to-hub "$PUSH_TO_HUB")

@@ -20,15 +20,18 @@ ITER=${ITER:-1}
 if [ "$ITER" -le 1 ]; then POLICY=${POLICY:-$MODEL}; else POLICY=${POLICY:-$RUN/iter_$((ITER - 1))/train}; fi
 INPUT=${INPUT:-$RUN/iter_$ITER/filter}
 OUT=${OUT:-$RUN/iter_$ITER/ref_logps}
-NUM_GPUS=${NUM_GPUS:-8}
+NUM_GPUS=${NUM_GPUS:-8}           # processes of the launch (1 = one process, no --multi_gpu)
+ACCELERATE_ARGS=${ACCELERATE_ARGS:-}  # more `accelerate launch` options, e.g. --main_process_port 29501
 BATCH_SIZE=${BATCH_SIZE:-8}       # pairs per forward (2 x 8 sequences); REBEL: 1 (rebel.py:172-173); speed only
+DTYPE=${DTYPE:-bfloat16}          # the policy's weights, as train.sh's --bf16
 PUSH_TO_HUB=${PUSH_TO_HUB:-}      # e.g. ORG/NAME-iter1-ref_logps; the token comes from HF_TOKEN
 
 command -v accelerate >/dev/null || { echo "accelerate not found: conda activate rlhf-train" >&2; exit 1; }
 push=(); [ -n "$PUSH_TO_HUB" ] && push=(--push-to-hub "$PUSH_TO_HUB")
 multi=(); [ "$NUM_GPUS" -gt 1 ] && multi=(--multi_gpu)
 
+# shellcheck disable=SC2086  # ACCELERATE_ARGS: several words
 accelerate launch ${multi[@]+"${multi[@]}"} --num_processes "$NUM_GPUS" --num_machines 1 --mixed_precision no \
-  --dynamo_backend no -m rlhf_pipeline.stages.ref_logps \
-  --model "$POLICY" --input "$INPUT" --output "$OUT" --batch-size "$BATCH_SIZE" --dtype bfloat16 \
+  --dynamo_backend no $ACCELERATE_ARGS -m rlhf_pipeline.stages.ref_logps \
+  --model "$POLICY" --input "$INPUT" --output "$OUT" --batch-size "$BATCH_SIZE" --dtype "$DTYPE" \
   ${push[@]+"${push[@]}"}

@@ -2,8 +2,10 @@
 # Stage 2 of an iteration: one ArmoRM reward per response.
 #
 #   conda env: rlhf-train (envs/train.yml)
-#   hardware:  one GPU (an 8B reward model in bf16 fits in 80 GB; REBEL's rank.py also uses one GPU,
-#              device_map="cuda" at rank.py:25)
+#   hardware:  one node, 8 GPUs, data parallel under `accelerate launch` (NUM_GPUS processes, each a whole bf16
+#              copy of the 8B reward model, 16 GB; the length-sorted responses split between them, the rewards
+#              gathered back in row order). REBEL's rank.py scores on one GPU (device_map="cuda", rank.py:25): about
+#              300k forwards an iteration (60k prompts x 5), which 8 processes share.
 # REBEL file:line citations: src/ultrafeedback_largebatch/rank.py of github.com/ZhaolinGao/REBEL at commit 4ad7c11.
 #   reads:     $RUN/iter_$ITER/generate (the output of generate.sh, or of `rlhf merge` after a sharded run)
 #   writes:    $RUN/iter_$ITER/score (the generations plus `rewards`, n floats per row, + manifest.json)
@@ -20,13 +22,17 @@ REWARD_MODEL=${REWARD_MODEL:-RLHFlow/ArmoRM-Llama3-8B-v0.1}
 BATCH_SIZE=${BATCH_SIZE:-8}          # REBEL scores one sample at a time (rank.py:65-70); batching changes only speed
 MAX_LENGTH=${MAX_LENGTH:-4096}       # REBEL: apply_chat_template(truncation=True, max_length=4096) (rank.py:25,41-47)
 DTYPE=${DTYPE:-bfloat16}             # REBEL loads ArmoRM in bfloat16 (rank.py:25)
-GPU=${GPU:-0}                        # which GPU to use
+NUM_GPUS=${NUM_GPUS:-8}              # processes of the launch (1 = one process, no --multi_gpu)
+ACCELERATE_ARGS=${ACCELERATE_ARGS:-} # more `accelerate launch` options, e.g. --main_process_port 29501
 PUSH_TO_HUB=${PUSH_TO_HUB:-}         # e.g. ORG/NAME-iter1-score; the token comes from HF_TOKEN
 
-command -v rlhf >/dev/null || { echo "rlhf not found: conda activate rlhf-train" >&2; exit 1; }
+command -v accelerate >/dev/null || { echo "accelerate not found: conda activate rlhf-train" >&2; exit 1; }
 push=(); [ -n "$PUSH_TO_HUB" ] && push=(--push-to-hub "$PUSH_TO_HUB")
+multi=(); [ "$NUM_GPUS" -gt 1 ] && multi=(--multi_gpu)
 
-CUDA_VISIBLE_DEVICES=$GPU rlhf score --input "$INPUT" --output "$OUT" \
+# shellcheck disable=SC2086  # ACCELERATE_ARGS: several words
+accelerate launch ${multi[@]+"${multi[@]}"} --num_processes "$NUM_GPUS" --num_machines 1 --mixed_precision no \
+  --dynamo_backend no $ACCELERATE_ARGS -m rlhf_pipeline.stages.score --input "$INPUT" --output "$OUT" \
   --reward-model "$REWARD_MODEL" --trust-remote-code \
   --batch-size "$BATCH_SIZE" --max-length "$MAX_LENGTH" --dtype "$DTYPE" \
   ${push[@]+"${push[@]}"}

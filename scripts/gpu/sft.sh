@@ -26,6 +26,7 @@ RUN=${RUN:-runs/rebel_llama3}
 OUT=${OUT:-$RUN/sft}
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_cfgs/zero3.yaml}
 NUM_GPUS=${NUM_GPUS:-8}
+ACCELERATE_ARGS=${ACCELERATE_ARGS:-}  # more `accelerate launch` options, e.g. --main_process_port 29501
 
 MAX_LENGTH=${MAX_LENGTH:-2048}           # rows longer than this are dropped (OpenRLHF --max_len 2048)
 TEST_SIZE=${TEST_SIZE:-1000}             # held-out rows when $DATA has no test split (row count, or fraction < 1)
@@ -39,6 +40,10 @@ WEIGHT_DECAY=${WEIGHT_DECAY:-0.0}
 MAX_GRAD_NORM=${MAX_GRAD_NORM:-1.0}
 EVAL_EVERY=${EVAL_EVERY:-200}
 SAVE_EVERY=${SAVE_EVERY:-100}
+SAVE_TOTAL_LIMIT=${SAVE_TOTAL_LIMIT:-2}  # checkpoints kept while training (0 = all); ~112 GB each at 8B
+KEEP_CHECKPOINTS=${KEEP_CHECKPOINTS:-0}  # 1 = keep checkpoints/ after the run finishes (by default deleted then)
+BF16=${BF16:-1}                          # bf16 mixed precision; 0 = float32
+GRADIENT_CHECKPOINTING=${GRADIENT_CHECKPOINTING:-1}
 SEED=${SEED:-0}
 REPORT_TO=${REPORT_TO:-tensorboard}
 PUSH_TO_HUB=${PUSH_TO_HUB:-}             # e.g. ORG/NAME-sft (a model repo); the token comes from HF_TOKEN
@@ -48,12 +53,19 @@ if [ $((BATCH_SIZE * GRAD_ACC * NUM_GPUS)) -ne "$GLOBAL_BATCH" ]; then
   echo "batch $BATCH_SIZE x accumulation $GRAD_ACC x $NUM_GPUS GPUs != GLOBAL_BATCH $GLOBAL_BATCH" >&2; exit 1
 fi
 push=(); [ -n "$PUSH_TO_HUB" ] && push=(--push-to-hub "$PUSH_TO_HUB")
+flags=()
+if [ "$BF16" = 1 ]; then flags+=(--bf16); else flags+=(--no-bf16); fi
+if [ "$GRADIENT_CHECKPOINTING" = 1 ]; then flags+=(--gradient-checkpointing); fi
+if [ "$KEEP_CHECKPOINTS" = 1 ]; then flags+=(--keep-checkpoints); fi
 
-accelerate launch --config_file "$ACCELERATE_CONFIG" --num_processes "$NUM_GPUS" -m rlhf_pipeline.stages.sft \
+# shellcheck disable=SC2086  # ACCELERATE_ARGS: several words
+accelerate launch --config_file "$ACCELERATE_CONFIG" --num_processes "$NUM_GPUS" $ACCELERATE_ARGS \
+  -m rlhf_pipeline.stages.sft \
   --model "$MODEL" --data "$DATA" --output "$OUT" --chat-template "$CHAT_TEMPLATE" \
   --max-length "$MAX_LENGTH" --test-size "$TEST_SIZE" \
   --epochs "$EPOCHS" --batch-size "$BATCH_SIZE" --gradient-accumulation-steps "$GRAD_ACC" \
   --learning-rate "$LEARNING_RATE" --weight-decay "$WEIGHT_DECAY" --warmup-ratio "$WARMUP_RATIO" \
-  --max-grad-norm "$MAX_GRAD_NORM" --bf16 --gradient-checkpointing \
-  --eval-every "$EVAL_EVERY" --save-every "$SAVE_EVERY" --resume --seed "$SEED" --report-to "$REPORT_TO" \
+  --max-grad-norm "$MAX_GRAD_NORM" "${flags[@]}" \
+  --eval-every "$EVAL_EVERY" --save-every "$SAVE_EVERY" \
+  --save-total-limit "$SAVE_TOTAL_LIMIT" --resume --seed "$SEED" --report-to "$REPORT_TO" \
   ${push[@]+"${push[@]}"}

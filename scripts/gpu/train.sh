@@ -25,6 +25,7 @@ fi
 OUT=${OUT:-$RUN/iter_$ITER/train}
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_cfgs/zero3.yaml}
 NUM_GPUS=${NUM_GPUS:-8}
+ACCELERATE_ARGS=${ACCELERATE_ARGS:-}  # more `accelerate launch` options, e.g. --main_process_port 29501
 
 # REBEL's large-batch UltraFeedback settings (src/ultrafeedback_largebatch/rebel.py of github.com/ZhaolinGao/REBEL
 # at commit 4ad7c11; rebel.py:N below): eta = 1e6 (rebel.py:31; its loss at rebel.py:441-443). rlhf train logs the
@@ -42,6 +43,10 @@ GRAD_ACC=${GRAD_ACC:-$((GLOBAL_BATCH / (BATCH_SIZE * NUM_GPUS)))}   # 16 on 8 GP
 EPOCHS=${EPOCHS:-1}                      # total_episodes=60000 -> 468 updates, about one pass (rebel.py:77,247)
 EVAL_EVERY=${EVAL_EVERY:-200}            # REBEL's test-split loss at updates 1, 201, 401, end (rebel.py:56,387-390,485)
 SAVE_EVERY=${SAVE_EVERY:-100}            # resumable checkpoints (REBEL saves, rebel.py:395, but never resumes)
+SAVE_TOTAL_LIMIT=${SAVE_TOTAL_LIMIT:-2}  # checkpoints kept while training (0 = all); ~112 GB each at 8B
+KEEP_CHECKPOINTS=${KEEP_CHECKPOINTS:-0}  # 1 = keep checkpoints/ after the run finishes (by default deleted then)
+BF16=${BF16:-1}                          # bf16 mixed precision; 0 = float32
+GRADIENT_CHECKPOINTING=${GRADIENT_CHECKPOINTING:-1}
 SEED=${SEED:-0}
 REPORT_TO=${REPORT_TO:-tensorboard}      # or wandb (REBEL's default, track=True, rebel.py:50) or none
 PUSH_TO_HUB=${PUSH_TO_HUB:-}             # e.g. ORG/NAME-iter1-train (a model repo); the token comes from HF_TOKEN
@@ -51,13 +56,20 @@ if [ $((BATCH_SIZE * GRAD_ACC * NUM_GPUS)) -ne "$GLOBAL_BATCH" ]; then
   echo "batch $BATCH_SIZE x accumulation $GRAD_ACC x $NUM_GPUS GPUs != GLOBAL_BATCH $GLOBAL_BATCH" >&2; exit 1
 fi
 push=(); [ -n "$PUSH_TO_HUB" ] && push=(--push-to-hub "$PUSH_TO_HUB")
+flags=()
+if [ "$BF16" = 1 ]; then flags+=(--bf16); else flags+=(--no-bf16); fi
+if [ "$GRADIENT_CHECKPOINTING" = 1 ]; then flags+=(--gradient-checkpointing); fi
+if [ "$KEEP_CHECKPOINTS" = 1 ]; then flags+=(--keep-checkpoints); fi
 
 # --temperature is not passed: REBEL's log-probs use the sampling temperature 0.8 (rebel.py:40,149), which
 # rlhf train reads from the generate manifest.
-accelerate launch --config_file "$ACCELERATE_CONFIG" --num_processes "$NUM_GPUS" -m rlhf_pipeline.stages.train \
+# shellcheck disable=SC2086  # ACCELERATE_ARGS: several words
+accelerate launch --config_file "$ACCELERATE_CONFIG" --num_processes "$NUM_GPUS" $ACCELERATE_ARGS \
+  -m rlhf_pipeline.stages.train \
   --algo rebel --model "$POLICY" --data "$DATA" --output "$OUT" \
   --eta "$ETA" --learning-rate "$LEARNING_RATE" --weight-decay "$WEIGHT_DECAY" --adam-beta2 "$ADAM_BETA2" --warmup-ratio "$WARMUP_RATIO" \
   --max-grad-norm "$MAX_GRAD_NORM" --batch-size "$BATCH_SIZE" --gradient-accumulation-steps "$GRAD_ACC" \
-  --epochs "$EPOCHS" --bf16 --gradient-checkpointing --eval-every "$EVAL_EVERY" --save-every "$SAVE_EVERY" \
+  --epochs "$EPOCHS" "${flags[@]}" --eval-every "$EVAL_EVERY" --save-every "$SAVE_EVERY" \
+  --save-total-limit "$SAVE_TOTAL_LIMIT" \
   --resume --seed "$SEED" --report-to "$REPORT_TO" \
   ${push[@]+"${push[@]}"}

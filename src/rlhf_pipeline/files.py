@@ -192,6 +192,15 @@ def seal(directory: Path) -> None:
         _fsync_dir(d)
 
 
+def flush_files(directory: Path) -> None:
+    """Flush the files directly in ``directory`` (not its subdirectories) and the directory itself to the disk."""
+    directory = Path(directory)
+    for p in sorted(directory.iterdir()):
+        if p.is_file():
+            _fsync(p)
+    _fsync_dir(directory)
+
+
 def verify(directory: Path) -> str | None:
     """Why a sealed directory is not the one that was written (a file missing, cut short, damaged), or None. An
     unsealed one (no ``files.json``) is only checked file by file."""

@@ -12,8 +12,9 @@ file and its size, ``rlhf_pipeline.files.seal``), then renamed: a kill at any po
 taken for complete and removed by the next save. ``--resume`` continues from the newest checkpoint that is whole (its
 files as sealed, each readable: ``rlhf_pipeline.files.verify``) and loads; a damaged one is named in a warning and set
 aside as ``step_N.damaged`` (kept, never deleted), and the run goes on from the one before. ``--save-total-limit N``
-keeps the newest N (older ones are deleted only after a newer one is complete); the manifest lists the checkpoints
-that remain.
+keeps the newest N (default 2, 0 = all; older ones are deleted only after a newer one is complete). A finished run
+deletes its complete checkpoints once its final model and manifest are written (:func:`remove_checkpoints`), unless
+``--keep-checkpoints``; the manifest lists the checkpoints that remain.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 from rlhf_pipeline.training import lora
 from rlhf_pipeline.distributed import on_main_process, unwrap
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.files import first_line, seal, verify, writing
+from rlhf_pipeline.files import first_line, flush_files, seal, verify, writing
 from rlhf_pipeline.layout import CHECKPOINTS
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
     accelerator.wait_for_everyone()
     try:
         with writing(output, needed=_size(latest_checkpoint(output)), what=f"the checkpoint of step {state['step']}",
-                     again="run the same command again with --resume: it goes on from the newest checkpoint"):
+                     again="run the same command again with --resume: it goes on from the newest checkpoint "
+                     "(--save-total-limit N keeps only the newest N checkpoints, 2 by default)"):
             save_model(accelerator, model, tokenizer, tmp)
             accelerator.save_state(str(tmp / "state"), **_state_options(accelerator, model)[0])
             accelerator.wait_for_everyone()
@@ -82,13 +84,29 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
         os.rename(tmp, final)
         if keep is not None:
             for old in list_checkpoints(output)[:-keep]:
-                # out of the listing in one rename first: a kill midway leaves a .tmp that the next save removes,
-                # not a step_N that is half deleted (or, its trainer state gone first, never listed and never removed)
-                doomed = old.with_name(old.name + ".tmp")
-                os.rename(old, doomed)
-                shutil.rmtree(doomed)
+                _remove(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def remove_checkpoints(output: Path) -> None:
+    """A finished run's complete checkpoints, deleted (main process) once its final model is on the disk: its files
+    are flushed first. They only serve to resume an unfinished run, and at 8B each is about 112 GB with its
+    optimizer state (docs/full-size.md). Checkpoints set aside as damaged stay, as always."""
+    flush_files(output)
+    for old in list_checkpoints(output):
+        _remove(old)
+    root = output / CHECKPOINTS
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+
+
+def _remove(checkpoint: Path) -> None:
+    # out of the listing in one rename first: a kill midway leaves a .tmp that the next save removes, not a step_N
+    # that is half deleted (or, its trainer state gone first, never listed and never removed)
+    doomed = checkpoint.with_name(checkpoint.name + ".tmp")
+    os.rename(checkpoint, doomed)
+    shutil.rmtree(doomed)
 
 
 def load_checkpoint(accelerator, model, checkpoint: Path) -> dict[str, Any]:

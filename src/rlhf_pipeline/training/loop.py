@@ -106,9 +106,15 @@ class TrainOptions(OutputOptions, LoraOptions):
     eval_every: int = option(0, help="Evaluate on the test split every N steps (0 = at the end only).")
     eval_batch_size: int = option(8, help="Examples per process per evaluation forward.", semantic=False)
     save_every: int = option(0, help="Save a resumable checkpoint every N steps (0 = final model only).")
-    save_total_limit: Optional[int] = option(
-        None, help="Keep only the newest N checkpoints: an older one is deleted once a newer one is complete, so the "
-        "one a run resumed from goes only after its successor is safely written (default: keep all).",
+    save_total_limit: int = option(
+        2, help="Keep only the newest N checkpoints, 0 = keep all: an older one is deleted once a newer one is "
+        "complete, so the one a run resumed from goes only after its successor is safely written. The default 2 keeps "
+        "the newest, to resume from, and the one before it, which --resume goes on from when the newest is damaged.",
+        semantic=False,
+    )
+    keep_checkpoints: bool = option(
+        False, help="Keep checkpoints/ once the run has finished; by default a finished run deletes its checkpoints "
+        "after its final model and manifest are written (they only serve to resume an unfinished run).",
         semantic=False,
     )
     logging_steps: int = option(1, help="Log metrics every N steps.", semantic=False)
@@ -129,8 +135,8 @@ class TrainOptions(OutputOptions, LoraOptions):
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
             raise ValueError("--max-tokens-per-micro-batch must be at least 1 (leave it unset to cut micro-batches by "
                              "--batch-size)")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise ValueError("--save-total-limit must be at least 1 (leave it unset to keep every checkpoint)")
+        if self.save_total_limit < 0:
+            raise ValueError(f"--save-total-limit {self.save_total_limit}: must be >= 0 (0 = keep every checkpoint)")
         if self.pack_ratio and self.pack_ratio < 1:
             raise ValueError("--pack-ratio must be 0 (pad) or at least 1")
         if self.learning_rate <= 0:
@@ -681,7 +687,7 @@ def train(
                      "real_tokens": real_tokens, "last_loss": last_loss, "skipped_steps": skipped,
                      "skipped_in_a_row": skipped_in_a_row,
                      "all_tokens": all_tokens, "seconds": time.time() - started}
-            save_checkpoint(accelerator, model, tokenizer, output, state, keep=config.save_total_limit)
+            save_checkpoint(accelerator, model, tokenizer, output, state, keep=config.save_total_limit or None)
     bar.close()
 
     final_eval = evaluate(accelerator, model, task, eval_ds, config.eval_batch_size)

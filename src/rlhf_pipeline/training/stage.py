@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from rlhf_pipeline.training.checkpoints import list_checkpoints
+from rlhf_pipeline.training.checkpoints import list_checkpoints, remove_checkpoints
 from rlhf_pipeline.distributed import cpu_deepspeed_backend, finish_distributed, on_main_process
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
@@ -88,17 +88,20 @@ class TrainingRun:
         self.started = True
 
     def finish(self, run: StageRun) -> None:
-        """Mark the run complete (main process): push the model when ``--push-to-hub`` asks, then write the
-        manifest, then say so on the console."""
+        """Mark the run complete (main process): write the manifest, delete the checkpoints unless
+        ``--keep-checkpoints``, say so on the console, then push the model when ``--push-to-hub`` asks."""
         if not self.started:
             raise RuntimeError(f"{self.output.stage}: run.finish(...) before run.start(); the run has no output")
         out = self.output
 
         def write() -> None:
-            checkpoints = [str(p.relative_to(out.path)) for p in list_checkpoints(out.path)]
+            keep = out.config.keep_checkpoints
+            checkpoints = [str(p.relative_to(out.path)) for p in list_checkpoints(out.path)] if keep else []
             manifest = out.manifest(rows_in=run.rows_in, rows_out=run.result.steps, dropped=run.dropped,
                                     extra={**run.extra, "checkpoints": checkpoints})
-            out.write_manifest(manifest)
+            out.write_manifest(manifest)  # the run is complete: its checkpoints are no longer needed to resume it
+            if not keep:
+                remove_checkpoints(out.path)
             print(f"[{out.stage}] {run.summary}; model in {out.path}")
             if out.push_pending(manifest):  # a failed upload is one line; the run stays finished, the push pending
                 out.push(manifest)
