@@ -69,6 +69,11 @@ pytest_in() {  # pytest_in PYTHON ARGS...: pytest's status, with 5 (no tests col
 }
 
 rc=0
+# DeepSpeed's CPU backend compiles its shared-memory collective (a C++ extension) on first use, under a lock file in
+# ~/.cache/torch_extensions. Build it once here: a test that kills a ZeRO-3 run on purpose could otherwise kill the
+# first build midway, and its stale lock would stall every later launch.
+DS_ACCELERATOR=cpu "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 \
+  || echo "warning: DeepSpeed's CPU extension did not build; the ZeRO-3 tests will say why" >&2
 if [ ${#main_args[@]} -gt 0 ]; then
   ignore=()
   [ ${#deferred_args[@]} -eq 0 ] || ignore=(--ignore="$DEFERRED")
