@@ -14,8 +14,9 @@ Every iteration trains on this python reward directly (no reward model); the eva
 The SFT demonstrations are two to four words and a period; the prompt's word comes first with a probability drawn
 from {0, 1/4, 1/2, 3/4, 1}, else later or not at all (even odds), so the warm-started policy follows the constraint
 some of the time. Prompts are split by phrasing, as the topics task's: the training prompts are the first six
-phrasings of every word, the held-out prompts the last two, which no training stage sees (each prompt four times,
-with ids of their own: 480 and 160).
+phrasings of every word, the held-out prompts the last two, which no training stage sees (each prompt sixteen times,
+with ids of their own: 480 and 160). There are five words: with twenty, the tiny SFT policy wrote the prompt's word
+in 5% of its answers (gold -0.894), too rarely for three iterations to learn from.
 
 Everything here is deterministic given a seed, and pure Python (no torch).
 """
@@ -30,7 +31,7 @@ from typing import Any
 from rlhf_pipeline.demo.task import NEGATIVE, NOUNS, POSITIVE, write_task_files
 from rlhf_pipeline.demo.topics import RIGHT_SHARES
 
-WORDS = POSITIVE[:10] + NEGATIVE[:10]  # the words a prompt asks for: 20
+WORDS = POSITIVE[:3] + NEGATIVE[:2]  # the words a prompt asks for: few, so the tiny SFT policy ties each to its prompt
 FILLERS = sorted({noun for nouns in NOUNS.values() for noun in nouns})  # the answers' other words
 PROMPT_TEMPLATES = [
     "Start your answer with the word {word}.",
@@ -44,7 +45,7 @@ PROMPT_TEMPLATES = [
     "Make {word} the first word you write.",
 ]
 TRAIN_TEMPLATES = 6
-REPEATS = 4  # each phrasing of each word appears this many times (each its own id): 480 training, 160 held out
+REPEATS = 16  # each phrasing of each word appears this many times (each its own id): 480 training, 160 held out
 
 _WORD = re.compile(r"[a-z]+")
 
