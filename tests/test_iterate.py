@@ -297,8 +297,6 @@ def test_every_demo_task_is_registered_with_valid_data_and_rewards(tmp_path):
     """Each task of TASKS (the third, first_word, among them) writes the same bytes for the same seed, prompts with
     ids of their own and held-out phrasings no training file holds; its gold reward scores its data in [-1, 1] with
     a spread (the SFT data is neither all right nor all wrong) and its second reward is a function."""
-    import json
-
     from rlhf_pipeline.algorithms.registry import resolve
     from rlhf_pipeline.demo import TASKS
 
@@ -319,6 +317,30 @@ def test_every_demo_task_is_registered_with_valid_data_and_rewards(tmp_path):
         gold = resolve(task.gold)([r["prompt"] for r in rows["sft"]], [r["answer"] for r in rows["sft"]],
                                       **sft_columns)
         assert all(-1 <= g <= 1 for g in gold) and min(gold) < max(gold), name
+
+
+def test_the_learning_matrix_keeps_each_iterations_clip_fraction(tmp_path):
+    """scripts/learning_matrix.py: per iteration, the training steps and the mean ppo/train_clip_frac over them and
+    over their last quarter (the eval records, which have none, are skipped); every registry entry is a setting and
+    every candidate runs a registered algorithm."""
+    import importlib.util
+
+    from rlhf_pipeline.algorithms import ALGORITHMS
+
+    spec = importlib.util.spec_from_file_location("learning_matrix", Path(__file__).parents[1] / "scripts" /
+                                                  "learning_matrix.py")
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    for t, values in ((1, [0.1, 0.2, 0.3, 0.6]), (10, [0.5, 0.3])):
+        metrics = tmp_path / f"iter_{t}" / "train" / "metrics.jsonl"
+        metrics.parent.mkdir(parents=True)
+        metrics.write_text("".join(json.dumps({"step": i, "ppo/train_clip_frac": v}) + "\n" for i, v in
+                                   enumerate(values)) + json.dumps({"step": 0, "loss/eval": 1.0}) + "\n")
+    assert matrix.clip_fractions(tmp_path) == {"train_steps": [4, 2], "clip_frac": [0.3, 0.4],
+                                               "clip_frac_end": [0.6, 0.3]}
+    assert matrix.clip_fractions(tmp_path / "none") == {}
+    assert set(ALGORITHMS) <= set(matrix.settings(None))
+    assert all(algo in ALGORITHMS for algo, _ in matrix.settings(None).values())
 
 
 def test_the_demo_plans_each_task_with_its_own_reward(tmp_path):
