@@ -585,7 +585,7 @@ class GroupOptions:
 
     clip: Optional[float] = option(
         None, help="PPO family: clip range epsilon of the ratio to the sampling policy, both sides (default 0.2; "
-        "GSPO 3e-4 below, 4e-4 above)."
+        "GSPO 0.03 below, 0.04 above: a hundred times the paper's, for many updates per rollout)."
     )
     kl_coef: Optional[float] = option(
         None, help="PPO family: weight beta of the KL to the reference model, 0 = none (default 0.05; DAPO and GSPO 0)."
@@ -938,7 +938,7 @@ register(GroupAlgorithm(
     demo={"learning_rate": 2e-4, "kl_mode": "loss", "kl_coef": 0.02}))
 register(GroupAlgorithm(
     "gspo", _undiscounted_returns, "GRPO with one clipped importance ratio per sequence", baseline=_group_norm,
-    scales_by_std=True, defaults={"importance": "sequence", "clip": 3e-4, "clip_high": 4e-4, "kl_coef": 0.0},
+    scales_by_std=True, defaults={"importance": "sequence", "clip": 0.03, "clip_high": 0.04, "kl_coef": 0.0},
     demo={"learning_rate": 2e-4}))
 register(GroupAlgorithm(
     "cispo", _undiscounted_returns, "GRPO's baseline; REINFORCE weighted by the importance ratio capped at "
@@ -956,4 +956,4 @@ register(GroupAlgorithm(
 register(GroupAlgorithm(
     "sppo", _undiscounted_returns, "self-play: regress each response's log-ratio onto eta x (its win rate "
     "against its group - 1/2)", baseline=_sppo_targets, policy_loss=_sppo,
-    defaults={"kl_coef": 0.0}, demo={"learning_rate": 2e-4}))
+    defaults={"kl_coef": 0.0, "eta": 100.0}, demo={"learning_rate": 2e-4}))

@@ -247,9 +247,10 @@ class PairOptions:
 
     options_group: ClassVar[str] = "pair options (REBEL, DPO family)"
 
-    eta: float = option(
-        1.0, help="REBEL: scale of the log-ratio regression, ((logratio_c - logratio_r)/eta - (r_c - r_r))^2. "
-        "REBEL's UltraFeedback runs use 1e6. SPPO: the target log-ratio of a response is eta x (its win rate - 1/2)."
+    eta: Optional[float] = option(
+        None, help="REBEL: scale of the log-ratio regression, ((logratio_c - logratio_r)/eta - (r_c - r_r))^2 "
+        "(default 1; REBEL's UltraFeedback runs use 1e6). SPPO: the target log-ratio of a response is eta x (its win "
+        "rate - 1/2) (default 100)."
     )
     reward_gap_scale: Literal["none", "rms"] = option(
         "none", help="REBEL: rms divides the reward gaps (chosen - rejected) by their root mean square over the train "
@@ -271,7 +272,7 @@ class PairOptions:
     def check_options(self, algorithm) -> None:
         """The pair options' ranges, and the ones this algorithm cannot take."""
         # The losses check these too (losses.py), but only at the first step, after the model is loaded.
-        if self.eta <= 0:
+        if self.eta is not None and self.eta <= 0:
             raise ValueError("--eta must be > 0 (REBEL divides the log-ratio gap by it)")
         if self.nll_coef < 0:
             raise ValueError("--nll-coef must be >= 0")
