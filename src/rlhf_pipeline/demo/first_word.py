@@ -1,7 +1,7 @@
 """The demo's third bundled task (``rlhf demo --task first_word``): start the answer with the word the prompt names,
 rewarded by a python function, with no reward model.
 
-A prompt names a word and asks for an answer that begins with it ("Start your answer with the word lovely."). The
+A prompt names a word and asks for an answer that begins with it ("Start your answer with the word great."). The
 words (:data:`WORDS`) and the answers' other words are the review task's adjectives and nouns, so the tiny
 tokenizer knows every one. The gold reward reads only where the word is,
 
