@@ -1,17 +1,24 @@
 """Every algorithm on every bundled demo task, with its documented defaults: does it learn? (Not run in CI.)
 
 For each task of ``rlhf_pipeline.demo.TASKS`` and each entry of the algorithm registry (and LoRA adapters on one
-pair and one group algorithm, and the candidate defaults of ``CANDIDATES``: REBEL with ``--reward-gap-scale rms``,
-GSPO with ten times its clip), runs ``rlhf demo --task T --algo A`` (3 iterations, the demo's sizes) into
-``OUTPUT/T/A/`` and reads its ``summary.json``: the held-out gold reward of iterations 0..3 and the gain of iteration
-3 over iteration 0 in combined standard errors. Writes ``OUTPUT/matrix.json`` and ``OUTPUT/matrix.md`` (the table
+pair and one group algorithm, and the settings of ``CANDIDATES`` beside the defaults: REBEL with
+``--reward-gap-scale rms``, GSPO with the paper's clip and ten times it, SPPO with eta 1 and 10), runs
+``rlhf demo --task T --algo A`` (3 iterations, the demo's sizes) into ``OUTPUT/T/A/`` and reads its
+``summary.json``: the held-out gold reward of iterations 0..3 and the gain of iteration 3 over iteration 0 in
+combined standard errors. Writes ``OUTPUT/matrix.json`` and ``OUTPUT/matrix.md`` (the table
 of docs/algorithms.md), after every run, so an interrupted matrix keeps what it has; run the same command again and
 finished runs are read, not redone (each demo resumes).
 
-    python scripts/learning_matrix.py --output runs/matrix                 # everything: about 45 runs
+    python scripts/learning_matrix.py --output runs/matrix                 # everything: about 80 runs
     python scripts/learning_matrix.py --output runs/matrix --tasks topics --algos rebel dpo ppo
 
-A cell "learns" when its gain is above 2 combined standard errors (LEARNS).
+A cell "learns" when its gain is above 2 combined standard errors (LEARNS). For the PPO family each row also keeps,
+per iteration, the training steps and the fraction of tokens the clip bound, over the whole iteration and over its
+last quarter of steps (``ppo/train_clip_frac`` of ``iter_t/train/metrics.jsonl``): ``clip_frac``, ``clip_frac_end``.
+
+``--train`` adds rlhf train options to every run, e.g. the setting of many steps per rollout (batch 8, 2 epochs):
+
+    python scripts/learning_matrix.py --output runs/matrix_b8e2 --train '{batch_size: 8, epochs: 2}' --algos sppo gspo
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -33,15 +42,33 @@ LEARNS = 2.0
 # LoRA instead of full fine-tuning, for one pair and one group algorithm (the settings docs/stages.md documents)
 LORA = {"lora_rank": 16, "learning_rate": 3e-3}
 LORA_RUNS = {"dpo+lora": ("dpo", LORA), "grpo+lora": ("grpo", LORA)}
-# Settings a default is being decided on: REBEL with its reward gaps rescaled to unit RMS, against the paper's raw
-# gaps; GSPO with a clip ten times the paper's (3e-4 / 4e-4), for a rollout that feeds a whole epoch of updates
+# Settings beside the defaults: REBEL with its reward gaps rescaled to unit RMS, against the paper's raw gaps; GSPO
+# with the paper's clip (3e-4 / 4e-4) and ten times it, against its default of a hundred times it, for a rollout
+# that feeds a whole epoch of updates; SPPO with eta 1 (REBEL's, its default before) and 10, against its 100
 CANDIDATES = {"rebel+rms": ("rebel", {"reward_gap_scale": "rms"}),
-              "gspo+clip10x": ("gspo", {"clip": 3e-3, "clip_high": 4e-3})}
+              "gspo+paper": ("gspo", {"clip": 3e-4, "clip_high": 4e-4}),
+              "gspo+clip10x": ("gspo", {"clip": 3e-3, "clip_high": 4e-3}),
+              "sppo+eta1": ("sppo", {"eta": 1.0}),
+              "sppo+eta10": ("sppo", {"eta": 10.0})}
 
 
 def settings(algos: list[str] | None) -> dict[str, tuple[str, dict]]:
     every = {name: (name, {}) for name in ALGORITHMS} | LORA_RUNS | CANDIDATES
     return every if not algos else {k: every[k] for k in algos}
+
+
+def clip_fractions(run: Path) -> dict[str, list]:
+    """Per iteration: its training steps, and the mean clip fraction over them and over their last quarter."""
+    steps, whole, end = [], [], []
+    for metrics in sorted(run.glob("iter_*/train/metrics.jsonl"), key=lambda p: int(p.parts[-3].split("_")[1])):
+        values = [r["ppo/train_clip_frac"] for r in map(json.loads, metrics.read_text().splitlines())
+                  if "ppo/train_clip_frac" in r]
+        if values:
+            steps.append(len(values))
+            whole.append(round(sum(values) / len(values), 3))
+            last = values[-max(1, len(values) // 4):]
+            end.append(round(sum(last) / len(last), 3))
+    return {"train_steps": steps, "clip_frac": whole, "clip_frac_end": end} if steps else {}
 
 
 def run_one(task: str, name: str, algo: str, train: dict, out: Path, log: Path) -> dict:
@@ -60,7 +87,7 @@ def run_one(task: str, name: str, algo: str, train: dict, out: Path, log: Path) 
         s = json.loads(summary.read_text())
         row.update(gold=[r["gold_reward_mean"] for r in s["iterations"]],
                    stderr=[r["gold_reward_stderr"] for r in s["iterations"]],
-                   gain=s["gold_gain"], gain_se=s["gold_gain_in_combined_stderr"])
+                   gain=s["gold_gain"], gain_se=s["gold_gain_in_combined_stderr"], **clip_fractions(out))
     return row
 
 
@@ -91,7 +118,11 @@ def main() -> int:
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--algos", nargs="+", choices=list(settings(None)), default=None,
                         help="settings to run (default: every registry entry and the LoRA runs)")
+    parser.add_argument("--train", type=yaml.safe_load, default={},
+                        help="rlhf train options added to every run (a YAML mapping), e.g. '{batch_size: 8, epochs: 2}'")
     args = parser.parse_args()
+    if not isinstance(args.train, dict):
+        parser.error(f"--train {args.train!r}: expected a YAML mapping, e.g. '{{batch_size: 8, epochs: 2}}'")
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     # the rows of earlier invocations into the same output (other tasks or settings) are kept
@@ -101,7 +132,7 @@ def main() -> int:
     for task in args.tasks:
         for name, (algo, train) in settings(args.algos).items():
             print(f"[matrix] {task} / {name}", flush=True)
-            r = run_one(task, name, algo, train, out / task / name, out / "matrix.log")
+            r = run_one(task, name, algo, {**train, **args.train}, out / task / name, out / "matrix.log")
             rows = [x for x in rows if (x["task"], x["setting"]) != (task, name)] + [r]
             ran.append(r)
             print(f"[matrix] {task} / {name}: " + (f"gain {r['gain_se']:.1f} s.e. in {r['wall_s']:.0f}s"

@@ -194,7 +194,8 @@ def test_registry_defaults_fill_the_options_left_unset():
     dapo = config("dapo").rl_params()
     assert (dapo.clip, dapo.clip_high, dapo.loss_aggregation, dapo.importance) == (0.2, 0.28, "token", "token")
     gspo = config("gspo").rl_params()
-    assert (gspo.clip, gspo.clip_high, gspo.importance, gspo.loss_aggregation) == (3e-4, 4e-4, "sequence", "sequence")
+    # GSPO's clip is a hundred times the paper's 3e-4 / 4e-4 (docs/algorithms.md: many updates per rollout)
+    assert (gspo.clip, gspo.clip_high, gspo.importance, gspo.loss_aggregation) == (0.03, 0.04, "sequence", "sequence")
     assert (dapo.kl_coef, gspo.kl_coef) == (0.0, 0.0)  # DAPO §2.3 drops the KL term; GSPO's runs use none
     grpo = config("grpo").rl_params()
     assert (grpo.clip, grpo.clip_high, grpo.group_std, grpo.loss_aggregation) == (0.2, 0.2, True, "sequence")
@@ -215,7 +216,7 @@ def test_given_options_win_and_clip_sets_both_sides():
     assert (p.clip, p.clip_high, p.loss_aggregation, p.group_std, p.importance) == (0.1, 0.2, "token", False,
                                                                                     "sequence")
     p = config("gspo", clip_high=0.01).rl_params()
-    assert (p.clip, p.clip_high) == (3e-4, 0.01)  # GSPO's own lower side stays
+    assert (p.clip, p.clip_high) == (0.03, 0.01)  # GSPO's own lower side stays
     assert config("dapo", kl_coef=0.1).rl_params().kl_coef == 0.1
     assert RLParams(algo="x").clip == 0.2
 
@@ -232,3 +233,14 @@ def test_given_options_win_and_clip_sets_both_sides():
 def test_options_an_algorithm_does_not_use_are_refused(algo, options, message):
     with pytest.raises(ValueError, match=message):
         config(algo, **options)
+
+
+def test_sppo_has_its_own_eta_and_rebel_keeps_one():
+    """--eta is shared by REBEL and SPPO and unset by default: each takes its registry entry's default (SPPO's 100,
+    docs/algorithms.md#sppos-η; REBEL's 1), and an --eta given wins for either."""
+    assert config("sppo").rl_params().eta == 100.0
+    assert config("sppo", eta=2.0).rl_params().eta == 2.0
+    assert config("rebel").loss_params()[1].eta == 1.0
+    assert config("rebel", eta=3.0).loss_params()[1].eta == 3.0
+    with pytest.raises(ValueError, match="--eta must be > 0"):
+        config("sppo", eta=0.0)

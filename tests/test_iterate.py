@@ -379,6 +379,65 @@ def test_the_topics_tasks_reward_by_hand():
         gold_reward([""], ["x"])
 
 
+def test_the_first_word_tasks_reward_by_hand():
+    from rlhf_pipeline.demo.first_word import gold_reward
+
+    responses = ["Lovely room and staff.", "lovely.", "The room was lovely.", "A lovelyish room.", "", "Room, lovely"]
+    assert gold_reward([""] * 6, responses, word=["lovely"] * 6) == [1.0, 1.0, 0.0, -1.0, -1.0, 0.0]
+    with pytest.raises(ValueError, match="'word' column"):
+        gold_reward([""], ["x"])
+
+
+def test_every_demo_task_is_registered_with_valid_data_and_rewards(tmp_path):
+    """Each task of TASKS (the third, first_word, among them) writes the same bytes for the same seed, prompts with
+    ids of their own and held-out phrasings no training file holds; its gold reward scores its data in [-1, 1] with
+    a spread (the SFT data is neither all right nor all wrong) and its second reward is a function."""
+    from rlhf_pipeline.algorithms.registry import resolve
+    from rlhf_pipeline.demo import TASKS
+
+    assert list(TASKS) == ["reviews", "topics", "first_word"]
+    for name, task in TASKS.items():
+        files = task.write_data(tmp_path / name, seed=0)
+        first = {k: p.read_bytes() for k, p in files.items()}
+        assert {k: p.read_bytes() for k, p in task.write_data(tmp_path / name, seed=0).items()} == first
+        rows = {k: [json.loads(line) for line in p.read_text().splitlines()] for k, p in files.items()}
+        ids = [r["id"] for r in rows["prompts"] + rows["eval_prompts"]]
+        assert len(ids) == len(set(ids)), name
+        train_text = {r["prompt"] for r in rows["prompts"]} | {r["prompt"] for r in rows["sft"]}
+        assert not train_text & {r["prompt"] for r in rows["eval_prompts"]}, name
+        assert callable(resolve(task.second)), name
+        columns = {k: [r[k] for r in rows["prompts"]] for k in rows["prompts"][0] if k not in ("id", "prompt")}
+        by_prompt = {r["prompt"]: {k: r[k] for k in columns} for r in rows["prompts"]}
+        sft_columns = {k: [by_prompt[r["prompt"]][k] for r in rows["sft"]] for k in columns}
+        gold = resolve(task.gold)([r["prompt"] for r in rows["sft"]], [r["answer"] for r in rows["sft"]],
+                                      **sft_columns)
+        assert all(-1 <= g <= 1 for g in gold) and min(gold) < max(gold), name
+
+
+def test_the_learning_matrix_keeps_each_iterations_clip_fraction(tmp_path):
+    """scripts/learning_matrix.py: per iteration, the training steps and the mean ppo/train_clip_frac over them and
+    over their last quarter (the eval records, which have none, are skipped); every registry entry is a setting and
+    every candidate runs a registered algorithm."""
+    import importlib.util
+
+    from rlhf_pipeline.algorithms import ALGORITHMS
+
+    spec = importlib.util.spec_from_file_location("learning_matrix", Path(__file__).parents[1] / "scripts" /
+                                                  "learning_matrix.py")
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    for t, values in ((1, [0.1, 0.2, 0.3, 0.6]), (10, [0.5, 0.3])):
+        metrics = tmp_path / f"iter_{t}" / "train" / "metrics.jsonl"
+        metrics.parent.mkdir(parents=True)
+        metrics.write_text("".join(json.dumps({"step": i, "ppo/train_clip_frac": v}) + "\n" for i, v in
+                                   enumerate(values)) + json.dumps({"step": 0, "loss/eval": 1.0}) + "\n")
+    assert matrix.clip_fractions(tmp_path) == {"train_steps": [4, 2], "clip_frac": [0.3, 0.4],
+                                               "clip_frac_end": [0.6, 0.3]}
+    assert matrix.clip_fractions(tmp_path / "none") == {}
+    assert set(ALGORITHMS) <= set(matrix.settings(None))
+    assert all(algo in ALGORITHMS for algo, _ in matrix.settings(None).values())
+
+
 def test_the_demo_plans_each_task_with_its_own_reward(tmp_path):
     """reviews: a reward model trained on gold-labelled pairs; topics: its python reward, no reward model, PPO's
     critic from the policy, and GDPO with a second function beside it."""

@@ -460,9 +460,9 @@ def test_each_algo_trains_every_parameter_and_saves_loadable_outputs(algo, data,
                 score = (s["reward"] - statistics.fmean(rs)) / (statistics.stdev(rs) + 1e-4)
             elif algo == "dr_grpo":
                 score = s["reward"] - statistics.fmean(rs)
-            elif algo == "sppo":  # eta (1) x (mean Bradley-Terry win probability against the others - 1/2)
+            elif algo == "sppo":  # eta (SPPO's default) x (mean Bradley-Terry win probability against the others - 1/2)
                 wins = [1 / (1 + math.exp(other - s["reward"])) for other in rs]
-                score = (sum(wins) - 0.5) / (len(rs) - 1) - 0.5
+                score = manifest["training"]["rl_params"]["eta"] * ((sum(wins) - 0.5) / (len(rs) - 1) - 0.5)
             elif algo == "gdpo":
                 score = gdpo[i]
             else:
@@ -637,7 +637,8 @@ def test_batch_times_accumulation_is_invariant_for_the_sequence_level_options(al
     assert max_weight_diff(tmp_path / "b2", tmp_path / "b8") < 1e-4
 
 
-@pytest.mark.parametrize("algo, extra", [("cispo", []), ("sapo", ["--entropy-coef", 0.01]), ("sppo", []),
+@pytest.mark.parametrize("algo, extra", [("cispo", []), ("sapo", ["--entropy-coef", 0.01]),
+                                         ("sppo", ["--eta", 1]),  # losses of order 1, for the absolute tolerances
                                          ("gdpo", [])])
 def test_the_2026_entries_are_invariant_to_batch_times_accumulation_and_resume(algo, extra, data, uneven,
                                                                                stop_prone_policy, tiny_policy,

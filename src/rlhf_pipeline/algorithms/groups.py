@@ -964,7 +964,7 @@ register(GroupAlgorithm(
     demo={"learning_rate": 2e-4, "kl_mode": "loss", "kl_coef": 0.02}))
 register(GroupAlgorithm(
     "gspo", _undiscounted_returns, "GRPO with one clipped importance ratio per sequence", baseline=_group_norm,
-    scales_by_std=True, defaults={"importance": "sequence", "clip": 3e-4, "clip_high": 4e-4, "kl_coef": 0.0},
+    scales_by_std=True, defaults={"importance": "sequence", "clip": 0.03, "clip_high": 0.04, "kl_coef": 0.0},
     demo={"learning_rate": 2e-4}))
 register(GroupAlgorithm(
     "cispo", _undiscounted_returns, "GRPO's baseline; REINFORCE weighted by the importance ratio capped at "
@@ -982,5 +982,5 @@ register(GroupAlgorithm(
 register(GroupAlgorithm(
     "sppo", _undiscounted_returns, "self-play: regress each response's log-ratio onto eta x (its win rate "
     "against its group - 1/2)", baseline=_sppo_targets, policy_loss=_sppo, regression=True,
-    defaults={"kl_coef": 0.0}, demo={"learning_rate": 2e-4},
+    defaults={"kl_coef": 0.0, "eta": 100.0}, demo={"learning_rate": 2e-4},
     refuses_stale_sampler="its targets are win rates among the samples of the policy it regresses from"))

@@ -255,9 +255,10 @@ class PairOptions:
 
     options_group: ClassVar[str] = "pair options (REBEL, DPO family)"
 
-    eta: float = option(
-        1.0, help="REBEL: scale of the log-ratio regression, ((logratio_c - logratio_r)/eta - (r_c - r_r))^2. "
-        "REBEL's UltraFeedback runs use 1e6. SPPO: the target log-ratio of a response is eta x (its win rate - 1/2).",
+    eta: Optional[float] = option(
+        None, help="REBEL: scale of the log-ratio regression, ((logratio_c - logratio_r)/eta - (r_c - r_r))^2 "
+        "(default 1; REBEL's UltraFeedback runs use 1e6). SPPO: the target log-ratio of a response is eta x (its win "
+        "rate - 1/2) (default 100).",
         reads=lambda algorithm: getattr(algorithm, "regression", False),
     )
     reward_gap_scale: Literal["none", "rms"] = option(
@@ -285,7 +286,7 @@ class PairOptions:
         """The pair options' ranges, and cDPO's label smoothing. (An option this algorithm does not read:
         ``registry.check_reads``, from each option's ``reads``.)"""
         # The losses check these too (losses.py), but only at the first step, after the model is loaded.
-        if self.eta <= 0:
+        if self.eta is not None and self.eta <= 0:
             raise ValueError("--eta must be > 0 (REBEL divides the log-ratio gap by it)")
         if self.nll_coef < 0:
             raise ValueError("--nll-coef must be >= 0")

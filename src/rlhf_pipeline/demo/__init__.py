@@ -4,6 +4,8 @@
   sentiment; a reward model is trained on gold-labelled pairs and the iterations train on it.
 - ``topics`` (:mod:`rlhf_pipeline.demo.topics`): name three things that belong to a topic; a verifiable python
   reward, on which the iterations train directly (no reward model).
+- ``first_word`` (:mod:`rlhf_pipeline.demo.first_word`): start the answer with the word the prompt names; a
+  verifiable format constraint, a python reward (no reward model).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ TASKS: dict[str, DemoTask] = {
                  "rlhf_pipeline.demo.task:brevity_reward", reward_model=True),
         DemoTask("topics", "three things that belong to a topic, a python reward (no reward model)",
                  "rlhf_pipeline.demo.topics", "rlhf_pipeline.demo.topics:gold_reward",
+                 "rlhf_pipeline.demo.topics:list_format_reward", reward_model=False),
+        DemoTask("first_word", "start the answer with the word the prompt names, a python reward (no reward model)",
+                 "rlhf_pipeline.demo.first_word", "rlhf_pipeline.demo.first_word:gold_reward",
                  "rlhf_pipeline.demo.topics:list_format_reward", reward_model=False),
     )
 }

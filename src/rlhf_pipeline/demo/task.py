@@ -195,17 +195,22 @@ def write_task_data(directory: Path, seed: int = 0, sft_per_prompt: int = 2, pai
 
     Returns the paths of ``prompts`` (training prompts), ``eval_prompts`` (held out), ``sft`` and ``preferences``.
     """
-    directory.mkdir(parents=True, exist_ok=True)
     train_prompts, eval_prompts = prompt_rows(held_out=False), prompt_rows(held_out=True)
     rng = random.Random(seed)
+    return write_task_files(directory, seed, train_prompts, eval_prompts,
+                            sft=sft_rows(rng, train_prompts, sft_per_prompt),
+                            preferences=preference_rows(rng, train_prompts, pairs_per_prompt))
+
+
+def write_task_files(directory: Path, seed: int, train_prompts: list[dict], eval_prompts: list[dict],
+                     **rows: list[dict]) -> dict[str, Path]:
+    """A task's files in ``directory``, each ``NAME.jsonl``: ``prompts`` (the training prompts, shuffled with
+    ``seed + 1``: iterations take consecutive chunks, so each mixes the topics), ``eval_prompts`` and each of
+    ``rows`` (``sft``, ``preferences``). Returns their paths by name."""
+    directory.mkdir(parents=True, exist_ok=True)
     order = list(train_prompts)
-    random.Random(seed + 1).shuffle(order)  # iterations take consecutive chunks: mix the topics within each
-    files = {
-        "prompts": (directory / "prompts.jsonl", order),
-        "eval_prompts": (directory / "eval_prompts.jsonl", eval_prompts),
-        "sft": (directory / "sft.jsonl", sft_rows(rng, train_prompts, sft_per_prompt)),
-        "preferences": (directory / "preferences.jsonl", preference_rows(rng, train_prompts, pairs_per_prompt)),
-    }
-    for path, rows in files.values():
-        write_jsonl(path, rows)
-    return {name: path for name, (path, _) in files.items()}
+    random.Random(seed + 1).shuffle(order)
+    files = {"prompts": order, "eval_prompts": eval_prompts, **rows}
+    for name, content in files.items():
+        write_jsonl(directory / f"{name}.jsonl", content)
+    return {name: directory / f"{name}.jsonl" for name in files}

@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.demo.task import NOUNS, write_jsonl
+from rlhf_pipeline.demo.task import NOUNS, write_task_files
 
 PROMPT_TEMPLATES = [
     "Name three things a {topic} has.",
@@ -117,18 +117,8 @@ def answer(rng: random.Random, topic: str, right_share: float) -> str:
 def write_task_data(directory: Path, seed: int = 0, sft_per_prompt: int = 2) -> dict[str, Path]:
     """Write the task's files into ``directory`` (idempotent: the same seed writes the same bytes): ``prompts``
     (training, shuffled), ``eval_prompts`` (held out) and ``sft``."""
-    directory.mkdir(parents=True, exist_ok=True)
     train_prompts, eval_prompts = prompt_rows(held_out=False), prompt_rows(held_out=True)
     rng = random.Random(seed)
     sft = [{"prompt": p["prompt"], "answer": answer(rng, p["topic"], rng.choice(RIGHT_SHARES))}
            for p in train_prompts[::REPEATS] for _ in range(sft_per_prompt * REPEATS)]
-    order = list(train_prompts)
-    random.Random(seed + 1).shuffle(order)
-    files = {
-        "prompts": (directory / "prompts.jsonl", order),
-        "eval_prompts": (directory / "eval_prompts.jsonl", eval_prompts),
-        "sft": (directory / "sft.jsonl", sft),
-    }
-    for path, rows in files.values():
-        write_jsonl(path, rows)
-    return {name: path for name, (path, _) in files.items()}
+    return write_task_files(directory, seed, train_prompts, eval_prompts, sft=sft)
