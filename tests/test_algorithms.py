@@ -100,7 +100,7 @@ def test_every_algorithm_option_declares_who_reads_it_and_one_rule_refuses_it_fo
 
     # an option left at its default is not given; each algorithm takes its own
     TrainConfig(algo="rebel", model="m", data="d", output="o", eta=1e6, gamma=0.5)
-    TrainConfig(algo="dpo", model="m", data="d", output="o", beta=0.5, eta=1.0, ref_model="sft")
+    TrainConfig(algo="dpo", model="m", data="d", output="o", beta=0.5, ref_model="sft")
     TrainConfig(algo="sppo", model="m", data="d", output="o", eta=2.0)
 
 
