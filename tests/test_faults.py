@@ -156,7 +156,9 @@ FAULTS = [
           damage("tokenizer.json"), "the tokenizer could not be read"),
     Fault("ref-logps-model-weights-cut", ["ref-logps", "--model", "{policy}", "--input", "{pairs}"], "policy",
           damage("model.safetensors"), "the model could not be read"),
-    Fault("train-model-weights-cut", ["train", "--model", "{policy}", "--data", "{ref}", "--algo", "dpo"], "policy",
+    # pairs without reference columns: with them, the check that they came from this --model (a copy of the policy
+    # at another path here) would answer first
+    Fault("train-model-weights-cut", ["train", "--model", "{policy}", "--data", "{pairs}", "--algo", "dpo"], "policy",
           damage("model.safetensors"), "the model could not be read"),
     Fault("train-rm-model-weights-cut", ["train-rm", "--model", "{policy}", "--data", "{dir}/rm.jsonl"], "policy",
           damage("model.safetensors"), "the model could not be read"),
