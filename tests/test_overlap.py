@@ -138,6 +138,20 @@ def test_the_two_sides_run_side_by_side_and_each_waits_for_what_it_reads(tmp_pat
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["env"] == "train"  # its side's environment
 
 
+def test_finished_steps_are_skipped_one_after_another_before_anything_runs(tmp_path, manifest_means_done):
+    """A resumed run whose first steps are finished skips them all in one go and launches the rest (a sequential
+    plan, where each step waits for every one before it, and an overlapped one)."""
+    for after in (None, "chain"):
+        root = tmp_path / str(after)
+        names = ["a", "b", "c", "d"]
+        steps = [fake(root, n, "main" if after is None else ("train" if n == "c" else "sample"),
+                      None if after is None else names[:i]) for i, n in enumerate(names)]
+        for n in ("a", "b"):
+            (root / n).mkdir(parents=True)
+            (root / n / "manifest.json").write_text("{}")
+        assert run_steps(steps, root / "run") == ["c", "d"]
+
+
 def test_a_failure_stops_new_launches_but_lets_the_other_side_finish(tmp_path, manifest_means_done):
     steps = [fake(tmp_path, "gen", "sample", [], rc=3), fake(tmp_path, "train", "train", [], seconds=1.0),
              fake(tmp_path, "next", "train", ["train"])]

@@ -836,7 +836,9 @@ def test_two_process_zero3_equals_one_process(algo, data, tiny_policy, tiny_rm, 
     assert res.returncode == 0, launch_failure(res)
     for key in ("loss/train", "loss/eval", "loss/train_policy_loss"):
         assert len(logged(tmp_path / "zero3", key)) == len(logged(tmp_path / "single", key)) > 0
-        assert logged(tmp_path / "zero3", key) == pytest.approx(logged(tmp_path / "single", key), abs=1e-5), key
+        # float32 sums in another order: 1e-5 absolute, or relative for SPPO's losses (eta 100: of order 40)
+        assert logged(tmp_path / "zero3", key) == pytest.approx(logged(tmp_path / "single", key), abs=1e-5,
+                                                                rel=1e-6), key
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
     if algo == "ppo":
         assert logged(tmp_path / "zero3", "loss/train_value_loss") == pytest.approx(

@@ -612,28 +612,32 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
 
     try:
         while pending or running:
-            for step in [s for s in pending if failure is None and ready(s)]:
-                if not ready(step):  # its lane took a step earlier in this pass
-                    continue
-                pending.remove(step)
-                if is_complete(step, on_hub):
-                    finished.add(step.name)
-                    continue
-                remote = on_the_hub(step, on_hub) if hub else None
-                if remote is not None:
-                    on_hub[step.output] = remote
-                    finished.add(step.name)
-                    print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: finished on the Hub "
-                          f"({remote.hub}); pulled when a stage reads it", flush=True)
-                    continue
-                pull_inputs(step, on_hub)
-                print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: {shlex.join(step.command)}",
-                      flush=True)
-                env = {**os.environ, **step.env} if step.env else None
-                proc = subprocess.Popen(step.command, env=env,
-                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-                running[step.lane] = (step, proc, time.time())
-                launched.append(step.name)
+            progressed = True
+            while progressed and failure is None:  # until no pending step can start: a skip may free the next
+                progressed = False
+                for step in list(pending):
+                    if not ready(step):
+                        continue
+                    pending.remove(step)
+                    progressed = True
+                    if is_complete(step, on_hub):
+                        finished.add(step.name)
+                        continue
+                    remote = on_the_hub(step, on_hub) if hub else None
+                    if remote is not None:
+                        on_hub[step.output] = remote
+                        finished.add(step.name)
+                        print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: finished on the Hub "
+                              f"({remote.hub}); pulled when a stage reads it", flush=True)
+                        continue
+                    pull_inputs(step, on_hub)
+                    print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: {shlex.join(step.command)}",
+                          flush=True)
+                    env = {**os.environ, **step.env} if step.env else None
+                    proc = subprocess.Popen(step.command, env=env,
+                                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                    running[step.lane] = (step, proc, time.time())
+                    launched.append(step.name)
             if not running:
                 if pending and failure is None:  # nothing runs and nothing can start: a plan that names no step
                     raise PipelineError(f"{label}: {pending[0].name} waits for a step that is not in the plan")
