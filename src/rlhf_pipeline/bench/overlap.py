@@ -10,9 +10,9 @@ Both sides are ``rlhf iterate`` with REBEL on the same tiny policy, the topics t
 
 Generation runs vLLM in its own environment when there is one (``RLHF_VLLM_PYTHON``, else ``.venv-vllm`` in the
 repository), else the hf engine; the entry says which. Per iteration: the loop's wall time in ``steps.jsonl``, from
-the first stage's start to the last one's end, over the iterations. The sizes are set so that sampling and training
-take about the same time on 2 cores, where overlapping pays most (the ideal ratio is then about 2; with one phase
-much longer than the other it tends to 1).
+the first stage's start to the last one's end, over the iterations. Overlapping pays most where sampling and
+training take about the same time (the ideal ratio is then about 2); with one phase much longer than the other the
+best it can do is (sampling + training) / the longer one.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from rlhf_pipeline.bench.common import Entry
 
 ITERATIONS = 3
 TARGET = 1.3
-# prompts per iteration, responses per prompt, new tokens, training epochs; quick / full
+# prompts per iteration, responses per prompt, new tokens, training epochs; quick / full. On 2 CPU cores sampling
+# (vLLM's start-up included) still takes several times longer than training at these sizes, which bounds the ratio
+# well below the 2 that equal phases would allow (docs/benchmarks.md has the phase times)
 SIZES = {True: {"prompts": 48, "n": 4, "max_new_tokens": 24, "epochs": 2},
          False: {"prompts": 128, "n": 4, "max_new_tokens": 32, "epochs": 2}}
 REPO = Path(__file__).resolve().parents[3]
