@@ -1,8 +1,9 @@
 """Every algorithm on every bundled demo task, with its documented defaults: does it learn? (Not run in CI.)
 
 For each task of ``rlhf_pipeline.demo.TASKS`` and each entry of the algorithm registry (and LoRA adapters on one
-pair and one group algorithm, and the settings of ``CANDIDATES`` beside the defaults: REBEL with
-``--reward-gap-scale rms``, GSPO with the paper's clip and ten times it, SPPO with eta 1 and 10), runs
+pair and one group algorithm, the settings of ``CANDIDATES`` beside the defaults: REBEL with
+``--reward-gap-scale rms``, GSPO with the paper's clip and ten times it, SPPO with eta 1 and 10, and REBEL and GRPO
+with overlapped iterations, ``rlhf demo --overlap 1``), runs
 ``rlhf demo --task T --algo A`` (3 iterations, the demo's sizes) into ``OUTPUT/T/A/`` and reads its
 ``summary.json``: the held-out gold reward of iterations 0..3 and the gain of iteration 3 over iteration 0 in
 combined standard errors. Writes ``OUTPUT/matrix.json`` and ``OUTPUT/matrix.md`` (the table
@@ -50,10 +51,15 @@ CANDIDATES = {"rebel+rms": ("rebel", {"reward_gap_scale": "rms"}),
               "gspo+clip10x": ("gspo", {"clip": 3e-3, "clip_high": 4e-3}),
               "sppo+eta1": ("sppo", {"eta": 1.0}),
               "sppo+eta10": ("sppo", {"eta": 10.0})}
+# Overlapped iterations (rlhf demo --overlap 1: iteration t+1 sampled by pi_{t-1} while iteration t trains), for a
+# pair and a group algorithm, against their sequential rows; each side of an overlapped demo runs with half of the
+# cores' threads, so compare it with sequential rows run with as many (OMP_NUM_THREADS=1 on 2 cores)
+OVERLAP_RUNS = {"rebel+overlap": ("rebel", {}), "grpo+overlap": ("grpo", {})}
+DEMO_ARGS = {name: ["--overlap", "1"] for name in OVERLAP_RUNS}
 
 
 def settings(algos: list[str] | None) -> dict[str, tuple[str, dict]]:
-    every = {name: (name, {}) for name in ALGORITHMS} | LORA_RUNS | CANDIDATES
+    every = {name: (name, {}) for name in ALGORITHMS} | LORA_RUNS | CANDIDATES | OVERLAP_RUNS
     return every if not algos else {k: every[k] for k in algos}
 
 
@@ -72,7 +78,8 @@ def clip_fractions(run: Path) -> dict[str, list]:
 
 
 def run_one(task: str, name: str, algo: str, train: dict, out: Path, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "rlhf_pipeline.cli", "demo", "--task", task, "--algo", algo, "--output", str(out)]
+    cmd = [sys.executable, "-m", "rlhf_pipeline.cli", "demo", "--task", task, "--algo", algo, "--output", str(out),
+           *DEMO_ARGS.get(name, [])]
     if train:
         cmd += ["--train", json.dumps(train)]
     started = time.time()

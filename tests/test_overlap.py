@@ -281,6 +281,44 @@ def test_overlapped_demo_runs_every_stage_with_the_stale_sampler_named(tmp_path)
     assert (run / "plots" / "schedule.png").exists()
 
 
+@pytest.mark.slow
+def test_the_sampling_side_samples_on_a_ray_replica_pool(tiny_policy, bundled_prompts, tmp_path):
+    """The sampling side on a Ray cluster that runs apart from the run (here one this test starts, which the
+    stages join as drivers through its address), the training side on the machine's own cores: every generate
+    samples on 2 replicas of the pool while the other side trains."""
+    ray = pytest.importorskip("ray")
+    from conftest import LENGTH_REWARD
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(LENGTH_REWARD)
+    context = ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        address = context.address_info["gcs_address"]
+        run = tmp_path / "run"
+        spec = {"model": str(tiny_policy), "prompts": str(bundled_prompts), "reward_fn": f"{reward}:reward",
+                "iterations": 2, "prompts_per_iteration": 8, "overlap": 1,
+                "lane_env": {"train": {"OMP_NUM_THREADS": 1}},
+                "generate": {"n": 2, "max_new_tokens": 8, "engine": "hf", "executor": "ray", "ray_address": address,
+                             "replicas": 2},
+                "filter": {"test_size": 2}, "train": {"max_steps": 2, "batch_size": 2, "report_to": "none"}}
+        (tmp_path / "run.yaml").write_text(json.dumps(spec))
+        env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        proc = subprocess.run([sys.executable, "-m", "rlhf_pipeline.stages.iterate", "--config",
+                               str(tmp_path / "run.yaml"), "--output", str(run)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    finally:
+        ray.shutdown()
+    for t in (1, 2):
+        gen = json.loads((run / f"iter_{t}" / "generate" / "manifest.json").read_text())["config"]
+        assert (gen["executor"], gen["ray_address"], gen["replicas"]) == ("ray", address, 2)
+        assert (run / f"iter_{t}" / "train" / "manifest.json").exists()
+    records = log(run)
+    gen2, train1 = records["iter_2/generate"], records["iter_1/train"]
+    assert gen2["lane"] == "sample" and train1["lane"] == "train"
+    assert gen2["started"] < train1["ended"] and train1["started"] < gen2["ended"], "the two sides did not overlap"
+
+
 def test_bench_pins_each_side_and_reads_seconds_per_iteration(tmp_path, monkeypatch):
     from rlhf_pipeline.bench import overlap as bench
 
@@ -298,6 +336,30 @@ def test_bench_pins_each_side_and_reads_seconds_per_iteration(tmp_path, monkeypa
     _steps_log(tmp_path / "r", [("iter_1/generate", "sample", 0, 10, 0), ("iter_1/train", "train", 10, 30, 0),
                                 ("iter_2/generate", "sample", 10, 20, 0), ("iter_2/train", "train", 30, 50, 0),
                                 ("iter_3/generate", "sample", 30, 40, 0), ("iter_3/train", "train", 50, 60, 0)])
+    monkeypatch.setattr(bench, "ITERATIONS", 3)  # the log's
     result = bench.per_iteration(tmp_path / "r")
     assert result["seconds_per_iteration"] == pytest.approx(60 / 3)
     assert result["stage_seconds"] == {"generate": 30.0, "train": 50.0}
+    assert result["phase_seconds_per_iteration"] == {"sampling": 10.0, "training": round(50 / 3, 2)}
+
+
+# ---------------------------------------------------------------------------------------------- the GPU node model
+
+
+def test_node_model_by_hand():
+    from rlhf_pipeline.bench.overlap import (Phase, best_split, cluster_table, overlapped_seconds, sequential_seconds,
+                                             with_generation_tail)
+
+    sampling, training = [Phase("generate", 10.0, 80.0)], [Phase("train", 20.0, 40.0)]
+    assert sequential_seconds(sampling, training, 8) == 10 + 80 / 8 + 20 + 40 / 8 == 45.0
+    assert overlapped_seconds(sampling, training, 4, 4) == max(10 + 20, 20 + 10) == 30.0
+    assert overlapped_seconds(sampling, training, 5, 3) == pytest.approx(max(10 + 16, 20 + 40 / 3))
+    assert best_split(sampling, training, 8) == (4, 30.0)  # 3/5: 36.7, 5/3: 33.3
+    # a quarter of generate's 20 s on 8 GPUs made fixed: 5 s, and 15 s of work on 8 = 120 GPU-s
+    (tailed,) = with_generation_tail(sampling, 0.25, 8)
+    assert (tailed.fixed, tailed.work, tailed.seconds(8)) == (5.0, 120.0, 20.0)
+    # without fixed costs splitting a node cannot beat running each phase on all of it (the work is conserved)
+    linear = [Phase("generate", 0.0, 80.0)], [Phase("train", 0.0, 40.0)]
+    assert best_split(*linear, 8)[1] >= sequential_seconds(*linear, 8)
+    table = cluster_table(sampling, training, 8, tails=(0.25,))
+    assert "| as estimated | 1 | 0 (1.50) | 4/4: 0 (1.50) |" in table and "25% of it a tail" in table

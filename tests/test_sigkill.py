@@ -18,7 +18,8 @@ never the interpreter's start-up: for a single-write stage, from when it opened 
 ``wall_time_s`` counts from there) to when its manifest appeared; for a stage that fills its output piece by piece
 (training, eval, iterate), from when its first piece was finished (the first checkpoint, eval's generate/, iterate's
 first step) to when its manifest appeared, so that each such case kills a run with finished work to reuse (a kill
-before that leaves nothing to reuse, as the single-write cases show). A run that finishes before its kill point
+before that leaves nothing to reuse, as the single-write cases show). An overlapped iterate (``overlap: 1``) is killed while its two
+sides run together: between iteration 1's first checkpoint and its training's end, while iteration 2 samples. A run that finishes before its kill point
 proves nothing: the case is retried with the point moved halfway to the span's start, and fails after four tries.
 
 The last tests kill the writes themselves at the moments a random kill rarely hits: inside a directory being
@@ -309,11 +310,13 @@ def eval_ref(kit, tiny_policy, stop_prone_policy, tiny_rm, tmp_path_factory) -> 
                      started=f"{EVAL_PARTS[0]}/{MANIFEST}")
 
 
-@pytest.fixture(scope="module")
-def iterate_ref(kit, tiny_policy, tmp_path_factory) -> Reference:
-    config = kit["dir"] / "iterate.yaml"
+def iterate_reference(kit, tiny_policy, tmp_path_factory, name: str, extra: str, done: str,
+                      started: str) -> Reference:
+    """The uninterrupted ``rlhf iterate`` run of a config: the kit's policy, prompts and reward, small sizes,
+    every checkpoint kept, and ``extra`` (YAML lines)."""
+    config = kit["dir"] / f"{name}.yaml"
     config.write_text(
-        f"model: {tiny_policy}\nprompts: {kit['prompts']}\nreward_fn: {kit['reward_fn']}\niterations: 1\n"
+        f"model: {tiny_policy}\nprompts: {kit['prompts']}\nreward_fn: {kit['reward_fn']}\n{extra}"
         "prompts_per_iteration: 24\ngenerate: {n: 4, max_new_tokens: 16}\nfilter: {test_size: 4}\n"
         "train: {max_steps: 8, batch_size: 2, save_every: 2, learning_rate: 0.0001, report_to: none, save_total_limit: 0,\n"
         "        keep_checkpoints: true}\n"
@@ -321,8 +324,24 @@ def iterate_ref(kit, tiny_policy, tmp_path_factory) -> Reference:
 
     def command(out):
         return ["iterate", "--config", config, "--output", out]
-    return reference("iterate", command, tmp_path_factory.mktemp("ref") / "iterate",
-                     done=f"{ITERATE_STEPS[-1]}/{MANIFEST}", started=f"{ITERATE_STEPS[0]}/{MANIFEST}")
+    return reference(name, command, tmp_path_factory.mktemp("ref") / name, done=done, started=started)
+
+
+@pytest.fixture(scope="module")
+def iterate_ref(kit, tiny_policy, tmp_path_factory) -> Reference:
+    return iterate_reference(kit, tiny_policy, tmp_path_factory, "iterate", "iterations: 1\n",
+                             done=f"{ITERATE_STEPS[-1]}/{MANIFEST}", started=f"{ITERATE_STEPS[0]}/{MANIFEST}")
+
+
+@pytest.fixture(scope="module")
+def overlapped_iterate_ref(kit, tiny_policy, tmp_path_factory) -> Reference:
+    """Two overlapped iterations (``overlap: 1``): iteration 2 samples, scores and filters with the starting policy
+    while iteration 1 trains. The kill's span is inside that overlap, from iteration 1's first checkpoint (its
+    training and iteration 2's sampling started together when its filter finished) to its training's end."""
+    return iterate_reference(
+        kit, tiny_policy, tmp_path_factory, "iterate-overlapped",
+        "iterations: 2\noverlap: 1\nlane_env: {sample: {OMP_NUM_THREADS: 1}, train: {OMP_NUM_THREADS: 1}}\n",
+        done=f"iter_1/train/{MANIFEST}", started=f"iter_1/train/checkpoints/step_{2:06d}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -421,31 +440,42 @@ def _launched(run: Path) -> list[str]:
     return [json.loads(line)["step"] for line in steps.read_text().splitlines()] if steps.exists() else []
 
 
-def test_killed_iterate_relaunches_only_unfinished_steps_and_reaches_the_uninterrupted_result(iterate_ref, tmp_path):
-    ref = iterate_ref
+OVERLAPPED_STEPS = [f"iter_{t}/{stage}" for t in (1, 2) for stage in ("generate", "score", "filter", "train")]
+
+
+@pytest.mark.parametrize("case", ["sequential", "overlapped"])
+def test_killed_iterate_relaunches_only_unfinished_steps_and_reaches_the_uninterrupted_result(case, request, tmp_path):
+    ref: Reference = request.getfixturevalue("iterate_ref" if case == "sequential" else "overlapped_iterate_ref")
+    steps = ITERATE_STEPS if case == "sequential" else OVERLAPPED_STEPS
+    trains = [name for name in steps if name.endswith("/train")]
     run = kill_at_random_point(ref, tmp_path)
-    finished = {name: output_id(run / name) for name in ITERATE_STEPS if (run / name / MANIFEST).exists()}
-    for name in ITERATE_STEPS[:-1]:  # dataset stages: complete, or not there
-        if name in finished:
+    finished = {name: output_id(run / name) for name in steps if (run / name / MANIFEST).exists()}
+    for name in steps:
+        if name in trains:
+            continue
+        if name in finished:  # dataset stages: complete, or not there
             assert_same_data(run / name, ref.output / name)
         else:
             assert not (run / name).exists(), name
-    train = run / ITERATE_STEPS[-1]
-    kept = {p.name: file_stats(p) for p in list_checkpoints(train)}
+    kept = {(train, p.name): file_stats(p) for train in trains for p in list_checkpoints(run / train)}
     launched_before = _launched(run)
-    print(f"[iterate] finished steps at the kill: {sorted(finished)}; iter_1/train checkpoints: {sorted(kept)}")
+    print(f"[{ref.stage}] finished steps at the kill: {sorted(finished)}; checkpoints: {sorted(kept)}")
 
     log = rerun(ref, run)
     relaunched = _launched(run)[len(launched_before):]
-    assert sorted(relaunched) == sorted(set(ITERATE_STEPS) - set(finished)), relaunched  # each unfinished one, once
+    assert sorted(relaunched) == sorted(set(steps) - set(finished)), relaunched  # each unfinished one, once
     assert {name: output_id(run / name) for name in finished} == finished
-    for name in ITERATE_STEPS[:-1]:
-        assert_same_data(run / name, ref.output / name)
-    assert_same_model(train, ref.output / ITERATE_STEPS[-1])
-    for name, stats in kept.items():
-        assert file_stats(train / "checkpoints" / name) == stats, name
-    if kept and ITERATE_STEPS[-1] not in finished:
-        assert f"resuming from {train / 'checkpoints' / max(kept)}" in log, log
+    for name in steps:
+        if name in trains:
+            assert_same_model(run / name, ref.output / name)
+        else:
+            assert_same_data(run / name, ref.output / name)
+    for (train, name), stats in kept.items():
+        assert file_stats(run / train / "checkpoints" / name) == stats, (train, name)
+    for train in trains:
+        newest = max((name for t, name in kept if t == train), default=None)
+        if newest and train not in finished:
+            assert f"resuming from {run / train / 'checkpoints' / newest}" in log, log
     assert not stray_temporaries(tmp_path)
 
 

@@ -24,17 +24,20 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 from rlhf_pipeline.bench.common import Entry
 
-ITERATIONS = 3
+ITERATIONS = 4
 TARGET = 1.3
-# prompts per iteration, responses per prompt, new tokens, training epochs; quick / full. On 2 CPU cores sampling
-# (vLLM's start-up included) still takes several times longer than training at these sizes, which bounds the ratio
-# well below the 2 that equal phases would allow (docs/benchmarks.md has the phase times)
-SIZES = {True: {"prompts": 48, "n": 4, "max_new_tokens": 24, "epochs": 2},
-         False: {"prompts": 128, "n": 4, "max_new_tokens": 32, "epochs": 2}}
+# Prompts per iteration, responses per prompt, new tokens, training epochs, the policy's width and depth; quick /
+# full. Chosen so that the two phases take about the same time on 2 CPU cores: sampling is mostly vLLM's start-up
+# (40-60 s whatever the prompts), so the training side is made as long by a wider policy (512 x 4 layers, 13M
+# parameters) and epochs, not by more prompts (which lengthen both). The full setting doubles the prompts and
+# halves the epochs: the same training work on more samples.
+SIZES = {True: {"prompts": 96, "n": 4, "max_new_tokens": 32, "epochs": 10, "hidden_size": 512, "num_layers": 4},
+         False: {"prompts": 192, "n": 4, "max_new_tokens": 32, "epochs": 5, "hidden_size": 512, "num_layers": 4}}
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -52,11 +55,11 @@ def run_config(workdir: Path, name: str, overlap: bool, quick: bool) -> dict[str
     from rlhf_pipeline.demo.topics import write_task_data
     from rlhf_pipeline.tiny import save_tiny_model
 
-    policy, data = workdir / "policy", workdir / "data"
-    if not (policy / "config.json").exists():
-        save_tiny_model(policy, kind="policy", seed=0)
-    prompts = write_task_data(data, seed=0)["prompts"]
     size = SIZES[quick]
+    policy, data = workdir / f"policy_{size['hidden_size']}x{size['num_layers']}", workdir / "data"
+    if not (policy / "config.json").exists():
+        save_tiny_model(policy, kind="policy", seed=0, hidden_size=size["hidden_size"], num_layers=size["num_layers"])
+    prompts = write_task_data(data, seed=0)["prompts"]
     vllm = vllm_python()
     pin = overlap and (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
     sample_launch = ["taskset", "-c", "0"] if pin else []
@@ -94,7 +97,10 @@ def per_iteration(run: Path) -> dict[str, Any]:
     for r in records:
         stage = r["step"].rpartition("/")[2]
         stages[stage] = round(stages.get(stage, 0.0) + r["ended"] - r["started"], 2)
-    return {"seconds_per_iteration": wall / ITERATIONS, "wall_seconds": round(wall, 2), "stage_seconds": stages}
+    sampling = sum(v for k, v in stages.items() if k != "train") / ITERATIONS
+    return {"seconds_per_iteration": wall / ITERATIONS, "wall_seconds": round(wall, 2), "stage_seconds": stages,
+            "phase_seconds_per_iteration": {"sampling": round(sampling, 2),
+                                            "training": round(stages.get("train", 0.0) / ITERATIONS, 2)}}
 
 
 def run_side(workdir: Path, name: str, overlap: bool, quick: bool) -> dict[str, Any]:
@@ -122,13 +128,23 @@ def run(config, workdir: Path) -> tuple[list[Entry], list[dict[str, Any]]]:
     peer = statistics.median(s["seconds_per_iteration"] for s in sides["sequential"])
     engine = "vLLM (its own environment)" if vllm_python() else "hf (no vLLM environment found)"
     last = {name: runs[-1] for name, runs in sides.items()}
+    # what overlapping can reach with these phase times, once under way: a sequential iteration's time over the
+    # longer of the overlapped run's two sides (the first sampling and the last training run alone, so a run of
+    # ITERATIONS iterations gets somewhat less)
+    phases = last["overlapped"]["phase_seconds_per_iteration"]
+    bound = peer / max(phases.values()) if max(phases.values()) > 0 else None
     entry = Entry(
         name="overlap_iterations", ours=round(ours, 2), peer=round(peer, 2), unit="s per iteration",
-        ratio=peer / ours, target=TARGET, details={"rounds": sides, "sizes": SIZES[config.quick], "engine": engine},
+        ratio=peer / ours, target=TARGET,
+        details={"rounds": sides, "sizes": SIZES[config.quick], "engine": engine, "iterations": ITERATIONS,
+                 "steady_state_bound": None if bound is None else round(bound, 3)},
         notes=f"rlhf iterate, REBEL, {ITERATIONS} iterations on the topics task, generation with {engine}: "
               "overlapped (--overlap 1, sampling on core 0, training on core 1) against sequential (every stage on "
               "every core); wall time per iteration, median of "
-              f"{rounds} round(s). Stage seconds, last round: overlapped {last['overlapped']['stage_seconds']}, "
+              f"{rounds} round(s). Phases per iteration, overlapped side, last round: sampling "
+              f"{phases['sampling']:.1f} s, training {phases['training']:.1f} s"
+              + ("" if bound is None else f" (steady-state bound {bound:.2f}x)")
+              + f". Stage seconds, last round: overlapped {last['overlapped']['stage_seconds']}, "
               f"sequential {last['sequential']['stage_seconds']}.",
     )
     table = ["| side | s per iteration (each round) | generate | score | filter | train |", "|---|---|---|---|---|---|"]
@@ -137,4 +153,92 @@ def run(config, workdir: Path) -> tuple[list[Entry], list[dict[str, Any]]]:
         per = ", ".join(f"{x['seconds_per_iteration']:.1f}" for x in runs)
         table.append(f"| {name} | {per} | "
                      + " | ".join(f"{s.get(k, 0):.1f}" for k in ("generate", "score", "filter", "train")) + " |")
-    return [entry], [{"title": "Overlapped against sequential iterations", "markdown": "\n".join(table)}]
+    model = {"title": "Overlapped iterations on a GPU node, modelled (estimates, not measurements)",
+             "markdown": "REBEL's 8B recipe, one iteration; the phase times are `bench/overlap.py`'s "
+                         "`REBEL_8B_SAMPLING` and `REBEL_8B_TRAINING`.\n\n" + cluster_table()}
+    return [entry], [{"title": "Overlapped against sequential iterations", "markdown": "\n".join(table)}, model]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A GPU node, modelled: what overlapping buys where each side gets part of the GPUs
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One stage's time on ``g`` GPUs: ``fixed`` seconds that more GPUs do not shorten (start-up, loading, saving,
+    the longest responses' tail, CPU work) plus ``work`` GPU-seconds shared by the ``g``."""
+
+    stage: str
+    fixed: float
+    work: float
+
+    def seconds(self, gpus: int) -> float:
+        return self.fixed + self.work / gpus
+
+
+def sequential_seconds(sampling: Sequence[Phase], training: Sequence[Phase], gpus: int) -> float:
+    """An iteration of a sequential run: every stage in turn, each on all ``gpus``."""
+    return sum(p.seconds(gpus) for p in [*sampling, *training])
+
+
+def overlapped_seconds(sampling: Sequence[Phase], training: Sequence[Phase], sample_gpus: int,
+                       train_gpus: int) -> float:
+    """An iteration of an overlapped run once it is under way: the longer of the two sides, each on its own GPUs."""
+    return max(sum(p.seconds(sample_gpus) for p in sampling), sum(p.seconds(train_gpus) for p in training))
+
+
+def best_split(sampling: Sequence[Phase], training: Sequence[Phase], gpus: int) -> tuple[int, float]:
+    """The sampling side's share of ``gpus`` (the rest train) that makes an overlapped iteration shortest, and its
+    seconds."""
+    return min(((k, overlapped_seconds(sampling, training, k, gpus - k)) for k in range(1, gpus)),
+               key=lambda x: x[1])
+
+
+# Our estimates of one iteration of REBEL's 8B recipe (Llama-3-8B-Instruct sampled 5 times on each of 60k
+# UltraFeedback prompts, scored by ArmoRM, trained on the 60k best/worst pairs) on H100s, for the model above.
+# Assumed: 400 tokens a response and 200 a prompt on average; vLLM at 4,000 output tokens/s per GPU (one bf16
+# replica a GPU); forward and backward passes at 40% and 35% of the H100's 989 dense bf16 TFLOP/s.
+#   generate: 300k responses x 400 tokens / 4,000 per s = 30,000 GPU-s; fixed: the engine's start (16 GB of
+#             weights, CUDA graphs), about 90 s, and the longest responses' tail, about 60 s
+#   score:    300k x 600 tokens x 2 x 7.5e9 FLOPs / 396 TFLOP/s = 6,800 GPU-s; fixed: loading ArmoRM, 60 s
+#   filter:   one CPU process, 120 s
+#   train:    the reference pass (2 x 8e9 FLOPs a token) and the update (6 x 8e9) over 60k x 2 x 600 tokens at
+#             346 TFLOP/s = 13,300 GPU-s; fixed: DeepSpeed's start, loading, checkpoints and the final save, 300 s
+REBEL_8B_SAMPLING = (Phase("generate", 150.0, 30_000.0), Phase("score", 60.0, 6_800.0), Phase("filter", 120.0, 0.0))
+REBEL_8B_TRAINING = (Phase("train", 300.0, 13_300.0),)
+
+
+def with_generation_tail(sampling: Sequence[Phase], share: float, gpus: int = 8) -> tuple[Phase, ...]:
+    """``sampling`` with generate's time on ``gpus`` unchanged but ``share`` of it fixed: the time the longest
+    responses keep the batch waiting, which more replicas do not shorten (long reasoning rollouts)."""
+    out = []
+    for p in sampling:
+        if p.stage == "generate":
+            total = p.seconds(gpus)
+            p = Phase(p.stage, share * total, (1 - share) * total * gpus)
+        out.append(p)
+    return tuple(out)
+
+
+def cluster_table(sampling: Sequence[Phase] = REBEL_8B_SAMPLING, training: Sequence[Phase] = REBEL_8B_TRAINING,
+                  gpus: int = 8, tails: Sequence[float] = (0.25, 0.5)) -> str:
+    """Markdown: one iteration on ``gpus`` GPUs, sequential against overlapped with the GPUs split evenly and at
+    the best split; with ``gpus`` more that only sample (a Ray replica pool), sequential (sampling on all of them,
+    training on the ``gpus``) against overlapped (the pool samples while the ``gpus`` train); and the same with
+    ``tails`` of generate's time that more GPUs do not shorten."""
+    def rows(sampling: Sequence[Phase], label: str) -> list[str]:
+        seq = sequential_seconds(sampling, training, gpus)
+        half = overlapped_seconds(sampling, training, gpus // 2, gpus - gpus // 2)
+        k, best = best_split(sampling, training, gpus)
+        pool_seq = (sum(p.seconds(2 * gpus) for p in sampling) + sum(p.seconds(gpus) for p in training))
+        pool = overlapped_seconds(sampling, training, gpus, gpus)
+        return [f"| {label} | {seq / 60:.0f} | {half / 60:.0f} ({seq / half:.2f}) | {k}/{gpus - k}: {best / 60:.0f} "
+                f"({seq / best:.2f}) | {pool_seq / 60:.0f} | {pool / 60:.0f} ({pool_seq / pool:.2f}) |"]
+
+    lines = [f"| generation | sequential, {gpus} GPUs (min) | overlapped {gpus // 2}/{gpus - gpus // 2} (speed-up) | "
+             f"overlapped, best split | sequential, {gpus} + {gpus} sampling-only | overlapped, the pool samples, "
+             f"the {gpus} train |", "|---|---|---|---|---|---|"]
+    lines += rows(sampling, "as estimated")
+    for share in tails:
+        lines += rows(with_generation_tail(sampling, share, gpus), f"{share:.0%} of it a tail")
+    return "\n".join(lines)
