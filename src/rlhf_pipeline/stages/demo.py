@@ -61,7 +61,10 @@ class DemoConfig:
         0, help="1: overlapped iterations (rlhf iterate's overlap): iteration t+1 samples, scores and filters with the "
         "policy one behind while iteration t trains, each side on half of this machine's cores."
     )
-    prompts_per_iteration: int = option(320, help="Training prompts sampled per iteration (of 640).")
+    prompts_per_iteration: int = option(
+        320, help="Training prompts sampled per iteration (of the task's 640 for reviews, 480 for topics and "
+        "first_word)."
+    )
     n: int = option(4, help="Responses sampled per prompt.")
     max_new_tokens: int = option(48, help="Maximum tokens per response.")
     eval_prompts: int = option(160, help="Held-out prompts to evaluate on (of 160).")
