@@ -414,7 +414,7 @@ def test_every_demo_task_is_registered_with_valid_data_and_rewards(tmp_path):
         assert all(-1 <= g <= 1 for g in gold) and min(gold) < max(gold), name
 
 
-def test_the_learning_matrix_keeps_each_iterations_clip_fraction(tmp_path):
+def test_the_learning_matrix_keeps_each_iterations_clip_fraction(tmp_path, monkeypatch):
     """scripts/learning_matrix.py: per iteration, the training steps and the mean ppo/train_clip_frac over them and
     over their last quarter (the eval records, which have none, are skipped); every registry entry is a setting and
     every candidate runs a registered algorithm."""
@@ -436,6 +436,15 @@ def test_the_learning_matrix_keeps_each_iterations_clip_fraction(tmp_path):
     assert matrix.clip_fractions(tmp_path / "none") == {}
     assert set(ALGORITHMS) <= set(matrix.settings(None))
     assert all(algo in ALGORITHMS for algo, _ in matrix.settings(None).values())
+    # the overlapped settings run the demo with --overlap 1, the others without
+    commands = []
+    monkeypatch.setattr(matrix.subprocess, "run",
+                        lambda cmd, **kw: commands.append(cmd) or subprocess.CompletedProcess(cmd, 1))
+    for name in ("rebel+overlap", "rebel"):
+        algo, train = matrix.settings([name])[name]
+        matrix.run_one("topics", name, algo, train, tmp_path / name, tmp_path / "log")
+    assert commands[0][-2:] == ["--overlap", "1"] and "--algo" in commands[0] and "rebel" in commands[0]
+    assert "--overlap" not in commands[1]
 
 
 def test_the_demo_plans_each_task_with_its_own_reward(tmp_path):
