@@ -276,6 +276,9 @@ def test_overlapped_demo_runs_every_stage_with_the_stale_sampler_named(tmp_path)
     assert manifest(2, "generate")["config"]["model"] == str(run / "sft")
     assert manifest(2, "train")["config"]["model"] == str(run / "iter_1" / "train")
     assert manifest(2, "train")["config"]["ref_model"] == str(run / "sft")  # REBEL's reference: the sampler
+    # the train manifest names its sampler and whether it is the policy trained: not in an overlapped iteration 2
+    assert manifest(1, "train")["training"]["sampler"] == {"model": str(run / "sft"), "is_trained_policy": True}
+    assert manifest(2, "train")["training"]["sampler"] == {"model": str(run / "sft"), "is_trained_policy": False}
     gen2, train1 = records["iter_2/generate"], records["iter_1/train"]
     assert gen2["started"] < train1["ended"] and train1["started"] < gen2["ended"], "the two sides did not overlap"
     assert (run / "plots" / "schedule.png").exists()
@@ -312,7 +315,8 @@ def test_the_sampling_side_samples_on_a_ray_replica_pool(tiny_policy, bundled_pr
     for t in (1, 2):
         gen = json.loads((run / f"iter_{t}" / "generate" / "manifest.json").read_text())["config"]
         assert (gen["executor"], gen["ray_address"], gen["replicas"]) == ("ray", address, 2)
-        assert (run / f"iter_{t}" / "train" / "manifest.json").exists()
+        train = json.loads((run / f"iter_{t}" / "train" / "manifest.json").read_text())
+        assert train["training"]["sampler"] == {"model": str(tiny_policy), "is_trained_policy": t == 1}
     records = log(run)
     gen2, train1 = records["iter_2/generate"], records["iter_1/train"]
     assert gen2["lane"] == "sample" and train1["lane"] == "train"

@@ -80,6 +80,7 @@ def test_training_lowers_the_loss_changes_every_parameter_and_saves_a_loadable_m
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["training"]["steps"] == 30 and manifest["training"]["algo"] == algo
     assert manifest["training"]["logp_temperature"] == (0.8 if algo == "rebel" else 1.0)
+    assert manifest["training"]["sampler"] == {"model": manifest["sampling"]["model"], "is_trained_policy": True}
     assert (out / "ref_logps").exists() == (data == "pairs")  # computed once, kept for a resumed run
 
     from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids

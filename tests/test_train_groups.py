@@ -418,6 +418,7 @@ def test_each_algo_trains_every_parameter_and_saves_loadable_outputs(algo, data,
     assert training["rl_params"]["kl_coef"] == (0.0 if algo in ("dapo", "gspo", "cispo", "sppo") else 0.05)
     assert training["logp_temperature"] == 0.8  # the sampling temperature, read from the lineage
     assert training["ref_model"] == tiny_policy
+    assert training["sampler"] == {"model": manifest["sampling"]["model"], "is_trained_policy": True}
     assert training["critic_model"] == critic
     assert training["samples"] == {"train": n_train, "test": n_test}
     flat_rewards = [x for r in groups["train"]["rewards"] for x in r]

@@ -30,6 +30,15 @@ _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 _MODEL_HINT = "a model directory written by save_pretrained (rlhf tiny-model, sft, train) or a Hub model id"
 
 
+def same_model(a: str, b: str) -> bool:
+    """Whether two model references name the same model: local directories by their resolved paths, else (Hub ids)
+    as written."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.is_dir() or pb.is_dir():
+        return pa.resolve() == pb.resolve()
+    return a == b
+
+
 def offline_variable() -> str | None:
     """The environment variable that keeps the Hub offline (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE), or None. Read
     now, not at import (huggingface_hub reads it once, when first imported)."""

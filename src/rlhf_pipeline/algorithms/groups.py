@@ -860,7 +860,7 @@ def train(config) -> Path:
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.distributed import on_main_process
     from rlhf_pipeline.modeling import check_model_ref
-    from rlhf_pipeline.training.stage import StageRun, TrainingJob, run_training, training_summary
+    from rlhf_pipeline.training.stage import TrainingJob, run_training, training_record, training_summary
 
     check_model_ref("--model", config.model)
     if config.ref_model:
@@ -923,13 +923,9 @@ def train(config) -> Path:
                 "rollout_correction": _correction_record(data["train"], params),
                 **training_summary(result),
             }
-            return StageRun(
-                result=result,
-                rows_in=sum(ds.num_rows for ds in dd.values()),
-                extra={"sampling": sampling, "training": training},
-                summary=f"{params.algo}: {result.steps} steps over {num_train} samples, loss {result.first_loss:.4f} "
-                f"-> {result.last_loss:.4f}",
-            )
+            return training_record(params.algo, result, dd, sampling, training, config.model,
+                                   summary=f"{params.algo}: {result.steps} steps over {num_train} samples, loss "
+                                   f"{result.first_loss:.4f} -> {result.last_loss:.4f}")
 
         return TrainingJob(tokenizer, num_train, task, record, loader=loader,
                            learning_rate=lambda name: critic_lr if name.startswith("critic.") else config.learning_rate)

@@ -357,7 +357,7 @@ def train(config) -> Path:
         def record(run, result):
             training = {"algo": algo.name, "loss_params": vars(params), "logp_temperature": temperature,
                         "ref_model": reference, "reward_gap_scale": gap_scale, **training_summary(result)}
-            return training_record(algo.name, result, dd, sampling, training)
+            return training_record(algo.name, result, dd, sampling, training, config.model)
 
         return TrainingJob(tokenizer, dd["train"].num_rows, task, record)
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 from rlhf_pipeline.config import option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import REF_LOGPS_CACHE
+from rlhf_pipeline.modeling import same_model
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +42,6 @@ class ReferenceOptions:
         "model kept as the reference over iterations. PPO family: the KL reference (rlhf iterate: its model). "
         "Recorded in the manifest.", reads=lambda algorithm: algorithm.needs_reference,
     )
-
-
-def same_model(a: str, b: str) -> bool:
-    """Whether two model references name the same model: local directories by their resolved paths, else (Hub ids)
-    as written."""
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    if pa.is_dir() or pb.is_dir():
-        return pa.resolve() == pb.resolve()
-    return a == b
 
 
 def check_reference(config, algorithm: Any, sampling: dict | None, record: dict | None) -> str:

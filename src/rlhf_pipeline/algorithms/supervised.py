@@ -117,7 +117,8 @@ def train(config) -> Path:
         def record(run, result):
             training = {"algo": algo.name, "loss": "mean NLL of each best response's sampled tokens",
                         **training_summary(result)}
-            return training_record(algo.name, result, dd, find_in_lineage([ref], "sampling"), training)
+            return training_record(algo.name, result, dd, find_in_lineage([ref], "sampling"), training,
+                                   config.model)
 
         return TrainingJob(tokenizer, data["train"].num_rows, task, record)
 

@@ -39,6 +39,7 @@ from rlhf_pipeline.training.checkpoints import list_checkpoints, remove_checkpoi
 from rlhf_pipeline.distributed import cpu_deepspeed_backend, finish_distributed, on_main_process
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
+from rlhf_pipeline.modeling import same_model
 
 if TYPE_CHECKING:
     from rlhf_pipeline.datasets_io import HubTarget, StageOutput
@@ -175,14 +176,20 @@ def training_summary(result: TrainResult) -> dict[str, Any]:
     }
 
 
-def training_record(name: str, result: TrainResult, dd, sampling: dict | None, training: dict[str, Any]) -> StageRun:
-    """The record of a ``rlhf train`` run on its splits ``dd``: the sampling settings of its data and the training
-    record, in the manifest; one line on the console."""
+def training_record(name: str, result: TrainResult, dd, sampling: dict | None, training: dict[str, Any],
+                    model: str, summary: str | None = None) -> StageRun:
+    """The record of a ``rlhf train`` run of ``model`` on its splits ``dd``: the sampling settings of its data and
+    the training record, with who sampled the data (``training.sampler``: its model, and whether it is the policy
+    trained here; not where an overlapped iteration trains on the samples of the policy one behind), in the
+    manifest; one line on the console (``summary``, else steps and loss)."""
+    sampler = (sampling or {}).get("model")
+    if sampler is not None:
+        training = {**training, "sampler": {"model": sampler, "is_trained_policy": same_model(sampler, model)}}
     return StageRun(
         result=result,
         rows_in=sum(ds.num_rows for ds in dd.values()),
         extra={"sampling": sampling, "training": training},
-        summary=f"{name}: {result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}",
+        summary=summary or f"{name}: {result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}",
     )
 
 
