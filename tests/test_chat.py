@@ -431,7 +431,7 @@ def _one_worker_recording(monkeypatch, tok, on_call):
     from rlhf_pipeline import chat
 
     monkeypatch.setattr(chat, "_direct_backend", lambda tokenizer: _RecordingBackend(tok.backend_tokenizer, on_call))
-    monkeypatch.setattr(chat, "_cores", lambda: 2)
+    monkeypatch.setattr(chat, "usable_cores", lambda: [0, 1])
 
 
 def test_chunks_no_worker_has_started_are_encoded_by_the_calling_thread(monkeypatch):

@@ -70,6 +70,23 @@ def test_group_family_keeps_its_kl_reference_and_the_sampler_log_probs(tmp_path)
     assert arg(by["iter_3/generate"], "--model") == str(tmp_path / "run" / "iter_1" / "train")
 
 
+@pytest.mark.parametrize("algo, reference", [("dpo", "sampler"), ("kto", "sampler"), ("simpo", None),
+                                             ("raft", None), ("ppo", "base")])
+def test_each_family_gets_the_reference_its_registry_entry_declares(tmp_path, algo, reference):
+    """With overlap 1 the DPO family and KTO take the sampler as their reference, the reference-free losses and
+    RAFT none, the PPO family its KL reference; PPO's critic of iteration t waits for iteration t-1's training."""
+    run = tmp_path / "run"
+    by = {s.name: s for s in plan(config(tmp_path, algo=algo))}
+    sampler = {1: "base", 2: "base", 3: str(run / "iter_1" / "train")}
+    expected = {t: sampler[t] if reference == "sampler" else reference for t in (1, 2, 3)}
+    if reference == "sampler":
+        expected[1] = None  # iteration 1 trains the policy that sampled it
+    assert {t: arg(by[f"iter_{t}/train"], "--ref-model") for t in (1, 2, 3)} == expected
+    if algo == "ppo":
+        assert arg(by["iter_2/train"], "--critic-model") == str(run / "iter_1" / "train" / "critic")
+        assert "iter_1/train" in by["iter_2/train"].after
+
+
 def test_an_algorithm_that_needs_its_own_samples_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"^overlap 1: --algo sppo needs samples of the policy it trains \(.*\); "
                                          r"run it with overlap 0$"):
@@ -153,7 +170,8 @@ def test_finished_steps_are_skipped_one_after_another_before_anything_runs(tmp_p
 
 
 def test_a_failure_stops_new_launches_but_lets_the_other_side_finish(tmp_path, manifest_means_done):
-    steps = [fake(tmp_path, "gen", "sample", [], rc=3), fake(tmp_path, "train", "train", [], seconds=1.0),
+    # "train" sleeps long enough that "gen" fails first however slowly its interpreter starts under load
+    steps = [fake(tmp_path, "gen", "sample", [], rc=3), fake(tmp_path, "train", "train", [], seconds=5.0),
              fake(tmp_path, "next", "train", ["train"])]
     run = tmp_path / "run"
     with pytest.raises(PipelineError, match=r"^gen failed \(exit status 3"):
@@ -161,6 +179,25 @@ def test_a_failure_stops_new_launches_but_lets_the_other_side_finish(tmp_path, m
     records = log(run)
     assert records["gen"]["rc"] == 3 and records["train"]["rc"] == 0  # the running side was not cut short
     assert (tmp_path / "train" / "manifest.json").exists() and "next" not in records
+
+
+def test_a_step_that_cannot_start_lets_the_other_side_finish(tmp_path, monkeypatch):
+    """An error before a launch (an output left by another run's config, a Hub pull that fails) while the other
+    side runs: that side's stage finishes and is recorded, nothing new starts, then the error is raised."""
+    def is_complete(step, *hub):
+        if step.name == "bad":
+            raise PipelineError(f"{step.output} holds a run with another config")
+        return (step.output / "manifest.json").exists()
+
+    monkeypatch.setattr(iterate, "is_complete", is_complete)
+    steps = [fake(tmp_path, "first", "sample", []), fake(tmp_path, "train", "train", [], seconds=5.0),
+             fake(tmp_path, "bad", "sample", ["first"]), fake(tmp_path, "next", "train", ["train"])]
+    run = tmp_path / "run"
+    with pytest.raises(PipelineError, match="bad holds a run with another config"):
+        run_steps(steps, run)
+    records = log(run)
+    assert records["train"]["rc"] == 0 and (tmp_path / "train" / "manifest.json").exists()
+    assert "next" not in records and "bad" not in records
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's prctl")
@@ -326,13 +363,13 @@ def test_the_sampling_side_samples_on_a_ray_replica_pool(tiny_policy, bundled_pr
 def test_bench_pins_each_side_and_reads_seconds_per_iteration(tmp_path, monkeypatch):
     from rlhf_pipeline.bench import overlap as bench
 
-    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(bench, "usable_cores", lambda: [4, 7])  # the cores this process may use, not 0 and 1
     monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/" + name)
     monkeypatch.setattr(bench, "vllm_python", lambda: "/envs/vllm/bin/python")
     overlapped = bench.run_config(tmp_path, "o", overlap=True, quick=True)
     sequential = bench.run_config(tmp_path, "s", overlap=False, quick=True)
-    assert overlapped["launchers"]["generate"] == "taskset -c 0 /envs/vllm/bin/python"
-    assert overlapped["launchers"]["train"].startswith("taskset -c 1 ")
+    assert overlapped["launchers"]["generate"] == "taskset -c 4 /envs/vllm/bin/python"
+    assert overlapped["launchers"]["train"].startswith("taskset -c 7 ")
     assert overlapped["lane_env"]["train"] == {"OMP_NUM_THREADS": 1} and overlapped["overlap"] == 1
     assert sequential["launchers"]["generate"] == "/envs/vllm/bin/python" and "lane_env" not in sequential
     assert sequential["generate"]["engine"] == "vllm"
@@ -340,7 +377,6 @@ def test_bench_pins_each_side_and_reads_seconds_per_iteration(tmp_path, monkeypa
     _steps_log(tmp_path / "r", [("iter_1/generate", "sample", 0, 10, 0), ("iter_1/train", "train", 10, 30, 0),
                                 ("iter_2/generate", "sample", 10, 20, 0), ("iter_2/train", "train", 30, 50, 0),
                                 ("iter_3/generate", "sample", 30, 40, 0), ("iter_3/train", "train", 50, 60, 0)])
-    monkeypatch.setattr(bench, "ITERATIONS", 3)  # the log's
     result = bench.per_iteration(tmp_path / "r")
     assert result["seconds_per_iteration"] == pytest.approx(60 / 3)
     assert result["stage_seconds"] == {"generate": 30.0, "train": 50.0}
@@ -352,18 +388,50 @@ def test_bench_pins_each_side_and_reads_seconds_per_iteration(tmp_path, monkeypa
 
 def test_node_model_by_hand():
     from rlhf_pipeline.bench.overlap import (Phase, best_split, cluster_table, overlapped_seconds, sequential_seconds,
-                                             with_generation_tail)
+                                             whole_run, with_generation, with_pool)
 
     sampling, training = [Phase("generate", 10.0, 80.0)], [Phase("train", 20.0, 40.0)]
     assert sequential_seconds(sampling, training, 8) == 10 + 80 / 8 + 20 + 40 / 8 == 45.0
     assert overlapped_seconds(sampling, training, 4, 4) == max(10 + 20, 20 + 10) == 30.0
     assert overlapped_seconds(sampling, training, 5, 3) == pytest.approx(max(10 + 16, 20 + 40 / 3))
     assert best_split(sampling, training, 8) == (4, 30.0)  # 3/5: 36.7, 5/3: 33.3
-    # a quarter of generate's 20 s on 8 GPUs made fixed: 5 s, and 15 s of work on 8 = 120 GPU-s
-    (tailed,) = with_generation_tail(sampling, 0.25, 8)
-    assert (tailed.fixed, tailed.work, tailed.seconds(8)) == (5.0, 120.0, 20.0)
-    # without fixed costs splitting a node cannot beat running each phase on all of it (the work is conserved)
+    assert best_split(sampling, training, 8, min_train_gpus=5) == (3, pytest.approx(10 + 80 / 3))
+    with pytest.raises(ValueError, match="leave none to sample on"):
+        best_split(sampling, training, 2, min_train_gpus=2)
+    # 3 iterations: the first sampling (30) alone, 2 iterations of the longer side (30), the last training (30)
+    assert whole_run(30.0, 30.0, 3) == 120.0 and whole_run(10.0, 30.0, 3) == 10 + 2 * 30 + 30
+    # generation twice as fast, then a quarter of its time on 8 GPUs (10 + 5 = 15) made fixed
+    (fast,) = with_generation(sampling, 2.0, gpus=8)
+    assert (fast.fixed, fast.work) == (10.0, 40.0)
+    (tailed,) = with_generation(sampling, 1.0, 0.25, gpus=8)
+    assert (tailed.fixed, tailed.work, tailed.seconds(8)) == (12.5, 60.0, 20.0)
+    # a pool of 8 that only generates: sequential generates on 16 then scores and trains on 8; overlapped, the
+    # pool generates while the 8 train and score (scoring's GPU work is theirs)
+    scoring = [Phase("generate", 10.0, 80.0), Phase("score", 2.0, 16.0)]
+    assert with_pool(scoring, training, 8, 8) == (10 + 5 + 2 + 2 + 20 + 5, 10 + 10 + 2 + 2, 20 + 5 + 2)
+    # without fixed parts, splitting a node cannot beat running each phase on all of it (the work is conserved)
     linear = [Phase("generate", 0.0, 80.0)], [Phase("train", 0.0, 40.0)]
     assert best_split(*linear, 8)[1] >= sequential_seconds(*linear, 8)
-    table = cluster_table(sampling, training, 8, tails=(0.25,))
-    assert "| as estimated | 1 | 0 (1.50) | 4/4: 0 (1.50) |" in table and "25% of it a tail" in table
+    table = cluster_table([Phase("generate", 0.0, 4800.0)], [Phase("train", 0.0, 4800.0)], 8, 1, 3)
+    # sequential 20 min; 4/4: 20 min each side (+1 for loading the reference): 21 min, 20/21 = 0.95, over 3
+    # iterations 60 / (20 + 2 x 21 + 21) = 0.72
+    assert "| as estimated (4,000 tokens/s a GPU) | 20 | 21 (0.95; 0.72) |" in table, table
+
+
+@pytest.mark.parametrize("lane_env, shared", [
+    ({}, True),
+    ({"sample": {"CUDA_VISIBLE_DEVICES": "0,1"}}, True),  # the training side sees every GPU
+    ({"sample": {"CUDA_VISIBLE_DEVICES": "0,1"}, "train": {"CUDA_VISIBLE_DEVICES": "1,2"}}, True),
+    ({"sample": {"CUDA_VISIBLE_DEVICES": "0,1"}, "train": {"CUDA_VISIBLE_DEVICES": "2, 3"}}, False),
+    ({"sample": {"CUDA_VISIBLE_DEVICES": ""}}, False),  # a sampling side on a Ray pool, scoring on the CPU
+])
+def test_sides_that_share_gpus_are_warned_about(tmp_path, monkeypatch, caplog, lane_env, shared):
+    monkeypatch.setattr(iterate, "gpus_visible", lambda: True)
+    with caplog.at_level("WARNING", logger=iterate.__name__):
+        plan(config(tmp_path, lane_env=lane_env), 24)
+    assert ("see the same GPUs" in caplog.text) == shared
+    monkeypatch.setattr(iterate, "gpus_visible", lambda: False)  # a CPU machine: nothing to say
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=iterate.__name__):
+        plan(config(tmp_path, lane_env=lane_env), 24)
+    assert "see the same GPUs" not in caplog.text

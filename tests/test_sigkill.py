@@ -18,9 +18,10 @@ never the interpreter's start-up: for a single-write stage, from when it opened 
 ``wall_time_s`` counts from there) to when its manifest appeared; for a stage that fills its output piece by piece
 (training, eval, iterate), from when its first piece was finished (the first checkpoint, eval's generate/, iterate's
 first step) to when its manifest appeared, so that each such case kills a run with finished work to reuse (a kill
-before that leaves nothing to reuse, as the single-write cases show). An overlapped iterate (``overlap: 1``) is killed while its two
-sides run together: between iteration 1's first checkpoint and its training's end, while iteration 2 samples. A run that finishes before its kill point
-proves nothing: the case is retried with the point moved halfway to the span's start, and fails after four tries.
+before that leaves nothing to reuse, as the single-write cases show). An overlapped iterate (``overlap: 1``) is killed
+while its two sides run together: when iteration 1's first checkpoint appears, iteration 2 sampling beside it. A run
+that finishes before its kill point proves nothing: the case is retried with the point moved halfway to the span's
+start, and fails after four tries.
 
 The last tests kill the writes themselves at the moments a random kill rarely hits: inside a directory being
 written, between creating a file and writing it (the run record; metrics.jsonl cut back on resume), and while
@@ -29,6 +30,7 @@ written, between creating a file and writing it (the run record; metrics.jsonl c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -336,12 +338,14 @@ def iterate_ref(kit, tiny_policy, tmp_path_factory) -> Reference:
 @pytest.fixture(scope="module")
 def overlapped_iterate_ref(kit, tiny_policy, tmp_path_factory) -> Reference:
     """Two overlapped iterations (``overlap: 1``): iteration 2 samples, scores and filters with the starting policy
-    while iteration 1 trains. The kill's span is inside that overlap, from iteration 1's first checkpoint (its
-    training and iteration 2's sampling started together when its filter finished) to its training's end."""
-    return iterate_reference(
+    while iteration 1 trains. The kill comes the moment iteration 1's first checkpoint appears: its training is
+    then mid-run with finished work to keep, and iteration 2's sampling was launched with it (both wait for
+    iteration 1's filter only)."""
+    ref = iterate_reference(
         kit, tiny_policy, tmp_path_factory, "iterate-overlapped",
         "iterations: 2\noverlap: 1\nlane_env: {sample: {OMP_NUM_THREADS: 1}, train: {OMP_NUM_THREADS: 1}}\n",
         done=f"iter_1/train/{MANIFEST}", started=f"iter_1/train/checkpoints/step_{2:06d}")
+    return dataclasses.replace(ref, span=(ref.span[0], ref.span[0]))  # no random delay: inside the overlap
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -458,6 +462,8 @@ def test_killed_iterate_relaunches_only_unfinished_steps_and_reaches_the_uninter
         else:
             assert not (run / name).exists(), name
     kept = {(train, p.name): file_stats(p) for train in trains for p in list_checkpoints(run / train)}
+    if case == "overlapped":  # killed mid-overlap: iteration 1 training (with a checkpoint), iteration 2 sampling
+        assert "iter_1/filter" in finished and "iter_1/train" not in finished and kept, (finished, kept)
     launched_before = _launched(run)
     print(f"[{ref.stage}] finished steps at the kill: {sorted(finished)}; checkpoints: {sorted(kept)}")
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +39,7 @@ from rlhf_pipeline.config import NO_CHAT_TEMPLATE
 from rlhf_pipeline.contracts import PROMPT_COLUMNS
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
+from rlhf_pipeline.machine import usable_cores
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -236,14 +236,6 @@ def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
 ENCODE_CHUNK = 128  # texts per call of the Rust encoder when a batch is spread over threads
 
 
-def _cores() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def _direct_backend(tokenizer: PreTrainedTokenizerBase):
     """The Rust tokenizer of a fast tokenizer, when calling it directly gives exactly what ``tokenizer(texts)`` gives:
     no truncation or padding set on it, and special tokens read as the tokenizer reads them (transformers resets
@@ -294,7 +286,7 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, items: Sequence[Any], to_te
     chunks: list[tuple[list[str], Sequence[Any] | None]] = []
     parts: list[Future] = []
     done: dict[int, list[list[int]]] = {}
-    with ThreadPoolExecutor(max_workers=max(1, min(4, _cores() - 1))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(4, len(usable_cores()) - 1))) as pool:
         try:
             for i in range(0, len(items), ENCODE_CHUNK):
                 chunks.append((to_text(items[i : i + ENCODE_CHUNK]),

@@ -1,19 +1,23 @@
 """``rlhf bench --only overlap``: overlapped iterations (``rlhf iterate --overlap 1``) against sequential ones, wall
-time per iteration, both in the same run.
+time per iteration, both in the same run; and a model of what overlapping buys on a GPU node.
 
-Both sides are ``rlhf iterate`` with REBEL on the same tiny policy, the topics task's prompts and its python reward
-(no reward model), ``ITERATIONS`` iterations:
+Both sides are ``rlhf iterate`` with REBEL on the same random-initialised policy (``SIZES``), the topics task's
+prompts and its python reward (no reward model), ``ITERATIONS`` iterations:
 
 - sequential (the peer column): one stage at a time, each with every core;
-- overlapped (ours): the sampling side (generate, score, filter) pinned to core 0 and the training side to core 1
-  (``taskset`` in each stage's launcher, one torch thread each), where there are two cores and taskset.
+- overlapped (ours): the sampling side (generate, score, filter) pinned to one core and the training side to
+  another (``taskset`` in each stage's launcher, one torch thread each), where there are two cores and taskset.
 
 Generation runs vLLM in its own environment when there is one (``RLHF_VLLM_PYTHON``, else ``.venv-vllm`` in the
 repository), else the hf engine; the entry says which. Per iteration: the loop's wall time in ``steps.jsonl``, from
-the first stage's start to the last one's end, over the iterations. Overlapping pays most where sampling and
-training take about the same time (the ideal ratio is then about 2); with one phase much longer than the other the
-best it can do is (sampling + training) / the longer one.
-"""
+the first stage's start to the last one's end, over the iterations. Once under way an overlapped iteration costs the
+longer of its two sides, so overlapping pays most where the phases take about the same time and where neither
+gets much faster with the cores the other side would take (here: vLLM's start-up); the first sampling and the last
+training still run alone.
+
+The model (``Phase`` and below) is the same arithmetic with GPUs: each stage's time is a fixed part plus
+GPU-seconds of work shared by its GPUs, so splitting a node gains only from the fixed parts; ``cluster_table`` puts
+our estimates of REBEL's 8B recipe through it."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from rlhf_pipeline.bench.common import Entry
+from rlhf_pipeline.machine import usable_cores
 
 ITERATIONS = 4
 TARGET = 1.3
@@ -61,9 +66,10 @@ def run_config(workdir: Path, name: str, overlap: bool, quick: bool) -> dict[str
         save_tiny_model(policy, kind="policy", seed=0, hidden_size=size["hidden_size"], num_layers=size["num_layers"])
     prompts = write_task_data(data, seed=0)["prompts"]
     vllm = vllm_python()
-    pin = overlap and (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
-    sample_launch = ["taskset", "-c", "0"] if pin else []
-    train_launch = ["taskset", "-c", "1"] if pin else []
+    cores = usable_cores()
+    pin = overlap and len(cores) >= 2 and shutil.which("taskset") is not None
+    sample_launch = ["taskset", "-c", str(cores[0])] if pin else []
+    train_launch = ["taskset", "-c", str(cores[1])] if pin else []
     launchers = {
         "generate": " ".join(sample_launch + [vllm or sys.executable]),
         "score": " ".join(sample_launch + [sys.executable]),
@@ -82,7 +88,7 @@ def run_config(workdir: Path, name: str, overlap: bool, quick: bool) -> dict[str
     }
     if overlap:
         threads = {"OMP_NUM_THREADS": 1} if pin else {}
-        config["lane_env"] = {"sample": {**threads, **({"VLLM_CPU_OMP_THREADS_BIND": "0"} if pin else {})},
+        config["lane_env"] = {"sample": {**threads, **({"VLLM_CPU_OMP_THREADS_BIND": str(cores[0])} if pin else {})},
                               "train": threads}
     return config
 
@@ -97,10 +103,11 @@ def per_iteration(run: Path) -> dict[str, Any]:
     for r in records:
         stage = r["step"].rpartition("/")[2]
         stages[stage] = round(stages.get(stage, 0.0) + r["ended"] - r["started"], 2)
-    sampling = sum(v for k, v in stages.items() if k != "train") / ITERATIONS
-    return {"seconds_per_iteration": wall / ITERATIONS, "wall_seconds": round(wall, 2), "stage_seconds": stages,
+    iterations = len({r["step"].partition("/")[0] for r in records})
+    sampling = sum(v for k, v in stages.items() if k != "train") / iterations
+    return {"seconds_per_iteration": wall / iterations, "wall_seconds": round(wall, 2), "stage_seconds": stages,
             "phase_seconds_per_iteration": {"sampling": round(sampling, 2),
-                                            "training": round(stages.get("train", 0.0) / ITERATIONS, 2)}}
+                                            "training": round(stages.get("train", 0.0) / iterations, 2)}}
 
 
 def run_side(workdir: Path, name: str, overlap: bool, quick: bool) -> dict[str, Any]:
@@ -154,8 +161,10 @@ def run(config, workdir: Path) -> tuple[list[Entry], list[dict[str, Any]]]:
         table.append(f"| {name} | {per} | "
                      + " | ".join(f"{s.get(k, 0):.1f}" for k in ("generate", "score", "filter", "train")) + " |")
     model = {"title": "Overlapped iterations on a GPU node, modelled (estimates, not measurements)",
-             "markdown": "REBEL's 8B recipe, one iteration; the phase times are `bench/overlap.py`'s "
-                         "`REBEL_8B_SAMPLING` and `REBEL_8B_TRAINING`.\n\n" + cluster_table()}
+             "markdown": "REBEL's 8B recipe on H100s, the phase times of `bench/overlap.py`'s `REBEL_8B_SAMPLING` "
+                         "and `REBEL_8B_TRAINING`. Overlapped cells: minutes an iteration once under way (its "
+                         f"speed-up; the speed-up over the recipe's {REBEL_ITERATIONS} iterations).\n\n"
+                         + cluster_table()}
     return [entry], [{"title": "Overlapped against sequential iterations", "markdown": "\n".join(table)}, model]
 
 
@@ -176,69 +185,119 @@ class Phase:
         return self.fixed + self.work / gpus
 
 
+def side_seconds(phases: Sequence[Phase], gpus: int) -> float:
+    """One side's stages, one after the other, on ``gpus``."""
+    return sum(p.seconds(gpus) for p in phases)
+
+
 def sequential_seconds(sampling: Sequence[Phase], training: Sequence[Phase], gpus: int) -> float:
     """An iteration of a sequential run: every stage in turn, each on all ``gpus``."""
-    return sum(p.seconds(gpus) for p in [*sampling, *training])
+    return side_seconds(sampling, gpus) + side_seconds(training, gpus)
 
 
 def overlapped_seconds(sampling: Sequence[Phase], training: Sequence[Phase], sample_gpus: int,
                        train_gpus: int) -> float:
     """An iteration of an overlapped run once it is under way: the longer of the two sides, each on its own GPUs."""
-    return max(sum(p.seconds(sample_gpus) for p in sampling), sum(p.seconds(train_gpus) for p in training))
+    return max(side_seconds(sampling, sample_gpus), side_seconds(training, train_gpus))
 
 
-def best_split(sampling: Sequence[Phase], training: Sequence[Phase], gpus: int) -> tuple[int, float]:
-    """The sampling side's share of ``gpus`` (the rest train) that makes an overlapped iteration shortest, and its
-    seconds."""
-    return min(((k, overlapped_seconds(sampling, training, k, gpus - k)) for k in range(1, gpus)),
+def whole_run(sample_side: float, train_side: float, iterations: int) -> float:
+    """An overlapped run of ``iterations`` from its two sides' seconds an iteration: the first sampling and the last
+    training run alone, every other iteration costs the longer side."""
+    return sample_side + (iterations - 1) * max(sample_side, train_side) + train_side
+
+
+def best_split(sampling: Sequence[Phase], training: Sequence[Phase], gpus: int,
+               min_train_gpus: int = 1) -> tuple[int, float]:
+    """The sampling side's share of ``gpus`` (the rest train, at least ``min_train_gpus`` of them: what the
+    training's memory needs) that makes an overlapped iteration shortest, and its seconds."""
+    if gpus - min_train_gpus < 1:
+        raise ValueError(f"{gpus} GPUs leave none to sample on beside the {min_train_gpus} that training needs")
+    return min(((k, overlapped_seconds(sampling, training, k, gpus - k)) for k in range(1, gpus - min_train_gpus + 1)),
                key=lambda x: x[1])
+
+
+def with_pool(sampling: Sequence[Phase], training: Sequence[Phase], gpus: int, pool: int,
+              overlapped_training: Sequence[Phase] | None = None) -> tuple[float, float, float]:
+    """``gpus`` that train plus a pool of ``pool`` more GPUs that only generate (Ray replicas): the seconds of a
+    sequential iteration (generate on all ``gpus + pool``, every other stage on the ``gpus``), and the two sides of
+    an overlapped one: sampling (generate on the pool, then scoring on the training GPUs) and the training GPUs'
+    (``overlapped_training``, default ``training``, plus the scoring work they share with it)."""
+    pooled = [p for p in sampling if p.stage == "generate"]
+    local = [p for p in sampling if p.stage != "generate"]
+    sequential = side_seconds(pooled, gpus + pool) + side_seconds(local, gpus) + side_seconds(training, gpus)
+    sample_side = side_seconds(pooled, pool) + side_seconds(local, gpus)
+    node = side_seconds(overlapped_training or training, gpus) + sum(p.work / gpus for p in local)
+    return sequential, sample_side, node
 
 
 # Our estimates of one iteration of REBEL's 8B recipe (Llama-3-8B-Instruct sampled 5 times on each of 60k
 # UltraFeedback prompts, scored by ArmoRM, trained on the 60k best/worst pairs) on H100s, for the model above.
 # Assumed: 400 tokens a response and 200 a prompt on average; vLLM at 4,000 output tokens/s per GPU (one bf16
-# replica a GPU); forward and backward passes at 40% and 35% of the H100's 989 dense bf16 TFLOP/s.
+# replica a GPU; GENERATION_3X: 12,000); forward and backward passes at 40% and 35% of the H100's 989 dense bf16
+# TFLOP/s.
 #   generate: 300k responses x 400 tokens / 4,000 per s = 30,000 GPU-s; fixed: the engine's start (16 GB of
 #             weights, CUDA graphs), about 90 s, and the longest responses' tail, about 60 s
 #   score:    300k x 600 tokens x 2 x 7.5e9 FLOPs / 396 TFLOP/s = 6,800 GPU-s; fixed: loading ArmoRM, 60 s
 #   filter:   one CPU process, 120 s
-#   train:    the reference pass (2 x 8e9 FLOPs a token) and the update (6 x 8e9) over 60k x 2 x 600 tokens at
-#             346 TFLOP/s = 13,300 GPU-s; fixed: DeepSpeed's start, loading, checkpoints and the final save, 300 s
+#   train:    the reference pass (2 x 8e9 FLOPs a token) and the update (6 x 8e9; 8 x 8e9 with gradient
+#             checkpointing, as the recipe's config sets) over 60k x 2 x 600 tokens at 346 TFLOP/s = 16,700 GPU-s;
+#             fixed: DeepSpeed's start, loading, checkpoints and the final save, 300 s. Overlapped, REBEL loads the
+#             sampler as its reference (a second model, for the reference pass alone): 60 s more.
+#   memory:   ZeRO-3 training holds 16 bytes a parameter (128 GB at 8B) over its GPUs, plus activations: at least
+#             3 H100s of 80 GB, so the training side is never given fewer
 REBEL_8B_SAMPLING = (Phase("generate", 150.0, 30_000.0), Phase("score", 60.0, 6_800.0), Phase("filter", 120.0, 0.0))
-REBEL_8B_TRAINING = (Phase("train", 300.0, 13_300.0),)
+REBEL_8B_TRAINING = (Phase("train", 300.0, 16_700.0),)
+OVERLAPPED_REFERENCE = Phase("load the sampler as reference", 60.0, 0.0)
+REBEL_8B_MIN_TRAIN_GPUS = 3
+REBEL_ITERATIONS = 3
 
 
-def with_generation_tail(sampling: Sequence[Phase], share: float, gpus: int = 8) -> tuple[Phase, ...]:
-    """``sampling`` with generate's time on ``gpus`` unchanged but ``share`` of it fixed: the time the longest
-    responses keep the batch waiting, which more replicas do not shorten (long reasoning rollouts)."""
+def with_generation(sampling: Sequence[Phase], tokens_per_second_factor: float = 1.0, tail_share: float = 0.0,
+                    gpus: int = 8) -> tuple[Phase, ...]:
+    """``sampling`` with generate ``tokens_per_second_factor`` times as fast, and ``tail_share`` of its time on
+    ``gpus`` fixed (the longest responses keeping the batch waiting, which more replicas do not shorten: long
+    reasoning rollouts)."""
     out = []
     for p in sampling:
         if p.stage == "generate":
+            p = Phase(p.stage, p.fixed, p.work / tokens_per_second_factor)
             total = p.seconds(gpus)
-            p = Phase(p.stage, share * total, (1 - share) * total * gpus)
+            p = Phase(p.stage, p.fixed + tail_share * (total - p.fixed), (1 - tail_share) * p.work)
         out.append(p)
     return tuple(out)
 
 
 def cluster_table(sampling: Sequence[Phase] = REBEL_8B_SAMPLING, training: Sequence[Phase] = REBEL_8B_TRAINING,
-                  gpus: int = 8, tails: Sequence[float] = (0.25, 0.5)) -> str:
-    """Markdown: one iteration on ``gpus`` GPUs, sequential against overlapped with the GPUs split evenly and at
-    the best split; with ``gpus`` more that only sample (a Ray replica pool), sequential (sampling on all of them,
-    training on the ``gpus``) against overlapped (the pool samples while the ``gpus`` train); and the same with
-    ``tails`` of generate's time that more GPUs do not shorten."""
-    def rows(sampling: Sequence[Phase], label: str) -> list[str]:
-        seq = sequential_seconds(sampling, training, gpus)
-        half = overlapped_seconds(sampling, training, gpus // 2, gpus - gpus // 2)
-        k, best = best_split(sampling, training, gpus)
-        pool_seq = (sum(p.seconds(2 * gpus) for p in sampling) + sum(p.seconds(gpus) for p in training))
-        pool = overlapped_seconds(sampling, training, gpus, gpus)
-        return [f"| {label} | {seq / 60:.0f} | {half / 60:.0f} ({seq / half:.2f}) | {k}/{gpus - k}: {best / 60:.0f} "
-                f"({seq / best:.2f}) | {pool_seq / 60:.0f} | {pool / 60:.0f} ({pool_seq / pool:.2f}) |"]
+                  gpus: int = 8, min_train_gpus: int = REBEL_8B_MIN_TRAIN_GPUS,
+                  iterations: int = REBEL_ITERATIONS) -> str:
+    """Markdown: one iteration on ``gpus`` GPUs, sequential against overlapped with the GPUs split evenly and at the
+    best split, and with a pool of ``gpus`` more that only generate; as estimated, with generation three times
+    as fast, and with half of generation a tail. Each overlapped cell: minutes an iteration once under way, its
+    speed-up, and the speed-up over a whole run of ``iterations``."""
+    overlapped_training = (*training, OVERLAPPED_REFERENCE)
 
-    lines = [f"| generation | sequential, {gpus} GPUs (min) | overlapped {gpus // 2}/{gpus - gpus // 2} (speed-up) | "
-             f"overlapped, best split | sequential, {gpus} + {gpus} sampling-only | overlapped, the pool samples, "
-             f"the {gpus} train |", "|---|---|---|---|---|---|"]
-    lines += rows(sampling, "as estimated")
-    for share in tails:
-        lines += rows(with_generation_tail(sampling, share, gpus), f"{share:.0%} of it a tail")
+    def cell(seq: float, sample_side: float, train_side: float) -> str:
+        per = max(sample_side, train_side)
+        whole = iterations * seq / whole_run(sample_side, train_side, iterations)
+        return f"{per / 60:.0f} ({seq / per:.2f}; {whole:.2f})"
+
+    def row(label: str, sampling: Sequence[Phase]) -> str:
+        seq = sequential_seconds(sampling, training, gpus)
+        half = gpus // 2
+        k, _ = best_split(sampling, overlapped_training, gpus, min_train_gpus)
+        pool_seq, *pool_sides = with_pool(sampling, training, gpus, gpus, overlapped_training)
+        def split(k: int) -> str:
+            return cell(seq, side_seconds(sampling, k), side_seconds(overlapped_training, gpus - k))
+
+        return f"| {label} | {seq / 60:.0f} | {split(half)} | {k}/{gpus - k}: {split(k)} | {pool_seq / 60:.0f} | " \
+               f"{cell(pool_seq, *pool_sides)} |"
+
+    lines = [f"| generation | sequential, {gpus} GPUs: min an iteration | overlapped {gpus // 2}/{gpus - gpus // 2} | "
+             f"overlapped, the best split (≥ {min_train_gpus} training) | sequential, {gpus} + {gpus} that only "
+             f"generate | overlapped, those {gpus} generate, the {gpus} score and train |",
+             "|---|---|---|---|---|---|"]
+    lines.append(row("as estimated (4,000 tokens/s a GPU)", sampling))
+    lines.append(row("3× as fast (12,000 tokens/s)", with_generation(sampling, 3.0, gpus=gpus)))
+    lines.append(row("half of it a tail", with_generation(sampling, 1.0, 0.5, gpus=gpus)))
     return "\n".join(lines)

@@ -97,8 +97,7 @@ class DemoConfig:
 
 def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
     """The demo's steps: SFT, reward model, then the iterate loop with evaluation."""
-    import os
-
+    from rlhf_pipeline.machine import usable_cores
     from rlhf_pipeline.stages.iterate import IterateConfig, Step, count_prompts, option_args, with_dependencies
     from rlhf_pipeline.stages.iterate import plan as iterate_plan
 
@@ -106,7 +105,7 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
     task = TASKS[config.task]
     common = {"batch_size": 16, "report_to": "none", "seed": config.seed}
     # overlapped: each side's stages get half of the cores (torch's threads), so the two run side by side
-    threads = max(1, (os.cpu_count() or 2) // 2)
+    threads = max(1, len(usable_cores()) // 2)
     lanes = {"sample": {"OMP_NUM_THREADS": threads}, "train": {"OMP_NUM_THREADS": threads}} if config.overlap else {}
     sft = Step("sft", "sft", [
         "--model", str(run / "base_policy"), "--data", str(data["sft"]), "--output", str(run / "sft"), "--resume",

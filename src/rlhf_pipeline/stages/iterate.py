@@ -52,6 +52,7 @@ import dataclasses
 import json
 import os
 import shlex
+import logging
 import signal
 import subprocess
 import sys
@@ -63,10 +64,13 @@ from typing import Any, Optional, Sequence
 from rlhf_pipeline.algorithms import GROUPS, PAIRS, AlgoName, get, help_text
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation
 from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import PipelineError, one_line
 from rlhf_pipeline.layout import CRITIC, ITERATE_CONFIG, ITERATION_STAGES, STEPS_LOG, iteration_dir, step_name
+from rlhf_pipeline.machine import gpus_visible
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.stages.score import as_list, one_or_list
+
+log = logging.getLogger(__name__)
 
 STAGE_SECTIONS = ITERATION_STAGES
 TRAINING_STAGES = ("train", "sft", "train-rm")
@@ -347,6 +351,25 @@ def check_plan(config: IterateConfig, sections: dict[str, dict[str, Any]]) -> No
                         "ref_model from the train section")
     if problems:
         raise PipelineError("\n".join(f"run config: {p}" for p in problems))
+    if config.overlap and gpus_visible() and sides_share_gpus(config.lane_env):
+        log.warning("overlap 1: the sampling side (generate, score, eval) and the training side see the same GPUs; "
+                    "vLLM reserves most of a GPU's memory and a training process beside it runs out. Give each side "
+                    "its own with lane_env, e.g. {sample: {CUDA_VISIBLE_DEVICES: '0,1,2,3'}, train: "
+                    "{CUDA_VISIBLE_DEVICES: '4,5,6,7'}}")
+
+
+def sides_share_gpus(lane_env: dict) -> bool:
+    """Whether the two sides of an overlapped run may use a GPU in common: a side without CUDA_VISIBLE_DEVICES in
+    its ``lane_env`` sees every GPU."""
+    def devices(lane: str) -> Optional[set[str]]:
+        value = (lane_env.get(lane) or {}).get("CUDA_VISIBLE_DEVICES")
+        return None if value is None else {d.strip() for d in str(value).split(",") if d.strip()}
+
+    sample, train = devices(SAMPLE_LANE), devices(TRAIN_LANE)
+    if sample is None or train is None:
+        other = train if sample is None else sample
+        return other is None or bool(other)
+    return bool(sample & train)
 
 
 def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
@@ -605,6 +628,22 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
         before = step.after if step.after is not None else [s.name for s in steps[:index[step.name] - 1]]
         return step.lane not in running and all(name in finished for name in before)
 
+    def launch(step: Step) -> Optional[subprocess.Popen]:
+        """Start ``step``'s process, or None where it is finished (here, or on the Hub with ``hub``)."""
+        if is_complete(step, on_hub):
+            return None
+        remote = on_the_hub(step, on_hub) if hub else None
+        if remote is not None:
+            on_hub[step.output] = remote
+            print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: finished on the Hub "
+                  f"({remote.hub}); pulled when a stage reads it", flush=True)
+            return None
+        pull_inputs(step, on_hub)
+        print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: {shlex.join(step.command)}", flush=True)
+        env = {**os.environ, **step.env} if step.env else None
+        return subprocess.Popen(step.command, env=env,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
     def finish(step: Step, rc: Any, started: float) -> None:
         ended = time.time()
         _log(run, {"step": step.name, "command": step.command, "rc": rc, "seconds": round(ended - started, 2),
@@ -620,22 +659,18 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
                         continue
                     pending.remove(step)
                     progressed = True
-                    if is_complete(step, on_hub):
+                    try:
+                        proc = launch(step)
+                    except Exception as e:  # noqa: BLE001 - with the other side running, its stage is let finish
+                        if not running:
+                            raise
+                        failure = one_line(e)
+                        print(f"[{label}] {step.name} could not start ({failure}); waiting for "
+                              f"{', '.join(s.name for s, _, _ in running.values())} to finish", flush=True)
+                        break
+                    if proc is None:
                         finished.add(step.name)
                         continue
-                    remote = on_the_hub(step, on_hub) if hub else None
-                    if remote is not None:
-                        on_hub[step.output] = remote
-                        finished.add(step.name)
-                        print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: finished on the Hub "
-                              f"({remote.hub}); pulled when a stage reads it", flush=True)
-                        continue
-                    pull_inputs(step, on_hub)
-                    print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: {shlex.join(step.command)}",
-                          flush=True)
-                    env = {**os.environ, **step.env} if step.env else None
-                    proc = subprocess.Popen(step.command, env=env,
-                                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
                     running[step.lane] = (step, proc, time.time())
                     launched.append(step.name)
             if not running:
