@@ -378,7 +378,9 @@ def test_bench_pins_each_side_and_reads_seconds_per_iteration(tmp_path, monkeypa
                                 ("iter_2/generate", "sample", 10, 20, 0), ("iter_2/train", "train", 30, 50, 0),
                                 ("iter_3/generate", "sample", 30, 40, 0), ("iter_3/train", "train", 50, 60, 0)])
     result = bench.per_iteration(tmp_path / "r")
-    assert result["seconds_per_iteration"] == pytest.approx(60 / 3)
+    # iterations end at 30, 50 and 60: 15 s an iteration once under way, 60 s over 3 over the whole run
+    assert result["seconds_per_iteration"] == pytest.approx((60 - 30) / 2)
+    assert result["whole_run_seconds_per_iteration"] == pytest.approx(60 / 3)
     assert result["stage_seconds"] == {"generate": 30.0, "train": 50.0}
     assert result["phase_seconds_per_iteration"] == {"sampling": 10.0, "training": round(50 / 3, 2)}
 

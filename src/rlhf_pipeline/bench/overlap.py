@@ -94,18 +94,28 @@ def run_config(workdir: Path, name: str, overlap: bool, quick: bool) -> dict[str
 
 
 def per_iteration(run: Path) -> dict[str, Any]:
-    """Seconds per iteration of a finished run, from its steps.jsonl, and each stage's total."""
+    """A finished run's seconds per iteration, from its steps.jsonl: once under way (from the end of the first
+    iteration to the end of the last, over the iterations between: what each iteration adds) and over the whole run
+    (its wall time over the iterations: the first sampling and the last training, which an overlapped run does
+    alone, included); and each stage's total."""
     from rlhf_pipeline.stages.report import read_schedule
 
     records = read_schedule(run)
     wall = max(r["ended"] for r in records) - min(r["started"] for r in records)
     stages: dict[str, float] = {}
+    ends: dict[int, float] = {}
     for r in records:
-        stage = r["step"].rpartition("/")[2]
+        it, _, stage = r["step"].partition("/")
         stages[stage] = round(stages.get(stage, 0.0) + r["ended"] - r["started"], 2)
-    iterations = len({r["step"].partition("/")[0] for r in records})
+        t = int(it.rpartition("_")[2])
+        ends[t] = max(ends.get(t, 0.0), r["ended"])
+    iterations = len(ends)
+    first, last = min(ends), max(ends)
+    under_way = (ends[last] - ends[first]) / (iterations - 1) if iterations > 1 else wall
     sampling = sum(v for k, v in stages.items() if k != "train") / iterations
-    return {"seconds_per_iteration": wall / iterations, "wall_seconds": round(wall, 2), "stage_seconds": stages,
+    return {"seconds_per_iteration": round(under_way, 2),
+            "whole_run_seconds_per_iteration": round(wall / iterations, 2), "wall_seconds": round(wall, 2),
+            "stage_seconds": stages,
             "phase_seconds_per_iteration": {"sampling": round(sampling, 2),
                                             "training": round(stages.get("train", 0.0) / iterations, 2)}}
 
@@ -131,34 +141,36 @@ def run(config, workdir: Path) -> tuple[list[Entry], list[dict[str, Any]]]:
         order = ["overlapped", "sequential"] if r % 2 == 0 else ["sequential", "overlapped"]
         for name in order:
             sides[name].append(run_side(workdir, name, name == "overlapped", config.quick))
-    ours = statistics.median(s["seconds_per_iteration"] for s in sides["overlapped"])
-    peer = statistics.median(s["seconds_per_iteration"] for s in sides["sequential"])
+    median = {name: {key: statistics.median(r[key] for r in runs)
+                     for key in ("seconds_per_iteration", "whole_run_seconds_per_iteration")}
+              for name, runs in sides.items()}
+    ours, peer = median["overlapped"]["seconds_per_iteration"], median["sequential"]["seconds_per_iteration"]
+    whole = (median["sequential"]["whole_run_seconds_per_iteration"]
+             / median["overlapped"]["whole_run_seconds_per_iteration"])
     engine = "vLLM (its own environment)" if vllm_python() else "hf (no vLLM environment found)"
     last = {name: runs[-1] for name, runs in sides.items()}
-    # what overlapping can reach with these phase times, once under way: a sequential iteration's time over the
-    # longer of the overlapped run's two sides (the first sampling and the last training run alone, so a run of
-    # ITERATIONS iterations gets somewhat less)
     phases = last["overlapped"]["phase_seconds_per_iteration"]
-    bound = peer / max(phases.values()) if max(phases.values()) > 0 else None
     entry = Entry(
         name="overlap_iterations", ours=round(ours, 2), peer=round(peer, 2), unit="s per iteration",
         ratio=peer / ours, target=TARGET,
         details={"rounds": sides, "sizes": SIZES[config.quick], "engine": engine, "iterations": ITERATIONS,
-                 "steady_state_bound": None if bound is None else round(bound, 3)},
+                 "whole_run_ratio": round(whole, 3)},
         notes=f"rlhf iterate, REBEL, {ITERATIONS} iterations on the topics task, generation with {engine}: "
-              "overlapped (--overlap 1, sampling on core 0, training on core 1) against sequential (every stage on "
-              "every core); wall time per iteration, median of "
-              f"{rounds} round(s). Phases per iteration, overlapped side, last round: sampling "
-              f"{phases['sampling']:.1f} s, training {phases['training']:.1f} s"
-              + ("" if bound is None else f" (steady-state bound {bound:.2f}x)")
-              + f". Stage seconds, last round: overlapped {last['overlapped']['stage_seconds']}, "
-              f"sequential {last['sequential']['stage_seconds']}.",
+              "overlapped (--overlap 1, sampling on one core, training on another) against sequential (every stage "
+              "on every core); seconds per iteration once under way (from the first iteration's end to the last's, "
+              f"over the {ITERATIONS - 1} iterations between), median of {rounds} round(s). Over the whole run "
+              f"(wall time over {ITERATIONS} iterations, the overlapped run's first sampling and last training "
+              f"alone included) the ratio is {whole:.2f}. Phases per iteration, overlapped side, last round: "
+              f"sampling {phases['sampling']:.1f} s, training {phases['training']:.1f} s. Stage seconds, last round: "
+              f"overlapped {last['overlapped']['stage_seconds']}, sequential {last['sequential']['stage_seconds']}.",
     )
-    table = ["| side | s per iteration (each round) | generate | score | filter | train |", "|---|---|---|---|---|---|"]
+    table = ["| side | s per iteration once under way (each round) | over the whole run (each round) | generate | "
+             "score | filter | train (s, last round) |", "|---|---|---|---|---|---|---|"]
     for name, runs in sides.items():
         s = runs[-1]["stage_seconds"]
         per = ", ".join(f"{x['seconds_per_iteration']:.1f}" for x in runs)
-        table.append(f"| {name} | {per} | "
+        whole_run = ", ".join(f"{x['whole_run_seconds_per_iteration']:.1f}" for x in runs)
+        table.append(f"| {name} | {per} | {whole_run} | "
                      + " | ".join(f"{s.get(k, 0):.1f}" for k in ("generate", "score", "filter", "train")) + " |")
     model = {"title": "Overlapped iterations on a GPU node, modelled (estimates, not measurements)",
              "markdown": "REBEL's 8B recipe on H100s, the phase times of `bench/overlap.py`'s `REBEL_8B_SAMPLING` "
