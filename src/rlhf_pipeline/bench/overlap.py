@@ -27,8 +27,8 @@ import shutil
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from rlhf_pipeline.bench.common import Entry
@@ -38,7 +38,7 @@ ITERATIONS = 4
 TARGET = 1.3
 # Prompts per iteration, responses per prompt, new tokens, training epochs, the policy's width and depth; quick /
 # full. Chosen so that the two phases take about the same time on 2 CPU cores: sampling is mostly vLLM's start-up
-# (40-60 s whatever the prompts), so the training side is made as long by a wider policy (512 x 4 layers, 13M
+# (40-80 s whatever the prompts), so the training side is made as long by a wider policy (512 x 4 layers, 13M
 # parameters) and epochs, not by more prompts (which lengthen both). The full setting doubles the prompts and
 # halves the epochs: the same training work on more samples.
 SIZES = {True: {"prompts": 96, "n": 4, "max_new_tokens": 32, "epochs": 10, "hidden_size": 512, "num_layers": 4},
@@ -246,8 +246,8 @@ def with_pool(sampling: Sequence[Phase], training: Sequence[Phase], gpus: int, p
 # Our estimates of one iteration of REBEL's 8B recipe (Llama-3-8B-Instruct sampled 5 times on each of 60k
 # UltraFeedback prompts, scored by ArmoRM, trained on the 60k best/worst pairs) on H100s, for the model above.
 # Assumed: 400 tokens a response and 200 a prompt on average; vLLM at 4,000 output tokens/s per GPU (one bf16
-# replica a GPU; GENERATION_3X: 12,000); forward and backward passes at 40% and 35% of the H100's 989 dense bf16
-# TFLOP/s.
+# replica a GPU; cluster_table also shows 12,000); forward and backward passes at 40% and 35% of the H100's 989
+# dense bf16 TFLOP/s.
 #   generate: 300k responses x 400 tokens / 4,000 per s = 30,000 GPU-s; fixed: the engine's start (16 GB of
 #             weights, CUDA graphs), about 90 s, and the longest responses' tail, about 60 s
 #   score:    300k x 600 tokens x 2 x 7.5e9 FLOPs / 396 TFLOP/s = 6,800 GPU-s; fixed: loading ArmoRM, 60 s

@@ -51,8 +51,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shlex
 import logging
+import shlex
 import signal
 import subprocess
 import sys
