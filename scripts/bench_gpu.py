@@ -40,6 +40,10 @@ Sides, each in a fresh subprocess (so peak memory is its own)
   precomputed reference), backward of loss x ``training.loop.micro_batch_weight`` / accumulation, metrics summed per
   micro-batch as the trainer does (``training.loop.add_to_sums``, on the device, read once per step), clip, AdamW
   step, schedule step.
+* ``ours_bf16``: the same step with ``rlhf train --bf16-weights``: the model's weights in bf16 and float32 master
+  copies in the optimizer (``training.master_weights.MasterWeights``: gradients moved onto the masters as each
+  backward produces them, summed over the micro-batches in float32; clipping and AdamW on the masters, written back
+  rounded after each step), still under bf16 autocast; full fine-tuning only (skipped in LoRA modes).
 * TRL's sides use ``--trl-attn`` (sdpa by default) with cuDNN's SDPA backend off (``--trl-cudnn-sdpa off``, as our
   log-prob passes run sdpa on a GPU, ``rlhf_pipeline.attention.sdpa_backends``; ``on`` is PyTorch's default, which
   plans on the host for every new shape and halved TRL's speed on an H100).
@@ -148,7 +152,8 @@ if (REPO / "src" / "rlhf_pipeline").is_dir():  # benchmark this checkout's code,
 
 from rlhf_pipeline.attention import ATTENTION_IMPLEMENTATIONS  # noqa: E402  (imports neither torch nor transformers)
 
-SIDES = ("ours", "trl", "trl_precomputed")
+SIDES = ("ours", "ours_bf16", "trl", "trl_precomputed")
+OURS = ("ours", "ours_bf16")  # our trainer: float32 weights under autocast, bf16 weights with float32 masters
 GPU_TOKEN_BUDGET = 8192  # ours on CUDA by default: --max-tokens-per-micro-batch
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 FIRST_ID = 4  # random ids avoid the special tokens
@@ -369,7 +374,8 @@ def host_self_times(events: list[dict], top: int = 15) -> list[dict[str, Any]]:
     return [{"op": name[:100], "calls": len(v), "ms": round(sum(v) / 1e3, 2)} for name, v in ranked]
 
 
-def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) -> dict[str, Any]:
+def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock,
+             bf16_weights: bool = False) -> dict[str, Any]:
     import contextlib
     from dataclasses import dataclass
 
@@ -382,6 +388,7 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
     from rlhf_pipeline.algorithms.pairs import PairTask
     from rlhf_pipeline.distributed import sharded_batches
     from rlhf_pipeline.training.loop import add_to_sums, load_trainable, micro_batch_weight, warmup_cosine
+    from rlhf_pipeline.training.master_weights import MasterWeights
 
     @dataclass(kw_only=True)
     class LoadOptions(LoraOptions):
@@ -408,7 +415,9 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
     options.check_lora()
     model = load_trainable(options, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, **kw)).to(device)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    # rlhf train --bf16-weights: the model in bf16, the optimizer on float32 masters (training.master_weights)
+    masters = MasterWeights(model) if bf16_weights else None
+    trainable = masters.masters if masters else [p for p in model.parameters() if p.requires_grad]
     t_loaded = clock()
 
     # Reference log-probs: one batched no-grad pass, length-sorted (as pairs.compute_ref_logps).
@@ -448,6 +457,8 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock) ->
             real, sq, positions = real + n_real, sq + sum(t * t for t in lens), positions + n_total
         norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
+        if masters:
+            masters.write_back()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         loss_sum, norm = torch.stack([sums["loss"].float(), norm.float()]).tolist()  # the step's one read
@@ -601,7 +612,7 @@ def worker(side: str, mode_name: str, spec_path: str) -> None:
     pairs = json.loads(Path(spec["pairs_path"]).read_text())
     if mode["lora_rank"]:
         import peft  # noqa: F401
-    if side != "ours":
+    if side not in OURS:
         import datasets  # noqa: F401
         import trl  # noqa: F401
 
@@ -613,8 +624,8 @@ def worker(side: str, mode_name: str, spec_path: str) -> None:
         torch.zeros(1, device=device)  # CUDA context outside the timing
         torch.cuda.reset_peak_memory_stats(device)
     clock = Clock(device)
-    if side == "ours":
-        out = run_ours(spec, mode, pairs, device, clock)
+    if side in OURS:
+        out = run_ours(spec, mode, pairs, device, clock, bf16_weights=side == "ours_bf16")
     else:
         out = run_trl(spec, mode, pairs, device, clock, precompute=side == "trl_precomputed")
     out["side"], out["mode"] = side, mode_name
@@ -869,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
         reason = (f"{' and '.join(trl_missing)} not installed (TRL's DPOTrainer imports datasets); "
                   "pip install trl datasets to compare")
         for s in sides:
-            if s != "ours":
+            if s not in OURS:
                 skipped[s] = reason
         print(f"[bench_gpu] TRL sides skipped: {reason}")
 
@@ -930,7 +941,11 @@ def main(argv: list[str] | None = None) -> int:
     def run_name(side: str, mode: str) -> str:
         return side if mode == "full" else f"{side}_{mode}"
 
-    runnable = [(side, mode) for mode in modes for side in sides if side not in skipped]
+    for mode, m in modes.items():
+        if m["lora_rank"] and "ours_bf16" in sides:  # rlhf train takes --bf16-weights for full fine-tuning only
+            print(f"[bench_gpu] ours_bf16 skipped in mode {mode}: bf16 weights are for full fine-tuning")
+    runnable = [(side, mode) for mode in modes for side in sides
+                if side not in skipped and not (side == "ours_bf16" and modes[mode]["lora_rank"])]
     runs: dict[str, list[dict]] = {run_name(*x): [] for x in runnable}
     for r in range(a.rounds):
         order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
@@ -953,6 +968,9 @@ def main(argv: list[str] | None = None) -> int:
             if side in skipped:
                 results[name] = {"side": side, "mode": mode, "skipped": skipped[side]}
                 continue
+            if name not in runs:  # not run in this mode
+                results[name] = {"side": side, "mode": mode, "skipped": "bf16 weights are for full fine-tuning"}
+                continue
             ok = [x for x in runs[name] if "error" not in x]
             if not ok:
                 results[name] = {"side": side, "mode": mode, "error": runs[name][-1]["error"],
@@ -967,22 +985,21 @@ def main(argv: list[str] | None = None) -> int:
     memory_measure = "torch.cuda.max_memory_allocated" if on_cuda else "peak RSS (CPU)"
     done = {k: v for k, v in results.items() if "tokens_per_s_steps" in v}
     ratios = {}
-    for mode in modes:  # ours vs TRL within a mode: > 1 ours faster, < 1 ours smaller
-        ours = done.get(run_name("ours", mode))
-        for other in ("trl", "trl_precomputed"):
-            theirs = done.get(run_name(other, mode))
-            if ours and theirs:
-                ratios[f"{run_name('ours', mode)}_vs_{run_name(other, mode)}"] = {
-                    "tokens_per_s_steps": ours["tokens_per_s_steps"] / theirs["tokens_per_s_steps"],
-                    "tokens_per_s_run": ours["tokens_per_s_run"] / theirs["tokens_per_s_run"],
-                    "peak_memory": ours[mem_key] / theirs[mem_key],
-                    "memory_measure": memory_measure,
-                    "same_trained_params": ours["trainable_params"] == theirs["trainable_params"],
-                    "step1_loss_abs_diff": abs(ours["first_loss"] - theirs["first_loss"]),
-                    "step1_grad_norm_rel_diff": (abs(ours["first_grad_norm"] - theirs["first_grad_norm"])
-                                                 / max(abs(theirs["first_grad_norm"]), 1e-12)
-                                                 if theirs.get("first_grad_norm") is not None else None),
-                }
+    for mode, ours_side, other in [(m, o, t) for m in modes for o in OURS for t in ("trl", "trl_precomputed")]:
+        # ours vs TRL within a mode: > 1 ours faster, < 1 ours smaller
+        ours, theirs = done.get(run_name(ours_side, mode)), done.get(run_name(other, mode))
+        if ours and theirs:
+            ratios[f"{run_name(ours_side, mode)}_vs_{run_name(other, mode)}"] = {
+                "tokens_per_s_steps": ours["tokens_per_s_steps"] / theirs["tokens_per_s_steps"],
+                "tokens_per_s_run": ours["tokens_per_s_run"] / theirs["tokens_per_s_run"],
+                "peak_memory": ours[mem_key] / theirs[mem_key],
+                "memory_measure": memory_measure,
+                "same_trained_params": ours["trainable_params"] == theirs["trainable_params"],
+                "step1_loss_abs_diff": abs(ours["first_loss"] - theirs["first_loss"]),
+                "step1_grad_norm_rel_diff": (abs(ours["first_grad_norm"] - theirs["first_grad_norm"])
+                                             / max(abs(theirs["first_grad_norm"]), 1e-12)
+                                             if theirs.get("first_grad_norm") is not None else None),
+            }
     for mode, m in modes.items():  # LoRA vs full on each side: < 1 LoRA smaller / faster per step
         for side in sides:
             lora, full = done.get(run_name(side, mode)), done.get(run_name(side, "full"))
@@ -1009,7 +1026,8 @@ def main(argv: list[str] | None = None) -> int:
                if k not in ("pair_lengths", "model_dir", "pairs_path", "workdir", "profile_trace")},
             "device_name": device_name, "peak_tflops_bf16": peak_tflops, "peak_tflops_source": peak_source,
             "total_params": total_params, "real_tokens_all_pairs": real_tokens, "tiny": a.tiny,
-            "weights": "float32 master weights" + (" + bf16 autocast" if precision == "amp" else ", no autocast"),
+            "weights": "float32 master weights" + (" + bf16 autocast" if precision == "amp" else ", no autocast")
+                       + "; ours_bf16: bf16 weights, float32 masters in the optimizer",
             "versions": {m: version(m) for m in ("torch", "transformers", "trl", "datasets", "peft", "flash_attn")},
             "flops_formula": ("PaLM: training 6*N*T + 12*L*hidden*T^2 per sequence (LoRA: (4*N + 6*N_lora)*T + "
                               "12*L*hidden*T^2, no weight gradients of the frozen N; N_lora = the adapters' "

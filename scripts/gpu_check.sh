@@ -63,10 +63,12 @@ if [ "$CPU" = 1 ]; then
   BENCH_ARGS=(--device cpu --tiny) DEVICE=cpu
 else
   HIDDEN=${GPU_CHECK_HIDDEN:-1536} LAYERS=${GPU_CHECK_LAYERS:-18}
-  PROMPTS=64 EVAL_PROMPTS=32 NEW_TOKENS=48 GEN_PROMPTS=32 ZERO3_CFG=accelerate_cfgs/zero3.yaml
-  TRAIN_FAST="{bf16: true, attn_implementation: varlen, max_tokens_per_micro_batch: 8192}"
-  SFT="{max_steps: 20, bf16: true}" RM="{max_steps: 20, bf16: true}"
-  BENCH_ARGS=(--steps 12) DEVICE=cuda  # 12 timed steps a side: the bench fits a short lease
+  PROMPTS=32 EVAL_PROMPTS=16 NEW_TOKENS=32 GEN_PROMPTS=32 ZERO3_CFG=accelerate_cfgs/zero3.yaml
+  # the trainer's GPU path: bf16 weights with float32 masters, varlen attention, micro-batches by a token budget
+  BF16="bf16: true, bf16_weights: true"
+  TRAIN_FAST="{$BF16, attn_implementation: varlen, max_tokens_per_micro_batch: 8192}"
+  SFT="{max_steps: 10, $BF16}" RM="{max_steps: 10, $BF16}"
+  BENCH_ARGS=(--steps 8) DEVICE=cuda  # 8 timed steps a side: the bench fits a short lease
 fi
 RLHF=("$PYTHON" -m rlhf_pipeline.cli)
 STEPS=$RESULTS/steps.jsonl
@@ -108,7 +110,7 @@ step gpu_tests "$PYTHON" -m pytest tests/test_attention.py -q -p no:cacheprovide
 [ -z "${GPU_CHECK_BENCH_STEPS:-}" ] || BENCH_ARGS+=(--steps "$GPU_CHECK_BENCH_STEPS")
 if [ "$BENCH" = 1 ]; then
   step bench "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --output "$RESULTS/bench.json"
-  step profile "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --sides ours --steps 3 --profile \
+  step profile "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --sides ours,ours_bf16 --steps 3 --profile \
     --output "$RESULTS/profile.json"
 fi
 
@@ -126,7 +128,8 @@ step ref_logps "${RLHF[@]}" ref-logps --model "$OUT/demo/sft" --input "$OUT/demo
 TRAIN_ARGS=(--algo dpo --model "$OUT/demo/sft" --data "$OUT/ref_logps" --max-steps 3 --batch-size 4
             --temperature 0.8 --learning-rate 1e-5 --report-to none --seed 0 --attn-implementation varlen
             --max-tokens-per-micro-batch 1024)
-[ "$CPU" = 1 ] || TRAIN_ARGS+=(--bf16)
+# on a GPU both in bf16 with float32 masters: the plain trainer's (--bf16-weights) and DeepSpeed's bf16 mode
+[ "$CPU" = 1 ] || TRAIN_ARGS+=(--bf16 --bf16-weights)
 step train_plain "$PYTHON" -m rlhf_pipeline.stages.train "${TRAIN_ARGS[@]}" --output "$OUT/train_plain"
 step train_zero3 "$PYTHON" -m accelerate.commands.launch --config_file "$ZERO3_CFG" --num_processes 1 \
   -m rlhf_pipeline.stages.train "${TRAIN_ARGS[@]}" --output "$OUT/train_zero3"

@@ -31,6 +31,7 @@ from rlhf_pipeline.distributed import on_main_process, unwrap
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import first_line, flush_files, seal, verify, writing
 from rlhf_pipeline.layout import CHECKPOINTS
+from rlhf_pipeline.training.master_weights import MasterWeights
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,10 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
 
 
 def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str, Any],
-                    keep: int | None = None) -> Path:
+                    keep: int | None = None, masters: MasterWeights | None = None) -> Path:
     """Model + resumable state at ``output/checkpoints/step_N``, renamed into place once complete; then, with
-    ``keep``, only the newest ``keep`` complete checkpoints remain (the new one among them)."""
+    ``keep``, only the newest ``keep`` complete checkpoints remain (the new one among them). ``masters``
+    (``--bf16-weights``) are saved beside the optimizer state."""
     final = output / CHECKPOINTS / f"step_{state['step']:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
@@ -73,6 +75,8 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
             accelerator.save_state(str(tmp / "state"), **_state_options(accelerator, model)[0])
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
+                if masters is not None:
+                    masters.save(tmp / "state")
                 (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
                 seal(tmp)
     except BaseException:
@@ -109,15 +113,19 @@ def _remove(checkpoint: Path) -> None:
     shutil.rmtree(doomed)
 
 
-def load_checkpoint(accelerator, model, checkpoint: Path) -> dict[str, Any]:
-    """Restore the weights, optimizer, scheduler and RNG state that :func:`save_checkpoint` saved; returns its trainer
+def load_checkpoint(accelerator, model, checkpoint: Path, masters: MasterWeights | None = None) -> dict[str, Any]:
+    """Restore the weights (and ``masters``), optimizer, scheduler and RNG state that :func:`save_checkpoint` saved;
+    returns its trainer
     state (``step``, ``epoch``, ``first_loss``, ``first_grad_norm`` and ``divergence_warned`` for the divergence
     warning, ``real_tokens``, ``all_tokens``, ``seconds``)."""
     accelerator.load_state(str(checkpoint / "state"), **_state_options(accelerator, model)[1])
+    if masters is not None:
+        masters.load(checkpoint / "state")
     return json.loads((checkpoint / TRAINER_STATE).read_text())
 
 
-def resume_checkpoint(accelerator, model, output: Path) -> tuple[Path | None, dict[str, Any]]:
+def resume_checkpoint(accelerator, model, output: Path,
+                      masters: MasterWeights | None = None) -> tuple[Path | None, dict[str, Any]]:
     """Load the newest checkpoint under ``output`` that is whole and loads; returns it and its trainer state, or
     ``(None, {})`` when there is none. A damaged one is named in a warning and set aside as ``step_N.damaged``; when
     checkpoints exist and none of them loads, one error line says so. Every process checks the same files and agrees
@@ -128,7 +136,7 @@ def resume_checkpoint(accelerator, model, output: Path) -> tuple[Path | None, di
         problem = verify(checkpoint)
         if problem is None:
             try:
-                state = load_checkpoint(accelerator, model, checkpoint)
+                state = load_checkpoint(accelerator, model, checkpoint, masters)
             except Exception as e:  # torch, safetensors and DeepSpeed each raise their own kinds
                 problem = f"loading it failed ({type(e).__name__}: {first_line(e)})"
         if _everywhere(accelerator, problem is None):

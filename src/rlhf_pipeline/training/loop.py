@@ -53,6 +53,7 @@ from rlhf_pipeline.errors import FailedElsewhere, PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import METRICS
 from rlhf_pipeline.training.lora import LoraOptions, add_adapters, load_kwargs
+from rlhf_pipeline.training.master_weights import MasterWeights
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,13 @@ class TrainOptions(OutputOptions, LoraOptions):
         semantic=False,
     )
     bf16: bool = option(False, help="bfloat16 mixed precision.")
+    bf16_weights: bool = option(
+        False,
+        help="With --bf16: keep the model's weights in bfloat16 and float32 master copies in the optimizer, instead "
+        "of float32 weights cast for every forward (no per-micro-batch casts, bfloat16 activations; "
+        "rlhf_pipeline.training.master_weights). What DeepSpeed's bf16 mode does already; the final model is saved "
+        "in bfloat16. Not with LoRA.",
+    )
     gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass to save memory.")
     pack_ratio: float = option(
         2.0,
@@ -130,6 +138,11 @@ class TrainOptions(OutputOptions, LoraOptions):
         for name in ("epochs", "batch_size", "gradient_accumulation_steps", "eval_batch_size", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.bf16_weights and not self.bf16:
+            raise ValueError("--bf16-weights needs --bf16 (bfloat16 weights run under bfloat16 autocast)")
+        if self.bf16_weights and self.lora_rank:
+            raise ValueError("--bf16-weights is for full fine-tuning: with --lora-rank the frozen weights are not "
+                             "trained and the adapters are small; drop --bf16-weights (or load the model in bf16)")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("--max-steps must be at least 1")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
@@ -480,6 +493,13 @@ class Setup:
     steps_per_epoch: int
     total_steps: int
     global_size: int
+    masters: MasterWeights | None = None  # --bf16-weights outside DeepSpeed: the float32 copies the optimizer steps
+
+    def trained_parameters(self) -> list:
+        """What the optimizer steps and the gradient norm is taken over: the masters, or the model's parameters."""
+        if self.masters is not None:
+            return self.masters.masters
+        return [p for p in self.model.parameters() if p.requires_grad]
 
 
 def prepare(
@@ -502,25 +522,37 @@ def prepare(
     total_steps = config.max_steps or steps_per_epoch * config.epochs
     warmup = int(config.warmup_ratio * total_steps)
     torch.manual_seed(config.seed)
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    masters = None
+    if config.bf16_weights and not deepspeed:  # (DeepSpeed's bf16 mode keeps masters of its own)
+        model = accelerator.prepare(model)  # on its device first: the masters are made there
+        masters = MasterWeights(model)
+        trained = masters.named_masters()
+    else:
+        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     groups: dict[tuple[float, float], list] = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            shape = getattr(p, "ds_shape", p.shape)  # under zero.Init a parameter is an empty 1-D shard
-            decay = 0.0 if len(shape) < 2 or "norm" in name.lower() else config.weight_decay
-            lr = learning_rate(name) if learning_rate is not None else config.learning_rate
-            groups.setdefault((decay, lr), []).append(p)
+    for name, p in trained:
+        shape = getattr(p, "ds_shape", p.shape)  # under zero.Init a parameter is an empty 1-D shard
+        decay = 0.0 if len(shape) < 2 or "norm" in name.lower() else config.weight_decay
+        lr = learning_rate(name) if learning_rate is not None else config.learning_rate
+        groups.setdefault((decay, lr), []).append(p)
     optimizer = torch.optim.AdamW(
         [{"params": ps, "weight_decay": decay, "lr": lr} for (decay, lr), ps in groups.items()],
         lr=config.learning_rate,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_epsilon,
+        # one kernel for all the weights on a GPU (DeepSpeed replaces the optimizer's step with its own)
+        fused=accelerator.device.type == "cuda" and not deepspeed,
     )
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if masters is not None:
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
     # Built on the prepared optimizer (DeepSpeed regroups the parameters) and stepped by hand once per optimizer
     # step: a scheduler given to accelerate.prepare would be stepped once per process.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total_steps))
     accelerator.register_for_checkpointing(scheduler)
-    return Setup(model, optimizer, scheduler, steps_per_epoch, total_steps, global_size)
+    return Setup(model, optimizer, scheduler, steps_per_epoch, total_steps, global_size, masters)
 
 
 def train(
@@ -553,7 +585,7 @@ def train(
     output.mkdir(parents=True, exist_ok=True)
     model.train()
 
-    checkpoint, totals_so_far = resume_checkpoint(accelerator, model, output) if config.resume else (None, {})
+    checkpoint, totals_so_far = resume_checkpoint(accelerator, model, output, setup.masters) if config.resume else (None, {})
     step = totals_so_far.get("step", 0)
     if checkpoint is not None:
         accelerator.print(f"resuming from {checkpoint} (step {step})")
@@ -631,13 +663,15 @@ def train(
                 if config.max_grad_norm > 0 and grad_norm is not None and not bad:
                     totals["grad_norm"] = float(grad_norm)
         else:
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm or math.inf)
+            grad_norm = accelerator.clip_grad_norm_(setup.trained_parameters(), config.max_grad_norm or math.inf)
             if grad_norm is not None:
                 sums["grad_norm"] = grad_norm / world  # the same value on every process (all-reduced grads)
             totals = reduce_sums(accelerator, sums)
             bad = totals.pop("_nonfinite") > 0 or not math.isfinite(totals.get("grad_norm", 0.0))
             if not bad:
                 optimizer.step()
+                if setup.masters is not None:
+                    setup.masters.write_back()
             optimizer.zero_grad()
             if config.max_grad_norm <= 0:
                 totals.pop("grad_norm", None)
@@ -687,7 +721,8 @@ def train(
                      "real_tokens": real_tokens, "last_loss": last_loss, "skipped_steps": skipped,
                      "skipped_in_a_row": skipped_in_a_row,
                      "all_tokens": all_tokens, "seconds": time.time() - started}
-            save_checkpoint(accelerator, model, tokenizer, output, state, keep=config.save_total_limit or None)
+            save_checkpoint(accelerator, model, tokenizer, output, state, keep=config.save_total_limit or None,
+                            masters=setup.masters)
     bar.close()
 
     final_eval = evaluate(accelerator, model, task, eval_ds, config.eval_batch_size)
