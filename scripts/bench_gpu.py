@@ -43,7 +43,8 @@ Sides, each in a fresh subprocess (so peak memory is its own)
 * ``ours_bf16``: the same step with ``rlhf train --bf16-weights``: the model's weights in bf16 and float32 master
   copies in the optimizer (``training.master_weights.MasterWeights``: gradients moved onto the masters as each
   backward produces them, summed over the micro-batches in float32; clipping and AdamW on the masters, written back
-  rounded after each step), still under bf16 autocast; full fine-tuning only (skipped in LoRA modes).
+  rounded after each step), under bf16 autocast whatever ``--precision`` says (the trainer takes the option only with
+  ``--bf16``); full fine-tuning only (skipped in LoRA modes).
 * TRL's sides use ``--trl-attn`` (sdpa by default) with cuDNN's SDPA backend off (``--trl-cudnn-sdpa off``, as our
   log-prob passes run sdpa on a GPU, ``rlhf_pipeline.attention.sdpa_backends``; ``on`` is PyTorch's default, which
   plans on the host for every new shape and halved TRL's speed on an H100).
@@ -400,7 +401,7 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock,
         gradient_checkpointing: bool = False
         attn_implementation: str = "sdpa"
 
-    amp = spec["precision"] == "amp"
+    amp = spec["precision"] == "amp" or bf16_weights  # rlhf train takes --bf16-weights only with --bf16
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()

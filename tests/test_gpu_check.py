@@ -32,6 +32,7 @@ def test_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     assert zero3["agree"] and len(zero3["plain_loss_grad_norm"]) == 3
     # the benchmark ran every side, TRL's too when it is installed, and the profile has a summary of its steps
     bench = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert "error" not in bench["sides"]["ours"]
-    profile = json.loads((tmp_path / "out" / "profile.json").read_text())["sides"]["ours"]["profile"]
+    assert "error" not in bench["sides"]["ours"] and "error" not in bench["sides"]["ours_bf16"]
+    # the profile is of the path the check trains with on a GPU: bf16 weights with float32 masters
+    profile = json.loads((tmp_path / "out" / "profile.json").read_text())["sides"]["ours_bf16"]["profile"]
     assert profile["steps"] == 3 and profile["wall_ms"] > 0

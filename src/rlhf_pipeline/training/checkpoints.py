@@ -39,10 +39,13 @@ TRAINER_STATE = "trainer_state.json"
 DAMAGED = ".damaged"  # the suffix of a checkpoint that --resume found damaged and set aside
 
 
-def save_model(accelerator, model, tokenizer, path: Path) -> None:
+def save_model(accelerator, model, tokenizer, path: Path, masters: MasterWeights | None = None) -> None:
     """A full save_pretrained directory (safetensors); under ZeRO-3 the shards are gathered first. With LoRA, the
-    merged model and the adapters (``rlhf_pipeline.training.lora``)."""
+    merged model and the adapters (``rlhf_pipeline.training.lora``). With ``masters`` (``--bf16-weights``), the
+    trained weights are theirs, in float32."""
     state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3: every process calls it
+    if masters is not None:
+        state_dict = masters.state_dict(state_dict)
 
     def write() -> None:
         inner = unwrap(model)
@@ -71,7 +74,7 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
         with writing(output, needed=_size(latest_checkpoint(output)), what=f"the checkpoint of step {state['step']}",
                      again="run the same command again with --resume: it goes on from the newest checkpoint "
                      "(--save-total-limit N keeps only the newest N checkpoints, 2 by default)"):
-            save_model(accelerator, model, tokenizer, tmp)
+            save_model(accelerator, model, tokenizer, tmp, masters)
             accelerator.save_state(str(tmp / "state"), **_state_options(accelerator, model)[0])
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:

@@ -98,8 +98,8 @@ class TrainOptions(OutputOptions, LoraOptions):
         False,
         help="With --bf16: keep the model's weights in bfloat16 and float32 master copies in the optimizer, instead "
         "of float32 weights cast for every forward (no per-micro-batch casts, bfloat16 activations; "
-        "rlhf_pipeline.training.master_weights). What DeepSpeed's bf16 mode does already; the final model is saved "
-        "in bfloat16. Not with LoRA.",
+        "rlhf_pipeline.training.master_weights). What DeepSpeed's bf16 mode does already; the model is saved from "
+        "the float32 masters. Not with LoRA.",
     )
     gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass to save memory.")
     pack_ratio: float = option(
@@ -292,6 +292,8 @@ def load_trainable(config: TrainOptions, loader: Callable[..., Any]):
 
     torch.manual_seed(config.seed)
     kwargs = {**load_kwargs(config), **from_pretrained_kwargs(config.attn_implementation)}
+    if "quantization_config" not in kwargs:  # float32 whatever the checkpoint holds (transformers 5 loads "auto")
+        kwargs["dtype"] = torch.float32
     with reading("model", config.model, MODEL_HINT, only_damaged=True):
         model = loader(config.model, trust_remote_code=config.trust_remote_code, **kwargs)
     model.config.use_cache = False
@@ -524,8 +526,9 @@ def prepare(
     torch.manual_seed(config.seed)
     deepspeed = accelerator.state.deepspeed_plugin is not None
     masters = None
+    if not deepspeed:  # on its device before the optimizer is built (the masters are made there; fused AdamW)
+        model = accelerator.prepare(model)
     if config.bf16_weights and not deepspeed:  # (DeepSpeed's bf16 mode keeps masters of its own)
-        model = accelerator.prepare(model)  # on its device first: the masters are made there
         masters = MasterWeights(model)
         trained = masters.named_masters()
     else:
@@ -544,10 +547,10 @@ def prepare(
         # one kernel for all the weights on a GPU (DeepSpeed replaces the optimizer's step with its own)
         fused=accelerator.device.type == "cuda" and not deepspeed,
     )
-    if masters is not None:
-        optimizer = accelerator.prepare(optimizer)
-    else:
+    if deepspeed:
         model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        optimizer = accelerator.prepare(optimizer)
     # Built on the prepared optimizer (DeepSpeed regroups the parameters) and stepped by hand once per optimizer
     # step: a scheduler given to accelerate.prepare would be stepped once per process.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total_steps))
@@ -731,7 +734,7 @@ def train(
     accelerator.wait_for_everyone()
     if not weights_finite(accelerator, model):  # every non-finite step was skipped: a safety net, before any write
         raise nonfinite_weights(accelerator, step, "no finished model")
-    save_model(accelerator, model, tokenizer, output)
+    save_model(accelerator, model, tokenizer, output, setup.masters)
     accelerator.wait_for_everyone()
     if config.report_to != "none":
         accelerator.end_training()

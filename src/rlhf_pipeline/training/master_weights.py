@@ -14,8 +14,12 @@ what this module gives the single-process trainer.
   :meth:`MasterWeights.write_back` copies them into the model after each optimizer step.
 - A small update that does not move a bfloat16 weight is kept by its master and adds up over the steps (at a learning
   rate of 1e-6 most single updates are below bfloat16's resolution).
+- Only the parameters are cast. Buffers keep their dtype: a rotary embedding's ``inv_freq`` rounded to bfloat16
+  would turn every position's angle by up to radians at a few thousand tokens, away from what a model loaded for
+  inference computes. So do the modules a model keeps in float32 (``_keep_in_fp32_modules``).
 - Checkpoints hold the masters as safetensors beside the optimizer state (:meth:`save`, :meth:`load`), so a resumed
-  run continues from the same float32 values; the final model is saved from the bfloat16 weights.
+  run continues from the same float32 values, and the model is saved from them (:meth:`state_dict`), in float32 as
+  ``--bf16`` alone saves it: what a step added below bfloat16's resolution is not lost between stages.
 """
 
 from __future__ import annotations
@@ -39,7 +43,10 @@ class MasterWeights:
         self.names = [name for name, _ in trained]
         self.masters = [p.detach().to(torch.float32, copy=True) for _, p in trained]
         self.params = [p for _, p in trained]
-        model.to(dtype)  # in place: the same Parameter objects, now holding bfloat16
+        keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+        for name, p in model.named_parameters():  # shared weights once; the same Parameter objects, cast in place
+            if p.is_floating_point() and not any(k in name.split(".") for k in keep):
+                p.data = p.data.to(dtype)
         self.handles = [p.register_post_accumulate_grad_hook(self._mover(m)) for p, m in zip(self.params, self.masters)]
 
     @staticmethod
@@ -65,6 +72,13 @@ class MasterWeights:
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
 
+    def state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A model's ``state_dict`` with its trained weights replaced by their float32 masters (what is saved). An
+        entry is matched to its weight by storage, so that every name of a shared weight (tied embeddings) gets the
+        one master, and ``save_pretrained`` still sees them tied."""
+        by_storage = {p.data_ptr(): m.detach() for p, m in zip(self.params, self.masters)}
+        return {k: by_storage.get(v.data_ptr(), v) if hasattr(v, "data_ptr") else v for k, v in state_dict.items()}
+
     def save(self, directory: Path) -> None:
         """The masters as ``directory/master_weights.safetensors``, by parameter name."""
         from safetensors.torch import save_file
@@ -80,8 +94,10 @@ class MasterWeights:
             raise FileNotFoundError(f"{path}: no master weights (the checkpoint was written without --bf16-weights)")
         saved = load_file(str(path))
         missing = [n for n in self.names if n not in saved]
-        if missing:
-            raise KeyError(f"{path}: no master for {missing[0]} ({len(missing)} missing)")
+        if missing or len(saved) != len(self.names):
+            extra = sorted(set(saved) - set(self.names))
+            what = f"no master for {missing[0]} ({len(missing)} missing)" if missing else f"{extra[0]} is not trained"
+            raise KeyError(f"{path}: {what}: the checkpoint is of another model or another set of trained weights")
         for n, m in self.named_masters():
             if saved[n].shape != m.shape:
                 raise ValueError(f"{path}: {n} has shape {tuple(saved[n].shape)}, the model's {tuple(m.shape)}")
