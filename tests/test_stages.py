@@ -66,6 +66,11 @@ def test_generations_follow_the_contract(pipeline, tiny_policy):
     assert m["sampling"]["temperature"] == 0.8 and m["sampling"]["n"] == 4
     assert m["sampling"]["stop_token_ids"] == [tok.eos_token_id]
     assert m["rows_in"] == m["rows_out"] == 40
+    # the engine's own time, apart from the process's: loading and starting it, then sampling every new token
+    timing = m["timing"]
+    assert timing["new_tokens"] == sum(len(ids) for row in ds["response_token_ids"] for ids in row)
+    assert timing["engine_start_s"] > 0 and 0 < timing["sampling_s"] < m["wall_time_s"]
+    assert timing["new_tokens_per_s"] == pytest.approx(timing["new_tokens"] / timing["sampling_s"], rel=0.01)
 
 
 def test_scored_rewards_for_both_reward_kinds(pipeline):

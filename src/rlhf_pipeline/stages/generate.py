@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -230,12 +231,14 @@ def main(config: GenerateConfig) -> Path:
         **({SAMPLER_LOGPROBS: List(List(Value("float32")))} if config.logprobs else {}),
     }
     counts = {"stop": 0, "length": 0}
+    timing: dict[str, float] = {"new_tokens": 0}
 
     def columns(part: dict, prompt_ids: list[list[int]], completions) -> dict[str, list]:
         ids = ids_of_prompts(part, column)
         for c in completions:
             for reason in c.finish_reasons:
                 counts[reason] = counts.get(reason, 0) + 1
+            timing["new_tokens"] += sum(len(t) for t in c.token_ids)
         out = {"prompt_id": ids, "prompt_token_ids": prompt_ids, "responses": [c.texts for c in completions],
                "response_token_ids": [c.token_ids for c in completions],
                "finish_reasons": [c.finish_reasons for c in completions]}
@@ -249,11 +252,16 @@ def main(config: GenerateConfig) -> Path:
             prompt_ids = encode_prompts(tokenizer, part[column],
                                         allow_special_tokens=config.allow_special_tokens_in_text)
             seeds = [request_seed(config.seed, r) for r in rows]
+            started = time.perf_counter()
             engine_name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
+            timing["sampling_s"] = time.perf_counter() - started  # the replicas' start-up included
             writer.write(columns(part, prompt_ids, completions))
         else:
+            started = time.perf_counter()
             engine = open_engine(config, tokenizer)
             engine_name = engine.name
+            timing["engine_start_s"] = time.perf_counter() - started
+            started = time.perf_counter()
             try:
                 for start in range(0, ds.num_rows, CHUNK_PROMPTS):
                     part = ds[start : start + CHUNK_PROMPTS]
@@ -262,6 +270,7 @@ def main(config: GenerateConfig) -> Path:
                     seeds = [request_seed(config.seed, r) for r in rows[start : start + CHUNK_PROMPTS]]
                     completions = engine.generate(prompt_ids, seeds, sampling, logprobs=config.logprobs)
                     writer.write(columns(part, prompt_ids, completions))
+                timing["sampling_s"] = time.perf_counter() - started
             finally:
                 engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
         generated = writer.finish()
@@ -286,6 +295,11 @@ def main(config: GenerateConfig) -> Path:
                 "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),
                              "gpus_per_replica": config.gpus_per_replica, "ray_address": config.ray_address},
                 "responses": {"total": stopped + counts["length"], "stopped": stopped},
+                # what the engine took, apart from the process's start and the stage's reading and writing (the
+                # manifest's wall_time_s): loading the model and starting the engine, then sampling
+                "timing": {**{k: round(v, 3) for k, v in timing.items() if k != "new_tokens"},
+                           "new_tokens": int(timing["new_tokens"]),
+                           "new_tokens_per_s": round(timing["new_tokens"] / max(timing["sampling_s"], 1e-9), 1)},
                 "sampler_logprobs": {
                     "column": SAMPLER_LOGPROBS, "engine": engine_name, "dtype": "float32",
                     "computed": "each sampled token's log-prob under the distribution it was drawn from: log_softmax "
