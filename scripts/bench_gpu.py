@@ -414,8 +414,8 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock,
                           lora_alpha=mode["lora_alpha"], gradient_checkpointing=spec["gradient_checkpointing"],
                           attn_implementation=spec["attn"])
     options.check_lora()
-    model = load_trainable(options, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, **kw)).to(device)
+    model = load_trainable(options, lambda path, **kw: AutoModelForCausalLM.from_pretrained(  # float32: its dtype
+        path, **kw)).to(device)
     # rlhf train --bf16-weights: the model in bf16, the optimizer on float32 masters (training.master_weights)
     masters = MasterWeights(model) if bf16_weights else None
     trainable = masters.masters if masters else [p for p in model.parameters() if p.requires_grad]
