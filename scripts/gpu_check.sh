@@ -8,6 +8,8 @@
 #   bash scripts/gpu_check.sh                      # on a GPU machine: writes runs/gpu_check/ (JSON under out/)
 #   bash scripts/gpu_check.sh --cpu                # the same path on a CPU, tiny sizes, in a few minutes
 #   bash scripts/gpu_check.sh --out DIR --no-bench # elsewhere; without the (longest) trainer benchmark
+#   bash scripts/gpu_check.sh --resume             # the steps an earlier run in the same --out did not pass (cut by
+#                                                  # GPU_CHECK_DEADLINE, say), keeping those it did; one summary
 #
 # Environment:
 #   PYTHON   the interpreter (default: .venv/bin/python when it exists, else python3). The checkout's src/ goes first
@@ -27,13 +29,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 
-CPU=0 OUT=runs/gpu_check BENCH=1
+CPU=0 OUT=runs/gpu_check BENCH=1 RESUME=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) CPU=1 ;;
     --out) OUT=$2; shift ;;
     --no-bench) BENCH=0 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    --resume) RESUME=1 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -72,13 +75,17 @@ else
 fi
 RLHF=("$PYTHON" -m rlhf_pipeline.cli)
 STEPS=$RESULTS/steps.jsonl
-: > "$STEPS"
+[ "$RESUME" = 1 ] && [ -f "$STEPS" ] || : > "$STEPS"  # --resume appends: the summary takes each step's last record
 FAILED=0
 
 DEADLINE=${GPU_CHECK_DEADLINE:-0}
 step() {  # step NAME COMMAND...: run it, log its output to OUT/out/NAME.log, record status and seconds
   local name=$1; shift
   local t0 t1 rc
+  if [ "$RESUME" = 1 ] && grep -qF "{\"step\": \"$name\", \"rc\": 0," "$STEPS"; then
+    echo "[gpu_check] $name: passed in an earlier run (--resume), kept"
+    return 0
+  fi
   if [ "$DEADLINE" -gt 0 ] && [ "$SECONDS" -ge "$DEADLINE" ]; then
     echo "[gpu_check] $name: skipped, past GPU_CHECK_DEADLINE ($DEADLINE s)"
     "$PYTHON" -c 'import json, sys; print(json.dumps({"step": sys.argv[1], "rc": -1, "seconds": 0, "skipped": "deadline"}))' \
@@ -157,7 +164,8 @@ from pathlib import Path
 
 out, cpu = Path(sys.argv[1]), sys.argv[2] == "1"
 results = out / "out"
-steps = [json.loads(l) for l in (results / "steps.jsonl").read_text().splitlines() if l]
+records = [json.loads(l) for l in (results / "steps.jsonl").read_text().splitlines() if l]
+steps = list({s["step"]: s for s in records}.values())  # each step's last record (--resume appends)
 for s in steps:  # the summary names no machine's paths: OUT is the check's --out, . the checkout
     s["command"] = [a.replace(str(out), "OUT").replace(str(Path.cwd()), ".") for a in s.get("command", [])]
 summary = {"cpu": cpu, "python": platform.python_version(), "steps": steps, "checks": {}}
