@@ -155,6 +155,7 @@ from rlhf_pipeline.attention import ATTENTION_IMPLEMENTATIONS  # noqa: E402  (im
 
 SIDES = ("ours", "ours_bf16", "trl", "trl_precomputed")
 OURS = ("ours", "ours_bf16")  # our trainer: float32 weights under autocast, bf16 weights with float32 masters
+FULL_ONLY = "bf16 weights are for full fine-tuning"  # why ours_bf16 is skipped in LoRA modes (rlhf train refuses it)
 GPU_TOKEN_BUDGET = 8192  # ours on CUDA by default: --max-tokens-per-micro-batch
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 FIRST_ID = 4  # random ids avoid the special tokens
@@ -414,8 +415,8 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock,
                           lora_alpha=mode["lora_alpha"], gradient_checkpointing=spec["gradient_checkpointing"],
                           attn_implementation=spec["attn"])
     options.check_lora()
-    model = load_trainable(options, lambda path, **kw: AutoModelForCausalLM.from_pretrained(  # float32: its dtype
-        path, **kw)).to(device)
+    # in float32: load_trainable asks for it, whatever the checkpoint holds
+    model = load_trainable(options, lambda path, **kw: AutoModelForCausalLM.from_pretrained(path, **kw)).to(device)
     # rlhf train --bf16-weights: the model in bf16, the optimizer on float32 masters (training.master_weights)
     masters = MasterWeights(model) if bf16_weights else None
     trainable = masters.masters if masters else [p for p in model.parameters() if p.requires_grad]
@@ -943,8 +944,8 @@ def main(argv: list[str] | None = None) -> int:
         return side if mode == "full" else f"{side}_{mode}"
 
     for mode, m in modes.items():
-        if m["lora_rank"] and "ours_bf16" in sides:  # rlhf train takes --bf16-weights for full fine-tuning only
-            print(f"[bench_gpu] ours_bf16 skipped in mode {mode}: bf16 weights are for full fine-tuning")
+        if m["lora_rank"] and "ours_bf16" in sides:
+            print(f"[bench_gpu] ours_bf16 skipped in mode {mode}: {FULL_ONLY}")
     runnable = [(side, mode) for mode in modes for side in sides
                 if side not in skipped and not (side == "ours_bf16" and modes[mode]["lora_rank"])]
     runs: dict[str, list[dict]] = {run_name(*x): [] for x in runnable}
@@ -970,7 +971,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = {"side": side, "mode": mode, "skipped": skipped[side]}
                 continue
             if name not in runs:  # not run in this mode
-                results[name] = {"side": side, "mode": mode, "skipped": "bf16 weights are for full fine-tuning"}
+                results[name] = {"side": side, "mode": mode, "skipped": FULL_ONLY}
                 continue
             ok = [x for x in runs[name] if "error" not in x]
             if not ok:

@@ -118,9 +118,8 @@ def _remove(checkpoint: Path) -> None:
 
 def load_checkpoint(accelerator, model, checkpoint: Path, masters: MasterWeights | None = None) -> dict[str, Any]:
     """Restore the weights (and ``masters``), optimizer, scheduler and RNG state that :func:`save_checkpoint` saved;
-    returns its trainer
-    state (``step``, ``epoch``, ``first_loss``, ``first_grad_norm`` and ``divergence_warned`` for the divergence
-    warning, ``real_tokens``, ``all_tokens``, ``seconds``)."""
+    returns its trainer state (``step``, ``epoch``, ``first_loss``, ``first_grad_norm`` and ``divergence_warned`` for
+    the divergence warning, ``real_tokens``, ``all_tokens``, ``seconds``)."""
     accelerator.load_state(str(checkpoint / "state"), **_state_options(accelerator, model)[1])
     if masters is not None:
         masters.load(checkpoint / "state")

@@ -528,8 +528,9 @@ def prepare(
     masters = None
     if not deepspeed:  # on its device before the optimizer is built (the masters are made there; fused AdamW)
         model = accelerator.prepare(model)
-    if config.bf16_weights and not deepspeed:  # (DeepSpeed's bf16 mode keeps masters of its own)
-        masters = MasterWeights(model)
+        if config.bf16_weights:  # (DeepSpeed's bf16 mode keeps masters of its own)
+            masters = MasterWeights(model)
+    if masters is not None:
         trained = masters.named_masters()
     else:
         trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -588,7 +589,8 @@ def train(
     output.mkdir(parents=True, exist_ok=True)
     model.train()
 
-    checkpoint, totals_so_far = resume_checkpoint(accelerator, model, output, setup.masters) if config.resume else (None, {})
+    checkpoint, totals_so_far = (resume_checkpoint(accelerator, model, output, setup.masters) if config.resume
+                                 else (None, {}))
     step = totals_so_far.get("step", 0)
     if checkpoint is not None:
         accelerator.print(f"resuming from {checkpoint} (step {step})")
