@@ -89,6 +89,26 @@ def test_the_kernel_is_called_as_torch_2_11_and_2_13_take_it(monkeypatch, takes_
     torch.testing.assert_close(out.double(), dense_causal(q, k, v, lengths, 0.3, window), rtol=1e-5, atol=1e-6)
 
 
+def test_the_kernel_path_traces_without_a_graph_break(monkeypatch):
+    """Under --compile (each decoder layer compiled) the GPU path must be one graph: nothing of ours between the
+    projections and the kernel may stop Dynamo (the kernel's lookup is a module variable, not a cached function).
+    Checked on a CPU with a traceable stand-in for the kernel."""
+    import torch._dynamo
+
+    def stand_in(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **gqa):
+        return query * scale
+
+    monkeypatch.setattr(attention, "_kernel_runs", lambda query: True)
+    monkeypatch.setattr(attention, "_KERNEL", (stand_in, True))
+    lengths = [1, 5, 3]
+    q, k, v = qkv(lengths)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(varlen_attention)(SimpleNamespace(is_causal=True), q, k, v, None, scaling=0.3,
+                                                        **bounds(lengths))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
 def test_without_bounds_it_is_transformers_sdpa_attention():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

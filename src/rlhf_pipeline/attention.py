@@ -29,7 +29,6 @@ Importing this module loads neither torch nor transformers.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 from typing import TYPE_CHECKING, Literal
@@ -130,6 +129,7 @@ def register_varlen() -> None:
 
     AttentionInterface.register(VARLEN, varlen_attention)
     AttentionMaskInterface.register(VARLEN, varlen_mask)
+    _varlen_attn()  # looked up now, outside any compiled layer
 
 
 def varlen_mask(batch_size, q_length, kv_length, *args, attention_mask=None, local_size=None, **kwargs):
@@ -237,19 +237,27 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_l
     return torch.cat(pieces) if pieces else q.new_zeros((0, q.shape[1], v.shape[-1]))
 
 
-@functools.cache
+_KERNEL: tuple | None | bool = False  # _varlen_attn()'s answer, False until it has looked
+
+
 def _varlen_attn():
     """PyTorch's ``varlen_attn`` and whether it takes ``enable_gqa`` (2.13 does, 2.11 does not), or None before 2.10
-    (said once)."""
-    import inspect
+    (said once). Looked up once, by :func:`register_varlen` when a model loads with ``varlen``, and kept in a module
+    variable that a compiled layer (``--compile``) reads as a constant: a cached function's lookup (``inspect``, the
+    import) would break its graph in two at every layer."""
+    global _KERNEL
+    if _KERNEL is False:
+        import inspect
 
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        log.warning("--attn-implementation varlen: this PyTorch has no torch.nn.attention.varlen (2.10+); attending "
-                    "one sequence at a time instead")
-        return None
-    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            log.warning("--attn-implementation varlen: this PyTorch has no torch.nn.attention.varlen (2.10+); "
+                        "attending one sequence at a time instead")
+            _KERNEL = None
+        else:
+            _KERNEL = varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+    return _KERNEL
 
 
 def _kernel_runs(q: torch.Tensor) -> bool:
