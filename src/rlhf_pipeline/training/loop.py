@@ -52,6 +52,7 @@ from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches
 from rlhf_pipeline.errors import FailedElsewhere, PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import METRICS
+from rlhf_pipeline.training.compilation import compile_decoder_layers, refuse_deepspeed
 from rlhf_pipeline.training.lora import LoraOptions, add_adapters, load_kwargs
 from rlhf_pipeline.training.master_weights import MasterWeights
 
@@ -100,6 +101,14 @@ class TrainOptions(OutputOptions, LoraOptions):
         "of float32 weights cast for every forward (no per-micro-batch casts, bfloat16 activations; "
         "rlhf_pipeline.training.master_weights). What DeepSpeed's bf16 mode does already; the model is saved from "
         "the float32 masters. Not with LoRA.",
+    )
+    compile: bool = option(
+        False,
+        help="Compile each decoder layer with torch.compile (dynamic shapes), so that the norms, the rotary "
+        "embedding, the activation and the casts between the matmuls run as a few fused kernels instead of dozens "
+        "per layer; the first steps pay the compilation (rlhf_pipeline.training.compilation). Results change by "
+        "float rounding only. Not under DeepSpeed.",
+        semantic=False,
     )
     gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass to save memory.")
     pack_ratio: float = option(
@@ -525,11 +534,14 @@ def prepare(
     warmup = int(config.warmup_ratio * total_steps)
     torch.manual_seed(config.seed)
     deepspeed = accelerator.state.deepspeed_plugin is not None
+    refuse_deepspeed(deepspeed and config.compile)
     masters = None
     if not deepspeed:  # on its device before the optimizer is built (the masters are made there; fused AdamW)
         model = accelerator.prepare(model)
         if config.bf16_weights:  # (DeepSpeed's bf16 mode keeps masters of its own)
             masters = MasterWeights(model)
+        if config.compile:  # after the cast: the layers are traced with the weights they train with
+            compile_decoder_layers(model, config.model)
     if masters is not None:
         trained = masters.named_masters()
     else:

@@ -305,11 +305,13 @@ def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[
     checked ``--model`` and parsed its ``inputs`` (in that order, as every stage reports them): enter the run (a
     finished output is returned as it is), ``read(run)`` the inputs, load the model, make the output directory,
     prepare, train, and mark the run complete with the job's record."""
+    from rlhf_pipeline.training.compilation import refuse_deepspeed
     from rlhf_pipeline.training.loop import load_trainable, prepare, train
 
     with training_run(stage, config, inputs) as run:
         if run.finished:
             return run.path
+        refuse_deepspeed(config.compile and run.accelerator.state.deepspeed_plugin is not None)  # before any work
         job = read(run)
         model = load_trainable(config, job.loader or _causal_lm)
         if job.model_ready is not None:

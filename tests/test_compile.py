@@ -1,0 +1,115 @@
+"""--compile (rlhf_pipeline.training.compilation): each decoder layer compiled with torch.compile computes the eager
+model's log-probs and gradients, over micro-batches of changing lengths without a compilation for each, and keeps
+the model's parameter names; through rlhf train it learns as the eager trainer does, and under DeepSpeed it is
+refused before anything is written. (The first compilation of a test process takes tens of seconds on a CPU.)"""
+
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import free_port, logged, make_pairs, run
+from rlhf_pipeline.logprobs import build_batch, sequence_logps
+from rlhf_pipeline.training.compilation import compile_decoder_layers, decoder_layers
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=256)
+    return LlamaForCausalLM(config)
+
+
+def batches(n: int, pack_ratio: float):
+    """``n`` micro-batches of 3 sequences, each of its own lengths."""
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        prompts = [[rng.randrange(1, 64) for _ in range(rng.randrange(2, 12))] for _ in range(3)]
+        responses = [[rng.randrange(1, 64) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
+        out.append(build_batch(prompts, responses, pad_id=0, pack_ratio=pack_ratio))
+    return out
+
+
+@pytest.mark.parametrize("pack_ratio", [0.0, 2.0])
+def test_compiled_layers_give_the_eager_log_probs_and_gradients(pack_ratio):
+    import torch._dynamo
+
+    eager = tiny_llama()
+    compiled = tiny_llama()
+    names = [n for n, _ in compiled.named_parameters()]
+    assert [type(m).__name__ for m in decoder_layers(compiled)] == ["LlamaDecoderLayer"] * 2
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert compile_decoder_layers(compiled) == 2
+    assert [n for n, _ in compiled.named_parameters()] == names  # no _orig_mod: checkpoints and saves as before
+    for batch in batches(4, pack_ratio):
+        got = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            logps = sequence_logps(model, batch)
+            logps.sum().backward()
+            got.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (want, want_grads), (have, have_grads) = got
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+        for n in want_grads:
+            torch.testing.assert_close(have_grads[n], want_grads[n], rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # the reference pass: a graph of its own, the same numbers
+        torch.testing.assert_close(sequence_logps(compiled, batch), sequence_logps(eager, batch), rtol=1e-5, atol=1e-5)
+    # dynamic shapes: four micro-batches of other lengths did not each compile anew (training, one or several rows,
+    # and the no-grad pass are a few variants at most)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    from rlhf_pipeline.errors import PipelineError
+
+    with pytest.raises(PipelineError, match="--compile: found no decoder layers to compile in m .*; drop --compile"):
+        compile_decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)), "m")
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, tiny_policy, bundled_prompts):
+    return make_pairs(tmp_path_factory.mktemp("compile"), tiny_policy, bundled_prompts, limit=24, test_size=4)
+
+
+def train_args(pairs, policy, out, *extra) -> list:
+    return ["train", "--algo", "dpo", "--model", policy, "--data", pairs / "ref", "--output", out, "--report-to",
+            "none", "--temperature", 0.8, "--max-steps", 3, "--batch-size", 4, "--learning-rate", 1e-3,
+            "--max-tokens-per-micro-batch", 96, *extra]
+
+
+def test_rlhf_train_with_compile_learns_as_the_eager_trainer(pairs, tiny_policy, tmp_path):
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # the data's runs set accelerate's singleton up
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "eager")) == 0
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "compiled", "--compile")) == 0
+    assert logged(tmp_path / "compiled") == pytest.approx(logged(tmp_path / "eager"), abs=1e-4)
+    assert logged(tmp_path / "compiled", "grad_norm") == pytest.approx(logged(tmp_path / "eager", "grad_norm"),
+                                                                       rel=1e-3)
+    manifest = json.loads((tmp_path / "compiled" / "manifest.json").read_text())
+    assert manifest["config"]["compile"] is True
+
+
+def test_compile_under_deepspeed_is_refused_before_anything_is_written(pairs, tiny_policy, tmp_path, capsys,
+                                                                      monkeypatch):
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch --config_file zero3.yaml sets
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert run(*train_args(pairs, tiny_policy, tmp_path / "x", "--compile")) != 0
+    finally:
+        if dist.is_initialized():  # the stage destroys it on its way out
+            dist.destroy_process_group()
+    assert "--compile is for the single-process trainer" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
