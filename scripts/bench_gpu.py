@@ -5,7 +5,7 @@ and LoRA.
     python scripts/bench_gpu.py                                  # ~0.9B Llama, bf16 autocast, on cuda:0
     python scripts/bench_gpu.py --lora-rank 0,16                 # full fine-tuning and LoRA r16 side by side
     python scripts/bench_gpu.py --attn sdpa --max-tokens-per-micro-batch 0   # ours as before varlen and the budget
-    python scripts/bench_gpu.py --sides ours --steps 3 --profile # a torch.profiler summary of our steps
+    python scripts/bench_gpu.py --sides ours_bf16 --profile      # and a torch.profiler summary of 3 more steps
     python scripts/bench_gpu.py --device cpu --tiny              # the same code end to end on a CPU, < 1 minute
 
 Standalone: it needs torch, transformers, peft (with ``--lora-rank``) and (for the TRL sides) trl + datasets, and
@@ -45,6 +45,10 @@ Sides, each in a fresh subprocess (so peak memory is its own)
   backward produces them, summed over the micro-batches in float32; clipping and AdamW on the masters, written back
   rounded after each step), under bf16 autocast whatever ``--precision`` says (the trainer takes the option only with
   ``--bf16``); full fine-tuning only (skipped in LoRA modes).
+* ``ours_compile``: ``ours_bf16`` with ``rlhf train --compile``: each decoder layer compiled with ``torch.compile``
+  (``training.compilation``, dynamic shapes), so its norms, rotary embedding, activation and casts run as fused
+  kernels. The compilation falls in the reference pass and the warmup steps, outside the steps window; the step-1
+  loss and gradient norm against ``ours_bf16`` (``ours_compile_vs_ours_bf16``) check that it computes the same step.
 * TRL's sides use ``--trl-attn`` (sdpa by default) with cuDNN's SDPA backend off (``--trl-cudnn-sdpa off``, as our
   log-prob passes run sdpa on a GPU, ``rlhf_pipeline.attention.sdpa_backends``; ``on`` is PyTorch's default, which
   plans on the host for every new shape and halved TRL's speed on an H100).
@@ -80,6 +84,7 @@ settings in every mode; AdamW and clipping see only the trained parameters.
 
 What is timed (``torch.cuda.synchronize`` at every clock reading; imports and CUDA context creation are not timed)
 * steps window: from the end of step ``--warmup`` to the end of the last step, i.e. ``--steps`` steady steps.
+* not timed: ``--profile``'s steps, run under the profiler after the last timed step.
 * whole run: setup + reference pass + every step (warmup steps included); no save. Setup is the model load for ours
   and the trainer's construction for TRL (its model load(s), Trainer / accelerate set-up; the precompute pass is
   reported apart as the reference pass). Optimizer creation and ``train()``'s start-up fall in the first step.
@@ -126,7 +131,8 @@ bf16), by default from the device name: H100 SXM / H200 989, H100 NVL 835, H100 
 (and the CPU) get no MFU unless ``--peak-tflops`` is given.
 
 Output: a JSON file (``--output``, default gpu_bench.json) and a markdown table on stdout, with the ratios
-ours / TRL within each mode for tokens/s (> 1: ours faster) and peak memory (< 1: ours smaller), and LoRA / full on
+ours / TRL within each mode for tokens/s (> 1: ours faster) and peak memory (< 1: ours smaller), ours_compile /
+ours_bf16 alike (with the step-1 loss and gradient norm: the same step, compiled), and LoRA / full on
 each side (``ours_lora16_vs_ours``, ...) for peak memory and step time (the steps window's seconds, the same steps;
 < 1: LoRA smaller / faster).
 """
@@ -153,9 +159,16 @@ if (REPO / "src" / "rlhf_pipeline").is_dir():  # benchmark this checkout's code,
 
 from rlhf_pipeline.attention import ATTENTION_IMPLEMENTATIONS  # noqa: E402  (imports neither torch nor transformers)
 
-SIDES = ("ours", "ours_bf16", "trl", "trl_precomputed")
-OURS = ("ours", "ours_bf16")  # our trainer: float32 weights under autocast, bf16 weights with float32 masters
-FULL_ONLY = "bf16 weights are for full fine-tuning"  # why ours_bf16 is skipped in LoRA modes (rlhf train refuses it)
+# Our trainer's sides and the rlhf train options each runs with: float32 weights under autocast; bf16 weights with
+# float32 masters (--bf16-weights); and those with each decoder layer compiled (--compile).
+OURS: dict[str, dict[str, bool]] = {
+    "ours": {},
+    "ours_bf16": {"bf16_weights": True},
+    "ours_compile": {"bf16_weights": True, "compile": True},
+}
+SIDES = (*OURS, "trl", "trl_precomputed")
+FULL_ONLY = "bf16 weights are for full fine-tuning"  # why bf16-weights sides skip LoRA modes (rlhf train refuses it)
+PROFILE_STEPS = 3  # --profile: steps run under the profiler after a side's timed ones
 GPU_TOKEN_BUDGET = 8192  # ours on CUDA by default: --max-tokens-per-micro-batch
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 FIRST_ID = 4  # random ids avoid the special tokens
@@ -252,30 +265,28 @@ class Clock:
 
 
 class StepProfiler:
-    """``torch.profiler`` over the steps window (``--profile``): every timed step, CPU and CUDA activity. The trace is
-    summarised by :func:`summarise_trace` (written into the result) and, with ``--profile-trace``, kept gzipped."""
+    """``torch.profiler`` over the steps run inside it (``--profile``: :data:`PROFILE_STEPS` steps after a side's timed
+    ones, so that the profiler's overhead touches no timing), CPU and CUDA activity. The trace is summarised by
+    :func:`summarise_trace` into :attr:`summary` and, with ``--profile-trace``, kept gzipped."""
 
-    def __init__(self, spec: dict, device):
-        self.on = bool(spec.get("profile"))
-        self.first, self.last = spec["warmup"], spec["total_steps"] - 1
-        self.trace = spec.get("profile_trace")
-        self.device, self.prof, self.summary = device, None, None
+    def __init__(self, device, steps: int, trace: str | None = None):
+        self.device, self.steps, self.trace, self.prof, self.summary = device, steps, trace, None, None
 
-    def before_step(self, step: int) -> None:
-        if self.on and step == self.first:
-            import torch.profiler as tp
+    def __enter__(self) -> "StepProfiler":
+        import torch.profiler as tp
 
-            activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self.prof = tp.profile(activities=activities)
-            self.prof.__enter__()
+        activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self.prof = tp.profile(activities=activities)
+        self.prof.__enter__()
+        return self
 
-    def after_step(self, step: int) -> None:
-        if self.prof is None or step != self.last:
+    def __exit__(self, *exc) -> None:
+        self.prof.__exit__(*exc)
+        if exc[0] is not None:
             return
-        self.prof.__exit__(None, None, None)
         path = Path(tempfile.mkdtemp(prefix="bench_gpu_trace_")) / "trace.json"
         self.prof.export_chrome_trace(str(path))
-        self.summary = summarise_trace(json.loads(path.read_text()), steps=self.last - self.first + 1)
+        self.summary = summarise_trace(json.loads(path.read_text()), steps=self.steps)
         if self.trace:
             import gzip
 
@@ -376,8 +387,8 @@ def host_self_times(events: list[dict], top: int = 15) -> list[dict[str, Any]]:
     return [{"op": name[:100], "calls": len(v), "ms": round(sum(v) / 1e3, 2)} for name, v in ranked]
 
 
-def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock,
-             bf16_weights: bool = False) -> dict[str, Any]:
+def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock, bf16_weights: bool = False,
+             compile: bool = False) -> dict[str, Any]:
     import contextlib
     from dataclasses import dataclass
 
@@ -389,6 +400,7 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock,
     from rlhf_pipeline.algorithms.pairs import pair_logps
     from rlhf_pipeline.algorithms.pairs import PairTask
     from rlhf_pipeline.distributed import sharded_batches
+    from rlhf_pipeline.training.compilation import compile_decoder_layers
     from rlhf_pipeline.training.loop import add_to_sums, load_trainable, micro_batch_weight, warmup_cosine
     from rlhf_pipeline.training.master_weights import MasterWeights
 
@@ -420,6 +432,8 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock,
     # rlhf train --bf16-weights: the model in bf16, the optimizer on float32 masters (training.master_weights)
     masters = MasterWeights(model) if bf16_weights else None
     trainable = masters.masters if masters else [p for p in model.parameters() if p.requires_grad]
+    if compile:  # rlhf train --compile: after the cast, as training.loop.prepare does
+        compile_decoder_layers(model)
     t_loaded = clock()
 
     # Reference log-probs: one batched no-grad pass, length-sorted (as pairs.compute_ref_logps).
@@ -442,10 +456,8 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock,
     task = PairTask("dpo", PairLossParams(beta=BETA), temperature=1.0, pad_id=PAD,
                     pack_ratio=spec["pack_ratio"])
 
-    step_ends, stats, losses, grad_norms = [], [], [], []
-    profiler = StepProfiler(spec, device)
-    for step, micro in enumerate(step_order(spec)):
-        profiler.before_step(step)
+    def train_step(micro: list[list[int]]) -> tuple[float, float, dict[str, int]]:
+        """One optimizer step over ``micro``; its loss, gradient norm and token counts."""
         sums: dict[str, Any] = {}
         real = sq = positions = 0
         for ids in micro:
@@ -464,14 +476,36 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock,
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         loss_sum, norm = torch.stack([sums["loss"].float(), norm.float()]).tolist()  # the step's one read
+        return loss_sum / sums["_n"], norm, {"real": real, "sq": sq, "positions": positions}
+
+    def graphs() -> int:  # what Dynamo has compiled so far (--compile)
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"]
+
+    step_ends, stats, losses, grad_norms = [], [], [], []
+    order = step_order(spec)
+    for step, micro in enumerate(order):
+        if step == spec["warmup"]:
+            graphs_before_window = graphs()
+        loss, norm, counts = train_step(micro)
+        losses.append(loss)
         grad_norms.append(norm)
-        losses.append(loss_sum / sums["_n"])
-        stats.append({"real": real, "sq": sq, "positions": positions})
+        stats.append(counts)
         step_ends.append(clock())
-        profiler.after_step(step)
+    # a compilation inside the steps window would be timed as a step: say so
+    compiled = {"before_window": graphs_before_window, "in_window": graphs() - graphs_before_window} if compile else None
+    profile, trace = None, spec.get("profile_trace")
+    if spec["side"] in spec["profile_sides"]:  # more steps, untimed, on the first steps' micro-batches
+        if trace and len(spec["profile_sides"]) > 1:
+            trace = str(Path(trace).with_name(f"{spec['side']}.{Path(trace).name}"))
+        with StepProfiler(device, len(order[:PROFILE_STEPS]), trace) as profiler:
+            for micro in order[:PROFILE_STEPS]:
+                train_step(micro)
+        profile = profiler.summary
     return {"t0": t0, "seconds_setup": t_loaded - t0, "seconds_ref": t_ref - t_loaded, "step_ends": step_ends,
             "step_stats": stats, "first_loss": losses[0], "first_grad_norm": grad_norms[0],
-            "trainable_params": sum(p.numel() for p in trainable), "profile": profiler.summary}
+            "trainable_params": sum(p.numel() for p in trainable), "profile": profile, "compiled_graphs": compiled}
 
 
 def teach_dill_pyarrow_types() -> None:
@@ -626,8 +660,9 @@ def worker(side: str, mode_name: str, spec_path: str) -> None:
         torch.zeros(1, device=device)  # CUDA context outside the timing
         torch.cuda.reset_peak_memory_stats(device)
     clock = Clock(device)
+    spec["side"] = side
     if side in OURS:
-        out = run_ours(spec, mode, pairs, device, clock, bf16_weights=side == "ours_bf16")
+        out = run_ours(spec, mode, pairs, device, clock, **OURS[side])
     else:
         out = run_trl(spec, mode, pairs, device, clock, precompute=side == "trl_precomputed")
     out["side"], out["mode"] = side, mode_name
@@ -728,8 +763,9 @@ def summarise(raw: dict, spec: dict, peak_flops: float | None) -> dict[str, Any]
         "first_loss": raw["first_loss"], "first_grad_norm": raw["first_grad_norm"],
         "step_seconds": [round(s, 4) for s in step_seconds],
     }
-    if raw.get("profile"):
-        out["profile"] = raw["profile"]
+    for key in ("compiled_graphs", "profile"):
+        if raw.get(key):
+            out[key] = raw[key]
     return out
 
 
@@ -807,10 +843,14 @@ def main(argv: list[str] | None = None) -> int:
                         "nothing from more and timings on a shared machine are steadier; else torch's default)")
     p.add_argument("--worker-timeout", type=float, default=None, help="seconds per side run")
     p.add_argument("--profile", action="store_true",
-                   help="ours: run the steps window under torch.profiler and add its summary (GPU busy fraction, top "
-                        "kernels, kernel families, gaps, host waits) to the output; the window's timings then include "
-                        "the profiler's overhead")
-    p.add_argument("--profile-trace", default=None, help="with --profile: also keep the chrome trace here (gzipped)")
+                   help=f"our sides: after the timed steps, run {PROFILE_STEPS} more under torch.profiler and add its "
+                        "summary (GPU busy fraction, top kernels, kernel families, gaps, host waits) to the side's "
+                        "output; no timing includes the profiler")
+    p.add_argument("--profile-sides", default=None,
+                   help="with --profile: which of our sides to profile (default: every one that runs)")
+    p.add_argument("--profile-trace", default=None,
+                   help="with --profile: also keep the chrome trace here (gzipped); with several sides profiled, one "
+                        "file per side, the side's name before this file name")
     p.add_argument("--output", default="gpu_bench.json")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--worker-mode", help=argparse.SUPPRESS)
@@ -866,6 +906,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in sides if s not in SIDES]
     if unknown:
         raise SystemExit(f"unknown side(s) {unknown}; choose from {SIDES}")
+    profile_sides = [] if not a.profile else [s for s in sides if s in OURS] if a.profile_sides is None else [
+        s.strip() for s in a.profile_sides.split(",") if s.strip()]
+    if any(s not in OURS or s not in sides for s in profile_sides):
+        raise SystemExit(f"--profile-sides {a.profile_sides}: name our sides that run ({', '.join(OURS)})")
     try:
         ranks = [int(r) for r in a.lora_rank.split(",") if r.strip()]
     except ValueError:
@@ -934,7 +978,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens_per_micro_batch": budget or None, "precision": precision,
         "gradient_checkpointing": a.gradient_checkpointing,
         "trl_order": a.trl_order, "seed": a.seed, "flops_params": flops_params, "cpu_threads": cpu_threads,
-        "modes": modes, "profile": a.profile,
+        "modes": modes, "profile_sides": profile_sides,
         "profile_trace": str(Path(a.profile_trace).resolve()) if a.profile_trace else None,
     }
     spec_path = workdir / "spec.json"
@@ -943,11 +987,15 @@ def main(argv: list[str] | None = None) -> int:
     def run_name(side: str, mode: str) -> str:
         return side if mode == "full" else f"{side}_{mode}"
 
+    def full_only(side: str) -> bool:  # rlhf train takes --bf16-weights for full fine-tuning only
+        return bool(OURS.get(side, {}).get("bf16_weights"))
+
     for mode, m in modes.items():
-        if m["lora_rank"] and "ours_bf16" in sides:
-            print(f"[bench_gpu] ours_bf16 skipped in mode {mode}: {FULL_ONLY}")
+        for side in sides:
+            if m["lora_rank"] and full_only(side):
+                print(f"[bench_gpu] {side} skipped in mode {mode}: {FULL_ONLY}")
     runnable = [(side, mode) for mode in modes for side in sides
-                if side not in skipped and not (side == "ours_bf16" and modes[mode]["lora_rank"])]
+                if side not in skipped and not (full_only(side) and modes[mode]["lora_rank"])]
     runs: dict[str, list[dict]] = {run_name(*x): [] for x in runnable}
     for r in range(a.rounds):
         order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
@@ -961,6 +1009,9 @@ def main(argv: list[str] | None = None) -> int:
                 raw["summary"] = s
                 print(f"[bench_gpu] round {r + 1} {name}: {s['tokens_per_s_steps']:,.0f} tok/s over the steps, "
                       f"run {s['seconds_run']:.1f} s (process {time.perf_counter() - t:.1f} s)")
+                if s.get("compiled_graphs", {}).get("in_window"):
+                    print(f"[bench_gpu] warning: {name} compiled {s['compiled_graphs']['in_window']} graph(s) inside "
+                          "the steps window, which timed them as steps; more --warmup steps would leave them out")
             runs[name].append(raw)
 
     results: dict[str, dict] = {}
@@ -987,8 +1038,11 @@ def main(argv: list[str] | None = None) -> int:
     memory_measure = "torch.cuda.max_memory_allocated" if on_cuda else "peak RSS (CPU)"
     done = {k: v for k, v in results.items() if "tokens_per_s_steps" in v}
     ratios = {}
-    for mode, ours_side, other in [(m, o, t) for m in modes for o in OURS for t in ("trl", "trl_precomputed")]:
-        # ours vs TRL within a mode: > 1 ours faster, < 1 ours smaller
+    # ours vs TRL within a mode (> 1 ours faster, < 1 ours smaller), and the compiled step against the same step
+    # eager (the same numbers, and how much faster)
+    pairs_compared = [(m, o, t) for m in modes for o in OURS for t in ("trl", "trl_precomputed")]
+    pairs_compared += [(m, "ours_compile", "ours_bf16") for m in modes]
+    for mode, ours_side, other in pairs_compared:
         ours, theirs = done.get(run_name(ours_side, mode)), done.get(run_name(other, mode))
         if ours and theirs:
             ratios[f"{run_name(ours_side, mode)}_vs_{run_name(other, mode)}"] = {
@@ -1029,7 +1083,8 @@ def main(argv: list[str] | None = None) -> int:
             "device_name": device_name, "peak_tflops_bf16": peak_tflops, "peak_tflops_source": peak_source,
             "total_params": total_params, "real_tokens_all_pairs": real_tokens, "tiny": a.tiny,
             "weights": "float32 master weights" + (" + bf16 autocast" if precision == "amp" else ", no autocast")
-                       + "; ours_bf16: bf16 weights, float32 masters in the optimizer",
+                       + "; ours_bf16: bf16 weights, float32 masters in the optimizer; ours_compile: ours_bf16 with "
+                         "each decoder layer compiled (torch.compile)",
             "versions": {m: version(m) for m in ("torch", "transformers", "trl", "datasets", "peft", "flash_attn")},
             "flops_formula": ("PaLM: training 6*N*T + 12*L*hidden*T^2 per sequence (LoRA: (4*N + 6*N_lora)*T + "
                               "12*L*hidden*T^2, no weight gradients of the frozen N; N_lora = the adapters' "
