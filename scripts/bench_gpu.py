@@ -169,6 +169,17 @@ OURS: dict[str, dict[str, bool]] = {
 SIDES = (*OURS, "trl", "trl_precomputed")
 FULL_ONLY = "bf16 weights are for full fine-tuning"  # why bf16-weights sides skip LoRA modes (rlhf train refuses it)
 PROFILE_STEPS = 3  # --profile: steps run under the profiler after a side's timed ones
+
+
+def parse_side(name: str) -> tuple[str, int | None]:
+    """A side as ``--sides`` names it: one of :data:`SIDES`, and for our sides optionally ``@N``, its own micro-batch
+    budget in tokens (``ours_compile@16384``; 0 = by pair count), so that one run compares budgets. ValueError when
+    it is neither."""
+    base, at, budget = name.partition("@")
+    if base not in SIDES or (at and (base not in OURS or not budget.isdigit())):
+        raise ValueError(f"{name}: a side is one of {', '.join(SIDES)}, our sides optionally with @TOKENS (their own "
+                         "--max-tokens-per-micro-batch, e.g. ours_compile@16384)")
+    return base, int(budget) if at else None
 GPU_TOKEN_BUDGET = 8192  # ours on CUDA by default: --max-tokens-per-micro-batch
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 FIRST_ID = 4  # random ids avoid the special tokens
@@ -648,7 +659,10 @@ def worker(side: str, mode_name: str, spec_path: str) -> None:
     pairs = json.loads(Path(spec["pairs_path"]).read_text())
     if mode["lora_rank"]:
         import peft  # noqa: F401
-    if side not in OURS:
+    base, budget = parse_side(side)
+    if budget is not None:  # this side's own micro-batch budget
+        spec["max_tokens_per_micro_batch"] = budget or None
+    if base not in OURS:
         import datasets  # noqa: F401
         import trl  # noqa: F401
 
@@ -661,10 +675,11 @@ def worker(side: str, mode_name: str, spec_path: str) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     clock = Clock(device)
     spec["side"] = side
-    if side in OURS:
-        out = run_ours(spec, mode, pairs, device, clock, **OURS[side])
+    if base in OURS:
+        out = run_ours(spec, mode, pairs, device, clock, **OURS[base])
+        out["max_tokens_per_micro_batch"] = spec["max_tokens_per_micro_batch"]
     else:
-        out = run_trl(spec, mode, pairs, device, clock, precompute=side == "trl_precomputed")
+        out = run_trl(spec, mode, pairs, device, clock, precompute=base == "trl_precomputed")
     out["side"], out["mode"] = side, mode_name
     if device.type == "cuda":
         out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -763,7 +778,7 @@ def summarise(raw: dict, spec: dict, peak_flops: float | None) -> dict[str, Any]
         "first_loss": raw["first_loss"], "first_grad_norm": raw["first_grad_norm"],
         "step_seconds": [round(s, 4) for s in step_seconds],
     }
-    for key in ("compiled_graphs", "profile"):
+    for key in ("max_tokens_per_micro_batch", "compiled_graphs", "profile"):
         if raw.get(key):
             out[key] = raw[key]
     return out
@@ -804,7 +819,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available, else cpu)")
     p.add_argument("--tiny", action="store_true",
                    help="hidden 64, 2 layers, vocab 512, few short pairs, float32 (a smoke test)")
-    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
+    p.add_argument("--sides", default=",".join(SIDES),
+                   help=f"comma-separated subset of {','.join(SIDES)}; our sides may carry their own micro-batch "
+                        "budget, ours_compile@16384 (tokens; 0 = by pair count), and appear more than once that way")
     p.add_argument("--lora-rank", default="0",
                    help="comma-separated modes by LoRA rank, each run on every side: 0 = full fine-tuning, R = rank-R "
                         "adapters on every linear layer but the LM head (e.g. 0,16: full and LoRA side by side)")
@@ -852,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --profile: also keep the chrome trace here (gzipped); with several sides profiled, one "
                         "file per side, the side's name before this file name")
     p.add_argument("--output", default="gpu_bench.json")
-    p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-mode", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -902,14 +919,16 @@ def main(argv: list[str] | None = None) -> int:
     dims = TINY_MODEL if a.tiny else FULL_MODEL
     cpu_threads = a.cpu_threads or (1 if a.tiny and not on_cuda else None)
 
-    sides = [s.strip() for s in a.sides.split(",") if s.strip()]
-    unknown = [s for s in sides if s not in SIDES]
-    if unknown:
-        raise SystemExit(f"unknown side(s) {unknown}; choose from {SIDES}")
-    profile_sides = [] if not a.profile else [s for s in sides if s in OURS] if a.profile_sides is None else [
+    sides = list(dict.fromkeys(s.strip() for s in a.sides.split(",") if s.strip()))
+    try:
+        base_of = {s: parse_side(s)[0] for s in sides}
+    except ValueError as e:
+        raise SystemExit(f"--sides: {e}")
+    ours_sides = [s for s in sides if base_of[s] in OURS]
+    profile_sides = [] if not a.profile else ours_sides if a.profile_sides is None else [
         s.strip() for s in a.profile_sides.split(",") if s.strip()]
-    if any(s not in OURS or s not in sides for s in profile_sides):
-        raise SystemExit(f"--profile-sides {a.profile_sides}: name our sides that run ({', '.join(OURS)})")
+    if any(s not in ours_sides for s in profile_sides):
+        raise SystemExit(f"--profile-sides {a.profile_sides}: name our sides that run ({', '.join(ours_sides)})")
     try:
         ranks = [int(r) for r in a.lora_rank.split(",") if r.strip()]
     except ValueError:
@@ -926,7 +945,7 @@ def main(argv: list[str] | None = None) -> int:
         reason = (f"{' and '.join(trl_missing)} not installed (TRL's DPOTrainer imports datasets); "
                   "pip install trl datasets to compare")
         for s in sides:
-            if s not in OURS:
+            if s not in ours_sides:
                 skipped[s] = reason
         print(f"[bench_gpu] TRL sides skipped: {reason}")
 
@@ -988,7 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
         return side if mode == "full" else f"{side}_{mode}"
 
     def full_only(side: str) -> bool:  # rlhf train takes --bf16-weights for full fine-tuning only
-        return bool(OURS.get(side, {}).get("bf16_weights"))
+        return bool(OURS.get(base_of[side], {}).get("bf16_weights"))
 
     for mode, m in modes.items():
         for side in sides:
@@ -1040,8 +1059,9 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {}
     # ours vs TRL within a mode (> 1 ours faster, < 1 ours smaller), and the compiled step against the same step
     # eager (the same numbers, and how much faster)
-    pairs_compared = [(m, o, t) for m in modes for o in OURS for t in ("trl", "trl_precomputed")]
-    pairs_compared += [(m, "ours_compile", "ours_bf16") for m in modes]
+    pairs_compared = [(m, o, t) for m in modes for o in ours_sides for t in ("trl", "trl_precomputed")]
+    pairs_compared += [(m, o, "ours_bf16" + o[len("ours_compile"):]) for m in modes for o in ours_sides
+                       if base_of[o] == "ours_compile"]  # at the same budget
     for mode, ours_side, other in pairs_compared:
         ours, theirs = done.get(run_name(ours_side, mode)), done.get(run_name(other, mode))
         if ours and theirs:

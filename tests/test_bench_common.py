@@ -286,6 +286,19 @@ def test_the_gpu_trainer_scripts_flops_full_lora_and_reference_by_hand():
     assert script.lora_param_count(config, 4) == 2 * per_layer == 9_344
 
 
+def test_the_gpu_trainer_scripts_sides_may_carry_their_own_budget():
+    """``--sides``: our sides with ``@TOKENS`` (their own micro-batch budget; 0 = by pair count), nothing else."""
+    script = _gpu_bench_script()
+    assert script.parse_side("ours_compile@16384") == ("ours_compile", 16384)
+    assert script.parse_side("ours@0") == ("ours", 0)
+    assert script.parse_side("trl_precomputed") == ("trl_precomputed", None)
+    for bad in ("trl@8192", "ours@", "ours@-1", "ours@8k", "mine"):
+        with pytest.raises(ValueError, match="our sides optionally with @TOKENS"):
+            script.parse_side(bad)
+    with pytest.raises(SystemExit, match="--profile-sides trl: name our sides that run"):
+        script.main(["--device", "cpu", "--tiny", "--sides", "ours,trl", "--profile", "--profile-sides", "trl"])
+
+
 def test_a_lower_is_better_entry_is_judged_on_ours_against_its_target(tmp_path):
     """memory_growth_* entries: ``ours`` is an exponent, met when at most the target; the table and the status say so."""
     flat = Entry("memory_growth_x", ours=0.05, peer=1.0, unit="exponent", ratio=0.05, target=0.2, notes="n",

@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh --cpu: the GPU check's whole path (every stage of an iteration through rlhf demo, the
 reference pass, DPO plain and under ZeRO-3 with their losses compared, generation, the trainer benchmark against
-TRL, our step eager and compiled, each profiled) run on a CPU with tiny sizes, as a smoke test of what a session lent a GPU runs there; then
---resume, which runs again only the steps a cut run did not pass."""
+TRL, our step eager and compiled, each profiled) run on a CPU with tiny sizes, as a smoke test of what a session lent a GPU runs there:
+first --bench-only (the GPU tests and the benchmark), then the rest with --resume into the same summary; then
+--resume again after a run that did not pass two of its steps, which runs only those."""
 
 import json
 import os
@@ -18,11 +19,18 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
-    res = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=900)
+    check = ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path)]
+    res = subprocess.run([*check, "--bench-only"], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    first = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert first["passed"] and first["bench_only"] and [s["step"] for s in first["steps"]] == ["gpu_tests", "bench"]
+    assert not (tmp_path / "demo").exists()
+
+    res = subprocess.run([*check, "--resume"], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert res.stdout.count("passed in an earlier run (--resume), kept") == 2
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert summary["passed"] and summary["cpu"] and summary["device"] == "cpu"
+    assert summary["passed"] and summary["cpu"] and summary["device"] == "cpu" and not summary["bench_only"]
     steps = {s["step"]: s["rc"] for s in summary["steps"]}
     assert set(steps) == {"gpu_tests", "bench", "demo", "ref_logps", "train_plain", "train_zero3",
                           "generate_check_size_model_default"}
@@ -36,9 +44,11 @@ def test_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     # same step to float rounding with no compilation inside the timed steps, and profiled each for 3 more steps
     bench = json.loads((tmp_path / "out" / "bench.json").read_text())
     sides = bench["sides"]
-    assert "error" not in sides["ours_bf16"] and "error" not in sides["ours_compile"]
-    assert sides["ours_compile"]["compiled_graphs"]["in_window"] == 0
-    assert sides["ours_compile"]["compiled_graphs"]["before_window"] > 0
+    for side in ("ours_bf16", "ours_compile", "ours_compile@16384"):
+        assert "error" not in sides[side]
+    for side in ("ours_compile", "ours_compile@16384"):
+        assert sides[side]["compiled_graphs"]["in_window"] == 0 and sides[side]["compiled_graphs"]["before_window"] > 0
+    assert sides["ours_compile@16384"]["max_tokens_per_micro_batch"] == 16384
     same = bench["ratios"]["ours_compile_vs_ours_bf16"]
     assert same["step1_loss_abs_diff"] < 1e-3 and same["step1_grad_norm_rel_diff"] < 1e-2
     for side in ("ours_bf16", "ours_compile"):
@@ -53,8 +63,7 @@ def test_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     lines = [skipped.get(json.loads(l)["step"], l) for l in lines]  # each in its place
     (tmp_path / "out" / "steps.jsonl").write_text("\n".join(lines) + "\n")
     shutil.rmtree(tmp_path / "generate_check_size_model_default")
-    res = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path), "--resume"],
-                         capture_output=True, text=True, env=env, timeout=900)
+    res = subprocess.run([*check, "--resume"], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert res.stdout.count("passed in an earlier run (--resume), kept") == len(steps) - len(cut)
     again = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
