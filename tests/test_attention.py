@@ -91,8 +91,8 @@ def test_the_kernel_is_called_as_torch_2_11_and_2_13_take_it(monkeypatch, takes_
 
 def test_the_kernel_path_traces_without_a_graph_break(monkeypatch):
     """Under --compile (each decoder layer compiled) the GPU path must be one graph: nothing of ours between the
-    projections and the kernel may stop Dynamo (the kernel's lookup is a module variable, not a cached function).
-    Checked on a CPU with a traceable stand-in for the kernel."""
+    projections and the kernel may stop Dynamo (the kernel's lookup is a module variable, not a cached function),
+    and new lengths must not compile it again. Checked on a CPU with a traceable stand-in for the kernel."""
     import torch._dynamo
 
     def stand_in(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **gqa):
@@ -107,6 +107,15 @@ def test_the_kernel_path_traces_without_a_graph_break(monkeypatch):
                                                         **bounds(lengths))
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+    # and compiled with dynamic shapes, as --compile compiles a layer, new lengths (tokens, sequences, the longest)
+    # reuse the one graph: no bound is specialised on (lengths chosen to match no head count or head size, which
+    # Dynamo's duck sizing would tie together once)
+    compiled = torch.compile(varlen_attention, dynamic=True)
+    torch._dynamo.utils.counters.clear()
+    for lengths in ([1, 5, 3, 2, 6], [2, 7, 4, 1, 9, 3], [11, 3, 5, 7, 6, 2, 5]):
+        q, k, v = qkv(lengths)
+        compiled(SimpleNamespace(is_causal=True), q, k, v, None, scaling=0.3, **bounds(lengths))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_without_bounds_it_is_transformers_sdpa_attention():

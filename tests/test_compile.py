@@ -36,6 +36,24 @@ def batches(n: int, pack_ratio: float):
     return out
 
 
+def assert_same_as_eager(eager, compiled, micro_batches) -> None:
+    """Each micro-batch's log-probs and trained parameters' gradients, eager against compiled; then a no-grad pass."""
+    for batch in micro_batches:
+        got = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            logps = sequence_logps(model, batch)
+            logps.sum().backward()
+            got.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        (want, want_grads), (have, have_grads) = got
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+        assert have_grads.keys() == want_grads.keys()
+        for n in want_grads:
+            torch.testing.assert_close(have_grads[n], want_grads[n], rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # the reference pass: a graph of its own, the same numbers
+        torch.testing.assert_close(sequence_logps(compiled, batch), sequence_logps(eager, batch), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("pack_ratio", [0.0, 2.0])
 def test_compiled_layers_give_the_eager_log_probs_and_gradients(pack_ratio):
     import torch._dynamo
@@ -48,22 +66,19 @@ def test_compiled_layers_give_the_eager_log_probs_and_gradients(pack_ratio):
     torch._dynamo.utils.counters.clear()
     assert compile_decoder_layers(compiled) == 2
     assert [n for n, _ in compiled.named_parameters()] == names  # no _orig_mod: checkpoints and saves as before
-    for batch in batches(4, pack_ratio):
-        got = []
-        for model in (eager, compiled):
-            model.zero_grad()
-            logps = sequence_logps(model, batch)
-            logps.sum().backward()
-            got.append((logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-        (want, want_grads), (have, have_grads) = got
-        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
-        for n in want_grads:
-            torch.testing.assert_close(have_grads[n], want_grads[n], rtol=1e-4, atol=1e-6)
-    with torch.no_grad():  # the reference pass: a graph of its own, the same numbers
-        torch.testing.assert_close(sequence_logps(compiled, batch), sequence_logps(eager, batch), rtol=1e-5, atol=1e-5)
+    assert_same_as_eager(eager, compiled, batches(4, pack_ratio))
     # dynamic shapes: four micro-batches of other lengths did not each compile anew (training, one or several rows,
     # and the no-grad pass are a few variants at most)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
+
+
+def test_compiled_layers_with_lora_adapters_give_the_eager_gradients():
+    pytest.importorskip("peft")
+    from rlhf_pipeline.training.lora import LoraOptions, add_adapters
+
+    eager, compiled = (add_adapters(tiny_llama(), LoraOptions(lora_rank=4)) for _ in range(2))
+    assert compile_decoder_layers(compiled) == 2  # found inside peft's wrappers
+    assert_same_as_eager(eager, compiled, batches(2, 2.0))
 
 
 def test_a_model_without_decoder_layers_is_refused():
