@@ -494,6 +494,11 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock, bf
 
         return counters["stats"]["unique_graphs"]
 
+    def fell_back() -> int:  # frames Dynamo gave up on (a recompile limit, an error), which then ran eager
+        from torch._dynamo.utils import counters
+
+        return counters["frames"]["total"] - counters["frames"]["ok"]
+
     step_ends, stats, losses, grad_norms = [], [], [], []
     order = step_order(spec)
     for step, micro in enumerate(order):
@@ -505,11 +510,15 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock, bf
         stats.append(counts)
         step_ends.append(clock())
     # a compilation inside the steps window would be timed as a step: say so
-    compiled = {"before_window": graphs_before_window, "in_window": graphs() - graphs_before_window} if compile else None
+    compiled = {"before_window": graphs_before_window, "in_window": graphs() - graphs_before_window,
+                "frames_fell_back": fell_back()} if compile else None
     profile, trace = None, spec.get("profile_trace")
     if spec["side"] in spec["profile_sides"]:  # more steps, untimed, on the first steps' micro-batches
-        if trace and len(spec["profile_sides"]) > 1:
-            trace = str(Path(trace).with_name(f"{spec['side']}.{Path(trace).name}"))
+        if trace:  # one file per side, mode and round where there are several
+            run = spec["side"] + ("" if mode["name"] == "full" else f"_{mode['name']}")
+            tags = ([run] if len(spec["profile_sides"]) > 1 or len(spec["modes"]) > 1 else []) + (
+                [f"round{spec['round'] + 1}"] if spec["rounds"] > 1 else [])
+            trace = str(Path(trace).with_name(".".join([*tags, Path(trace).name])))
         with StepProfiler(device, len(order[:PROFILE_STEPS]), trace) as profiler:
             for micro in order[:PROFILE_STEPS]:
                 train_step(micro)
@@ -647,7 +656,7 @@ def run_trl(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock, pre
             "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
 
 
-def worker(side: str, mode_name: str, spec_path: str) -> None:
+def worker(side: str, mode_name: str, spec_path: str, round_index: int = 0) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401  (imports are not timed: the
     # model classes are imported lazily, on first use, so import them here for both sides)
@@ -674,7 +683,7 @@ def worker(side: str, mode_name: str, spec_path: str) -> None:
         torch.zeros(1, device=device)  # CUDA context outside the timing
         torch.cuda.reset_peak_memory_stats(device)
     clock = Clock(device)
-    spec["side"] = side
+    spec["side"], spec["round"] = side, round_index
     if base in OURS:
         out = run_ours(spec, mode, pairs, device, clock, **OURS[base])
         out["max_tokens_per_micro_batch"] = spec["max_tokens_per_micro_batch"]
@@ -693,7 +702,7 @@ def worker(side: str, mode_name: str, spec_path: str) -> None:
 
 
 def spawn(side: str, mode: str, spec_path: Path, timeout: float | None, visible_gpu: str | None,
-          cpu_threads: int | None) -> dict[str, Any]:
+          cpu_threads: int | None, round_index: int = 0) -> dict[str, Any]:
     env = {**os.environ, "TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     if visible_gpu is not None:
@@ -701,7 +710,7 @@ def spawn(side: str, mode: str, spec_path: Path, timeout: float | None, visible_
     if cpu_threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(cpu_threads)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--worker-mode", mode,
-           "--spec", str(spec_path)]
+           "--worker-round", str(round_index), "--spec", str(spec_path)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -871,10 +880,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default="gpu_bench.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-mode", help=argparse.SUPPRESS)
+    p.add_argument("--worker-round", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        worker(a.worker, a.worker_mode, a.spec)
+        worker(a.worker, a.worker_mode, a.spec, a.worker_round)
         return 0
 
     import torch
@@ -925,6 +935,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"--sides: {e}")
     ours_sides = [s for s in sides if base_of[s] in OURS]
+    if (a.profile_sides or a.profile_trace) and not a.profile:
+        raise SystemExit("--profile-sides and --profile-trace go with --profile")
     profile_sides = [] if not a.profile else ours_sides if a.profile_sides is None else [
         s.strip() for s in a.profile_sides.split(",") if s.strip()]
     if any(s not in ours_sides for s in profile_sides):
@@ -997,7 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens_per_micro_batch": budget or None, "precision": precision,
         "gradient_checkpointing": a.gradient_checkpointing,
         "trl_order": a.trl_order, "seed": a.seed, "flops_params": flops_params, "cpu_threads": cpu_threads,
-        "modes": modes, "profile_sides": profile_sides,
+        "modes": modes, "profile_sides": profile_sides, "rounds": a.rounds,
         "profile_trace": str(Path(a.profile_trace).resolve()) if a.profile_trace else None,
     }
     spec_path = workdir / "spec.json"
@@ -1020,7 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
         order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
         for side, mode in order:
             name, t = run_name(side, mode), time.perf_counter()
-            raw = spawn(side, mode, spec_path, a.worker_timeout, visible_gpu, cpu_threads)
+            raw = spawn(side, mode, spec_path, a.worker_timeout, visible_gpu, cpu_threads, r)
             if "error" in raw:
                 print(f"[bench_gpu] {name} FAILED ({raw['error']}):\n{raw.get('stderr_tail', '')}")
             else:
@@ -1060,8 +1072,15 @@ def main(argv: list[str] | None = None) -> int:
     # ours vs TRL within a mode (> 1 ours faster, < 1 ours smaller), and the compiled step against the same step
     # eager (the same numbers, and how much faster)
     pairs_compared = [(m, o, t) for m in modes for o in ours_sides for t in ("trl", "trl_precomputed")]
-    pairs_compared += [(m, o, "ours_bf16" + o[len("ours_compile"):]) for m in modes for o in ours_sides
-                       if base_of[o] == "ours_compile"]  # at the same budget
+
+    def budget(side: str) -> int | None:  # the micro-batch budget a side ran with (None: by pair count)
+        own = parse_side(side)[1]
+        return (own or None) if own is not None else (spec["max_tokens_per_micro_batch"] or None)
+
+    eager_sides = [o for o in ours_sides if base_of[o] == "ours_bf16"]
+    for o in (o for o in ours_sides if base_of[o] == "ours_compile"):  # the eager step at the same budget, else any
+        same = [e for e in eager_sides if budget(e) == budget(o)] or eager_sides
+        pairs_compared += [(m, o, same[0]) for m in modes] if same else []
     for mode, ours_side, other in pairs_compared:
         ours, theirs = done.get(run_name(ours_side, mode)), done.get(run_name(other, mode))
         if ours and theirs:
@@ -1076,6 +1095,9 @@ def main(argv: list[str] | None = None) -> int:
                                              / max(abs(theirs["first_grad_norm"]), 1e-12)
                                              if theirs.get("first_grad_norm") is not None else None),
             }
+            if other in ours_sides:  # two of ours: the budgets they ran with
+                ratios[f"{run_name(ours_side, mode)}_vs_{run_name(other, mode)}"]["budgets"] = [budget(ours_side),
+                                                                                               budget(other)]
     for mode, m in modes.items():  # LoRA vs full on each side: < 1 LoRA smaller / faster per step
         for side in sides:
             lora, full = done.get(run_name(side, mode)), done.get(run_name(side, "full"))
@@ -1141,7 +1163,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- {name}: tokens/s {r['tokens_per_s_steps']:.2f}x over the steps, {r['tokens_per_s_run']:.2f}x "
               f"over the whole run; peak memory {r['peak_memory']:.2f}x ({r['memory_measure']}); step-1 loss "
               f"|diff| {r['step1_loss_abs_diff']:.2e}, grad norm rel. diff {fmt(r['step1_grad_norm_rel_diff'], '.2e')}"
-              + ("" if r["same_trained_params"] else "; TRAINED PARAMETER COUNTS DIFFER"))
+              + ("" if r["same_trained_params"] else "; TRAINED PARAMETER COUNTS DIFFER")
+              + (f"; micro-batch budgets {r['budgets'][0]} vs {r['budgets'][1]} tokens"
+                 if "budgets" in r and r["budgets"][0] != r["budgets"][1] else ""))
     print(f"\nwritten {a.output}")
     if not a.keep_workdir and not a.workdir:
         shutil.rmtree(workdir, ignore_errors=True)

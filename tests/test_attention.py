@@ -382,6 +382,38 @@ def test_a_bf16_varlen_model_on_the_gpu_gives_the_padded_sdpa_logps(tiny_policy,
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen_attn kernel needs a CUDA GPU")
+def test_compiled_layers_on_the_cuda_kernel_give_the_eager_logps_and_gradients(tiny_policy, seqs):
+    """--compile on a GPU: each decoder layer of a bf16 varlen model compiled by Inductor, with torch's varlen_attn
+    inside the graph, gives the eager model's log-probs and gradients to bf16's rounding, over two micro-batches of
+    other lengths (the second reuses the compiled graphs)."""
+    import torch._dynamo
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.training.compilation import compile_decoder_layers
+
+    prompts, responses = seqs
+    eager = varlen_copy(AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.bfloat16).cuda())
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_decoder_layers(compiled)
+    for cut in (len(prompts), 4):  # all the sequences, then the first four: other lengths, other bounds
+        batch = build_batch(prompts[:cut], responses[:cut], pad_id=0, pack_ratio=2.0).to("cuda")
+        got = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            logps = sequence_logps(model, batch)
+            logps.sum().backward()
+            got.append((logps.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float()))
+        (want, want_grad), (have, have_grad) = got
+        torch.testing.assert_close(have, want, rtol=2e-2, atol=0.1)
+        cosine = torch.nn.functional.cosine_similarity(have_grad.flatten(), want_grad.flatten(), dim=0)
+        assert cosine > 0.99, cosine
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] >= 1 and counters["frames"]["total"] == counters["frames"]["ok"]
+
+
 def test_log_prob_passes_leave_cudnn_sdpa_out_on_a_gpu():
     """On a CUDA device an sdpa (or varlen) model's log-prob pass runs with every sdpa backend but cuDNN's (which
     plans anew on the host for every new shape); elsewhere, and for other implementations, nothing is changed."""

@@ -297,6 +297,8 @@ def test_the_gpu_trainer_scripts_sides_may_carry_their_own_budget():
             script.parse_side(bad)
     with pytest.raises(SystemExit, match="--profile-sides trl: name our sides that run"):
         script.main(["--device", "cpu", "--tiny", "--sides", "ours,trl", "--profile", "--profile-sides", "trl"])
+    with pytest.raises(SystemExit, match="--profile-sides and --profile-trace go with --profile"):
+        script.main(["--device", "cpu", "--tiny", "--sides", "ours", "--profile-sides", "ours"])
 
 
 def test_a_lower_is_better_entry_is_judged_on_ours_against_its_target(tmp_path):

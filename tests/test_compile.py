@@ -16,11 +16,11 @@ from rlhf_pipeline.training.compilation import compile_decoder_layers, decoder_l
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
-def tiny_llama():
+def tiny_llama(layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=64, max_position_embeddings=256)
     return LlamaForCausalLM(config)
 
@@ -58,18 +58,18 @@ def assert_same_as_eager(eager, compiled, micro_batches) -> None:
 def test_compiled_layers_give_the_eager_log_probs_and_gradients(pack_ratio):
     import torch._dynamo
 
-    eager = tiny_llama()
-    compiled = tiny_llama()
+    eager = tiny_llama(4)
+    compiled = tiny_llama(4)
     names = [n for n, _ in compiled.named_parameters()]
-    assert [type(m).__name__ for m in decoder_layers(compiled)] == ["LlamaDecoderLayer"] * 2
+    assert [type(m).__name__ for m in decoder_layers(compiled)] == ["LlamaDecoderLayer"] * 4
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    assert compile_decoder_layers(compiled) == 2
+    assert compile_decoder_layers(compiled) == 4
     assert [n for n, _ in compiled.named_parameters()] == names  # no _orig_mod: checkpoints and saves as before
     assert_same_as_eager(eager, compiled, batches(4, pack_ratio))
-    # dynamic shapes: four micro-batches of other lengths did not each compile anew (training, one or several rows,
-    # and the no-grad pass are a few variants at most)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
+    # compiled, and once for the four alike layers: four micro-batches of other lengths through four layers, with
+    # and without gradients, one row or several, make a few graphs, not one per layer or per length
+    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
 
 
 def test_compiled_layers_with_lora_adapters_give_the_eager_gradients():
@@ -79,6 +79,57 @@ def test_compiled_layers_with_lora_adapters_give_the_eager_gradients():
     eager, compiled = (add_adapters(tiny_llama(), LoraOptions(lora_rank=4)) for _ in range(2))
     assert compile_decoder_layers(compiled) == 2  # found inside peft's wrappers
     assert_same_as_eager(eager, compiled, batches(2, 2.0))
+
+
+def test_every_way_the_layers_run_stays_compiled(caplog):
+    """LoRA with gradient checkpointing, in train and eval mode, with and without gradients, one row and several:
+    more graphs than Dynamo keeps for one function by default (8), all of them compiled, none left to run eager."""
+    pytest.importorskip("peft")
+    import torch._dynamo
+
+    from rlhf_pipeline.training.lora import LoraOptions, add_adapters
+
+    model = tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = add_adapters(model, LoraOptions(lora_rank=4))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_decoder_layers(model)
+    one_row = build_batch([[3, 4, 5]], [[6, 7]], pad_id=0)
+    for mode in (True, False):
+        model.train(mode)
+        for grad in (True, False):
+            for batch in (one_row, batches(1, 0.0)[0]):
+                with torch.set_grad_enabled(grad):
+                    logps = sequence_logps(model, batch)
+                if grad:
+                    logps.sum().backward()
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] > 8  # past the default limit...
+    assert counters["frames"]["total"] == counters["frames"]["ok"]  # ...and no frame fell back to eager
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+
+
+def test_a_failed_compilation_is_one_error_line_naming_the_fix():
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.training.compilation import compile_errors
+
+    def broken(graph, example_inputs):
+        raise RuntimeError("no C compiler found\nmore detail")
+
+    with pytest.raises(PipelineError, match=r"^--compile: torch.compile failed \(RuntimeError: no C compiler found\); "
+                                            r"drop --compile$"):
+        with compile_errors(True):
+            torch.compile(lambda x: x * 2 + 1, backend=broken)(torch.ones(2))
+
+
+def test_an_old_torch_is_refused(monkeypatch):
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.training.compilation import check_compile
+
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cu121")
+    with pytest.raises(PipelineError, match=r"--compile needs torch >= 2.5 \(this is 2.4.1\+cu121\); upgrade torch"):
+        check_compile(deepspeed=False)
 
 
 def test_a_model_without_decoder_layers_is_refused():
@@ -102,9 +153,14 @@ def train_args(pairs, policy, out, *extra) -> list:
 def test_rlhf_train_with_compile_learns_as_the_eager_trainer(pairs, tiny_policy, tmp_path):
     from accelerate.state import AcceleratorState
 
+    import torch._dynamo
+
     AcceleratorState._reset_state(True)  # the data's runs set accelerate's singleton up
     assert run(*train_args(pairs, tiny_policy, tmp_path / "eager")) == 0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     assert run(*train_args(pairs, tiny_policy, tmp_path / "compiled", "--compile")) == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
     assert logged(tmp_path / "compiled") == pytest.approx(logged(tmp_path / "eager"), abs=1e-4)
     assert logged(tmp_path / "compiled", "grad_norm") == pytest.approx(logged(tmp_path / "eager", "grad_norm"),
                                                                        rel=1e-3)
@@ -127,4 +183,11 @@ def test_compile_under_deepspeed_is_refused_before_anything_is_written(pairs, ti
         if dist.is_initialized():  # the stage destroys it on its way out
             dist.destroy_process_group()
     assert "--compile is for the single-process trainer" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_compile_with_qlora_is_refused_by_the_options(pairs, tiny_policy, tmp_path, capsys):
+    args = train_args(pairs, tiny_policy, tmp_path / "x", "--compile", "--lora-rank", 4, "--load-in-4bit")
+    assert run(*args) != 0
+    assert "--compile does not take --load-in-4bit" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

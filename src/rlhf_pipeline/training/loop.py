@@ -52,7 +52,7 @@ from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches
 from rlhf_pipeline.errors import FailedElsewhere, PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import METRICS
-from rlhf_pipeline.training.compilation import compile_decoder_layers, refuse_deepspeed
+from rlhf_pipeline.training.compilation import check_compile, compile_decoder_layers
 from rlhf_pipeline.training.lora import LoraOptions, add_adapters, load_kwargs
 from rlhf_pipeline.training.master_weights import MasterWeights
 
@@ -149,6 +149,9 @@ class TrainOptions(OutputOptions, LoraOptions):
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.bf16_weights and not self.bf16:
             raise ValueError("--bf16-weights needs --bf16 (bfloat16 weights run under bfloat16 autocast)")
+        if self.compile and self.load_in_4bit:
+            raise ValueError("--compile does not take --load-in-4bit (bitsandbytes' 4-bit layers are not compiled "
+                             "here); drop one of them")
         if self.bf16_weights and self.lora_rank:
             raise ValueError("--bf16-weights is for full fine-tuning: with --lora-rank the frozen weights are not "
                              "trained and the adapters are small; drop --bf16-weights (or load the model in bf16)")
@@ -534,7 +537,8 @@ def prepare(
     warmup = int(config.warmup_ratio * total_steps)
     torch.manual_seed(config.seed)
     deepspeed = accelerator.state.deepspeed_plugin is not None
-    refuse_deepspeed(deepspeed and config.compile)
+    if config.compile:
+        check_compile(deepspeed)
     masters = None
     if not deepspeed:  # on its device before the optimizer is built (the masters are made there; fused AdamW)
         model = accelerator.prepare(model)

@@ -305,21 +305,25 @@ def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[
     checked ``--model`` and parsed its ``inputs`` (in that order, as every stage reports them): enter the run (a
     finished output is returned as it is), ``read(run)`` the inputs, load the model, make the output directory,
     prepare, train, and mark the run complete with the job's record."""
-    from rlhf_pipeline.training.compilation import refuse_deepspeed
+    from rlhf_pipeline.training.compilation import check_compile, compile_errors, require_decoder_layers
     from rlhf_pipeline.training.loop import load_trainable, prepare, train
 
     with training_run(stage, config, inputs) as run:
         if run.finished:
             return run.path
-        refuse_deepspeed(config.compile and run.accelerator.state.deepspeed_plugin is not None)  # before any work
+        if config.compile:  # before any work
+            check_compile(run.accelerator.state.deepspeed_plugin is not None)
         job = read(run)
         model = load_trainable(config, job.loader or _causal_lm)
         if job.model_ready is not None:
             job.model_ready(model)
+        if config.compile:
+            require_decoder_layers(model, config.model)
         run.start()  # the data and the model are read and checked: now the output directory is made
         setup = prepare(config, run.accelerator, model, job.num_examples, learning_rate=job.learning_rate)
-        task, train_rows, test_rows = job.task(run, setup)
-        result = train(config, run.accelerator, setup, job.tokenizer, task, train_rows, test_rows)
+        with compile_errors(config.compile):  # compiled lazily, by the first forwards
+            task, train_rows, test_rows = job.task(run, setup)
+            result = train(config, run.accelerator, setup, job.tokenizer, task, train_rows, test_rows)
         run.finish(job.record(run, result))
     return run.path
 
