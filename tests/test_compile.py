@@ -168,6 +168,27 @@ def test_rlhf_train_with_compile_learns_as_the_eager_trainer(pairs, tiny_policy,
     assert manifest["config"]["compile"] is True
 
 
+@pytest.mark.parametrize("stage, data", [("sft", "sft"), ("train-rm", "preferences")])
+def test_sft_and_reward_model_training_with_compile_learn_as_the_eager_ones(stage, data, tiny_policy, tmp_path):
+    """The other training stages compile their model's layers alike: a causal LM's (SFT) and a sequence classifier's
+    (the reward model, whose score head stays outside)."""
+    import torch._dynamo
+    from accelerate.state import AcceleratorState
+
+    from rlhf_pipeline.demo.task import write_task_data
+
+    rows = write_task_data(tmp_path / "task")[data]
+    args = [stage, "--model", tiny_policy, "--data", rows, "--test-size", 8, "--max-steps", 2, "--batch-size", 4,
+            "--learning-rate", 1e-3, "--report-to", "none"]
+    AcceleratorState._reset_state(True)
+    assert run(*args, "--output", tmp_path / "eager") == 0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert run(*args, "--output", tmp_path / "compiled", "--compile") == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert logged(tmp_path / "compiled") == pytest.approx(logged(tmp_path / "eager"), abs=1e-4)
+
+
 def test_compile_under_deepspeed_is_refused_before_anything_is_written(pairs, tiny_policy, tmp_path, capsys,
                                                                       monkeypatch):
     import torch.distributed as dist

@@ -851,3 +851,18 @@ def test_two_process_zero3_equals_one_process(algo, data, tiny_policy, tiny_rm, 
     for column in ("old_logps", "advantages") + (("old_values", "returns") if algo == "ppo" else ()):
         for a, b in zip(zr["train"][column], sr["train"][column]):
             assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_ppo_with_compile_learns_as_the_eager_ppo(data, tiny_policy, tiny_rm, tmp_path):
+    """--compile on PPO, whose one prepared model holds the policy and the critic: both sets of decoder layers are
+    compiled, and the losses (policy and value) are the eager run's to float rounding."""
+    import torch._dynamo
+
+    args = ["--batch-size", 8, "--max-steps", 2, "--learning-rate", 1e-3]
+    assert run(*train_args(data, tiny_policy, tmp_path / "eager", "ppo", *args, critic=tiny_rm)) == 0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert run(*train_args(data, tiny_policy, tmp_path / "compiled", "ppo", *args, "--compile", critic=tiny_rm)) == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    for key in ("loss/train", "loss/train_value_loss"):
+        assert logged(tmp_path / "compiled", key) == pytest.approx(logged(tmp_path / "eager", key), abs=1e-4)

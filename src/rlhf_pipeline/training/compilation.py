@@ -100,7 +100,9 @@ def compile_decoder_layers(model: Any, what: str = "the model") -> int:
     import torch._dynamo
 
     layers = require_decoder_layers(model, what)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before 2.7
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
     for layer in layers:
         layer.compile(dynamic=True)
     log.info("%s: %d decoder layers (%s) compiled with torch.compile; the first steps pay the compilation", FLAG,
