@@ -875,8 +875,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-sides", default=None,
                    help="with --profile: which of our sides to profile (default: every one that runs)")
     p.add_argument("--profile-trace", default=None,
-                   help="with --profile: also keep the chrome trace here (gzipped); with several sides profiled, one "
-                        "file per side, the side's name before this file name")
+                   help="with --profile: also keep the chrome trace here (gzipped); with several sides or modes "
+                        "profiled, one file per side and mode, its run name before this file name, and with --rounds "
+                        "one per round (roundN.)")
     p.add_argument("--output", default="gpu_bench.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-mode", help=argparse.SUPPRESS)
@@ -935,7 +936,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"--sides: {e}")
     ours_sides = [s for s in sides if base_of[s] in OURS]
-    if (a.profile_sides or a.profile_trace) and not a.profile:
+    if (a.profile_sides is not None or a.profile_trace) and not a.profile:
         raise SystemExit("--profile-sides and --profile-trace go with --profile")
     profile_sides = [] if not a.profile else ours_sides if a.profile_sides is None else [
         s.strip() for s in a.profile_sides.split(",") if s.strip()]

@@ -81,7 +81,7 @@ def test_compiled_layers_with_lora_adapters_give_the_eager_gradients():
     assert_same_as_eager(eager, compiled, batches(2, 2.0))
 
 
-def test_every_way_the_layers_run_stays_compiled(caplog):
+def test_every_way_the_layers_run_stays_compiled():
     """LoRA with gradient checkpointing, in train and eval mode, with and without gradients, one row and several:
     more graphs than Dynamo keeps for one function by default (8), all of them compiled, none left to run eager."""
     pytest.importorskip("peft")
@@ -106,8 +106,8 @@ def test_every_way_the_layers_run_stays_compiled(caplog):
                     logps.sum().backward()
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] > 8  # past the default limit...
-    assert counters["frames"]["total"] == counters["frames"]["ok"]  # ...and no frame fell back to eager
-    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+    # ...and no frame fell back to eager (one past the limit is not counted "ok": checked with the default limit)
+    assert counters["frames"]["total"] == counters["frames"]["ok"]
 
 
 def test_a_failed_compilation_is_one_error_line_naming_the_fix():
@@ -161,6 +161,7 @@ def test_rlhf_train_with_compile_learns_as_the_eager_trainer(pairs, tiny_policy,
     torch._dynamo.utils.counters.clear()
     assert run(*train_args(pairs, tiny_policy, tmp_path / "compiled", "--compile")) == 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    assert len(logged(tmp_path / "eager")) == 3
     assert logged(tmp_path / "compiled") == pytest.approx(logged(tmp_path / "eager"), abs=1e-4)
     assert logged(tmp_path / "compiled", "grad_norm") == pytest.approx(logged(tmp_path / "eager", "grad_norm"),
                                                                        rel=1e-3)
@@ -186,6 +187,7 @@ def test_sft_and_reward_model_training_with_compile_learn_as_the_eager_ones(stag
     torch._dynamo.utils.counters.clear()
     assert run(*args, "--output", tmp_path / "compiled", "--compile") == 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert len(logged(tmp_path / "eager")) == 2
     assert logged(tmp_path / "compiled") == pytest.approx(logged(tmp_path / "eager"), abs=1e-4)
 
 

@@ -50,8 +50,9 @@ def test_gpu_check_runs_every_step_on_a_cpu(tmp_path):
         assert sides[side]["compiled_graphs"]["in_window"] == 0 and sides[side]["compiled_graphs"]["before_window"] > 0
     assert sides["ours_compile@16384"]["max_tokens_per_micro_batch"] == 16384
     same = checks["compile_vs_eager"]  # each compiled side against the eager one, in the summary's verdict
-    assert same["agree"] and set(same["relative_differences"]) == {"ours_compile_vs_ours_bf16",
-                                                                   "ours_compile@16384_vs_ours_bf16"}
+    assert same["agree"] and {k: v["compared_with"] for k, v in same["sides"].items()} == {
+        "ours_compile": "ours_bf16", "ours_compile@16384": "ours_bf16"}
+    assert all(v["frames_fell_back"] == 0 for v in same["sides"].values())
     for side in ("ours_bf16", "ours_compile"):
         assert sides[side]["profile"]["steps"] == 3 and sides[side]["profile"]["wall_ms"] > 0
         assert checks["bench"]["profiles"][side]["steps"] == 3

@@ -865,4 +865,5 @@ def test_ppo_with_compile_learns_as_the_eager_ppo(data, tiny_policy, tiny_rm, tm
     assert run(*train_args(data, tiny_policy, tmp_path / "compiled", "ppo", *args, "--compile", critic=tiny_rm)) == 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     for key in ("loss/train", "loss/train_value_loss"):
+        assert len(logged(tmp_path / "eager", key)) == 2
         assert logged(tmp_path / "compiled", key) == pytest.approx(logged(tmp_path / "eager", key), abs=1e-4)
