@@ -169,17 +169,6 @@ OURS: dict[str, dict[str, bool]] = {
 SIDES = (*OURS, "trl", "trl_precomputed")
 FULL_ONLY = "bf16 weights are for full fine-tuning"  # why bf16-weights sides skip LoRA modes (rlhf train refuses it)
 PROFILE_STEPS = 3  # --profile: steps run under the profiler after a side's timed ones
-
-
-def parse_side(name: str) -> tuple[str, int | None]:
-    """A side as ``--sides`` names it: one of :data:`SIDES`, and for our sides optionally ``@N``, its own micro-batch
-    budget in tokens (``ours_compile@16384``; 0 = by pair count), so that one run compares budgets. ValueError when
-    it is neither."""
-    base, at, budget = name.partition("@")
-    if base not in SIDES or (at and (base not in OURS or not budget.isdigit())):
-        raise ValueError(f"{name}: a side is one of {', '.join(SIDES)}, our sides optionally with @TOKENS (their own "
-                         "--max-tokens-per-micro-batch, e.g. ours_compile@16384)")
-    return base, int(budget) if at else None
 GPU_TOKEN_BUDGET = 8192  # ours on CUDA by default: --max-tokens-per-micro-batch
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 FIRST_ID = 4  # random ids avoid the special tokens
@@ -193,6 +182,23 @@ TINY_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, nu
 # Dense bf16 tensor-core peaks (TFLOP/s), matched against torch.cuda.get_device_name, first match wins.
 PEAK_TFLOPS = (("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("GH200", 989.0),
                ("A100", 312.0))
+
+
+def parse_side(name: str) -> tuple[str, int | None]:
+    """A side as ``--sides`` names it: one of :data:`SIDES`, and for our sides optionally ``@N``, its own micro-batch
+    budget in tokens (``ours_compile@16384``; 0 = by pair count), so that one run compares budgets. ValueError when
+    it is neither."""
+    base, at, budget = name.partition("@")
+    if base not in SIDES or (at and (base not in OURS or not budget.isdigit())):
+        raise ValueError(f"{name}: a side is one of {', '.join(SIDES)}, our sides optionally with @TOKENS (their own "
+                         "--max-tokens-per-micro-batch, e.g. ours_compile@16384)")
+    return base, int(budget) if at else None
+
+
+def side_budget(side: str, default: int | None) -> int | None:
+    """The micro-batch budget ``side`` runs with: its own ``@N``, else ``default`` (None or 0: by pair count)."""
+    own = parse_side(side)[1]
+    return (own if own is not None else default) or None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -489,29 +495,23 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock, bf
         loss_sum, norm = torch.stack([sums["loss"].float(), norm.float()]).tolist()  # the step's one read
         return loss_sum / sums["_n"], norm, {"real": real, "sq": sq, "positions": positions}
 
-    def graphs() -> int:  # what Dynamo has compiled so far (--compile)
-        from torch._dynamo.utils import counters
-
-        return counters["stats"]["unique_graphs"]
-
-    def fell_back() -> int:  # frames Dynamo gave up on (a recompile limit, an error), which then ran eager
-        from torch._dynamo.utils import counters
-
-        return counters["frames"]["total"] - counters["frames"]["ok"]
+    from torch._dynamo.utils import counters  # what Dynamo has compiled (--compile)
 
     step_ends, stats, losses, grad_norms = [], [], [], []
     order = step_order(spec)
     for step, micro in enumerate(order):
         if step == spec["warmup"]:
-            graphs_before_window = graphs()
+            graphs_before_window = counters["stats"]["unique_graphs"]
         loss, norm, counts = train_step(micro)
         losses.append(loss)
         grad_norms.append(norm)
         stats.append(counts)
         step_ends.append(clock())
     # a compilation inside the steps window would be timed as a step: say so
-    compiled = {"before_window": graphs_before_window, "in_window": graphs() - graphs_before_window,
-                "frames_fell_back": fell_back()} if compile else None
+    compiled = {"before_window": graphs_before_window,
+                "in_window": counters["stats"]["unique_graphs"] - graphs_before_window,
+                # frames Dynamo gave up on (a recompile limit, an error), which then ran eager
+                "frames_fell_back": counters["frames"]["total"] - counters["frames"]["ok"]} if compile else None
     profile, trace = None, spec.get("profile_trace")
     if spec["side"] in spec["profile_sides"]:  # more steps, untimed, on the first steps' micro-batches
         if trace:  # one file per side, mode and round where there are several
@@ -668,9 +668,8 @@ def worker(side: str, mode_name: str, spec_path: str, round_index: int = 0) -> N
     pairs = json.loads(Path(spec["pairs_path"]).read_text())
     if mode["lora_rank"]:
         import peft  # noqa: F401
-    base, budget = parse_side(side)
-    if budget is not None:  # this side's own micro-batch budget
-        spec["max_tokens_per_micro_batch"] = budget or None
+    base = parse_side(side)[0]
+    spec["max_tokens_per_micro_batch"] = side_budget(side, spec["max_tokens_per_micro_batch"])
     if base not in OURS:
         import datasets  # noqa: F401
         import trl  # noqa: F401
@@ -1075,8 +1074,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs_compared = [(m, o, t) for m in modes for o in ours_sides for t in ("trl", "trl_precomputed")]
 
     def budget(side: str) -> int | None:  # the micro-batch budget a side ran with (None: by pair count)
-        own = parse_side(side)[1]
-        return (own or None) if own is not None else (spec["max_tokens_per_micro_batch"] or None)
+        return side_budget(side, spec["max_tokens_per_micro_batch"])
 
     eager_sides = [o for o in ours_sides if base_of[o] == "ours_bf16"]
     for o in (o for o in ours_sides if base_of[o] == "ours_compile"):  # the eager step at the same budget, else any

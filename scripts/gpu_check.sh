@@ -223,18 +223,17 @@ checks["zero3_vs_plain"] = {"plain_loss_grad_norm": plain, "zero3_loss_grad_norm
                             "relative_differences": diffs, "tolerance": tolerance,
                             "agree": bool(plain) and len(plain) == len(zero3) and max(diffs) <= tolerance}
 seconds = {s["step"]: s["seconds"] for s in steps if s["rc"] == 0}
-gen = {}
-for name in ("check_size_model",):
-    default, on_cpu = seconds.get(f"generate_{name}_default"), seconds.get(f"generate_{name}_cpu")
-    sampling = {}
-    for where in ("default", "cpu"):  # the engine's own sampling time, from the generate manifest
-        path = out / f"generate_{name}_{where}" / "manifest.json"
-        sampling[where] = json.loads(path.read_text()).get("timing", {}).get("sampling_s") if path.is_file() else None
-    gen[name] = {"seconds_default_device": default, "seconds_cpu": on_cpu,
-                 "cpu_over_default": on_cpu / default if default and on_cpu else None,
-                 "sampling_seconds_default_device": sampling["default"], "sampling_seconds_cpu": sampling["cpu"],
-                 "sampling_cpu_over_default": (sampling["cpu"] / sampling["default"]
-                                               if sampling["default"] and sampling["cpu"] else None)}
+default, on_cpu = seconds.get("generate_check_size_model_default"), seconds.get("generate_check_size_model_cpu")
+sampling = {}
+for where in ("default", "cpu"):  # the engine's own sampling time, from the generate manifest
+    path = out / f"generate_check_size_model_{where}" / "manifest.json"
+    sampling[where] = json.loads(path.read_text()).get("timing", {}).get("sampling_s") if path.is_file() else None
+gen = {"check_size_model": {
+    "seconds_default_device": default, "seconds_cpu": on_cpu,
+    "cpu_over_default": on_cpu / default if default and on_cpu else None,
+    "sampling_seconds_default_device": sampling["default"], "sampling_seconds_cpu": sampling["cpu"],
+    "sampling_cpu_over_default": sampling["cpu"] / sampling["default"] if sampling["default"] and sampling["cpu"]
+    else None}}
 checks["generate_seconds"] = gen  # the whole commands, and the engine's sampling alone
 path = results / "bench.json"
 bench_ran = any(s["step"] == "bench" for s in steps)

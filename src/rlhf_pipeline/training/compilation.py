@@ -94,9 +94,8 @@ def compile_decoder_layers(model: Any, what: str = "the model") -> int:
     many. ``what`` names the model in the error when it has none.
 
     The layers share one code object, so Dynamo's limit on the graphs it keeps for one (8 by default) is shared by
-    every variant they run in: with and without gradients, train and eval mode, one row or several, a first input
-    that needs a gradient or not (LoRA, gradient checkpointing), autocast on or off. Past it a layer would quietly
-    run eager, so the limit is raised to :data:`RECOMPILE_LIMIT` for this process."""
+    every way they run (the module docstring); past it a layer would quietly run eager, so the limit is raised to
+    :data:`RECOMPILE_LIMIT` for this process."""
     import torch._dynamo
 
     layers = require_decoder_layers(model, what)

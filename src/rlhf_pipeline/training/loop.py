@@ -52,7 +52,7 @@ from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches
 from rlhf_pipeline.errors import FailedElsewhere, PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import METRICS
-from rlhf_pipeline.training.compilation import check_compile, compile_decoder_layers
+from rlhf_pipeline.training.compilation import compile_decoder_layers
 from rlhf_pipeline.training.lora import LoraOptions, add_adapters, load_kwargs
 from rlhf_pipeline.training.master_weights import MasterWeights
 
@@ -537,15 +537,13 @@ def prepare(
     warmup = int(config.warmup_ratio * total_steps)
     torch.manual_seed(config.seed)
     deepspeed = accelerator.state.deepspeed_plugin is not None
-    if config.compile:
-        check_compile(deepspeed)
     masters = None
     if not deepspeed:  # on its device before the optimizer is built (the masters are made there; fused AdamW)
         model = accelerator.prepare(model)
         if config.bf16_weights:  # (DeepSpeed's bf16 mode keeps masters of its own)
             masters = MasterWeights(model)
-        if config.compile:  # after the cast: the layers are traced with the weights they train with
-            compile_decoder_layers(model, config.model)
+        if config.compile:  # after the cast: the layers are traced with the weights they train with (refused under
+            compile_decoder_layers(model, config.model)  # DeepSpeed before any work: training.stage.run_training)
     if masters is not None:
         trained = masters.named_masters()
     else:
