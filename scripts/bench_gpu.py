@@ -806,9 +806,10 @@ def table(sides: dict[str, dict], mem_key: str) -> str:
     columns = head.count("|") - 1
     lines = [head, "|" + "---|" * columns]
     for side, s in sides.items():
-        if "skipped" in s or "error" in s:
-            lines.append(f"| {side} | " + (f"skipped: {s['skipped']}" if "skipped" in s else f"FAILED: {s['error']}")
-                         + " |" + " |" * (columns - 2))
+        if "skipped" in s or "error" in s or s.get("pending"):
+            why = (f"skipped: {s['skipped']}" if "skipped" in s else f"FAILED: {s['error']}" if "error" in s
+                   else "not run (--deadline)")
+            lines.append(f"| {side} | {why} |" + " |" * (columns - 2))
             continue
         pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
         lines.append(
@@ -867,6 +868,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads per side on a CPU (default 1 with --device cpu --tiny: a tiny model gains "
                         "nothing from more and timings on a shared machine are steadier; else torch's default)")
     p.add_argument("--worker-timeout", type=float, default=None, help="seconds per side run")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds from the start after which no side starts and a running one is stopped (a lease's "
+                        "end): the report keeps every side that finished, the rest marked pending, and the exit "
+                        "status is 1")
     p.add_argument("--profile", action="store_true",
                    help=f"our sides: after the timed steps, run {PROFILE_STEPS} more under torch.profiler and add its "
                         "summary (GPU busy fraction, top kernels, kernel families, gaps, host waits) to the side's "
@@ -886,6 +891,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker(a.worker, a.worker_mode, a.spec, a.worker_round)
         return 0
+    started = time.perf_counter()
 
     import torch
     import transformers
@@ -1028,88 +1034,79 @@ def main(argv: list[str] | None = None) -> int:
     runnable = [(side, mode) for mode in modes for side in sides
                 if side not in skipped and not (full_only(side) and modes[mode]["lora_rank"])]
     runs: dict[str, list[dict]] = {run_name(*x): [] for x in runnable}
-    for r in range(a.rounds):
-        order = runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else []
-        for side, mode in order:
-            name, t = run_name(side, mode), time.perf_counter()
-            raw = spawn(side, mode, spec_path, a.worker_timeout, visible_gpu, cpu_threads, r)
-            if "error" in raw:
-                print(f"[bench_gpu] {name} FAILED ({raw['error']}):\n{raw.get('stderr_tail', '')}")
-            else:
-                s = summarise(raw, spec, peak_tflops * 1e12 if peak_tflops else None)
-                raw["summary"] = s
-                print(f"[bench_gpu] round {r + 1} {name}: {s['tokens_per_s_steps']:,.0f} tok/s over the steps, "
-                      f"run {s['seconds_run']:.1f} s (process {time.perf_counter() - t:.1f} s)")
-                if s.get("compiled_graphs", {}).get("in_window"):
-                    print(f"[bench_gpu] warning: {name} compiled {s['compiled_graphs']['in_window']} graph(s) inside "
-                          "the steps window, which timed them as steps; more --warmup steps would leave them out")
-            runs[name].append(raw)
-
-    results: dict[str, dict] = {}
-    for mode in modes:
-        for side in sides:
-            name = run_name(side, mode)
-            if side in skipped:
-                results[name] = {"side": side, "mode": mode, "skipped": skipped[side]}
-                continue
-            if name not in runs:  # not run in this mode
-                results[name] = {"side": side, "mode": mode, "skipped": FULL_ONLY}
-                continue
-            ok = [x for x in runs[name] if "error" not in x]
-            if not ok:
-                results[name] = {"side": side, "mode": mode, "error": runs[name][-1]["error"],
-                                 "stderr_tail": runs[name][-1].get("stderr_tail")}
-                continue
-            ok.sort(key=lambda x: x["summary"]["tokens_per_s_steps"])
-            results[name] = dict(ok[len(ok) // 2]["summary"])
-            if len(ok) > 1:
-                results[name]["tokens_per_s_steps_all_rounds"] = [x["summary"]["tokens_per_s_steps"] for x in ok]
-
     mem_key = "peak_memory_gib" if on_cuda else "peak_rss_gib"
     memory_measure = "torch.cuda.max_memory_allocated" if on_cuda else "peak RSS (CPU)"
-    done = {k: v for k, v in results.items() if "tokens_per_s_steps" in v}
-    ratios = {}
-    # ours vs TRL within a mode (> 1 ours faster, < 1 ours smaller), and the compiled step against the same step
-    # eager (the same numbers, and how much faster)
-    pairs_compared = [(m, o, t) for m in modes for o in ours_sides for t in ("trl", "trl_precomputed")]
+
+    def side_results() -> dict[str, dict]:
+        """Each side's summary (the median round by tokens/s), or why it has none: skipped, failed, or not run yet."""
+        results: dict[str, dict] = {}
+        for mode in modes:
+            for side in sides:
+                name = run_name(side, mode)
+                if side in skipped:
+                    results[name] = {"side": side, "mode": mode, "skipped": skipped[side]}
+                    continue
+                if name not in runs:  # not run in this mode
+                    results[name] = {"side": side, "mode": mode, "skipped": FULL_ONLY}
+                    continue
+                if not runs[name]:  # its turn has not come: the report of a run still going, or cut short
+                    results[name] = {"side": side, "mode": mode, "pending": True}
+                    continue
+                ok = [x for x in runs[name] if "error" not in x]
+                if not ok:
+                    results[name] = {"side": side, "mode": mode, "error": runs[name][-1]["error"],
+                                     "stderr_tail": runs[name][-1].get("stderr_tail")}
+                    continue
+                ok.sort(key=lambda x: x["summary"]["tokens_per_s_steps"])
+                results[name] = dict(ok[len(ok) // 2]["summary"])
+                if len(ok) > 1:
+                    results[name]["tokens_per_s_steps_all_rounds"] = [x["summary"]["tokens_per_s_steps"] for x in ok]
+        return results
 
     def budget(side: str) -> int | None:  # the micro-batch budget a side ran with (None: by pair count)
         return side_budget(side, spec["max_tokens_per_micro_batch"])
 
-    eager_sides = [o for o in ours_sides if base_of[o] == "ours_bf16"]
-    for o in (o for o in ours_sides if base_of[o] == "ours_compile"):  # the eager step at the same budget, else any
-        same = [e for e in eager_sides if budget(e) == budget(o)] or eager_sides
-        pairs_compared += [(m, o, same[0]) for m in modes] if same else []
-    for mode, ours_side, other in pairs_compared:
-        ours, theirs = done.get(run_name(ours_side, mode)), done.get(run_name(other, mode))
-        if ours and theirs:
-            ratios[f"{run_name(ours_side, mode)}_vs_{run_name(other, mode)}"] = {
-                "tokens_per_s_steps": ours["tokens_per_s_steps"] / theirs["tokens_per_s_steps"],
-                "tokens_per_s_run": ours["tokens_per_s_run"] / theirs["tokens_per_s_run"],
-                "peak_memory": ours[mem_key] / theirs[mem_key],
-                "memory_measure": memory_measure,
-                "same_trained_params": ours["trainable_params"] == theirs["trainable_params"],
-                "step1_loss_abs_diff": abs(ours["first_loss"] - theirs["first_loss"]),
-                "step1_grad_norm_rel_diff": (abs(ours["first_grad_norm"] - theirs["first_grad_norm"])
-                                             / max(abs(theirs["first_grad_norm"]), 1e-12)
-                                             if theirs.get("first_grad_norm") is not None else None),
-            }
-            if other in ours_sides:  # two of ours: the budgets they ran with
-                ratios[f"{run_name(ours_side, mode)}_vs_{run_name(other, mode)}"]["budgets"] = [budget(ours_side),
-                                                                                               budget(other)]
-    for mode, m in modes.items():  # LoRA vs full on each side: < 1 LoRA smaller / faster per step
-        for side in sides:
-            lora, full = done.get(run_name(side, mode)), done.get(run_name(side, "full"))
-            if m["lora_rank"] and lora and full:
-                ratios[f"{run_name(side, mode)}_vs_{side}"] = {
-                    "peak_memory": lora[mem_key] / full[mem_key],
+    def side_ratios(results: dict[str, dict]) -> dict[str, dict]:
+        done = {k: v for k, v in results.items() if "tokens_per_s_steps" in v}
+        ratios = {}
+        # ours vs TRL within a mode (> 1 ours faster, < 1 ours smaller), and the compiled step against the same step
+        # eager (the same numbers, and how much faster)
+        pairs_compared = [(m, o, t) for m in modes for o in ours_sides for t in ("trl", "trl_precomputed")]
+        eager_sides = [o for o in ours_sides if base_of[o] == "ours_bf16"]
+        for o in (o for o in ours_sides if base_of[o] == "ours_compile"):  # the eager step at the same budget, else any
+            same = [e for e in eager_sides if budget(e) == budget(o)] or eager_sides
+            pairs_compared += [(m, o, same[0]) for m in modes] if same else []
+        for mode, ours_side, other in pairs_compared:
+            ours, theirs = done.get(run_name(ours_side, mode)), done.get(run_name(other, mode))
+            if ours and theirs:
+                ratios[f"{run_name(ours_side, mode)}_vs_{run_name(other, mode)}"] = {
+                    "tokens_per_s_steps": ours["tokens_per_s_steps"] / theirs["tokens_per_s_steps"],
+                    "tokens_per_s_run": ours["tokens_per_s_run"] / theirs["tokens_per_s_run"],
+                    "peak_memory": ours[mem_key] / theirs[mem_key],
                     "memory_measure": memory_measure,
-                    "step_time": lora["seconds_steps"] / full["seconds_steps"],  # the same steps' mean
-                    "median_step_time": lora["median_step_seconds"] / full["median_step_seconds"],
-                    "tokens_per_s_steps": lora["tokens_per_s_steps"] / full["tokens_per_s_steps"],
-                    "trained_params": lora["trainable_params"] / full["trainable_params"],
-                    "step1_loss_abs_diff": abs(lora["first_loss"] - full["first_loss"]),
+                    "same_trained_params": ours["trainable_params"] == theirs["trainable_params"],
+                    "step1_loss_abs_diff": abs(ours["first_loss"] - theirs["first_loss"]),
+                    "step1_grad_norm_rel_diff": (abs(ours["first_grad_norm"] - theirs["first_grad_norm"])
+                                                 / max(abs(theirs["first_grad_norm"]), 1e-12)
+                                                 if theirs.get("first_grad_norm") is not None else None),
                 }
+                if other in ours_sides:  # two of ours: the budgets they ran with
+                    ratios[f"{run_name(ours_side, mode)}_vs_{run_name(other, mode)}"]["budgets"] = [
+                        budget(ours_side), budget(other)]
+        for mode, m in modes.items():  # LoRA vs full on each side: < 1 LoRA smaller / faster per step
+            for side in sides:
+                lora, full = done.get(run_name(side, mode)), done.get(run_name(side, "full"))
+                if m["lora_rank"] and lora and full:
+                    ratios[f"{run_name(side, mode)}_vs_{side}"] = {
+                        "peak_memory": lora[mem_key] / full[mem_key],
+                        "memory_measure": memory_measure,
+                        "step_time": lora["seconds_steps"] / full["seconds_steps"],  # the same steps' mean
+                        "median_step_time": lora["median_step_seconds"] / full["median_step_seconds"],
+                        "tokens_per_s_steps": lora["tokens_per_s_steps"] / full["tokens_per_s_steps"],
+                        "trained_params": lora["trainable_params"] / full["trainable_params"],
+                        "step1_loss_abs_diff": abs(lora["first_loss"] - full["first_loss"]),
+                    }
+        return ratios
 
     def version(name: str) -> str | None:
         try:
@@ -1117,32 +1114,69 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             return None
 
-    report = {
-        "config": {
-            **{k: v for k, v in spec.items()
-               if k not in ("pair_lengths", "model_dir", "pairs_path", "workdir", "profile_trace")},
-            "device_name": device_name, "peak_tflops_bf16": peak_tflops, "peak_tflops_source": peak_source,
-            "total_params": total_params, "real_tokens_all_pairs": real_tokens, "tiny": a.tiny,
-            "weights": "float32 master weights" + (" + bf16 autocast" if precision == "amp" else ", no autocast")
-                       + "; ours_bf16: bf16 weights, float32 masters in the optimizer; ours_compile: ours_bf16 with "
-                         "each decoder layer compiled (torch.compile)",
-            "versions": {m: version(m) for m in ("torch", "transformers", "trl", "datasets", "peft", "flash_attn")},
-            "flops_formula": ("PaLM: training 6*N*T + 12*L*hidden*T^2 per sequence (LoRA: (4*N + 6*N_lora)*T + "
-                              "12*L*hidden*T^2, no weight gradients of the frozen N; N_lora = the adapters' "
-                              "parameters), reference forward 2*N*T + 4*L*hidden*T^2; T = the sequence's real length "
-                              "(prompt + response), summed over chosen and rejected of every pair; N = parameters "
-                              "minus the input embedding"),
-            "mfu_definitions": {
-                "mfu_steps": "training FLOPs of the timed steps / their seconds / peak (reference FLOPs excluded)",
-                "mfu_steps_with_ref": "plus the reference forward FLOPs run inside those steps (TRL default only)",
-                "mfu_run": "(training FLOPs of all steps + reference forward FLOPs of all pairs) / whole-run "
-                           "seconds (setup + reference pass + all steps) / peak",
-            },
+    config_report = {
+        **{k: v for k, v in spec.items()
+           if k not in ("pair_lengths", "model_dir", "pairs_path", "workdir", "profile_trace")},
+        "device_name": device_name, "peak_tflops_bf16": peak_tflops, "peak_tflops_source": peak_source,
+        "total_params": total_params, "real_tokens_all_pairs": real_tokens, "tiny": a.tiny,
+        "weights": "float32 master weights" + (" + bf16 autocast" if precision == "amp" else ", no autocast")
+                   + "; ours_bf16: bf16 weights, float32 masters in the optimizer; ours_compile: ours_bf16 with "
+                     "each decoder layer compiled (torch.compile)",
+        "versions": {m: version(m) for m in ("torch", "transformers", "trl", "datasets", "peft", "flash_attn")},
+        "flops_formula": ("PaLM: training 6*N*T + 12*L*hidden*T^2 per sequence (LoRA: (4*N + 6*N_lora)*T + "
+                          "12*L*hidden*T^2, no weight gradients of the frozen N; N_lora = the adapters' "
+                          "parameters), reference forward 2*N*T + 4*L*hidden*T^2; T = the sequence's real length "
+                          "(prompt + response), summed over chosen and rejected of every pair; N = parameters "
+                          "minus the input embedding"),
+        "mfu_definitions": {
+            "mfu_steps": "training FLOPs of the timed steps / their seconds / peak (reference FLOPs excluded)",
+            "mfu_steps_with_ref": "plus the reference forward FLOPs run inside those steps (TRL default only)",
+            "mfu_run": "(training FLOPs of all steps + reference forward FLOPs of all pairs) / whole-run "
+                       "seconds (setup + reference pass + all steps) / peak",
         },
-        "sides": results,
-        "ratios": ratios,
     }
-    Path(a.output).write_text(json.dumps(report, indent=2) + "\n")
+
+    def write_report(still_to_run: int) -> dict[str, Any]:
+        """The report of the runs so far, written whole over ``--output`` (a temporary file renamed over it): after
+        every side, so that a run cut short (a lease's end) leaves every side it finished: those not run yet are
+        ``"pending"``, and ``runs_pending`` counts the runs to come (absent once all ran)."""
+        results = side_results()
+        report = {"config": config_report, "sides": results, "ratios": side_ratios(results)}
+        if still_to_run:
+            report["runs_pending"] = still_to_run
+        output = Path(a.output)
+        partial = output.with_name(output.name + ".partial")
+        partial.write_text(json.dumps(report, indent=2) + "\n")
+        partial.replace(output)
+        return report
+
+    order = [(side, mode, r) for r in range(a.rounds)
+             for side, mode in (runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else [])]
+    report = write_report(len(order))
+    for done_count, (side, mode, r) in enumerate(order, 1):
+        name, t = run_name(side, mode), time.perf_counter()
+        timeout = a.worker_timeout
+        if a.deadline is not None:
+            left = a.deadline - (t - started)
+            if left <= 0:
+                print(f"[bench_gpu] --deadline {a.deadline:g} s reached: {len(order) - done_count + 1} side run(s) not "
+                      "started, pending in the report")
+                break
+            timeout = min(timeout or left, left)
+        raw = spawn(side, mode, spec_path, timeout, visible_gpu, cpu_threads, r)
+        if "error" in raw:
+            print(f"[bench_gpu] {name} FAILED ({raw['error']}):\n{raw.get('stderr_tail', '')}")
+        else:
+            s = summarise(raw, spec, peak_tflops * 1e12 if peak_tflops else None)
+            raw["summary"] = s
+            print(f"[bench_gpu] round {r + 1} {name}: {s['tokens_per_s_steps']:,.0f} tok/s over the steps, "
+                  f"run {s['seconds_run']:.1f} s (process {time.perf_counter() - t:.1f} s)")
+            if s.get("compiled_graphs", {}).get("in_window"):
+                print(f"[bench_gpu] warning: {name} compiled {s['compiled_graphs']['in_window']} graph(s) inside "
+                      "the steps window, which timed them as steps; more --warmup steps would leave them out")
+        runs[name].append(raw)
+        report = write_report(len(order) - done_count)
+    results, ratios = report["sides"], report["ratios"]
 
     print()
     print(f"DPO, Llama {dims['num_hidden_layers']}x{dims['hidden_size']} ({count(total_params)} params), "
@@ -1168,7 +1202,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwritten {a.output}")
     if not a.keep_workdir and not a.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
-    return 0 if all("error" not in r for r in results.values()) else 1
+    return 0 if all("error" not in r and not r.get("pending") for r in results.values()) else 1
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@
 #   GPU_CHECK_BENCH_SIDES   its sides (default: ours_bf16,ours_compile,ours_compile@16384,trl,trl_precomputed; see
 #            scripts/bench_gpu.py --help), and GPU_CHECK_PROFILE_SIDES those profiled (default: ours_bf16,ours_compile).
 #   GPU_CHECK_DEADLINE   seconds after which the remaining steps are skipped (and counted as failed), so that a
-#            lease's end still finds the summary written (default: none).
+#            lease's end still finds the summary written (default: none). The bench stops its sides 20 s before it
+#            (bench_gpu.py --deadline), keeping those that finished.
+#   GPU_CHECK_SIDE_TIMEOUT   seconds one bench side may take (default: none).
 #
 # Writes OUT/out/gpu_check.json (every step: command, exit status, seconds; the generate timings; the ZeRO-3 vs
 # plain losses; versions and device), OUT/out/bench.json (scripts/bench_gpu.py, with the profile of our sides), and
@@ -41,7 +43,7 @@ while [ $# -gt 0 ]; do
     --no-bench) BENCH=0 ;;
     --resume) RESUME=1 ;;
     --bench-only) BENCH_ONLY=1 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -136,6 +138,9 @@ if [ "$BENCH" = 1 ]; then
   fi
   PROFILE_ARGS=()
   [ -z "$PROFILED" ] || PROFILE_ARGS=(--profile --profile-sides "$PROFILED")
+  # under a deadline, the bench stops its sides in time for the summary (it keeps those it finished)
+  [ -z "${GPU_CHECK_SIDE_TIMEOUT:-}" ] || BENCH_ARGS+=(--worker-timeout "$GPU_CHECK_SIDE_TIMEOUT")
+  [ "$DEADLINE" -le 0 ] || BENCH_ARGS+=(--deadline "$((DEADLINE - SECONDS - 20))")
   # (an empty array expanded under set -u is an error before bash 4.4: hence the +)
   step bench "$PYTHON" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --sides "$SIDES" ${PROFILE_ARGS[@]+"${PROFILE_ARGS[@]}"} \
     --output "$RESULTS/bench.json"
@@ -239,7 +244,7 @@ path = results / "bench.json"
 bench_ran = any(s["step"] == "bench" for s in steps)
 if path.is_file() and bench_ran:
     report = json.loads(path.read_text())
-    fields = ("tokens_per_s_steps", "mfu_steps", "peak_memory_gib", "compiled_graphs", "error")
+    fields = ("tokens_per_s_steps", "mfu_steps", "peak_memory_gib", "compiled_graphs", "error", "pending")
     checks["bench"] = {"ratios": report.get("ratios"),
                        "sides": {k: {f: v.get(f) for f in fields} for k, v in report["sides"].items()},
                        "profiles": {k: {f: v["profile"].get(f) for f in ("steps", "kernels", "wall_ms", "gpu_busy_ms",

@@ -326,3 +326,56 @@ def test_memory_bench_inputs_and_commands_cover_every_stage(tmp_path, tiny_polic
         "prompts": 20, "generations": 20, "scored": 20, "pairs": 20}
     for stage in memory.STAGES:
         assert rlhf(*memory.stage_argv(stage, inputs, tiny_policy, tmp_path / stage)[0:]) == 0, stage
+
+
+def test_the_gpu_trainer_scripts_report_keeps_each_finished_side_when_the_run_is_cut(tmp_path, monkeypatch):
+    """scripts/bench_gpu.py writes its report after every side: a run killed during its second side (a lease's end)
+    leaves the first side's figures, the second marked pending, and how many runs were still to come."""
+    import json
+
+    script = _gpu_bench_script()
+    real_spawn, calls = script.spawn, []
+
+    def spawn(side, *args, **kwargs):
+        calls.append(side)
+        if len(calls) == 2:
+            report = json.loads((tmp_path / "bench.json").read_text())  # what a kill here would leave
+            assert report["sides"]["ours"]["tokens_per_s_steps"] > 0
+            assert report["sides"]["ours_bf16"] == {"side": "ours_bf16", "mode": "full", "pending": True}
+            assert report["runs_pending"] == 1
+            raise KeyboardInterrupt  # the run is cut while the second side runs
+        return real_spawn(side, *args, **kwargs)
+
+    monkeypatch.setattr(script, "spawn", spawn)
+    with pytest.raises(KeyboardInterrupt):
+        script.main(["--device", "cpu", "--tiny", "--sides", "ours,ours_bf16", "--workdir", str(tmp_path / "work"),
+                     "--output", str(tmp_path / "bench.json")])
+    assert calls == ["ours", "ours_bf16"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "work"]  # no partial file left beside it
+
+
+def test_the_gpu_trainer_scripts_deadline_stops_it_and_says_what_did_not_run(tmp_path, monkeypatch, capsys):
+    """``--deadline``: a side that would start past it does not start; the report keeps the sides that ran, lists the
+    rest as pending, and the exit status says the run is incomplete. A side started before it gets only the time left
+    as its timeout."""
+    import json
+
+    script = _gpu_bench_script()
+    now = [0.0]  # the bench's clock: setup takes no time, the first side 15 s
+    monkeypatch.setattr(script.time, "perf_counter", lambda: now[0])
+    timeouts = []
+
+    def spawn(side, mode, spec_path, timeout, *args):
+        timeouts.append(timeout)
+        now[0] += 15.0
+        return {"error": "stand-in side"}  # a side's figures are not what this checks
+
+    monkeypatch.setattr(script, "spawn", spawn)
+    code = script.main(["--device", "cpu", "--tiny", "--sides", "ours,ours_bf16", "--deadline", "12",
+                        "--worker-timeout", "100", "--workdir", str(tmp_path / "work"),
+                        "--output", str(tmp_path / "bench.json")])
+    assert code == 1 and timeouts == [12.0]  # the time left, under --worker-timeout; side 2 (at 15 s) never started
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["sides"]["ours"]["error"] == "stand-in side"
+    assert report["sides"]["ours_bf16"]["pending"] and report["runs_pending"] == 1
+    assert "| ours_bf16 | not run (--deadline) |" in capsys.readouterr().out

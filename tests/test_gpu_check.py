@@ -44,6 +44,7 @@ def test_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     # same step to float rounding with no compilation inside the timed steps, and profiled each for 3 more steps
     bench = json.loads((tmp_path / "out" / "bench.json").read_text())
     sides = bench["sides"]
+    assert "runs_pending" not in bench and not any(v.get("pending") for v in sides.values())  # every side ran
     for side in ("ours_bf16", "ours_compile", "ours_compile@16384"):
         assert "error" not in sides[side]
     for side in ("ours_compile", "ours_compile@16384"):
