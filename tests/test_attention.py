@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from rlhf_pipeline import attention  # noqa: E402
 from rlhf_pipeline.attention import register_varlen, varlen_attention, varlen_mask, varlen_reference  # noqa: E402
 from rlhf_pipeline.logprobs import _varlen_layout, build_batch, sequence_logps, token_logps  # noqa: E402
+from rlhf_pipeline.modeling import enable_activation_checkpointing  # noqa: E402
 from conftest import naive_sequence_logps, parameter_grads  # noqa: E402
 
 # Lengths that cover a one-token response, empty responses and a one-token prompt.
@@ -287,7 +288,7 @@ def test_critic_values_and_checkpointed_gradients_of_varlen_models(tiny_policy, 
     model = tiny_model("llama", tiny_policy)
     grads = []
     for m in (model, varlen_copy(model)):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(m)
         m.train()
         sequence_logps(m, batch).sum().backward()
         grads.append(parameter_grads(m))

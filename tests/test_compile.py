@@ -11,6 +11,7 @@ import torch
 
 from conftest import free_port, logged, make_pairs, run
 from rlhf_pipeline.logprobs import build_batch, sequence_logps
+from rlhf_pipeline.modeling import enable_activation_checkpointing
 from rlhf_pipeline.training.compilation import compile_decoder_layers, decoder_layers
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
@@ -90,7 +91,7 @@ def test_every_way_the_layers_run_stays_compiled():
     from rlhf_pipeline.training.lora import LoraOptions, add_adapters
 
     model = tiny_llama()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model)
     model = add_adapters(model, LoraOptions(lora_rank=4))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -144,6 +144,37 @@ def test_batch_times_accumulation_is_invariant(pairs, tiny_policy, tmp_path):
     assert max_weight_diff(tmp_path / "b4", tmp_path / "b1") < 1e-4
 
 
+def test_gradient_checkpointing_checkpoints_every_layer_and_trains_as_without(pairs, tiny_policy, tmp_path,
+                                                                              monkeypatch):
+    """--gradient-checkpointing: every decoder layer recomputed in backward, asked for under transformers' current name
+    (its old one warns that it goes in v6), and the same steps as without it."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.modeling import enable_activation_checkpointing
+
+    checkpointed = []
+    real = enable_activation_checkpointing
+
+    def spy(model):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            real(model)
+        assert not [w for w in caught if "checkpointing_enable" in str(w.message)]
+        checkpointed.append([layer.gradient_checkpointing for layer in model.model.layers])
+
+    monkeypatch.setattr(trainer, "enable_activation_checkpointing", spy)
+    common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 3, "--learning-rate", 1e-3, "--batch-size", 4]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "plain", *common)) == 0
+    assert checkpointed == []
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "checkpointed", *common, "--gradient-checkpointing")) == 0
+    layers = AutoModelForCausalLM.from_pretrained(tiny_policy).config.num_hidden_layers
+    assert checkpointed == [[True] * layers]
+    assert logged(tmp_path / "checkpointed") == pytest.approx(logged(tmp_path / "plain"), abs=1e-6)
+    assert max_weight_diff(tmp_path / "checkpointed", tmp_path / "plain") < 1e-6
+
+
 def test_a_token_budget_trains_as_batching_by_count(pairs, tiny_policy, tmp_path, monkeypatch):
     """--max-tokens-per-micro-batch 250 cuts each global batch of 8 pairs (60-90 tokens each) into micro-batches of
     1 to 3 pairs instead of 2 of 4; weighted by their pairs, they give the same losses and weights."""

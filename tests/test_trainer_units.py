@@ -223,3 +223,23 @@ def test_rebel_backpropagates_repos_form_and_reports_the_papers(tiny_policy):
     scale = max(float(g.abs().max()) for g in ours.values())
     for name, p in model.named_parameters():  # float32 sums in another order: tolerance relative to the largest
         torch.testing.assert_close(ours[name], eta**2 * p.grad, rtol=1e-3, atol=1e-5 * scale)
+
+
+def test_ppos_policy_and_critic_are_both_checkpointed_without_the_deprecated_name(tiny_policy, tiny_rm):
+    """PPO's one module of policy and critic (not a transformers model, so without ``activation_checkpointing_enable``)
+    takes the old entry point, and passes it on to each model under transformers' current name."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhf_pipeline.algorithms.groups import policy_and_critic
+    from rlhf_pipeline.modeling import enable_activation_checkpointing
+
+    both = policy_and_critic(AutoModelForCausalLM.from_pretrained(tiny_policy),
+                             AutoModelForSequenceClassification.from_pretrained(tiny_rm, num_labels=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enable_activation_checkpointing(both)
+    assert not [w for w in caught if "checkpointing_enable" in str(w.message)]
+    for part in (both.policy.model, both.critic.model):
+        assert part.layers and all(layer.gradient_checkpointing for layer in part.layers)

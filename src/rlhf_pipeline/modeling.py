@@ -256,6 +256,17 @@ def peel(model: Any) -> Any:
     return model.get_base_model() if is_peft(model) else model
 
 
+def enable_activation_checkpointing(model: Any) -> None:
+    """Activation (gradient) checkpointing of every decoder layer, non-reentrant. Transformers 5.2x renamed
+    ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` (the old name warns, and goes in v6);
+    a model with the new name gets it, any other (older releases, a wrapper of two models) the old one."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def supports_fast_path(model) -> bool:
     """A one-label classifier whose reward is ``score(last hidden state)`` of a body named by ``base_model_prefix``."""
     import torch

@@ -53,7 +53,7 @@ from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import GROUP_COLUMNS, SAMPLER_LOGPROBS, SCORED_KINDS, require_columns, require_types
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CRITIC, ROLLOUT_CACHE
-from rlhf_pipeline.modeling import peel
+from rlhf_pipeline.modeling import enable_activation_checkpointing, peel
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +188,9 @@ def policy_and_critic(policy, critic):
             self.policy, self.critic = policy, critic
             self.config = policy.config  # what the trainer reads (use_cache, name) is the policy's
 
-        def gradient_checkpointing_enable(self, **kwargs):
-            self.policy.gradient_checkpointing_enable(**kwargs)
-            self.critic.gradient_checkpointing_enable(**kwargs)
+        def gradient_checkpointing_enable(self, **kwargs):  # modeling.enable_activation_checkpointing's fallback
+            enable_activation_checkpointing(self.policy)
+            enable_activation_checkpointing(self.critic)
 
         def save_pretrained(self, path, state_dict=None, safe_serialization=True):
             state_dict = state_dict if state_dict is not None else self.state_dict()

@@ -52,6 +52,7 @@ from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches
 from rlhf_pipeline.errors import FailedElsewhere, PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import METRICS
+from rlhf_pipeline.modeling import enable_activation_checkpointing
 from rlhf_pipeline.training.compilation import compile_decoder_layers
 from rlhf_pipeline.training.lora import LoraOptions, add_adapters, load_kwargs
 from rlhf_pipeline.training.master_weights import MasterWeights
@@ -311,7 +312,7 @@ def load_trainable(config: TrainOptions, loader: Callable[..., Any]):
     model.config.use_cache = False
     disable_dropout(model)  # before the adapters: --lora-dropout is theirs
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     return add_adapters(model, config)
 
 
