@@ -175,3 +175,43 @@ def test_what_config_json_says_about_a_reward_model():
     remote = {"architectures": ["TinyArmoForRewardModel"], "auto_map": {"AutoModelForSequenceClassification": "m.C"}}
     assert "auto_map: AutoModelForSequenceClassification -> m.C" in reward_model_problem(remote, False)
     assert reward_model_problem(remote, True) is None
+
+
+@pytest.fixture(scope="module")
+def armo_groups(armo, gens, tmp_path_factory, tiny_policy) -> Path:
+    """The generations scored by the tiny ArmoRM and laid out as groups, as PPO trains on them."""
+    d = tmp_path_factory.mktemp("armo_groups")
+    assert run("score", "--input", gens, "--output", d / "scored", "--reward-model", armo, "--trust-remote-code") == 0
+    assert run("filter", "--input", d / "scored", "--output", d / "groups", "--tokenizer", tiny_policy,
+               "--mode", "groups", "--test-size", 1) == 0
+    return d / "groups"
+
+
+@pytest.mark.parametrize("how", ["--critic-model", "the scoring model", "--critic-model, trusted"])
+def test_a_ppo_critic_from_a_model_with_its_own_head_code_is_one_line_before_anything_is_written(
+        how, armo, armo_groups, tiny_policy, tmp_path, capsys):
+    """PPO's critic reads a value at every token through a one-label linear ``score`` head. A model with its own
+    reward-head code (ArmoRM's gating head) has none: named in one line, the fix with it, before the output exists,
+    whether it is given as --critic-model or is the reward model that scored the data (REBEL's recipe scores with
+    ArmoRM); with --trust-remote-code its code loads and the head it has is refused. Without the check, the first
+    two were transformers' traceback and the third a TypeError from deep in the rollout."""
+    args = ["train", "--algo", "ppo", "--model", tiny_policy, "--data", armo_groups, "--output", tmp_path / "out",
+            "--report-to", "none", "--max-steps", 1]
+    if how.startswith("--critic-model"):
+        args += ["--critic-model", armo]
+    if how.endswith("trusted"):
+        args += ["--trust-remote-code"]
+    capsys.readouterr()
+    assert run(*args) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    flag = "the critic (the reward model that scored the data)" if how == "the scoring model" else "--critic-model"
+    assert len(errors) == 1 and errors[0].startswith(f"error: {flag} {armo}: "), err
+    if how.endswith("trusted"):
+        assert "TinyArmoForRewardModel is not a one-label sequence classifier with a linear `score` head" in errors[0]
+    else:
+        assert (f"ships its own code for its reward head (config.json's auto_map: AutoModelForSequenceClassification "
+                f"-> {REMOTE_CLASS})") in errors[0] and errors[0].endswith("if its head is one")
+    assert "pass --critic-model with a reward model rlhf train-rm wrote, or with the policy" in errors[0]
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

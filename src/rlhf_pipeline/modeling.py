@@ -163,19 +163,59 @@ def reward_model_problem(config: dict, trust_remote_code: bool, *, judge: bool =
                          trust_option: str = "--trust-remote-code") -> str | None:
     """Why a model with this ``config.json`` cannot score as a reward model here, and the fix (see
     :func:`check_reward_model`), or None."""
-    auto_map = config.get("auto_map")
-    remote = auto_map.get(REWARD_AUTO_CLASS) if isinstance(auto_map, dict) else None
+    remote = remote_reward_head(config)
     if remote:
         if trust_remote_code:
             return None
-        return (f"ships its own code for its reward head (config.json's auto_map: {REWARD_AUTO_CLASS} -> {remote}), "
-                f"which is not run unless allowed; read that code, then allow it with {trust_option}")
+        return (f"{_ships(remote)}, which is not run unless allowed; read that code, then allow it with "
+                f"{trust_option}")
     architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
     if architectures and all(a.endswith(_CAUSAL_LM_SUFFIXES) for a in architectures):
         fix = _REWARD_MODEL_HINT + (", or give it as --judge to compare answers pairwise" if judge else "")
         return (f"is a causal language model ({', '.join(architectures)}), not a reward model: loaded as one it "
                 f"would score with a new, randomly initialised head; {fix}")
     return None
+
+
+def remote_reward_head(config: dict) -> str | None:
+    """The class a model's ``config.json`` names for its own reward-head code (``auto_map``'s
+    ``AutoModelForSequenceClassification`` entry, as ArmoRM's does), or None."""
+    auto_map = config.get("auto_map")
+    remote = auto_map.get(REWARD_AUTO_CLASS) if isinstance(auto_map, dict) else None
+    return remote if isinstance(remote, str) and remote else None
+
+
+def _ships(remote: str) -> str:
+    return f"ships its own code for its reward head (config.json's auto_map: {REWARD_AUTO_CLASS} -> {remote})"
+
+
+# PPO's critic reads a value at every response token through the classifier's linear `score` head
+# (logprobs.token_values, supports_fast_path); the fix when a model cannot be one.
+CRITIC_FIX = ("pass --critic-model with a reward model rlhf train-rm wrote, or with the policy (the critic then starts "
+              "from it with a new value head)")
+
+
+def check_critic_model(flag: str, ref: str, trust_remote_code: bool = False) -> None:
+    """:func:`check_model_ref` for the model PPO's critic starts from, then its ``config.json`` (read as JSON, none of
+    its code run): a model that ships its own reward-head code is refused unless ``--trust-remote-code`` allows it.
+    Without that, transformers either refuses it with a traceback (a ``model_type`` of its own) or, for ArmoRM's
+    standard ``llama`` type, loads a standard classifier with a new, random score head in place of the model's own.
+    With it, the loaded model must still have a linear ``score`` head of one label (:func:`check_critic`). A causal LM
+    is a fine start: the critic gets a new value head on its body."""
+    check_model_ref(flag, ref, tokenizer=False)
+    config = _config_json(ref)
+    remote = remote_reward_head(config) if config is not None else None
+    if remote and not trust_remote_code:
+        raise PipelineError(f"{flag} {ref}: {_ships(remote)}, which is not run unless allowed, and PPO's critic needs a "
+                            f"one-label linear `score` head, which such code seldom has; {CRITIC_FIX}, or allow the "
+                            "code with --trust-remote-code if its head is one")
+
+
+def check_critic(flag: str, ref: str, model: Any) -> None:
+    """The loaded critic reads values as PPO needs them: a one-label classifier with a linear ``score`` head."""
+    if not supports_fast_path(model):
+        raise PipelineError(f"{flag} {ref}: {type(model).__name__} is not a one-label sequence classifier with a "
+                            f"linear `score` head, which PPO's critic reads at every token; {CRITIC_FIX}")
 
 
 def _config_json(ref: str) -> dict | None:

@@ -646,7 +646,9 @@ class GroupOptions:
     lam: float = option(0.95, help="PPO: GAE lambda.", reads=_uses_critic)
     critic_model: Optional[str] = option(
         None, help="PPO: the critic's starting point (default: the reward model of rlhf score; with a python reward "
-        "function, or several sources, the policy --model with a new value head).", reads=_uses_critic,
+        "function, or several sources, the policy --model with a new value head). It needs a one-label linear `score` "
+        "head: a model with its own reward-head code (ArmoRM) is refused unless --trust-remote-code allows it and "
+        "its head is one.", reads=_uses_critic,
     )
     critic_learning_rate: Optional[float] = option(None, help="PPO: the critic's peak learning rate "
                                                    "(default: --learning-rate).", reads=_uses_critic)
@@ -751,23 +753,25 @@ class GroupOptions:
         return params
 
 
-def _critic_source(config, ref) -> str:
+def _critic_source(config, ref) -> tuple[str, str]:
+    """The model PPO's critic starts from (checked: ``modeling.check_critic_model``), and how errors name it."""
     from rlhf_pipeline.datasets_io import find_in_lineage
-    from rlhf_pipeline.modeling import check_model_ref
+    from rlhf_pipeline.modeling import check_critic_model
 
-    if config.critic_model:
-        return config.critic_model
+    if config.critic_model:  # checked with --model, before anything else
+        return config.critic_model, "--critic-model"
     reward = find_in_lineage([ref], "reward") or {}
     if reward.get("reward_model"):
-        check_model_ref("the critic (the reward model that scored the data)", reward["reward_model"], tokenizer=False)
-        return reward["reward_model"]
+        flag = "the critic (the reward model that scored the data)"
+        check_critic_model(flag, reward["reward_model"], config.trust_remote_code)
+        return reward["reward_model"], flag
     # No one reward model to start from (a python reward function, or several sources): the policy itself, with a
     # new value head. It reads the policy's tokens by construction; the head starts near 0 and is fitted by the value
     # loss from the first step.
     why = "several reward sources" if reward.get("sources") else "no reward model"
     log.info("%s: --algo %s: the data was scored with %s, so the critic starts from the policy %s with a new value "
              "head (--critic-model sets another start)", config.data, config.algo, why, config.model)
-    return config.model
+    return config.model, "the critic (the policy)"
 
 
 def _rollout_correction(config, dd, ref) -> tuple[str, float]:
@@ -859,14 +863,14 @@ def train(config) -> Path:
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.distributed import on_main_process
-    from rlhf_pipeline.modeling import check_model_ref
+    from rlhf_pipeline.modeling import check_critic, check_critic_model, check_model_ref
     from rlhf_pipeline.training.stage import TrainingJob, run_training, training_record, training_summary
 
     check_model_ref("--model", config.model)
     if config.ref_model:
         check_model_ref("--ref-model", config.ref_model, tokenizer=False)
     if config.critic_model:
-        check_model_ref("--critic-model", config.critic_model, tokenizer=False)
+        check_critic_model("--critic-model", config.critic_model, config.trust_remote_code)
     ref = parse_ref(config.data)
 
     def read(run) -> TrainingJob:
@@ -883,7 +887,7 @@ def train(config) -> Path:
         temperature = logp_temperature(config.algorithm, config.temperature, sampling, str(ref))
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)
-        critic_path = _critic_source(config, ref) if config.algorithm.uses_critic else None
+        critic_path, critic_flag = _critic_source(config, ref) if config.algorithm.uses_critic else (None, None)
 
         def loader(path, trust_remote_code, **kwargs):
             policy = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
@@ -891,6 +895,7 @@ def train(config) -> Path:
                 return policy
             critic = AutoModelForSequenceClassification.from_pretrained(critic_path, num_labels=1,
                                                                         trust_remote_code=trust_remote_code, **kwargs)
+            check_critic(critic_flag, critic_path, critic)
             if critic.config.vocab_size < policy.config.vocab_size:
                 raise PipelineError(
                     f"critic {critic_path} has a vocabulary of {critic.config.vocab_size}, the policy "
