@@ -713,7 +713,7 @@ def spawn(side: str, mode: str, spec_path: Path, timeout: float | None, visible_
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
+        return {"error": f"timed out after {timeout:.0f} s"}
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout)[-4000:]
@@ -870,8 +870,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-timeout", type=float, default=None, help="seconds per side run")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds from the start after which no side starts and a running one is stopped (a lease's "
-                        "end): the report keeps every side that finished, the rest marked pending, and the exit "
-                        "status is 1")
+                        "end): the report keeps every side that finished, marks those never run pending and counts "
+                        "the runs not started (later --rounds too) in runs_pending; the exit status is then 1")
     p.add_argument("--profile", action="store_true",
                    help=f"our sides: after the timed steps, run {PROFILE_STEPS} more under torch.profiler and add its "
                         "summary (GPU busy fraction, top kernels, kernel families, gaps, host waits) to the side's "
@@ -892,6 +892,8 @@ def main(argv: list[str] | None = None) -> int:
         worker(a.worker, a.worker_mode, a.spec, a.worker_round)
         return 0
     started = time.perf_counter()
+    if a.deadline is not None and a.deadline <= 0:
+        raise SystemExit(f"--deadline {a.deadline:g}: no time left to run a side")
 
     import torch
     import transformers
@@ -1061,6 +1063,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = dict(ok[len(ok) // 2]["summary"])
                 if len(ok) > 1:
                     results[name]["tokens_per_s_steps_all_rounds"] = [x["summary"]["tokens_per_s_steps"] for x in ok]
+                if len(ok) < len(runs[name]):  # rounds that failed (or were stopped) are not in the median
+                    results[name]["rounds_failed"] = [x["error"] for x in runs[name] if "error" in x]
         return results
 
     def budget(side: str) -> int | None:  # the micro-batch budget a side ran with (None: by pair count)
@@ -1155,15 +1159,17 @@ def main(argv: list[str] | None = None) -> int:
     report = write_report(len(order))
     for done_count, (side, mode, r) in enumerate(order, 1):
         name, t = run_name(side, mode), time.perf_counter()
-        timeout = a.worker_timeout
+        timeout, left = a.worker_timeout, None
         if a.deadline is not None:
             left = a.deadline - (t - started)
             if left <= 0:
                 print(f"[bench_gpu] --deadline {a.deadline:g} s reached: {len(order) - done_count + 1} side run(s) not "
-                      "started, pending in the report")
+                      "started (runs_pending in the report)")
                 break
             timeout = min(timeout or left, left)
         raw = spawn(side, mode, spec_path, timeout, visible_gpu, cpu_threads, r)
+        if left is not None and timeout == left and raw.get("error", "").startswith("timed out"):
+            raw["error"] = f"stopped at --deadline {a.deadline:g} s (it had {left:.0f} s left to run)"
         if "error" in raw:
             print(f"[bench_gpu] {name} FAILED ({raw['error']}):\n{raw.get('stderr_tail', '')}")
         else:
@@ -1202,7 +1208,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwritten {a.output}")
     if not a.keep_workdir and not a.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
-    return 0 if all("error" not in r and not r.get("pending") for r in results.values()) else 1
+    # a run cut by --deadline is incomplete, also when every side ran at least once (a later round was cut)
+    complete = not report.get("runs_pending") and all(not r.get("pending") for r in results.values())
+    return 0 if complete and all("error" not in r for r in results.values()) else 1
 
 
 if __name__ == "__main__":

@@ -86,6 +86,9 @@ STEPS=$RESULTS/steps.jsonl
 FAILED=0
 
 DEADLINE=${GPU_CHECK_DEADLINE:-0}
+case "$DEADLINE" in
+  ''|*[!0-9]*) echo "error: GPU_CHECK_DEADLINE=$DEADLINE: give whole seconds (0 or unset: none)" >&2; exit 2 ;;
+esac
 step() {  # step NAME COMMAND...: run it, log its output to OUT/out/NAME.log, record status and seconds
   local name=$1; shift
   local t0 t1 rc

@@ -356,26 +356,39 @@ def test_the_gpu_trainer_scripts_report_keeps_each_finished_side_when_the_run_is
 
 def test_the_gpu_trainer_scripts_deadline_stops_it_and_says_what_did_not_run(tmp_path, monkeypatch, capsys):
     """``--deadline``: a side that would start past it does not start; the report keeps the sides that ran, lists the
-    rest as pending, and the exit status says the run is incomplete. A side started before it gets only the time left
-    as its timeout."""
+    rest as pending, and the exit status says the run is incomplete, also when only a later round was cut. A side
+    started before it gets the time left as its timeout, and one stopped there says so."""
     import json
 
     script = _gpu_bench_script()
-    now = [0.0]  # the bench's clock: setup takes no time, the first side 15 s
+    now = [0.0]  # the bench's clock: setup takes no time, each side 15 s
     monkeypatch.setattr(script.time, "perf_counter", lambda: now[0])
     timeouts = []
 
     def spawn(side, mode, spec_path, timeout, *args):
         timeouts.append(timeout)
         now[0] += 15.0
+        if timeout < 15:  # stopped by its timeout, as spawn reports it
+            return {"error": f"timed out after {timeout:.0f} s"}
         return {"error": "stand-in side"}  # a side's figures are not what this checks
 
     monkeypatch.setattr(script, "spawn", spawn)
-    code = script.main(["--device", "cpu", "--tiny", "--sides", "ours,ours_bf16", "--deadline", "12",
-                        "--worker-timeout", "100", "--workdir", str(tmp_path / "work"),
-                        "--output", str(tmp_path / "bench.json")])
-    assert code == 1 and timeouts == [12.0]  # the time left, under --worker-timeout; side 2 (at 15 s) never started
+    common = ["--device", "cpu", "--tiny", "--sides", "ours,ours_bf16", "--workdir", str(tmp_path / "work"),
+              "--output", str(tmp_path / "bench.json")]
+    assert script.main([*common, "--deadline", "12", "--worker-timeout", "100"]) == 1
+    assert timeouts == [12.0]  # the time left, under --worker-timeout; side 2 (at 15 s) never started
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["sides"]["ours"]["error"] == "stand-in side"
+    assert report["sides"]["ours"]["error"] == "stopped at --deadline 12 s (it had 12 s left to run)"
     assert report["sides"]["ours_bf16"]["pending"] and report["runs_pending"] == 1
     assert "| ours_bf16 | not run (--deadline) |" in capsys.readouterr().out
+
+    # two rounds: 4 runs of 15 s against 40 s; the third run gets the 10 s left, the fourth never starts, and the
+    # run is incomplete though every side ran once
+    now[0], timeouts[:] = 0.0, []
+    assert script.main([*common, "--deadline", "40", "--rounds", "2"]) == 1
+    assert timeouts == [40.0, 25.0, 10.0]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["runs_pending"] == 1 and not any(v.get("pending") for v in report["sides"].values())
+
+    with pytest.raises(SystemExit, match="--deadline -5: no time left"):  # before the model is built
+        script.main([*common, "--deadline", "-5"])
