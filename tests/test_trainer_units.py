@@ -243,3 +243,25 @@ def test_ppos_policy_and_critic_are_both_checkpointed_without_the_deprecated_nam
     assert not [w for w in caught if "checkpointing_enable" in str(w.message)]
     for part in (both.policy.model, both.critic.model):
         assert part.layers and all(layer.gradient_checkpointing for layer in part.layers)
+
+
+def test_a_model_with_its_own_checkpointing_method_gets_it_called_as_it_was_written():
+    """Remote code may override ``gradient_checkpointing_enable`` with transformers' older signature; transformers
+    5.2x's new entry point would call it with arguments it does not take, so such a model gets its own method."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from rlhf_pipeline.modeling import enable_activation_checkpointing
+
+    base = AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    calls = []
+
+    class OwnCode(type(base)):
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):  # the pre-5.2x signature
+            calls.append(gradient_checkpointing_kwargs)
+            super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    model = OwnCode(base.config)
+    enable_activation_checkpointing(model)
+    assert calls == [{"use_reentrant": False}]
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)

@@ -189,33 +189,40 @@ def _ships(remote: str) -> str:
     return f"ships its own code for its reward head (config.json's auto_map: {REWARD_AUTO_CLASS} -> {remote})"
 
 
-# PPO's critic reads a value at every response token through the classifier's linear `score` head
+# PPO's critic reads a value at every response token through the classifier's one-label `score` head
 # (logprobs.token_values, supports_fast_path); the fix when a model cannot be one.
 CRITIC_FIX = ("pass --critic-model with a reward model rlhf train-rm wrote, or with the policy (the critic then starts "
               "from it with a new value head)")
 
 
 def check_critic_model(flag: str, ref: str, trust_remote_code: bool = False) -> None:
-    """:func:`check_model_ref` for the model PPO's critic starts from, then its ``config.json`` (read as JSON, none of
-    its code run): a model that ships its own reward-head code is refused unless ``--trust-remote-code`` allows it.
-    Without that, transformers either refuses it with a traceback (a ``model_type`` of its own) or, for ArmoRM's
-    standard ``llama`` type, loads a standard classifier with a new, random score head in place of the model's own.
-    With it, the loaded model must still have a linear ``score`` head of one label (:func:`check_critic`). A causal LM
-    is a fine start: the critic gets a new value head on its body."""
+    """:func:`check_model_ref` for a model given as PPO's critic start (``--critic-model``), then its ``config.json``
+    (read as JSON, none of its code run): a model that ships its own reward-head code is refused unless
+    ``--trust-remote-code`` allows it. Without that, transformers either refuses it with a traceback (a
+    ``model_type`` of its own) or, for ArmoRM's standard ``llama`` type, loads a standard classifier with a new,
+    random score head in place of the model's own. With it, the loaded model must still have a ``score`` head of one
+    label (:func:`check_critic`). A causal LM is a fine start: the critic gets a new value head on its body."""
     check_model_ref(flag, ref, tokenizer=False)
-    config = _config_json(ref)
-    remote = remote_reward_head(config) if config is not None else None
+    remote = own_reward_head(ref)
     if remote and not trust_remote_code:
         raise PipelineError(f"{flag} {ref}: {_ships(remote)}, which is not run unless allowed, and PPO's critic needs a "
-                            f"one-label linear `score` head, which such code seldom has; {CRITIC_FIX}, or allow the "
+                            f"`score` head of one label, which such code seldom has; {CRITIC_FIX}, or allow the "
                             "code with --trust-remote-code if its head is one")
 
 
-def check_critic(flag: str, ref: str, model: Any) -> None:
-    """The loaded critic reads values as PPO needs them: a one-label classifier with a linear ``score`` head."""
+def own_reward_head(ref: str) -> str | None:
+    """:func:`remote_reward_head` of the model ``ref`` (its ``config.json`` read as JSON), or None where it names none
+    or cannot be read."""
+    config = _config_json(ref)
+    return remote_reward_head(config) if config is not None else None
+
+
+def check_critic(flag: str, ref: str, model: Any, *, from_policy: bool = False) -> None:
+    """The loaded critic reads values as PPO needs them: a classifier with a ``score`` head of one label."""
     if not supports_fast_path(model):
-        raise PipelineError(f"{flag} {ref}: {type(model).__name__} is not a one-label sequence classifier with a "
-                            f"linear `score` head, which PPO's critic reads at every token; {CRITIC_FIX}")
+        fix = ("pass --critic-model with a reward model rlhf train-rm wrote" if from_policy else CRITIC_FIX)
+        raise PipelineError(f"{flag} {ref}: {type(model).__name__} is not a sequence classifier with a `score` head "
+                            f"of one label, which PPO's critic reads at every token; {fix}")
 
 
 def _config_json(ref: str) -> dict | None:
@@ -299,9 +306,15 @@ def peel(model: Any) -> Any:
 def enable_activation_checkpointing(model: Any) -> None:
     """Activation (gradient) checkpointing of every decoder layer, non-reentrant. Transformers 5.2x renamed
     ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` (the old name warns, and goes in v6);
-    a model with the new name gets it, any other (older releases, a wrapper of two models) the old one."""
+    a model with the new name gets it. Any other (older releases, a wrapper of two models) gets the old one, and so
+    does a model with its own ``gradient_checkpointing_enable`` (remote code): the new name would call that with
+    arguments an older override does not take."""
+    from transformers import PreTrainedModel
+
     kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
+    own = getattr(type(model), "gradient_checkpointing_enable", None) is not getattr(
+        PreTrainedModel, "gradient_checkpointing_enable", None)
+    if hasattr(model, "activation_checkpointing_enable") and not own:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
