@@ -383,37 +383,167 @@ def test_a_bf16_varlen_model_on_the_gpu_gives_the_padded_sdpa_logps(tiny_policy,
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen_attn kernel needs a CUDA GPU")
-def test_compiled_layers_on_the_cuda_kernel_give_the_eager_logps_and_gradients(tiny_policy, seqs):
-    """--compile on a GPU: each decoder layer of a bf16 varlen model compiled by Inductor, with torch's varlen_attn
-    inside the graph, gives the eager model's log-probs and gradients to bf16's rounding, over two micro-batches of
-    other lengths (the second reuses the compiled graphs)."""
+def _op_sequences(q, k, v, cu_seq, is_causal, scale, window_size):
+    """Flash attention's varlen convention, per sequence in float32: q (T, H, D), k and v (T, Hk, D) with Hk dividing
+    H (repeated to H), window_size (left, right) with -1 for unbounded. Yields each sequence's (start, end, q, k, v
+    as (H, L, D), the attention probabilities (H, L, L), the log-sum-exp (H, L), the scale)."""
+    left, right = window_size if window_size is not None else (-1, -1)
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ends = cu_seq.tolist()
+    for start, end in zip(ends[:-1], ends[1:]):
+        qs, ks, vs = (x[start:end].float().transpose(0, 1) for x in (q, k, v))  # (H, L, D)
+        pos = torch.arange(end - start)
+        allowed = torch.ones(len(pos), len(pos), dtype=torch.bool)
+        if left >= 0:
+            allowed &= pos[None, :] >= pos[:, None] - left
+        if right >= 0:
+            allowed &= pos[None, :] <= pos[:, None] + right
+        scores = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+        lse = scores.logsumexp(-1)
+        yield start, end, qs, ks, vs, (scores - lse[..., None]).exp(), lse, scale
+
+
+def _op_attention(q, k, v, cu_seq, is_causal, scale, window_size):
+    """The output (T, H, D) in q's dtype and the log-sum-exp (H, T) in float32, as the operator returns them."""
+    outs, lses = [], []
+    for *_, vs, probs, lse, _ in _op_sequences(q, k, v, cu_seq, is_causal, scale, window_size):
+        outs.append((probs @ vs).transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
+
+
+def _op_attention_grads(grad_out, q, k, v, cu_seq, is_causal, scale, window_size):
+    """The gradients of :func:`_op_attention`'s output for q, k and v, by hand (a kernel runs below autograd):
+    dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O)), dQ = dS K · scale, dK = dSᵀ Q · scale, K and V's summed over the
+    query heads that share them."""
+    dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32) for x in (q, q, q))  # dk, dv per query head first
+    for start, end, qs, ks, vs, probs, _, scale in _op_sequences(q, k, v, cu_seq, is_causal, scale, window_size):
+        go = grad_out[start:end].float().transpose(0, 1)  # (H, L, D)
+        out = probs @ vs
+        ds = probs * (go @ vs.transpose(-1, -2) - (go * out).sum(-1, keepdim=True))
+        dq[start:end] = (ds @ ks * scale).transpose(0, 1)
+        dk[start:end] = (ds.transpose(-1, -2) @ qs * scale).transpose(0, 1)
+        dv[start:end] = (probs.transpose(-1, -2) @ go).transpose(0, 1)
+    groups = q.shape[1] // k.shape[1]
+    dk, dv = (x.view(x.shape[0], k.shape[1], groups, x.shape[-1]).sum(2) for x in (dk, dv))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# varlen_op_on_the_cpu's kernels: registered once, on in that fixture; the calls of each
+_CPU_OP = {"registered": False, "on": False, "forward": 0, "backward": 0}
+
+
+def _cpu_op_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None,
+                    window_size=None, *_, **__):  # torch 2.13 adds enable_gqa and paged-KV arguments: the shapes say GQA
+    if not _CPU_OP["on"]:
+        raise RuntimeError("torch_attn::_varlen_attn has a CPU kernel only inside the varlen_op_on_the_cpu fixture")
+    _CPU_OP["forward"] += 1
+    out, lse = _op_attention(query, key, value, cu_seq_q, is_causal, scale, window_size)
+    return out, lse, torch.zeros(2, dtype=torch.uint64)
+
+
+def _cpu_op_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, rng_state,
+                     scale=None, window_size=None):
+    if not _CPU_OP["on"]:
+        raise RuntimeError("torch_attn::_varlen_attn_backward has a CPU kernel only inside varlen_op_on_the_cpu")
+    _CPU_OP["backward"] += 1
+    return _op_attention_grads(grad_out, query, key, value, cu_seq_q, is_causal, scale, window_size)
+
+
+@pytest.fixture
+def varlen_op_on_the_cpu(monkeypatch):
+    """PyTorch's own varlen_attn operator (``torch_attn::_varlen_attn`` and its backward, the custom ops the GPU path
+    calls) given a CPU kernel, and the trainer's kernel path taken for CPU tensors in bf16: the GPU path's graph, the
+    real operator with its fake (shape) functions, its autograd and its arguments as torch passes them, on a CPU.
+    Outside this fixture the kernel refuses to run, as the operator does on a CPU without it."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    if not _CPU_OP["registered"]:
+        varlen._varlen_attn.register_kernel("cpu")(_cpu_op_forward)
+        varlen._varlen_attn_backward.register_kernel("cpu")(_cpu_op_backward)
+        _CPU_OP["registered"] = True
+    monkeypatch.setattr(attention, "_kernel_runs",
+                        lambda q: q.dtype in (torch.bfloat16, torch.float16) and attention._varlen_attn() is not None)
+    _CPU_OP["on"] = True
+    try:
+        yield
+    finally:
+        _CPU_OP["on"] = False
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_varlen_ops_cpu_kernel_is_the_dense_reference_forward_and_backward(varlen_op_on_the_cpu, window,
+                                                                                 monkeypatch):
+    """The stand-in kernel the CPU runs of the GPU path use, through torch's operator and its autograd: outputs and
+    gradients (grouped key/value heads summed) are the dense block-diagonal float64 reference's, to the float32 the
+    kernel computes in (as flash attention accumulates)."""
+    monkeypatch.setattr(attention, "_kernel_runs", lambda q: True)
+    calls = _CPU_OP["forward"], _CPU_OP["backward"]
+    lengths = [1, 5, 3, 8, 2]
+    q, k, v = (x.requires_grad_() for x in qkv(lengths, dtype=torch.float64))
+    out = varlen_attention(SimpleNamespace(is_causal=True), q, k, v, None, scaling=0.3, sliding_window=window,
+                           **bounds(lengths))[0]
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    expected = dense_causal(*leaves, lengths, 0.3, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(out.shape, dtype=torch.float64)
+    out.backward(grad)
+    expected.backward(grad)
+    for got, want in zip((q, k, v), leaves):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
+    assert (_CPU_OP["forward"], _CPU_OP["backward"]) == (calls[0] + 1, calls[1] + 1)  # through the operator
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="the varlen_attn kernel needs a CUDA GPU")),
+    "cpu",
+])
+def test_compiled_layers_on_the_varlen_op_give_the_eager_logps_and_gradients(device, tiny_policy, seqs, request):
+    """--compile on the GPU path: each decoder layer of a bf16 varlen model compiled by Inductor, with torch's
+    varlen_attn operator inside the graph, gives the eager model's log-probs and gradients to bf16's rounding, over
+    two micro-batches of other lengths (the second reuses the compiled graphs). On a GPU with the flash kernel; on a
+    CPU with the same operator given a CPU kernel (``varlen_op_on_the_cpu``), which checks the graph, the dynamic
+    shapes and the operator's autograd without a GPU."""
     import torch._dynamo
     from transformers import AutoModelForCausalLM
 
     from rlhf_pipeline.training.compilation import compile_decoder_layers
 
+    if device == "cpu":
+        request.getfixturevalue("varlen_op_on_the_cpu")
+    calls = []
+    real = attention._varlen_kernel
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(attention, "_varlen_kernel", lambda *a, **k: calls.append(1) or real(*a, **k))
     prompts, responses = seqs
-    eager = varlen_copy(AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.bfloat16).cuda())
+    eager = varlen_copy(AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.bfloat16).to(device))
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compile_decoder_layers(compiled)
-    for cut in (len(prompts), 4):  # all the sequences, then the first four: other lengths, other bounds
-        batch = build_batch(prompts[:cut], responses[:cut], pad_id=0, pack_ratio=2.0).to("cuda")
-        got = []
-        for model in (eager, compiled):
-            model.zero_grad()
-            logps = sequence_logps(model, batch)
-            logps.sum().backward()
-            got.append((logps.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float()))
-        (want, want_grad), (have, have_grad) = got
-        torch.testing.assert_close(have, want, rtol=1e-2, atol=0.1)  # the same kernel: bf16 rounding alone
-        cosine = torch.nn.functional.cosine_similarity(have_grad.flatten(), want_grad.flatten(), dim=0)
-        assert cosine > 0.99, cosine
+    try:
+        for cut in (len(prompts), 4):  # all the sequences, then the first four: other lengths, other bounds
+            batch = build_batch(prompts[:cut], responses[:cut], pad_id=0, pack_ratio=2.0).to(device)
+            got = []
+            for model in (eager, compiled):
+                model.zero_grad()
+                logps = sequence_logps(model, batch)
+                logps.sum().backward()
+                got.append((logps.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float()))
+            (want, want_grad), (have, have_grad) = got
+            torch.testing.assert_close(have, want, rtol=1e-2, atol=0.1)  # the same kernel: bf16 rounding alone
+            cosine = torch.nn.functional.cosine_similarity(have_grad.flatten(), want_grad.flatten(), dim=0)
+            assert cosine > 0.99, cosine
+    finally:
+        monkey.undo()
+    assert calls  # the kernel path ran (eager; the compiled layers call the operator from their graphs)
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] >= 1 and counters["frames"]["total"] == counters["frames"]["ok"]
-    assert not counters["graph_break"], dict(counters["graph_break"])  # the kernel inside the layers' graphs
+    assert not counters["graph_break"], dict(counters["graph_break"])  # the operator inside the layers' graphs
 
 
 def test_log_prob_passes_leave_cudnn_sdpa_out_on_a_gpu():

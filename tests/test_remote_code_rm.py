@@ -187,31 +187,44 @@ def armo_groups(armo, gens, tmp_path_factory, tiny_policy) -> Path:
     return d / "groups"
 
 
-@pytest.mark.parametrize("how", ["--critic-model", "the scoring model", "--critic-model, trusted"])
+@pytest.mark.parametrize("trusted", [False, True])
 def test_a_ppo_critic_from_a_model_with_its_own_head_code_is_one_line_before_anything_is_written(
-        how, armo, armo_groups, tiny_policy, tmp_path, capsys):
-    """PPO's critic reads a value at every token through a one-label linear ``score`` head. A model with its own
-    reward-head code (ArmoRM's gating head) has none: named in one line, the fix with it, before the output exists,
-    whether it is given as --critic-model or is the reward model that scored the data (REBEL's recipe scores with
-    ArmoRM); with --trust-remote-code its code loads and the head it has is refused. Without the check, the first
-    two were transformers' traceback and the third a TypeError from deep in the rollout."""
+        trusted, armo, armo_groups, tiny_policy, tmp_path, capsys):
+    """PPO's critic reads a value at every token through a ``score`` head of one label. A model with its own
+    reward-head code (ArmoRM's gating head) given as --critic-model has none: named in one line, the fix with it,
+    before the output exists; with --trust-remote-code its code loads and the head it has is refused. Before the
+    check these were transformers' traceback and a TypeError from deep in the rollout."""
     args = ["train", "--algo", "ppo", "--model", tiny_policy, "--data", armo_groups, "--output", tmp_path / "out",
-            "--report-to", "none", "--max-steps", 1]
-    if how.startswith("--critic-model"):
-        args += ["--critic-model", armo]
-    if how.endswith("trusted"):
-        args += ["--trust-remote-code"]
+            "--report-to", "none", "--max-steps", 1, "--critic-model", armo]
     capsys.readouterr()
-    assert run(*args) == 1
+    assert run(*args, *(["--trust-remote-code"] if trusted else [])) == 1
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    flag = "the critic (the reward model that scored the data)" if how == "the scoring model" else "--critic-model"
-    assert len(errors) == 1 and errors[0].startswith(f"error: {flag} {armo}: "), err
-    if how.endswith("trusted"):
-        assert "TinyArmoForRewardModel is not a one-label sequence classifier with a linear `score` head" in errors[0]
+    assert len(errors) == 1 and errors[0].startswith(f"error: --critic-model {armo}: "), err
+    if trusted:
+        assert "TinyArmoForRewardModel is not a sequence classifier with a `score` head of one label" in errors[0]
     else:
         assert (f"ships its own code for its reward head (config.json's auto_map: AutoModelForSequenceClassification "
                 f"-> {REMOTE_CLASS})") in errors[0] and errors[0].endswith("if its head is one")
     assert "pass --critic-model with a reward model rlhf train-rm wrote, or with the policy" in errors[0]
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_data_scored_by_a_model_with_its_own_head_code_start_the_ppo_critic_from_the_policy(
+        armo, armo_groups, tiny_policy, tmp_path, caplog):
+    """REBEL's recipe scores with ArmoRM. PPO on such data, with no --critic-model, cannot start its critic from that
+    model (no `score` head of one label to read values through): it starts from the policy with a new value head, as
+    for data scored by a python function, and says why."""
+    import logging
+
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "ppo"
+    with caplog.at_level(logging.WARNING, logger="rlhf_pipeline"):
+        assert run("train", "--algo", "ppo", "--model", tiny_policy, "--data", armo_groups, "--output", out,
+                   "--report-to", "none", "--max-steps", 1, "--batch-size", 2) == 0
+    assert json.loads((out / "manifest.json").read_text())["training"]["critic_model"] == tiny_policy
+    said = [r.getMessage() for r in caplog.records if "has a reward head of its own code" in r.getMessage()]
+    assert len(said) == 1 and str(armo) in said[0] and REMOTE_CLASS in said[0], said
+    assert AutoModelForSequenceClassification.from_pretrained(out / "critic").score.weight.shape[0] == 1

@@ -646,9 +646,9 @@ class GroupOptions:
     lam: float = option(0.95, help="PPO: GAE lambda.", reads=_uses_critic)
     critic_model: Optional[str] = option(
         None, help="PPO: the critic's starting point (default: the reward model of rlhf score; with a python reward "
-        "function, or several sources, the policy --model with a new value head). It needs a one-label linear `score` "
-        "head: a model with its own reward-head code (ArmoRM) is refused unless --trust-remote-code allows it and "
-        "its head is one.", reads=_uses_critic,
+        "function, or several sources, or one with a reward head of its own code, as ArmoRM, the policy --model with "
+        "a new value head). It needs a `score` head of one label: one with its own head code is refused unless "
+        "--trust-remote-code allows it and its head is one.", reads=_uses_critic,
     )
     critic_learning_rate: Optional[float] = option(None, help="PPO: the critic's peak learning rate "
                                                    "(default: --learning-rate).", reads=_uses_critic)
@@ -754,17 +754,28 @@ class GroupOptions:
 
 
 def _critic_source(config, ref) -> tuple[str, str]:
-    """The model PPO's critic starts from (checked: ``modeling.check_critic_model``), and how errors name it."""
+    """The model PPO's critic starts from, and how errors name it. ``--critic-model`` was checked with ``--model``
+    (``modeling.check_critic_model``)."""
     from rlhf_pipeline.datasets_io import find_in_lineage
-    from rlhf_pipeline.modeling import check_critic_model
+    from rlhf_pipeline.modeling import check_model_ref, own_reward_head
 
-    if config.critic_model:  # checked with --model, before anything else
+    if config.critic_model:
         return config.critic_model, "--critic-model"
     reward = find_in_lineage([ref], "reward") or {}
-    if reward.get("reward_model"):
+    scorer = reward.get("reward_model")
+    if scorer:
         flag = "the critic (the reward model that scored the data)"
-        check_critic_model(flag, reward["reward_model"], config.trust_remote_code)
-        return reward["reward_model"], flag
+        check_model_ref(flag, scorer, tokenizer=False)
+        remote = own_reward_head(scorer)
+        if remote is None:
+            return scorer, flag
+        # A head of its own code (ArmoRM's gating head) is no `score` head of one label for the critic to read, and
+        # its body would load only under the model's own code or as a standard classifier that drops that head.
+        log.warning("%s: --algo %s: the reward model that scored the data, %s, has a reward head of its own code (%s), "
+                    "which PPO's critic cannot read values through; the critic starts from the policy %s with a new "
+                    "value head (--critic-model sets another start)", config.data, config.algo, scorer, remote,
+                    config.model)
+        return config.model, "the critic (the policy)"
     # No one reward model to start from (a python reward function, or several sources): the policy itself, with a
     # new value head. It reads the policy's tokens by construction; the head starts near 0 and is fitted by the value
     # loss from the first step.
@@ -895,7 +906,7 @@ def train(config) -> Path:
                 return policy
             critic = AutoModelForSequenceClassification.from_pretrained(critic_path, num_labels=1,
                                                                         trust_remote_code=trust_remote_code, **kwargs)
-            check_critic(critic_flag, critic_path, critic)
+            check_critic(critic_flag, critic_path, critic, from_policy=critic_path == config.model)
             if critic.config.vocab_size < policy.config.vocab_size:
                 raise PipelineError(
                     f"critic {critic_path} has a vocabulary of {critic.config.vocab_size}, the policy "
