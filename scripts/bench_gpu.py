@@ -871,7 +871,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds from the start after which no side starts and a running one is stopped (a lease's "
                         "end): the report keeps every side that finished, marks those never run pending and counts "
-                        "the runs not started (later --rounds too) in runs_pending; the exit status is then 1")
+                        "the runs not started (later --rounds too) in runs_pending; the exit status is then 1, also "
+                        "when only a later round was cut")
     p.add_argument("--profile", action="store_true",
                    help=f"our sides: after the timed steps, run {PROFILE_STEPS} more under torch.profiler and add its "
                         "summary (GPU busy fraction, top kernels, kernel families, gaps, host waits) to the side's "
@@ -1140,14 +1141,17 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
 
-    def write_report(still_to_run: int) -> dict[str, Any]:
+    def write_report(still_to_run: int, cut: bool = False) -> dict[str, Any]:
         """The report of the runs so far, written whole over ``--output`` (a temporary file renamed over it): after
         every side, so that a run cut short (a lease's end) leaves every side it finished: those not run yet are
-        ``"pending"``, and ``runs_pending`` counts the runs to come (absent once all ran)."""
+        ``"pending"``, and ``runs_pending`` counts the runs to come (absent once all ran). ``cut_by_deadline``: a
+        run was stopped, or not started, at ``--deadline``."""
         results = side_results()
         report = {"config": config_report, "sides": results, "ratios": side_ratios(results)}
         if still_to_run:
             report["runs_pending"] = still_to_run
+        if cut:
+            report["cut_by_deadline"] = True
         output = Path(a.output)
         partial = output.with_name(output.name + ".partial")
         partial.write_text(json.dumps(report, indent=2) + "\n")
@@ -1156,7 +1160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     order = [(side, mode, r) for r in range(a.rounds)
              for side, mode in (runnable[r % len(runnable):] + runnable[: r % len(runnable)] if runnable else [])]
-    report = write_report(len(order))
+    report, cut = write_report(len(order)), False
     for done_count, (side, mode, r) in enumerate(order, 1):
         name, t = run_name(side, mode), time.perf_counter()
         timeout, left = a.worker_timeout, None
@@ -1165,11 +1169,13 @@ def main(argv: list[str] | None = None) -> int:
             if left <= 0:
                 print(f"[bench_gpu] --deadline {a.deadline:g} s reached: {len(order) - done_count + 1} side run(s) not "
                       "started (runs_pending in the report)")
+                report = write_report(len(order) - done_count + 1, cut=True)
                 break
             timeout = min(timeout or left, left)
         raw = spawn(side, mode, spec_path, timeout, visible_gpu, cpu_threads, r)
         if left is not None and timeout == left and raw.get("error", "").startswith("timed out"):
             raw["error"] = f"stopped at --deadline {a.deadline:g} s (it had {left:.0f} s left to run)"
+            cut = True
         if "error" in raw:
             print(f"[bench_gpu] {name} FAILED ({raw['error']}):\n{raw.get('stderr_tail', '')}")
         else:
@@ -1181,7 +1187,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[bench_gpu] warning: {name} compiled {s['compiled_graphs']['in_window']} graph(s) inside "
                       "the steps window, which timed them as steps; more --warmup steps would leave them out")
         runs[name].append(raw)
-        report = write_report(len(order) - done_count)
+        report = write_report(len(order) - done_count, cut)
     results, ratios = report["sides"], report["ratios"]
 
     print()
@@ -1209,7 +1215,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.keep_workdir and not a.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     # a run cut by --deadline is incomplete, also when every side ran at least once (a later round was cut)
-    complete = not report.get("runs_pending") and all(not r.get("pending") for r in results.values())
+    complete = not report.get("cut_by_deadline") and all(not r.get("pending") for r in results.values())
     return 0 if complete and all("error" not in r for r in results.values()) else 1
 
 

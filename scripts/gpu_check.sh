@@ -89,6 +89,7 @@ DEADLINE=${GPU_CHECK_DEADLINE:-0}
 case "$DEADLINE" in
   ''|*[!0-9]*) echo "error: GPU_CHECK_DEADLINE=$DEADLINE: give whole seconds (0 or unset: none)" >&2; exit 2 ;;
 esac
+DEADLINE=$((10#$DEADLINE))  # 08 is eight seconds, not an octal error
 step() {  # step NAME COMMAND...: run it, log its output to OUT/out/NAME.log, record status and seconds
   local name=$1; shift
   local t0 t1 rc
@@ -247,8 +248,10 @@ path = results / "bench.json"
 bench_ran = any(s["step"] == "bench" for s in steps)
 if path.is_file() and bench_ran:
     report = json.loads(path.read_text())
-    fields = ("tokens_per_s_steps", "mfu_steps", "peak_memory_gib", "compiled_graphs", "error", "pending")
-    checks["bench"] = {"ratios": report.get("ratios"),
+    fields = ("tokens_per_s_steps", "mfu_steps", "peak_memory_gib", "compiled_graphs", "error", "pending",
+              "rounds_failed")
+    checks["bench"] = {"ratios": report.get("ratios"), "runs_pending": report.get("runs_pending"),
+                       "cut_by_deadline": report.get("cut_by_deadline", False),
                        "sides": {k: {f: v.get(f) for f in fields} for k, v in report["sides"].items()},
                        "profiles": {k: {f: v["profile"].get(f) for f in ("steps", "kernels", "wall_ms", "gpu_busy_ms",
                                                                         "gpu_busy_fraction")}

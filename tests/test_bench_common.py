@@ -382,13 +382,32 @@ def test_the_gpu_trainer_scripts_deadline_stops_it_and_says_what_did_not_run(tmp
     assert report["sides"]["ours_bf16"]["pending"] and report["runs_pending"] == 1
     assert "| ours_bf16 | not run (--deadline) |" in capsys.readouterr().out
 
-    # two rounds: 4 runs of 15 s against 40 s; the third run gets the 10 s left, the fourth never starts, and the
-    # run is incomplete though every side ran once
+    # two rounds whose first runs succeed: 4 runs of 15 s. Against 40 s the third run gets the 10 s left and the
+    # fourth never starts; against 50 s the last run is stopped. Either way every side has a good round, and the
+    # run is still incomplete.
+    def succeed(side, mode, spec_path, timeout, *args):
+        timeouts.append(timeout)
+        now[0] += 15.0
+        return {"error": f"timed out after {timeout:.0f} s"} if timeout < 15 else {"stand_in": side}
+
+    monkeypatch.setattr(script, "spawn", succeed)
+    figures = {"tokens_per_s_steps": 1.0, "trainable_params": 1, "seconds_steps": 1.0, "mfu_steps": None,
+               "mfu_steps_with_ref": None, "seconds_run": 1.0, "seconds_setup": 0.0, "seconds_ref": 0.0,
+               "tokens_per_s_run": 1.0, "mfu_run": None, "real_token_fraction": 1.0, "peak_rss_gib": 1.0,
+               "first_loss": 0.69, "first_grad_norm": 1.0}
+    monkeypatch.setattr(script, "summarise", lambda raw, *a: dict(figures))
+    for deadline, started, pending in (("40", [40.0, 25.0, 10.0], 1), ("50", [50.0, 35.0, 20.0, 5.0], None)):
+        now[0], timeouts[:] = 0.0, []
+        assert script.main([*common, "--deadline", deadline, "--rounds", "2"]) == 1, deadline
+        assert timeouts == started
+        report = json.loads((tmp_path / "bench.json").read_text())
+        assert report.get("runs_pending") == pending and report["cut_by_deadline"] is True
+        assert all(v["tokens_per_s_steps"] == 1.0 for v in report["sides"].values())  # each side's good round
+        stopped = [v["rounds_failed"] for v in report["sides"].values() if "rounds_failed" in v]
+        assert stopped == [[f"stopped at --deadline {deadline} s (it had {started[-1]:.0f} s left to run)"]]
     now[0], timeouts[:] = 0.0, []
-    assert script.main([*common, "--deadline", "40", "--rounds", "2"]) == 1
-    assert timeouts == [40.0, 25.0, 10.0]
-    report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["runs_pending"] == 1 and not any(v.get("pending") for v in report["sides"].values())
+    assert script.main([*common, "--deadline", "100", "--rounds", "2"]) == 0  # all four in time: complete
+    assert "cut_by_deadline" not in json.loads((tmp_path / "bench.json").read_text())
 
     with pytest.raises(SystemExit, match="--deadline -5: no time left"):  # before the model is built
         script.main([*common, "--deadline", "-5"])
