@@ -437,11 +437,20 @@ def _op_attention_grads(grad_out, q, k, v, cu_seq, is_causal, scale, window_size
 _CPU_OP = {"registered": False, "on": False, "forward": 0, "backward": 0}
 
 
+def _check_op_bounds(cu_seq_q, cu_seq_k, max_q, max_k):
+    """What flash attention takes on trust and the reference does not read: the keys' bounds are the queries' (one
+    row of whole sequences), and max_q and max_k are the longest sequence, as plain ints once a compiled graph runs."""
+    assert torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32
+    longest = int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
+    assert type(max_q) is int and type(max_k) is int and max_q == max_k == longest, (max_q, max_k, longest)
+
+
 def _cpu_op_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None,
                     window_size=None, *_, **__):  # torch 2.13 adds enable_gqa and paged-KV arguments: the shapes say GQA
     if not _CPU_OP["on"]:
         raise RuntimeError("torch_attn::_varlen_attn has a CPU kernel only inside the varlen_op_on_the_cpu fixture")
     _CPU_OP["forward"] += 1
+    _check_op_bounds(cu_seq_q, cu_seq_k, max_q, max_k)
     out, lse = _op_attention(query, key, value, cu_seq_q, is_causal, scale, window_size)
     return out, lse, torch.zeros(2, dtype=torch.uint64)
 
@@ -451,6 +460,7 @@ def _cpu_op_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, 
     if not _CPU_OP["on"]:
         raise RuntimeError("torch_attn::_varlen_attn_backward has a CPU kernel only inside varlen_op_on_the_cpu")
     _CPU_OP["backward"] += 1
+    _check_op_bounds(cu_seq_q, cu_seq_k, max_q, max_k)
     return _op_attention_grads(grad_out, query, key, value, cu_seq_q, is_causal, scale, window_size)
 
 
@@ -531,9 +541,13 @@ def test_compiled_layers_on_the_varlen_op_give_the_eager_logps_and_gradients(dev
             got = []
             for model in (eager, compiled):
                 model.zero_grad()
+                before = _CPU_OP["forward"], _CPU_OP["backward"]
                 logps = sequence_logps(model, batch)
                 logps.sum().backward()
                 got.append((logps.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float()))
+                if device == "cpu":  # every layer, compiled too, went through the operator both ways
+                    layers = model.config.num_hidden_layers
+                    assert _CPU_OP["forward"] - before[0] >= layers and _CPU_OP["backward"] - before[1] == layers
             (want, want_grad), (have, have_grad) = got
             torch.testing.assert_close(have, want, rtol=1e-2, atol=0.1)  # the same kernel: bf16 rounding alone
             cosine = torch.nn.functional.cosine_similarity(have_grad.flatten(), want_grad.flatten(), dim=0)

@@ -187,21 +187,27 @@ def armo_groups(armo, gens, tmp_path_factory, tiny_policy) -> Path:
     return d / "groups"
 
 
-@pytest.mark.parametrize("trusted", [False, True])
+@pytest.mark.parametrize("how", ["--critic-model", "--critic-model, trusted", "the scoring model, trusted"])
 def test_a_ppo_critic_from_a_model_with_its_own_head_code_is_one_line_before_anything_is_written(
-        trusted, armo, armo_groups, tiny_policy, tmp_path, capsys):
+        how, armo, armo_groups, tiny_policy, tmp_path, capsys):
     """PPO's critic reads a value at every token through a ``score`` head of one label. A model with its own
     reward-head code (ArmoRM's gating head) given as --critic-model has none: named in one line, the fix with it,
-    before the output exists; with --trust-remote-code its code loads and the head it has is refused. Before the
-    check these were transformers' traceback and a TypeError from deep in the rollout."""
+    before the output exists; with --trust-remote-code its code loads and the head it has is refused, also when it is
+    the reward model that scored the data. Before the check these were transformers' traceback and a TypeError from
+    deep in the rollout."""
     args = ["train", "--algo", "ppo", "--model", tiny_policy, "--data", armo_groups, "--output", tmp_path / "out",
-            "--report-to", "none", "--max-steps", 1, "--critic-model", armo]
+            "--report-to", "none", "--max-steps", 1]
+    if how.startswith("--critic-model"):
+        args += ["--critic-model", armo]
+    if how.endswith("trusted"):
+        args += ["--trust-remote-code"]
     capsys.readouterr()
-    assert run(*args, *(["--trust-remote-code"] if trusted else [])) == 1
+    assert run(*args) == 1
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: --critic-model {armo}: "), err
-    if trusted:
+    flag = "--critic-model" if how.startswith("--critic-model") else "the critic (the reward model that scored the data)"
+    assert len(errors) == 1 and errors[0].startswith(f"error: {flag} {armo}: "), err
+    if how.endswith("trusted"):
         assert "TinyArmoForRewardModel is not a sequence classifier with a `score` head of one label" in errors[0]
     else:
         assert (f"ships its own code for its reward head (config.json's auto_map: AutoModelForSequenceClassification "
@@ -213,9 +219,10 @@ def test_a_ppo_critic_from_a_model_with_its_own_head_code_is_one_line_before_any
 
 def test_data_scored_by_a_model_with_its_own_head_code_start_the_ppo_critic_from_the_policy(
         armo, armo_groups, tiny_policy, tmp_path, caplog):
-    """REBEL's recipe scores with ArmoRM. PPO on such data, with no --critic-model, cannot start its critic from that
-    model (no `score` head of one label to read values through): it starts from the policy with a new value head, as
-    for data scored by a python function, and says why."""
+    """REBEL's recipe scores with ArmoRM. PPO on such data, with no --critic-model and without --trust-remote-code,
+    cannot start its critic from that model (its code may not run, and without it the model's own head is not
+    there): it starts from the policy with a new value head, as for data scored by a python function, and says
+    why."""
     import logging
 
     from transformers import AutoModelForSequenceClassification

@@ -312,7 +312,8 @@ def enable_activation_checkpointing(model: Any) -> None:
     from transformers import PreTrainedModel
 
     kwargs = {"use_reentrant": False}
-    own = getattr(type(model), "gradient_checkpointing_enable", None) is not getattr(
+    # as transformers tells an override: a subclass's method, or a wrapper set on the instance, is not its function
+    own = getattr(getattr(model, "gradient_checkpointing_enable", None), "__func__", None) is not getattr(
         PreTrainedModel, "gradient_checkpointing_enable", None)
     if hasattr(model, "activation_checkpointing_enable") and not own:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -646,9 +646,9 @@ class GroupOptions:
     lam: float = option(0.95, help="PPO: GAE lambda.", reads=_uses_critic)
     critic_model: Optional[str] = option(
         None, help="PPO: the critic's starting point (default: the reward model of rlhf score; with a python reward "
-        "function, or several sources, or one with a reward head of its own code, as ArmoRM, the policy --model with "
-        "a new value head). It needs a `score` head of one label: one with its own head code is refused unless "
-        "--trust-remote-code allows it and its head is one.", reads=_uses_critic,
+        "function, or several sources, or one with a reward head of its own code (ArmoRM) without --trust-remote-code, "
+        "the policy --model with a new value head). It needs a `score` head of one label: a model with its own head "
+        "code is refused unless --trust-remote-code allows it and its head is one.", reads=_uses_critic,
     )
     critic_learning_rate: Optional[float] = option(None, help="PPO: the critic's peak learning rate "
                                                    "(default: --learning-rate).", reads=_uses_critic)
@@ -767,14 +767,14 @@ def _critic_source(config, ref) -> tuple[str, str]:
         flag = "the critic (the reward model that scored the data)"
         check_model_ref(flag, scorer, tokenizer=False)
         remote = own_reward_head(scorer)
-        if remote is None:
+        if remote is None or config.trust_remote_code:  # allowed code: its head is checked once loaded (check_critic)
             return scorer, flag
-        # A head of its own code (ArmoRM's gating head) is no `score` head of one label for the critic to read, and
-        # its body would load only under the model's own code or as a standard classifier that drops that head.
+        # Its code is not allowed to run, and without it the model loads as a standard classifier with a new, random
+        # head in place of its own (ArmoRM's llama type), or not at all (a model_type of its own).
         log.warning("%s: --algo %s: the reward model that scored the data, %s, has a reward head of its own code (%s), "
-                    "which PPO's critic cannot read values through; the critic starts from the policy %s with a new "
-                    "value head (--critic-model sets another start)", config.data, config.algo, scorer, remote,
-                    config.model)
+                    "which is not run without --trust-remote-code; the critic starts from the policy %s with a new "
+                    "value head (--critic-model sets another start; PPO's critic needs a `score` head of one label, "
+                    "which ArmoRM's gating head is not)", config.data, config.algo, scorer, remote, config.model)
         return config.model, "the critic (the policy)"
     # No one reward model to start from (a python reward function, or several sources): the policy itself, with a
     # new value head. It reads the policy's tokens by construction; the head starts near 0 and is fitted by the value
