@@ -37,6 +37,50 @@ def dense_causal(q, k, v, lengths, scale, window=None):
     return (scores.softmax(-1) @ v.double()).transpose(1, 2)  # (B, T, H, D)
 
 
+def _flash_probs(q, k, v, cu_seq, is_causal, scale, window_size):
+    """Flash attention's varlen convention over the whole row, in float32: q (T, H, D), k and v (T, Hk, D) with Hk
+    dividing H (repeated to H), sequences bounded by ``cu_seq``, window_size (left, right) with -1 for unbounded.
+    Returns q, k, v as (H, T, D), the attention probabilities (H, T, T), their log-sum-exp (H, T) and the scale."""
+    left, right = window_size if window_size is not None else (-1, -1)
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    lengths = (cu_seq[1:] - cu_seq[:-1]).tolist()
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.arange(len(seq))
+    allowed = seq[:, None] == seq[None, :]
+    if left >= 0:
+        allowed &= pos[None, :] >= pos[:, None] - left
+    if right >= 0:
+        allowed &= pos[None, :] <= pos[:, None] + right
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qs, ks, vs = (x.float().transpose(0, 1) for x in (q, k, v))
+    scores = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    lse = scores.logsumexp(-1)
+    return qs, ks, vs, (scores - lse[..., None]).exp(), lse, scale
+
+
+def flash_attention(q, k, v, cu_seq, is_causal, scale, window_size):
+    """The output (T, H, D) in q's dtype and the log-sum-exp (H, T) in float32, as torch's varlen operator returns
+    them (:func:`_flash_probs`'s convention)."""
+    _, _, vs, probs, lse, _ = _flash_probs(q, k, v, cu_seq, is_causal, scale, window_size)
+    return (probs @ vs).transpose(0, 1).contiguous().to(q.dtype), lse  # contiguous, as the operator's shape function
+
+
+def flash_attention_grads(grad_out, q, k, v, cu_seq, is_causal, scale, window_size):
+    """The gradients of :func:`flash_attention`'s output for q, k and v, by hand (a kernel runs below autograd):
+    dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O)), dQ = dS K · scale, dK = dSᵀ Q · scale, K and V's summed over the
+    query heads that share them."""
+    qs, ks, vs, probs, _, scale = _flash_probs(q, k, v, cu_seq, is_causal, scale, window_size)
+    go = grad_out.float().transpose(0, 1)  # (H, T, D)
+    ds = probs * (go @ vs.transpose(-1, -2) - (go * (probs @ vs)).sum(-1, keepdim=True))
+    dq, dk, dv = ((ds @ ks * scale), (ds.transpose(-1, -2) @ qs * scale), (probs.transpose(-1, -2) @ go))
+    groups = q.shape[1] // k.shape[1]
+    dk, dv = (x.transpose(0, 1).reshape(x.shape[1], k.shape[1], groups, x.shape[-1]).sum(2) for x in (dk, dv))
+    return dq.transpose(0, 1).contiguous().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 def bounds(lengths, device="cpu"):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
@@ -73,15 +117,7 @@ def test_the_kernel_is_called_as_torch_2_11_and_2_13_take_it(monkeypatch, takes_
         assert isinstance(window_size, tuple) and gqa == ({"enable_gqa": True} if takes_gqa else {})
         if not takes_gqa:
             assert key.shape[1] == query.shape[1]
-        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        pos = torch.arange(len(seq))
-        left, right = window_size
-        allowed = (seq[:, None] == seq[None, :]) & ((pos[None, :] >= pos[:, None] - left) | (left < 0))
-        allowed &= (pos[None, :] <= pos[:, None] + right) | (right < 0)
-        groups = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        scores = torch.einsum("ihd,jhd->hij", query, key) * scale
-        return torch.einsum("hij,jhd->ihd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), value)
+        return flash_attention(query, key, value, cu_q, False, scale, window_size)[0]
 
     monkeypatch.setattr(attention, "_kernel_runs", lambda query: True)
     monkeypatch.setattr(attention, "_varlen_attn", lambda: (stand_in, takes_gqa))
@@ -383,56 +419,6 @@ def test_a_bf16_varlen_model_on_the_gpu_gives_the_padded_sdpa_logps(tiny_policy,
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0
 
 
-def _op_sequences(q, k, v, cu_seq, is_causal, scale, window_size):
-    """Flash attention's varlen convention, per sequence in float32: q (T, H, D), k and v (T, Hk, D) with Hk dividing
-    H (repeated to H), window_size (left, right) with -1 for unbounded. Yields each sequence's (start, end, q, k, v
-    as (H, L, D), the attention probabilities (H, L, L), the log-sum-exp (H, L), the scale)."""
-    left, right = window_size if window_size is not None else (-1, -1)
-    if is_causal:
-        right = 0 if right < 0 else min(right, 0)
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ends = cu_seq.tolist()
-    for start, end in zip(ends[:-1], ends[1:]):
-        qs, ks, vs = (x[start:end].float().transpose(0, 1) for x in (q, k, v))  # (H, L, D)
-        pos = torch.arange(end - start)
-        allowed = torch.ones(len(pos), len(pos), dtype=torch.bool)
-        if left >= 0:
-            allowed &= pos[None, :] >= pos[:, None] - left
-        if right >= 0:
-            allowed &= pos[None, :] <= pos[:, None] + right
-        scores = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
-        lse = scores.logsumexp(-1)
-        yield start, end, qs, ks, vs, (scores - lse[..., None]).exp(), lse, scale
-
-
-def _op_attention(q, k, v, cu_seq, is_causal, scale, window_size):
-    """The output (T, H, D) in q's dtype and the log-sum-exp (H, T) in float32, as the operator returns them."""
-    outs, lses = [], []
-    for *_, vs, probs, lse, _ in _op_sequences(q, k, v, cu_seq, is_causal, scale, window_size):
-        outs.append((probs @ vs).transpose(0, 1))
-        lses.append(lse)
-    return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
-
-
-def _op_attention_grads(grad_out, q, k, v, cu_seq, is_causal, scale, window_size):
-    """The gradients of :func:`_op_attention`'s output for q, k and v, by hand (a kernel runs below autograd):
-    dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O)), dQ = dS K · scale, dK = dSᵀ Q · scale, K and V's summed over the
-    query heads that share them."""
-    dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32) for x in (q, q, q))  # dk, dv per query head first
-    for start, end, qs, ks, vs, probs, _, scale in _op_sequences(q, k, v, cu_seq, is_causal, scale, window_size):
-        go = grad_out[start:end].float().transpose(0, 1)  # (H, L, D)
-        out = probs @ vs
-        ds = probs * (go @ vs.transpose(-1, -2) - (go * out).sum(-1, keepdim=True))
-        dq[start:end] = (ds @ ks * scale).transpose(0, 1)
-        dk[start:end] = (ds.transpose(-1, -2) @ qs * scale).transpose(0, 1)
-        dv[start:end] = (probs.transpose(-1, -2) @ go).transpose(0, 1)
-    groups = q.shape[1] // k.shape[1]
-    dk, dv = (x.view(x.shape[0], k.shape[1], groups, x.shape[-1]).sum(2) for x in (dk, dv))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
 # varlen_op_on_the_cpu's kernels: registered once, on in that fixture; the calls of each
 _CPU_OP = {"registered": False, "on": False, "forward": 0, "backward": 0}
 
@@ -451,7 +437,7 @@ def _cpu_op_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_caus
         raise RuntimeError("torch_attn::_varlen_attn has a CPU kernel only inside the varlen_op_on_the_cpu fixture")
     _CPU_OP["forward"] += 1
     _check_op_bounds(cu_seq_q, cu_seq_k, max_q, max_k)
-    out, lse = _op_attention(query, key, value, cu_seq_q, is_causal, scale, window_size)
+    out, lse = flash_attention(query, key, value, cu_seq_q, is_causal, scale, window_size)
     return out, lse, torch.zeros(2, dtype=torch.uint64)
 
 
@@ -461,7 +447,7 @@ def _cpu_op_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, 
         raise RuntimeError("torch_attn::_varlen_attn_backward has a CPU kernel only inside varlen_op_on_the_cpu")
     _CPU_OP["backward"] += 1
     _check_op_bounds(cu_seq_q, cu_seq_k, max_q, max_k)
-    return _op_attention_grads(grad_out, query, key, value, cu_seq_q, is_causal, scale, window_size)
+    return flash_attention_grads(grad_out, query, key, value, cu_seq_q, is_causal, scale, window_size)
 
 
 @pytest.fixture
