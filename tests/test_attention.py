@@ -627,3 +627,34 @@ def test_the_layout_probe_holds_under_bf16_autocast(tiny_policy, monkeypatch):
         varlen_logps = sequence_logps(model, batch)
     assert calls and set(calls) == {torch.bfloat16}  # the real pass took the kernel, in bf16
     assert torch.allclose(varlen_logps, logps, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="copies to and from a GPU")
+def test_a_gpu_micro_batch_copies_from_pinned_memory_and_waits_for_the_gpu_at_most_once(tiny_policy, seqs, tmp_path):
+    """A DPO micro-batch on the GPU path (bf16, varlen, packed) makes no copy from pageable host memory, each of which
+    would make the host wait for all the work queued before it, and reads nothing back but transformers' own check for
+    packed sequences (``masking_utils.find_packed_sequence_indices``, one a forward): the host can build the next
+    micro-batch while the GPU runs this one's backward."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.algorithms.pairs import PairTask
+    from rlhf_pipeline.losses import PairLossParams
+
+    prompts, responses = seqs
+    rows = [{"prompt_token_ids": p, "chosen_token_ids": r, "rejected_token_ids": r[::-1] or [5],
+             "chosen_ref_logp": -1.0, "rejected_ref_logp": -2.0} for p, r in zip(prompts, responses)]
+    model = varlen_copy(AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.bfloat16).to("cuda"))
+    task = PairTask("dpo", PairLossParams(beta=0.1), temperature=1.0, pad_id=0, pack_ratio=2.0)
+    task.loss(model, rows[:4])[0].backward()  # the first call probes the layout, which reads back by design
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        task.loss(model, rows[2:])[0].backward()  # other pairs, other lengths
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    names = [e.get("name", "") for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]]
+    assert any(n.startswith("Memcpy HtoD") for n in names)  # the batch was copied (the trace holds copies)
+    assert [n for n in names if "Pageable -> Device" in n] == []
+    assert len([n for n in names if n.startswith("Memcpy DtoH")]) <= 1

@@ -59,6 +59,18 @@ def test_build_batch_hand_example():
     assert response_lengths(b).tolist() == [3, 1]
 
 
+@pytest.mark.parametrize("pack_ratio", [0.0, 1.0, 2.0])
+def test_response_lengths_from_the_host_are_the_masks_count_in_every_layout(pack_ratio):
+    """response_lengths reads the lengths the host kept (so that a GPU is never waited for), which must be what the
+    batch's own response_mask holds per sequence: padded and packed, an empty response among them."""
+    prompts, responses = [[1, 2], [3], [4, 5, 6], [7]], [[8, 9, 10], [], [11], [12, 13, 14, 15]]
+    batch = build_batch(prompts, responses, pad_id=0, pack_ratio=pack_ratio)
+    from_mask = torch.zeros(batch.num_sequences, dtype=torch.long).index_add_(
+        0, batch.seq_ids[batch.response_mask], torch.ones_like(batch.seq_ids[batch.response_mask]))
+    assert response_lengths(batch).tolist() == from_mask.tolist() == [3, 0, 1, 4]
+    assert response_lengths(batch).dtype == torch.long
+
+
 def test_build_batch_pads_to_longest_not_a_fixed_length():
     b = build_batch([[5]], [[6, 7]], pad_id=9)
     assert b.input_ids.tolist() == [[5, 6, 7]]

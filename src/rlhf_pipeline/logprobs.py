@@ -170,15 +170,27 @@ class Batch:
         return build_batch(prompts, responses, self.pad_id).to(self.input_ids.device)
 
     def to(self, device: torch.device | str) -> Batch:
-        """The same batch with its tensors on ``device``."""
+        """The same batch with its tensors on ``device`` (:func:`to_device`: the host does not wait for a GPU)."""
         return dataclasses.replace(
             self,
-            input_ids=self.input_ids.to(device),
-            attention_mask=None if self.attention_mask is None else self.attention_mask.to(device),
-            position_ids=self.position_ids.to(device),
-            response_mask=self.response_mask.to(device),
-            seq_ids=self.seq_ids.to(device),
+            input_ids=to_device(self.input_ids, device),
+            attention_mask=None if self.attention_mask is None else to_device(self.attention_mask, device),
+            position_ids=to_device(self.position_ids, device),
+            response_mask=to_device(self.response_mask, device),
+            seq_ids=to_device(self.seq_ids, device),
         )
+
+
+def to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """``tensor``, made on the host, on ``device`` without making the host wait for that device. A copy from ordinary
+    (pageable) host memory to a GPU first waits for all the work queued on the GPU before it, which then idles while
+    the host prepares what comes next (the next micro-batch's layout, the loss); the trainer makes several such copies
+    a micro-batch. On CUDA the copy goes through pinned memory and returns at once (PyTorch keeps the pinned block
+    until the copy has run); anywhere else it is ``tensor.to(device)``."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def pack_rows(lengths: list[int], pack_ratio: float) -> list[list[int]]:
@@ -270,9 +282,10 @@ def positions_processed(model, batch: Batch) -> int:
 
 
 def response_lengths(batch: Batch) -> Tensor:
-    """(S,) long: the number of response tokens in each sequence."""
-    counts = torch.zeros(batch.num_sequences, dtype=torch.long, device=batch.seq_ids.device)
-    return counts.index_add(0, batch.seq_ids[batch.response_mask], torch.ones_like(batch.seq_ids[batch.response_mask]))
+    """(S,) long, on the batch's device: the number of response tokens in each sequence, from the lengths the host
+    keeps (counting ``response_mask`` on a GPU would make the host wait for the forward before the loss)."""
+    counts = torch.tensor([n - p for n, p in zip(batch.lengths, batch.prompt_lengths)], dtype=torch.long)
+    return to_device(counts, batch.seq_ids.device)
 
 
 def _unwrap(model):
@@ -419,8 +432,7 @@ def _varlen_forward(body, batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]
     built. Returns ``(hidden (L, H), input_ids (L,), predict (N,), seq_index (N,))``, on the batch's device."""
     device = batch.input_ids.device
     index, cu_seq_lens, longest, predict, seq_index = _varlen_layout(batch)
-    index, cu_seq_lens, predict, seq_index = (t.to(device, non_blocking=True)
-                                              for t in (index, cu_seq_lens, predict, seq_index))
+    index, cu_seq_lens, predict, seq_index = (to_device(t, device) for t in (index, cu_seq_lens, predict, seq_index))
     input_ids = batch.input_ids.reshape(-1)[index]
     out = body(
         input_ids=input_ids[None],

@@ -213,13 +213,13 @@ class PairTask:
     def loss(self, model, rows):
         import torch
 
-        from rlhf_pipeline.logprobs import positions_processed, response_lengths
+        from rlhf_pipeline.logprobs import positions_processed, response_lengths, to_device
 
         chosen, rejected, batch = pair_logps(model, rows, self.pad_id, self.temperature, self.pack_ratio)
         device, dtype = chosen.device, chosen.dtype
 
-        def column(name):
-            return torch.tensor([r[name] for r in rows], dtype=dtype, device=device)
+        def column(name):  # made on the host, copied without waiting for the forward
+            return to_device(torch.tensor([r[name] for r in rows], dtype=dtype), device)
 
         lengths = response_lengths(batch).to(dtype).clamp(min=1)  # an empty response must not divide by zero
         algo = self.algorithm

@@ -235,7 +235,7 @@ class UnpairedTask:
     def loss(self, model, rows):
         import torch
 
-        from rlhf_pipeline.logprobs import positions_processed
+        from rlhf_pipeline.logprobs import positions_processed, to_device
         from rlhf_pipeline.losses import kto_reference_point
 
         n = len(rows)
@@ -248,11 +248,11 @@ class UnpairedTask:
                                           self.pack_ratio)
         device, dtype = logps.device, logps.dtype
 
-        def column(name, kind=dtype):
-            return torch.tensor([r[name] for r in rows], dtype=kind, device=device)
+        def column(name, kind=dtype):  # made on the host, copied without waiting for the forward
+            return to_device(torch.tensor([r[name] for r in rows], dtype=kind), device)
 
         z0 = (kto_reference_point(logps[n:], column("kl_ref_logp")) if per_batch
-              else torch.tensor(self.reference_point, dtype=dtype, device=device))
+              else to_device(torch.tensor(self.reference_point, dtype=dtype), device))
         losses, metrics = compute_unpaired_loss(
             self.algorithm, self.params, logps[:n], column("completion_ref_logp"), column("desirable", torch.bool), z0
         )
