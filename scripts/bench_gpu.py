@@ -124,6 +124,7 @@ differences are speed differences.
     MFU (steps, +ref)    = the same plus the reference forward FLOPs run inside those steps (TRL default only; the
                            other sides compute the reference before training, so it equals MFU (steps) for them)
     MFU (run)            = (training FLOPs of all steps + reference FLOPs of all pairs) / whole-run seconds / peak
+    step_mfu             = MFU (steps) of each timed step alone (its own FLOPs over its own seconds), in order
 
 so MFU (steps) excludes the reference pass everywhere, and MFU (run) includes it (each side does one reference forward
 per pair, in a pass or inside its steps), with the setup in its seconds. The peak is ``--peak-tflops`` (dense
@@ -768,6 +769,10 @@ def summarise(raw: dict, spec: dict, peak_flops: float | None) -> dict[str, Any]
     def mfu(f: float, s: float) -> float | None:
         return f / s / peak_flops if peak_flops else None
 
+    # each timed step's own MFU: the window's figure hides whether its first steps were still warming up
+    step_mfu = [mfu(flops(st["real"], st["sq"], n, layers, hidden, True, lora), dt)
+                for st, dt in zip(window, step_seconds)]
+
     out = {
         "side": raw["side"], "mode": raw["mode"], "lora_rank": mode["lora_rank"], "lora_alpha": mode["lora_alpha"],
         "trainable_params": raw["trainable_params"],
@@ -785,10 +790,37 @@ def summarise(raw: dict, spec: dict, peak_flops: float | None) -> dict[str, Any]
         "peak_rss_gib": raw["peak_rss_bytes"] / 2**30,
         "first_loss": raw["first_loss"], "first_grad_norm": raw["first_grad_norm"],
         "step_seconds": [round(s, 4) for s in step_seconds],
+        "step_mfu": None if peak_flops is None else [round(m, 4) for m in step_mfu],
     }
     for key in ("max_tokens_per_micro_batch", "compiled_graphs", "profile"):
         if raw.get(key):
             out[key] = raw[key]
+    return out
+
+
+def step_mfu_of_report(report: dict[str, Any]) -> dict[str, list[float]]:
+    """Each side's ``step_mfu`` recomputed from a report's config and ``step_seconds``, for reports written before
+    they carried it: the pairs are made again from the config's seed, and each step's FLOPs counted from its pairs,
+    which are the same on every side with ``--trl-order ours`` (the micro-batch cut does not change a step's pairs)."""
+    from rlhf_pipeline.training.loop import global_batches
+
+    c = report["config"]
+    if not c.get("peak_tflops_bf16"):
+        raise SystemExit("the report has no peak TFLOP/s (a CPU run without --peak-tflops): no MFU to recompute")
+    if c.get("trl_order", "ours") != "ours":
+        raise SystemExit("the report ran --trl-order random: TRL's steps held other pairs than the config's order")
+    lengths = ((8, 64), (8, 128)) if c["tiny"] else ((16, 256), (16, 512))
+    pairs = make_pairs(c["num_pairs"], c["model"]["vocab_size"], c["seed"], *lengths)
+    steps = global_batches(c["num_pairs"], c["batch_size"] * c["accumulation"], c["seed"], 0)[: c["total_steps"]]
+    layers, hidden, peak = c["model"]["num_hidden_layers"], c["model"]["hidden_size"], c["peak_tflops_bf16"] * 1e12
+    out = {}
+    for name, side in report["sides"].items():
+        if side.get("pending") or "step_seconds" not in side:
+            continue
+        lora = c["modes"][side["mode"]]["lora_params"]
+        window = [seq_lengths([pairs[i] for i in ids]) for ids in steps[c["warmup"]:]]
+        out[name] = [round(flops(sum(ls), sum(t * t for t in ls), c["flops_params"], layers, hidden, True, lora)
+                           / dt / peak, 4) for ls, dt in zip(window, side["step_seconds"])]
     return out
 
 
@@ -838,7 +870,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=None, help="pairs per micro-batch (default 4; tiny 2)")
     p.add_argument("--accumulation", type=int, default=None, help="micro-batches per step (default 4; tiny 2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps after the warmup (default 20; tiny 2)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the steps window (>= 1)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps before the steps window (>= 1; default 4, tiny 2: a compiled side settles over "
+                        "its first steps; each side's step_mfu shows every timed step)")
     p.add_argument("--ref-batch-size", type=int, default=8,
                    help="pairs per reference forward (ours; TRL's precompute_ref_batch_size)")
     p.add_argument("--pack-ratio", type=float, default=2.0,
@@ -884,6 +918,9 @@ def main(argv: list[str] | None = None) -> int:
                         "profiled, one file per side and mode, its run name before this file name, and with --rounds "
                         "one per round (roundN.)")
     p.add_argument("--output", default="gpu_bench.json")
+    p.add_argument("--step-mfu", metavar="REPORT", default=None,
+                   help="run nothing: print each side's MFU step by step (step_mfu) recomputed from an earlier "
+                        "report's config and step times, for reports written before they carried it")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-mode", help=argparse.SUPPRESS)
     p.add_argument("--worker-round", type=int, default=0, help=argparse.SUPPRESS)
@@ -891,6 +928,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.worker:
         worker(a.worker, a.worker_mode, a.spec, a.worker_round)
+        return 0
+    if a.step_mfu:
+        print(json.dumps(step_mfu_of_report(json.loads(Path(a.step_mfu).read_text())), indent=1))
         return 0
     started = time.perf_counter()
     if a.deadline is not None and a.deadline <= 0:
@@ -928,6 +968,7 @@ def main(argv: list[str] | None = None) -> int:
     cut = f"up to {budget} tokens" if budget else f"{a.batch_size or (2 if a.tiny else 4)} pairs"
     if "flash_attention_2" in (attn, a.trl_attn) and importlib.util.find_spec("flash_attn") is None:
         raise SystemExit("--attn/--trl-attn flash_attention_2 needs the flash-attn package (pip install flash-attn)")
+    a.warmup = a.warmup if a.warmup is not None else (2 if a.tiny else 4)
     if a.warmup < 1:
         raise SystemExit("--warmup must be at least 1 (the steps window starts at the end of a step)")
     batch_size = a.batch_size or (2 if a.tiny else 4)
@@ -1138,6 +1179,7 @@ def main(argv: list[str] | None = None) -> int:
             "mfu_steps_with_ref": "plus the reference forward FLOPs run inside those steps (TRL default only)",
             "mfu_run": "(training FLOPs of all steps + reference forward FLOPs of all pairs) / whole-run "
                        "seconds (setup + reference pass + all steps) / peak",
+            "step_mfu": "each timed step's training FLOPs / its seconds / peak, in order",
         },
     }
 

@@ -20,8 +20,9 @@
 #   WHEELS   a folder of wheels to install first into a temporary site-packages, for a machine whose image lacks
 #            some of those (scripts/gpu_wheels.sh downloads the set a CUDA image with Python 3.12 needs).
 #   GPU_CHECK_HIDDEN / GPU_CHECK_LAYERS   the model's size (default 1536 / 18 on a GPU, 64 / 2 with --cpu).
-#   GPU_CHECK_BENCH_STEPS   timed steps of the trainer benchmark (default 8 on a GPU).
-#   GPU_CHECK_BENCH_SIDES   its sides (default: ours_bf16,ours_compile,ours_compile@16384,trl,trl_precomputed; see
+#   GPU_CHECK_BENCH_STEPS   timed steps of the trainer benchmark (default 12 on a GPU, after bench_gpu.py's 4 warmup).
+#   GPU_CHECK_BENCH_SIDES   its sides, run in this order (default: ours_compile,trl,ours_bf16,ours_compile@16384,
+#            trl_precomputed: the headline pair first, so that a lease cut short still has its ratio; see
 #            scripts/bench_gpu.py --help), and GPU_CHECK_PROFILE_SIDES those profiled (default: ours_bf16,ours_compile).
 #   GPU_CHECK_DEADLINE   seconds after which the remaining steps are skipped (and counted as failed), so that a
 #            lease's end still finds the summary written (default: none). The bench stops its sides 20 s before it
@@ -78,7 +79,7 @@ else
   BF16="bf16: true, bf16_weights: true"
   TRAIN_FAST="{$BF16, attn_implementation: varlen, max_tokens_per_micro_batch: 8192}"
   SFT="{max_steps: 10, $BF16}" RM="{max_steps: 10, $BF16}"
-  BENCH_ARGS=(--steps 8) DEVICE=cuda  # 8 timed steps a side: the bench fits a short lease
+  BENCH_ARGS=(--steps 12) DEVICE=cuda  # 4 warmup + 12 timed steps a side: the bench fits a short lease
 fi
 RLHF=("$PYTHON" -m rlhf_pipeline.cli)
 STEPS=$RESULTS/steps.jsonl
@@ -132,7 +133,7 @@ step gpu_tests "$PYTHON" -m pytest tests/test_attention.py -q -p no:cacheprovide
 [ -z "${GPU_CHECK_BENCH_STEPS:-}" ] || BENCH_ARGS+=(--steps "$GPU_CHECK_BENCH_STEPS")
 if [ "$BENCH" = 1 ]; then
   # and the compiled step at twice the budget, where its memory may allow it (each side's own, bench_gpu.py --help)
-  SIDES=${GPU_CHECK_BENCH_SIDES:-ours_bf16,ours_compile,ours_compile@16384,trl,trl_precomputed}
+  SIDES=${GPU_CHECK_BENCH_SIDES:-ours_compile,trl,ours_bf16,ours_compile@16384,trl_precomputed}
   SIDES=${SIDES// /}
   PROFILED=${GPU_CHECK_PROFILE_SIDES:-}
   if [ -z "$PROFILED" ]; then  # by default ours_bf16 and ours_compile, of those that run

@@ -286,6 +286,24 @@ def test_the_gpu_trainer_scripts_flops_full_lora_and_reference_by_hand():
     assert script.lora_param_count(config, 4) == 2 * per_layer == 9_344
 
 
+def test_the_gpu_trainer_scripts_mfu_step_by_step_by_hand():
+    """Each timed step's MFU is its own FLOPs over its own seconds (step_mfu), and the window's figure is their
+    FLOPs-weighted whole: one warmup step (not timed), then a step of the two sequences of 3 and 4 tokens (46,800
+    FLOPs, as above) in 1 s and a step of twice those sequences in 4 s, at a peak of 93,600 FLOP/s."""
+    script = _gpu_bench_script()
+    spec = {"flops_params": 1000, "model": {"num_hidden_layers": 2, "hidden_size": 8}, "warmup": 1,
+            "modes": {"full": {"lora_params": 0, "lora_rank": 0, "lora_alpha": None}}}
+    one, two = {"real": 7, "sq": 25, "positions": 7}, {"real": 14, "sq": 50, "positions": 14}
+    raw = {"side": "ours", "mode": "full", "trainable_params": 1000, "t0": 0.0, "seconds_setup": 0.5,
+           "seconds_ref": 0.5, "step_stats": [one, one, two], "step_ends": [3.0, 4.0, 8.0], "peak_rss_bytes": 0,
+           "first_loss": 0.69, "first_grad_norm": 1.0}
+    out = script.summarise(raw, spec, 93_600.0)
+    assert out["step_seconds"] == [1.0, 4.0]
+    assert out["step_mfu"] == [0.5, 0.25]  # 46,800 / 1 / 93,600 and 93,600 / 4 / 93,600
+    assert out["mfu_steps"] == pytest.approx((46_800 + 93_600) / 5 / 93_600)  # 0.3: the steps' whole, not a mean
+    assert script.summarise(raw, spec, None)["step_mfu"] is None  # no peak known (a CPU): no MFU at all
+
+
 def test_the_gpu_trainer_scripts_sides_may_carry_their_own_budget():
     """``--sides``: our sides with ``@TOKENS`` (their own micro-batch budget; 0 = by pair count), nothing else."""
     script = _gpu_bench_script()
@@ -349,9 +367,18 @@ def test_the_gpu_trainer_scripts_report_keeps_each_finished_side_when_the_run_is
     monkeypatch.setattr(script, "spawn", spawn)
     with pytest.raises(KeyboardInterrupt):
         script.main(["--device", "cpu", "--tiny", "--sides", "ours,ours_bf16", "--workdir", str(tmp_path / "work"),
-                     "--output", str(tmp_path / "bench.json")])
+                     "--peak-tflops", "0.01", "--output", str(tmp_path / "bench.json")])
     assert calls == ["ours", "ours_bf16"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "work"]  # no partial file left beside it
+    # each step's MFU, as the run counted it, equals that recomputed from the report alone (--step-mfu REPORT)
+    # (the report's step times are rounded to 1e-4 s, its MFUs to 1e-4: the recomputed ones differ by that alone)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    ours = report["sides"]["ours"]
+    assert len(ours["step_mfu"]) == len(ours["step_seconds"]) == report["config"]["steps"]
+    recomputed = script.step_mfu_of_report(report)
+    assert list(recomputed) == ["ours"]
+    for again, counted, seconds in zip(recomputed["ours"], ours["step_mfu"], ours["step_seconds"]):
+        assert again == pytest.approx(counted, rel=0.5e-4 / seconds + 1e-4, abs=1e-4)
 
 
 def test_the_gpu_trainer_scripts_deadline_stops_it_and_says_what_did_not_run(tmp_path, monkeypatch, capsys):
