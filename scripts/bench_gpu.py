@@ -239,6 +239,11 @@ def make_pairs(num_pairs: int, vocab: int, seed: int, prompt: tuple[int, int] = 
              "chosen_token_ids": response_ids(), "rejected_token_ids": response_ids()} for _ in range(num_pairs)]
 
 
+def bench_pairs(num_pairs: int, vocab: int, seed: int, tiny: bool) -> list[dict[str, list[int]]]:
+    """The pairs the bench trains on (:func:`make_pairs` at the full or ``--tiny`` lengths)."""
+    return make_pairs(num_pairs, vocab, seed, *(((8, 64), (8, 128)) if tiny else ((16, 256), (16, 512))))
+
+
 def seq_lengths(pairs) -> list[int]:
     """Lengths of every pair's chosen and rejected sequence (prompt + response)."""
     out = []
@@ -809,16 +814,22 @@ def step_mfu_of_report(report: dict[str, Any]) -> dict[str, list[float]]:
         raise SystemExit("the report has no peak TFLOP/s (a CPU run without --peak-tflops): no MFU to recompute")
     if c.get("trl_order", "ours") != "ours":
         raise SystemExit("the report ran --trl-order random: TRL's steps held other pairs than the config's order")
-    lengths = ((8, 64), (8, 128)) if c["tiny"] else ((16, 256), (16, 512))
-    pairs = make_pairs(c["num_pairs"], c["model"]["vocab_size"], c["seed"], *lengths)
+    pairs = bench_pairs(c["num_pairs"], c["model"]["vocab_size"], c["seed"], c["tiny"])
     steps = global_batches(c["num_pairs"], c["batch_size"] * c["accumulation"], c["seed"], 0)[: c["total_steps"]]
+    window = [seq_lengths([pairs[i] for i in ids]) for ids in steps[c["warmup"]:]]
+    # the pairs made again must be the run's (another numpy or another make_pairs would make others)
+    if sum(pair_lengths(pairs)) != c["real_tokens_all_pairs"]:
+        raise SystemExit(f"the pairs made again hold {sum(pair_lengths(pairs)):,} real tokens, the run's "
+                         f"{c['real_tokens_all_pairs']:,}: this bench_gpu.py cannot make that run's pairs again")
     layers, hidden, peak = c["model"]["num_hidden_layers"], c["model"]["hidden_size"], c["peak_tflops_bf16"] * 1e12
     out = {}
     for name, side in report["sides"].items():
         if side.get("pending") or "step_seconds" not in side:
             continue
+        if sum(map(sum, window)) != side["real_tokens_steps"]:
+            raise SystemExit(f"{name}: its timed steps held {side['real_tokens_steps']:,} real tokens, the steps made "
+                             f"again {sum(map(sum, window)):,}")
         lora = c["modes"][side["mode"]]["lora_params"]
-        window = [seq_lengths([pairs[i] for i in ids]) for ids in steps[c["warmup"]:]]
         out[name] = [round(flops(sum(ls), sum(t * t for t in ls), c["flops_params"], layers, hidden, True, lora)
                            / dt / peak, 4) for ls, dt in zip(window, side["step_seconds"])]
     return out
@@ -1026,8 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = workdir / "model"
     t = time.perf_counter()
     build_model(model_dir, dims, a.seed)
-    lengths = ((8, 64), (8, 128)) if a.tiny else ((16, 256), (16, 512))
-    pairs = make_pairs(num_pairs, dims["vocab_size"], a.seed, *lengths)
+    pairs = bench_pairs(num_pairs, dims["vocab_size"], a.seed, a.tiny)
     (workdir / "pairs.json").write_text(json.dumps(pairs))
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):

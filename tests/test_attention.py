@@ -649,12 +649,14 @@ def test_a_gpu_micro_batch_copies_from_pinned_memory_and_waits_for_the_gpu_at_mo
     model = varlen_copy(AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.bfloat16).to("cuda"))
     task = PairTask("dpo", PairLossParams(beta=0.1), temperature=1.0, pad_id=0, pack_ratio=2.0)
     task.loss(model, rows[:4])[0].backward()  # the first call probes the layout, which reads back by design
+    assert model._rlhf_varlen_works is True  # the probe kept the one-row layout (else this measures the fallback)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         task.loss(model, rows[2:])[0].backward()  # other pairs, other lengths
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # (cudaDeviceSynchronize: not counted below)
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
     names = [e.get("name", "") for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]]
     assert any(n.startswith("Memcpy HtoD") for n in names)  # the batch was copied (the trace holds copies)
     assert [n for n in names if "Pageable -> Device" in n] == []
     assert len([n for n in names if n.startswith("Memcpy DtoH")]) <= 1
+    assert len([n for n in names if n in ("cudaStreamSynchronize", "cudaEventSynchronize")]) <= 1  # no other wait
