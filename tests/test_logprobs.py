@@ -15,7 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import naive_sequence_logps, parameter_grads  # noqa: E402
-from rlhf_pipeline.logprobs import Batch, build_batch, response_lengths, sequence_logps, token_logps  # noqa: E402
+from rlhf_pipeline.logprobs import (Batch, build_batch, response_lengths, response_positions, sequence_logps,  # noqa: E402
+                                    token_logps)
 
 # Varied lengths so that padding matters: prompts of 3..12 tokens, responses of 1..15 tokens.
 PROMPT_LENS = [3, 12, 7, 5, 9, 4]
@@ -69,6 +70,21 @@ def test_response_lengths_from_the_host_are_the_masks_count_in_every_layout(pack
         0, batch.seq_ids[batch.response_mask], torch.ones_like(batch.seq_ids[batch.response_mask]))
     assert response_lengths(batch).tolist() == from_mask.tolist() == [3, 0, 1, 4]
     assert response_lengths(batch).dtype == torch.long
+
+
+@pytest.mark.parametrize("pack_ratio", [0.0, 2.0])
+def test_response_positions_from_the_host_follow_a_passes_token_order(model64, pack_ratio):
+    """Each token's place in its response, worked out on the host (the group algorithms lay a pass's per-token
+    values out in rows with it), counted again from the sequence index the pass itself returns."""
+    prompts, responses = [[1, 2], [3], [4, 5, 6], [7]], [[8, 9, 10], [], [11], [12, 13, 14, 15]]
+    batch = build_batch(prompts, responses, pad_id=0, pack_ratio=pack_ratio)
+    with torch.no_grad():
+        _, seq_index = token_logps(model64, batch)
+    counted, seen = [], {}
+    for s in seq_index.tolist():
+        counted.append(seen.get(s, 0))
+        seen[s] = seen.get(s, 0) + 1
+    assert response_positions(batch).tolist() == counted == [0, 1, 2, 0, 0, 1, 2, 3]
 
 
 def test_build_batch_pads_to_longest_not_a_fixed_length():

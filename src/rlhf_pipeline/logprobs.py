@@ -281,6 +281,13 @@ def positions_processed(model, batch: Batch) -> int:
     return batch.num_real_tokens + batch.num_padded_tokens
 
 
+def response_positions(batch: Batch) -> Tensor:
+    """(N,) long, on the batch's device: each response token's position within its response, in the order a pass
+    gives its tokens (:func:`token_logps`: by sequence, then position), from the lengths the host keeps."""
+    counts = [n - p for n, p in zip(batch.lengths, batch.prompt_lengths)]
+    return to_device(torch.cat([torch.arange(n) for n in counts]), batch.seq_ids.device)
+
+
 def response_lengths(batch: Batch) -> Tensor:
     """(S,) long, on the batch's device: the number of response tokens in each sequence, from the lengths the host
     keeps (counting ``response_mask`` on a GPU would make the host wait for the forward before the loss)."""

@@ -426,8 +426,8 @@ class GroupTask:
     def loss(self, model, rows):
         import torch
 
-        from rlhf_pipeline.logprobs import (build_batch, positions_processed, token_logps_and_entropy,
-                                            token_values)
+        from rlhf_pipeline.logprobs import (build_batch, positions_processed, response_positions, to_device,
+                                            token_logps_and_entropy, token_values)
         from rlhf_pipeline.losses import kl_estimate, value_loss
 
         p = self.params
@@ -438,15 +438,16 @@ class GroupTask:
         logps, seq, entropies = token_logps_and_entropy(policy, batch, temperature=self.temperature)
         dtype = logps.dtype
 
-        def column(name):
+        def column(name):  # made on the host, copied without waiting for the forward
             values, mask = padded([r[name] for r in rows], dtype=dtype)
-            return values.to(device), mask.to(device)
+            return to_device(values, device), to_device(mask, device)
 
         old, mask = column("old_logps")
         ref, _ = column("ref_logps")
+        positions = response_positions(batch)  # where each token of a pass goes in its row: worked out on the host
 
         def rollout_layout(flat, seq_index):  # per-token values ordered by sequence -> (B, T) like the columns
-            return torch.zeros_like(old).index_put((seq_index, _positions(seq_index)), flat.to(dtype))
+            return torch.zeros_like(old).index_put((seq_index, positions), flat.to(dtype))
 
         logp = rollout_layout(logps, seq)
         advantages, _ = column("advantages")
@@ -511,20 +512,6 @@ class GroupTask:
 
 def _totals(rows) -> tuple[int, int]:
     return rows.num_rows, sum(len(ids) for ids in rows["response_token_ids"])
-
-
-def _positions(seq_index):
-    """Position of each token within its sequence, for tokens ordered by sequence then position."""
-    import torch
-
-    starts = torch.zeros_like(seq_index)
-    if seq_index.numel():
-        change = torch.ones_like(seq_index, dtype=torch.bool)
-        change[1:] = seq_index[1:] != seq_index[:-1]
-        first = torch.nonzero(change).squeeze(-1)
-        counts = torch.diff(torch.cat([first, first.new_tensor([seq_index.numel()])]))
-        starts = torch.repeat_interleave(first, counts)
-    return torch.arange(seq_index.numel(), device=seq_index.device) - starts
 
 
 # ----------------------------------------------------------------------------------------------------------------
