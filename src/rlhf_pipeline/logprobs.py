@@ -399,15 +399,11 @@ def _response_rows(inner, body, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         )
     hidden = out.last_hidden_state  # (R, T, H)
 
-    # Position t predicts token t + 1, so the rows we need are those whose *next* position holds a response token.
-    # (In a packed row the token after a sequence's last one starts the next sequence's prompt: never a response.)
-    predicts_response = batch.response_mask[:, 1:]  # (R, T-1)
-    row, pos = predicts_response.nonzero(as_tuple=True)  # (N,), (N,) row-major
-    seq_index = batch.seq_ids[row, pos + 1]
-    if batch.packed:  # order by sequence, then position (a stable sort keeps each sequence's positions in order)
-        order = torch.argsort(seq_index, stable=True)
-        row, pos, seq_index = row[order], pos[order], seq_index[order]
-    return hidden[row, pos], batch.input_ids[row, pos + 1], seq_index
+    # Position t predicts token t + 1, so the rows we need are those whose *next* position holds a response token,
+    # in the flattened (R * T) grid, found on the host (a mask's nonzero on a GPU would wait for the forward).
+    device = batch.input_ids.device
+    predict, seq_index = (to_device(t, device) for t in _response_predictors(batch, torch.tensor(batch.starts)))
+    return hidden.reshape(-1, hidden.shape[-1])[predict], batch.input_ids.reshape(-1)[predict + 1], seq_index
 
 
 def _varlen_layout(batch: Batch) -> tuple[Tensor, Tensor, int, Tensor, Tensor]:
@@ -420,17 +416,24 @@ def _varlen_layout(batch: Batch) -> tuple[Tensor, Tensor, int, Tensor, Tensor]:
     sequence of each.
     """
     lengths = torch.tensor(batch.lengths)
-    responses = lengths - torch.tensor(batch.prompt_lengths)
     ends = lengths.cumsum(0)
     offsets = ends - lengths  # where each sequence starts in the row
     index = torch.arange(sum(batch.lengths)) + torch.repeat_interleave(torch.tensor(batch.starts) - offsets, lengths)
     cu_seq_lens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
-    # sequence i's response is at ends[i] - responses[i] .. ends[i] - 1, each token predicted from the one before
-    first = ends - responses - 1
+    predict, seq_index = _response_predictors(batch, offsets)
+    return index, cu_seq_lens, max(batch.lengths), predict, seq_index
+
+
+def _response_predictors(batch: Batch, starts: Tensor) -> tuple[Tensor, Tensor]:
+    """The positions whose next token is a response token, sequence by sequence then position, for sequences that
+    start at ``starts`` (in the batch's flattened ``(R * T,)`` grid, or in a varlen pass's one row), and the sequence
+    of each: worked out on the host from the batch's lengths, so that nothing is read back from the device."""
+    prompts = torch.tensor(batch.prompt_lengths)
+    responses = torch.tensor(batch.lengths) - prompts
+    first = starts + prompts - 1  # sequence i's first response token is predicted from its last prompt token
     predict = torch.arange(int(responses.sum())) + torch.repeat_interleave(first - (responses.cumsum(0) - responses),
                                                                            responses)
-    seq_index = torch.repeat_interleave(torch.arange(batch.num_sequences), responses)
-    return index, cu_seq_lens, max(batch.lengths), predict, seq_index
+    return predict, torch.repeat_interleave(torch.arange(batch.num_sequences), responses)
 
 
 def _varlen_forward(body, batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
