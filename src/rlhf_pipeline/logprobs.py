@@ -153,6 +153,11 @@ class Batch:
         return self.attention_mask is None
 
     @property
+    def response_counts(self) -> tuple[int, ...]:
+        """(S,) on the host: each sequence's response tokens."""
+        return tuple(n - p for n, p in zip(self.lengths, self.prompt_lengths))
+
+    @property
     def padding_efficiency(self) -> float:
         """Fraction of the (R, T) grid that holds real tokens (1.0 means no padding)."""
         total = self.num_real_tokens + self.num_padded_tokens
@@ -284,15 +289,13 @@ def positions_processed(model, batch: Batch) -> int:
 def response_positions(batch: Batch) -> Tensor:
     """(N,) long, on the batch's device: each response token's position within its response, in the order a pass
     gives its tokens (:func:`token_logps`: by sequence, then position), from the lengths the host keeps."""
-    counts = [n - p for n, p in zip(batch.lengths, batch.prompt_lengths)]
-    return to_device(torch.cat([torch.arange(n) for n in counts]), batch.seq_ids.device)
+    return to_device(torch.cat([torch.arange(n) for n in batch.response_counts]), batch.seq_ids.device)
 
 
 def response_lengths(batch: Batch) -> Tensor:
     """(S,) long, on the batch's device: the number of response tokens in each sequence, from the lengths the host
     keeps (counting ``response_mask`` on a GPU would make the host wait for the forward before the loss)."""
-    counts = torch.tensor([n - p for n, p in zip(batch.lengths, batch.prompt_lengths)], dtype=torch.long)
-    return to_device(counts, batch.seq_ids.device)
+    return to_device(torch.tensor(batch.response_counts, dtype=torch.long), batch.seq_ids.device)
 
 
 def _unwrap(model):
@@ -428,9 +431,8 @@ def _response_predictors(batch: Batch, starts: Tensor) -> tuple[Tensor, Tensor]:
     """The positions whose next token is a response token, sequence by sequence then position, for sequences that
     start at ``starts`` (in the batch's flattened ``(R * T,)`` grid, or in a varlen pass's one row), and the sequence
     of each: worked out on the host from the batch's lengths, so that nothing is read back from the device."""
-    prompts = torch.tensor(batch.prompt_lengths)
-    responses = torch.tensor(batch.lengths) - prompts
-    first = starts + prompts - 1  # sequence i's first response token is predicted from its last prompt token
+    responses = torch.tensor(batch.response_counts, dtype=torch.long)
+    first = starts + torch.tensor(batch.prompt_lengths) - 1  # a response's first token: predicted from the prompt's last
     predict = torch.arange(int(responses.sum())) + torch.repeat_interleave(first - (responses.cumsum(0) - responses),
                                                                            responses)
     return predict, torch.repeat_interleave(torch.arange(batch.num_sequences), responses)
