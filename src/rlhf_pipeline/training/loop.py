@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Optional, Protocol, Sequence
@@ -697,7 +698,11 @@ def train(
                 totals.pop("grad_norm", None)
         # The rate this step's update used: after scheduler.step() get_last_lr() is already the next step's.
         step_lr = scheduler.get_last_lr()[0]
-        scheduler.step()
+        with warnings.catch_warnings():
+            if engine is not None:  # DeepSpeed's engine steps the optimizer itself, so torch's scheduler warns that
+                # it saw no optimizer.step() before it; the rates are the single-process run's all the same (tested)
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            scheduler.step()
         step += 1
         bar.update(1)
         if bad:
