@@ -631,8 +631,9 @@ def test_the_layout_probe_holds_under_bf16_autocast(tiny_policy, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="copies to and from a GPU")
 @pytest.mark.parametrize("attn, pack_ratio", [("varlen", 2.0), ("sdpa", 0.0)])
-def test_a_gpu_micro_batch_copies_from_pinned_memory_and_waits_for_the_gpu_at_most_once(tiny_policy, seqs, tmp_path,
-                                                                                      attn, pack_ratio):
+def test_a_gpu_micro_batch_copies_from_pinned_memory_and_waits_only_for_transformers_mask_checks(tiny_policy, seqs,
+                                                                                                   tmp_path, attn,
+                                                                                                   pack_ratio):
     """A DPO micro-batch on a GPU (bf16; varlen's one row, and sdpa's padded layout) makes no copy from pageable host
     memory, each of which would make the host wait for all the work queued before it, and reads nothing back but
     transformers' own mask checks (``masking_utils``: one for packed sequences before a one-row forward, two to skip
@@ -650,6 +651,7 @@ def test_a_gpu_micro_batch_copies_from_pinned_memory_and_waits_for_the_gpu_at_mo
              "chosen_ref_logp": -1.0, "rejected_ref_logp": -2.0} for p, r in zip(prompts, responses)]
     model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.bfloat16).to("cuda")
     model = varlen_copy(model) if attn == "varlen" else model
+    assert model.config._attn_implementation == attn
     task = PairTask("dpo", PairLossParams(beta=0.1), temperature=1.0, pad_id=0, pack_ratio=pack_ratio)
     task.loss(model, rows[:4])[0].backward()  # a first call probes a packed or one-row layout, reading back by design
     if attn == "varlen":

@@ -433,7 +433,7 @@ def _response_predictors(batch: Batch, starts: Tensor) -> tuple[Tensor, Tensor]:
     of each: worked out on the host from the batch's lengths, so that nothing is read back from the device."""
     responses = torch.tensor(batch.response_counts, dtype=torch.long)
     first = starts + torch.tensor(batch.prompt_lengths) - 1  # a response's first token: predicted from the prompt's last
-    predict = torch.arange(int(responses.sum())) + torch.repeat_interleave(first - (responses.cumsum(0) - responses),
+    predict = torch.arange(sum(batch.response_counts)) + torch.repeat_interleave(first - (responses.cumsum(0) - responses),
                                                                            responses)
     return predict, torch.repeat_interleave(torch.arange(batch.num_sequences), responses)
 
