@@ -7,12 +7,18 @@
 #   3. the real-vLLM tests (tests/vllm_env) in the generation environment, the environment-per-stage shape users run.
 # Extra arguments go to pytest (scripts/test.sh -k filter -x): to both suites, or, when they name test paths, to
 # the suite those paths belong to. RLHF_TEST_VLLM=0 skips the vLLM environment and its tests.
-# TORCH_SPEC and VENV are read by scripts/install.sh.
+# The main suite runs its test files on RLHF_TEST_WORKERS pytest-xdist workers (default 2; 0: in one process), each
+# torch with OMP_NUM_THREADS=1 unless set: most tests are single-threaded Python and process start-up, so two workers
+# use two cores where one process used about one. TORCH_SPEC and VENV are read by scripts/install.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 WITH_VLLM=${RLHF_TEST_VLLM:-1}
+WORKERS=${RLHF_TEST_WORKERS:-2}
+case "$WORKERS" in
+  ''|*[!0-9]*) echo "error: RLHF_TEST_WORKERS=$WORKERS: give a whole number of workers (0: no workers)" >&2; exit 2 ;;
+esac
 vllm_failed=0
 
 export TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -77,7 +83,11 @@ DS_ACCELERATOR=cpu "$VENV/bin/python" -c "from deepspeed.comm.torch import build
 if [ ${#main_args[@]} -gt 0 ]; then
   ignore=()
   [ ${#deferred_args[@]} -eq 0 ] || ignore=(--ignore="$DEFERRED")
-  pytest_in "$VENV/bin/python" "${opts[@]}" "${ignore[@]}" "${main_args[@]}" || rc=$?
+  # whole files per worker, in the order collected (tests/conftest.py puts the files of slow tests first)
+  parallel=()
+  [ "$WORKERS" -eq 0 ] || parallel=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
+  ( [ "$WORKERS" -eq 0 ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    pytest_in "$VENV/bin/python" ${parallel[@]+"${parallel[@]}"} "${opts[@]}" "${ignore[@]}" "${main_args[@]}" ) || rc=$?
 fi
 if [ -n "$install_pid" ]; then
   if wait "$install_pid"; then

@@ -18,6 +18,13 @@ from rlhf_pipeline.tiny import bundled_path  # noqa: E402
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_env"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files that hold a test marked slow run first, in their order: scripts/test.sh spreads whole files over
+    pytest-xdist workers in the order collected, so a long file started last would leave the other workers idle."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order inside each group is kept
+
+
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory) -> str:
     from rlhf_pipeline.tiny import save_tiny_model

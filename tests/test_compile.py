@@ -82,6 +82,7 @@ def test_compiled_layers_with_lora_adapters_give_the_eager_gradients():
     assert_same_as_eager(eager, compiled, batches(2, 2.0))
 
 
+@pytest.mark.slow
 def test_every_way_the_layers_run_stays_compiled():
     """LoRA with gradient checkpointing, in train and eval mode, with and without gradients, one row and several:
     more graphs than Dynamo keeps for one function by default (8), all of them compiled, none left to run eager."""

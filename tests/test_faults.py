@@ -578,6 +578,7 @@ def test_a_run_whose_push_failed_resumes_and_a_lost_run_resumes_from_the_hub(kit
     assert "hf_abcdefghijklmnopqrstuvwxyz0123" not in captured.out + captured.err
 
 
+@pytest.mark.slow
 def test_two_process_zero3_resume_skips_a_damaged_checkpoint(kit, tmp_path):
     """Under DeepSpeed ZeRO-3 on 2 processes (each loads its own shards): the newest checkpoint's optimizer shard of
     rank 1 cut short, the run's end undone (no manifest, as if killed after its last checkpoint); --resume sets the

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "scripts" / "gpu"
 ORDER = ["prepare_prompts", "sft", "train_rm", "generate", "score", "filter", "ref_logps", "train", "eval"]
 TRAINING = ("sft", "train_rm", "train")
+pytestmark = pytest.mark.slow  # every test reads the outputs of one run of the whole chain
 
 
 @pytest.fixture(scope="module")

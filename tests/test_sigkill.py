@@ -447,6 +447,7 @@ def _launched(run: Path) -> list[str]:
 OVERLAPPED_STEPS = [f"iter_{t}/{stage}" for t in (1, 2) for stage in ("generate", "score", "filter", "train")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["sequential", "overlapped"])
 def test_killed_iterate_relaunches_only_unfinished_steps_and_reaches_the_uninterrupted_result(case, request, tmp_path):
     ref: Reference = request.getfixturevalue("iterate_ref" if case == "sequential" else "overlapped_iterate_ref")
