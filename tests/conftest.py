@@ -73,11 +73,30 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
+_PORTS_PER_WORKER = 1000
+_next_port = None
+
+
 def free_port() -> int:
-    """A free TCP port for a multi-process launch's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for a multi-process launch's rendezvous: one this test process has not handed out before, from
+    a block of its own below the kernel's ephemeral range (32768 and up by default). Neither a socket another
+    process opens (a gloo connection takes an ephemeral port) nor another pytest-xdist worker (each has its own
+    block, 20000 + 1000 x its number) can take it between here and the launch binding it."""
+    global _next_port
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    low = 20000 + _PORTS_PER_WORKER * (worker % 12)
+    if _next_port is None:  # a start of its own, so that two test runs side by side seldom try the same ports
+        _next_port = low + os.getpid() % _PORTS_PER_WORKER
+    for _ in range(_PORTS_PER_WORKER):
+        port = _next_port
+        _next_port = low + (_next_port + 1 - low) % _PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use
+            return port
+    raise RuntimeError(f"no free port in {low}-{low + _PORTS_PER_WORKER - 1}")
 
 
 def run(*args) -> int:
