@@ -629,7 +629,7 @@ def train(
     watch = DivergenceWatch(first_loss=first_loss, first_grad_norm=totals_so_far.get("first_grad_norm"),
                             warned=totals_so_far.get("divergence_warned", False))
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=quiet(accelerator))
-    scheduler_stepped = False
+    first_step = step  # of this process: its scheduler has not stepped yet
     while step < total_steps:
         epoch, position = divmod(step, setup.steps_per_epoch)
         batch_ids = global_batches(train_ds.num_rows, setup.global_size, config.seed, epoch)[position]
@@ -699,7 +699,7 @@ def train(
                 totals.pop("grad_norm", None)
         # The rate this step's update used: after scheduler.step() get_last_lr() is already the next step's.
         step_lr = scheduler.get_last_lr()[0]
-        if engine is not None and not scheduler_stepped:
+        if engine is not None and step == first_step:
             # torch's scheduler warns at its first step when it saw no optimizer.step() before it: DeepSpeed's engine
             # steps the optimizer itself, and the rates are the single-process run's all the same (tested). Only
             # around that one call: leaving catch_warnings resets which warnings were shown, so doing it every step
@@ -709,7 +709,6 @@ def train(
                 scheduler.step()
         else:
             scheduler.step()
-        scheduler_stepped = True
         step += 1
         bar.update(1)
         if bad:
