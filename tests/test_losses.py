@@ -467,13 +467,15 @@ def test_ppo_padding_garbage_never_leaks():
     assert all(torch.isfinite(v) for v in metrics.values())
 
 
-def test_ppo_sequence_mean_skips_empty_rows_and_empty_batch_is_zero():
-    """Row 1 has no real token: the sequence mean is over rows 0 and 2 only. Row 0 one token A=1, ρ=1 → −1;
-    row 2 one token A=−2, ρ=1 → 2; mean (−1 + 2)/2 = 0.5 (TRL's ``grpo`` would give (−1 + 0 + 2)/3)."""
+def test_ppo_sequence_mean_counts_empty_rows_as_zero_and_empty_batch_is_zero():
+    """Row 1 has no real token: it is a 0-loss row of the sequence mean, as in TRL's ``grpo`` (rows of
+    Σ_t(loss·mask)/Σ_t mask with the count clamped to 1, then the mean over rows). Row 0 one token A=1, ρ=1 → −1;
+    row 2 one token A=−2, ρ=1 → 2; mean (−1 + 0 + 2)/3. Dr. GRPO's sums over 2 tokens: (−1 + 0 + 2)/2/3."""
     logp = torch.zeros(3, 2, dtype=torch.float64)
     adv = t([1.0, 0.0], [5.0, 5.0], [-2.0, 0.0])
     mask = torch.tensor([[True, False], [False, False], [True, False]])
-    close(ppo_policy_loss(logp, logp, adv, mask, clip=0.2, reduction="sequence")[0], 0.5)
+    close(ppo_policy_loss(logp, logp, adv, mask, clip=0.2, reduction="sequence")[0], 1 / 3)
+    close(ppo_policy_loss(logp, logp, adv, mask, clip=0.2, reduction="sequence_sum_norm", max_tokens=2)[0], 1 / 6)
     empty = torch.zeros(3, 2, dtype=torch.bool)
     for reduction in ("token", "sequence"):
         loss, metrics = ppo_policy_loss(logp, logp, adv, empty, clip=0.2, reduction=reduction)

@@ -191,6 +191,11 @@ def test_sppo_loss_is_the_papers_regression():
     loss.backward()
     close(logp.grad, t(2 * (0.3 - 0.8) / 2, 2 * (0.3 - 0.8) / 2, 2 * (-0.4 + 0.6) / 2, 0.0).reshape(2, 2))
     close(metrics["logratio_mean"], t(-0.05).reshape(()))
+    # a third response with no token is a 0-loss row (not (0 − target)²) that still counts in the mean
+    loss3, _ = sppo_loss(torch.cat([logp.detach(), torch.zeros(1, 2, dtype=torch.float64)]),
+                         torch.zeros(3, 2, dtype=torch.float64), torch.cat([targets, t(5.0)]),
+                         torch.cat([mask, torch.zeros(1, 2, dtype=torch.bool)]))
+    close(loss3, t(0.29 / 3).reshape(()))
 
 
 def test_sppo_targets_through_the_registry():

@@ -371,6 +371,40 @@ def test_group_task_loss_and_gradient_equal_a_naive_per_sample_reference(data, t
     assert losses[0.0] == pytest.approx(losses[2.0], abs=1e-12)  # packing changes nothing
 
 
+@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "gspo", "sppo"])
+def test_an_empty_response_is_a_zero_loss_row_however_the_step_is_split(algo, data, tiny_policy):
+    """The per-sequence losses average over a micro-batch's rows and the trainer weighs each micro-batch by its rows
+    (n / batch): an empty response (a sampler that stopped at once) must then count as a row of loss 0, or the rows
+    beside it would weigh more in one split than in another. Splits: 8 × 1, 4 × 2, 2 × 4, the empty row alone."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.chat import load_tokenizer
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_policy).double().eval()
+    pad = load_tokenizer(tiny_policy).pad_token_id
+    rows = flat_samples(load_from_disk(str(data / "groups"))["train"], range(2))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for r, n in zip(rows, (16, 5, 11, 2, 16, 8, 0, 13)):
+            r["response_token_ids"] = r["response_token_ids"][:n]
+            lp = naive_logps(policy, r["prompt_token_ids"], r["response_token_ids"], 0.8) if n else torch.zeros(0)
+            r["old_logps"] = (lp + 0.3 * torch.randn(n, generator=gen, dtype=lp.dtype)).tolist()
+            r["ref_logps"] = (lp + 0.5 * torch.randn(n, generator=gen, dtype=lp.dtype)).tolist()
+            r["advantages"] = [torch.randn(1, generator=gen).item()] * n
+    params = algorithms.group_params(algorithms.get(algo), kl_coef=0.1, kl_mode="loss", kl_estimator="k3")
+    if params.loss_aggregation == "sequence_sum_norm":
+        params.max_tokens = 16
+    task = rl.GroupTask(params, 0.8, pad, 2.0)
+
+    def loss(indices):
+        return task.loss(policy, task.collate([rows[i] for i in indices]))[0].item()
+
+    whole = loss(range(8))
+    assert whole == pytest.approx(loss([0, 1, 2, 3, 4, 5, 7]) * 7 / 8, abs=1e-12)  # the empty row adds 0, counts 1
+    for split in (([0, 1, 2, 3], [4, 5, 6, 7]), ([0, 1], [2, 3], [4, 5], [6, 7]), ([6], [0, 1, 2, 3, 4, 5, 7])):
+        assert sum(loss(c) * len(c) / 8 for c in split) == pytest.approx(whole, abs=1e-12), split
+
+
 # ---------------------------------------------------------------------------------------------------- integration
 
 

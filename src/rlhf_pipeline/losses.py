@@ -273,8 +273,8 @@ def kto_terms(p, policy_logps, ref_logps, desirable, reference_point):
 # - ``reduction="token"`` (default): mean over all real tokens of the batch (OpenRLHF ``token_level_loss=True``,
 #   TRL GRPO ``loss_type="bnpo"``). ``reduction="sequence"``: mean over each sequence's real tokens, then over the
 #   sequences (the GRPO paper's 1/G Σ_i 1/|o_i| Σ_t; TRL ``loss_type="grpo"``, OpenRLHF ``token_level_loss=False``);
-#   (B, T) only. Sequences with no real token are left out of that mean (TRL counts them as 0-loss rows). An
-#   all-masked batch gives loss 0, not NaN.
+#   (B, T) only. A sequence with no real token counts as a 0-loss row of that mean, as in TRL, so that the mean over
+#   a step's rows is the same however they are split into micro-batches. An all-masked batch gives loss 0, not NaN.
 #   ``"sequence_sum_norm"`` (Dr. GRPO) and ``"sum"`` (for a caller's own normaliser): see ``ppo_policy_loss``.
 # - Old log-probs, advantages, old values, returns and reference log-probs are constants: detached here.
 
@@ -312,8 +312,9 @@ def _reduce(per_token: torch.Tensor, m: torch.Tensor, reduction: str, max_tokens
             if max_tokens is None or max_tokens < 1:
                 raise ValueError(f"reduction='sequence_sum_norm' needs max_tokens >= 1, got {max_tokens}")
             per_sequence = torch.where(m, per_token, 0).sum(dim=-1) / max_tokens
-        has_tokens = m.any(dim=-1)  # (B,)
-        return masked_mean(per_sequence, has_tokens)
+        # a sequence with no real token is a 0-loss row of the mean (masked_mean gave it 0), as in TRL: the trainer
+        # weighs a micro-batch by its rows, so leaving it out would make the update depend on how the step is split
+        return per_sequence.sum() / max(per_sequence.numel(), 1)
     raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
@@ -464,22 +465,23 @@ def sppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, targets: torch.Tensor,
     sampled from onto its target, ``(log π(y|x) − log π_t(y|x) − η(P(y ≻ π_t | x) − 1/2))²``; the caller puts
     ``η(P − 1/2)`` in ``targets`` (per sequence (B,), or per token with the same value on every token of a sequence,
     of which the first is read). One squared error per sequence, whatever ``reduction`` (they are averaged over the
-    sequences; ``"sum"`` sums them for a caller that divides by a count over more than this input). Metrics:
+    sequences, an empty response counting as 0; ``"sum"`` sums them for a caller that divides by a count over more than this input). Metrics:
     ``logratio_mean`` (the mean sequence log-ratio), ``target_mean``."""
     m = _ppo_mask(mask, logp)
     _same_shape(logp, old_logp=old_logp)
     if logp.dim() != 2:
         raise ValueError(f"sppo_loss needs (B, T) inputs, got shape {tuple(logp.shape)}")
     targets = targets.detach()
-    if targets.shape == logp.shape:
-        targets = targets[:, 0]
+    if targets.shape == logp.shape:  # per token: the first of each row (none in a batch of empty responses)
+        targets = targets[:, 0] if logp.shape[1] else targets.new_zeros(logp.shape[:1])
     if targets.shape != logp.shape[:1]:
         raise ValueError(f"targets has shape {tuple(targets.shape)}; expected ({logp.shape[0]},) or {tuple(logp.shape)}")
     logratio = torch.where(m, logp - old_logp.detach(), 0).sum(dim=-1)  # (B,)
     per_sequence = (logratio - targets) ** 2
     has_tokens = m.any(dim=-1)
-    loss = torch.where(has_tokens, per_sequence, 0).sum() if reduction == "sum" else masked_mean(per_sequence,
-                                                                                                  has_tokens)
+    loss = torch.where(has_tokens, per_sequence, 0).sum()  # an empty response: a 0-loss row, as in _reduce
+    if reduction != "sum":
+        loss = loss / max(per_sequence.numel(), 1)
     with torch.no_grad():
         metrics = {"logratio_mean": masked_mean(logratio, has_tokens), "target_mean": masked_mean(targets, has_tokens)}
     return loss, metrics
