@@ -12,7 +12,8 @@
 #   generate under `conda run -n rlhf-vllm python` (vLLM pins its own torch), train under
 #   `accelerate launch --config_file accelerate_cfgs/zero3.yaml` (8 processes, ZeRO-3), score and eval under
 #   `accelerate launch --multi_gpu --num_processes 8` (data parallel; eval in rlhf-vllm); filter in this env.
-#   Another node size: --launchers '{...}' on the command line replaces the config's launchers.
+#   Another node size: --launchers '{score: ..., train: ...}' on the command line changes those stages' launchers
+#   and keeps the config's others (so do --generate, --train, ... for their sections, key by key).
 # - Outputs: <output>/iter_<t>/<stage>/, each with a manifest.json written last. Ctrl-C, a crash or a lost node:
 #   run the same command again. Finished stages are skipped and it resumes at the first incomplete stage; an
 #   interrupted train stage continues from its newest checkpoint (train.save_every).

@@ -45,6 +45,32 @@ def test_yaml_config_and_flags_override_it(tmp_path):
     assert cfg.temperature == 0.3  # the flag wins
 
 
+def test_a_mapping_flag_overrides_the_yaml_mapping_key_by_key(tmp_path):
+    """``rlhf iterate --config run.yaml --train '{...}'`` changes the keys it names and keeps the section's others
+    (it replaced the whole section before: the config's eta, learning rate and bf16 were dropped without a word);
+    a key set to null takes the file's value away, and repeated flags merge in order."""
+    from rlhf_pipeline.stages.iterate import IterateConfig, plan
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model: base\nprompts: p.jsonl\noutput: run\nreward_model: rm\niterations: 1\n"
+                    "launchers: {generate: vllm-env python, train: accelerate launch --config_file z.yaml}\n"
+                    "train: {eta: 1.0e+6, learning_rate: 3.0e-7, bf16: true}\n")
+    cfg = parse_config(IterateConfig, ["--config", str(path), "--train", "{learning_rate: 1.0e-6, bf16: null}",
+                                       "--train", "{save_every: 5}", "--launchers", "{score: accelerate launch}"],
+                       "test")
+    assert cfg.train == {"eta": 1e6, "learning_rate": 1e-6, "bf16": None, "save_every": 5}
+    assert cfg.launchers == {"generate": "vllm-env python", "train": "accelerate launch --config_file z.yaml",
+                             "score": "accelerate launch"}
+    steps = {s.name: s for s in plan(cfg, num_prompts=8)}
+    train = steps["iter_1/train"]
+    assert train.command[:4] == ["accelerate", "launch", "--config_file", "z.yaml"]
+    assert train.args[train.args.index("--eta") + 1] == "1000000.0" and "--bf16" not in train.args
+    assert steps["iter_1/generate"].command[:2] == ["vllm-env", "python"]
+    # without a file, the flag is the whole mapping
+    assert parse_config(IterateConfig, ["--model", "m", "--prompts", "p", "--output", "o", "--reward-model", "r",
+                                        "--train", "{eta: 2}"], "test").train == {"eta": 2}
+
+
 def test_yaml_unknown_key_names_file_and_key(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model: m\noutput: o\ntemprature: 1.0\n")

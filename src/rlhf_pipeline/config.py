@@ -189,14 +189,18 @@ def build_parser(cls: type, prog: str, description: str | None = None, only: set
     stage_group = parser.add_argument_group("stage options")
     sections = _help_sections(cls, first)
     groups = [stage_group] + [parser.add_argument_group(title) for title, _ in sections]
+    hints = typing.get_type_hints(cls)
+    mappings = [f.name for f in dataclasses.fields(cls) if _is_mapping(hints[f.name])]
+    example = "train" if "train" in mappings else mappings[0] if mappings else ""
+    merged = (f" A mapping's flag overrides it key by key: {_flag(example)} '{{key: value}}' changes that key of the "
+              "file's mapping and keeps the others (null takes one away)." if mappings else "")
     stage_group.add_argument(
-        "--config", metavar="FILE.yaml", default=None, help="Read options from a YAML file; flags override it."
+        "--config", metavar="FILE.yaml", default=None, help="Read options from a YAML file; flags override it." + merged
     )
 
     def section(f: dataclasses.Field) -> int:
         return next((k + 1 for k, (_, names) in enumerate(sections) if f.name in names), 0)
 
-    hints = typing.get_type_hints(cls)
     fields = sorted(dataclasses.fields(cls), key=section)  # stable: in declaration order within a section
     if only is not None:
         fields = [f for f in fields if f.name in only]
@@ -223,8 +227,9 @@ def build_parser(cls: type, prog: str, description: str | None = None, only: set
             kwargs["action"] = _RepeatableList
             kwargs["type"] = item
             kwargs["metavar"] = f.name.upper().rstrip("S")
-        elif tp is dict or typing.get_origin(tp) is dict:
+        elif _is_mapping(tp):
             kwargs["type"] = _mapping
+            kwargs["action"] = _MergedMapping
             kwargs["metavar"] = "YAML"
         elif tp in (int, float, str):
             kwargs["type"] = tp
@@ -245,6 +250,22 @@ class _RepeatableList(argparse.Action):
         current = getattr(namespace, self.dest, None)
         # the namespace starts with the default object itself: while it is still there, this is the first use
         setattr(namespace, self.dest, list(values) if current is self.default else [*current, *values])
+
+
+def _is_mapping(tp: Any) -> bool:
+    tp, _ = _strip_optional(tp)
+    return tp is dict or typing.get_origin(tp) is dict
+
+
+class _MergedMapping(argparse.Action):
+    """A mapping option: each use on the command line is merged into the mapping so far (the YAML file's, which
+    ``set_defaults`` makes the default, then the earlier uses), key by key, its own keys winning. So
+    ``--train '{gradient_accumulation_steps: 32}'`` changes that one option of the config's train section and keeps
+    the others; a key set to null takes the config's value away (the stage's default applies)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, {**(current or {}), **values})
 
 
 def _mapping(text: str) -> dict[str, Any]:
@@ -329,7 +350,7 @@ def _yaml_value(where: str, value: Any, tp: Any) -> Any:
     elif origin in (list, Sequence):
         (item,) = typing.get_args(tp)
         return [_yaml_value(where, v, item) for v in (value if isinstance(value, list) else [value])]
-    elif tp is dict or origin is dict:
+    elif _is_mapping(tp):
         if isinstance(value, dict):
             return value
         expected = "a mapping such as {key: value}"
