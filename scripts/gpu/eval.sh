@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Evaluation of a policy: one response per held-out prompt, scored with the reward model; mean reward, and win rate
-# against a baseline policy when BASELINE is set. REBEL's own trainer evaluates only the regression loss on the
+# against a baseline (BASELINE, by default the starting policy; BASELINE= for none). REBEL's own trainer evaluates only the regression loss on the
 # test pairs (src/ultrafeedback_largebatch/rebel.py, evaluate()); its published numbers are AlpacaEval 2, MT-Bench,
 # MMLU and GSM8K (the model table of REBEL's README.md), not this.
 # REBEL file:line citations below: github.com/ZhaolinGao/REBEL at commit 4ad7c11, src/ultrafeedback_largebatch/.
@@ -12,6 +12,9 @@
 #              reward model (data parallel, as score.sh); NUM_GPUS=1 runs it all on one 80 GB GPU
 #   reads:     $EVAL_PROMPTS (held out: UltraFeedback's test prompts; REBEL trains on the train split),
 #              $POLICY (ITER=0: $MODEL, the starting policy; ITER=t: $RUN/iter_t/train), $REWARD_MODEL, $BASELINE
+#              (as `rlhf iterate` evaluates: ITER=0 against $MODEL itself, which keeps its samples as the baseline's;
+#              ITER=t against those samples, $RUN/iter_0/eval, so the 8B baseline is not sampled again; where
+#              iter_0's evaluation has not run, against $MODEL, sampled afresh)
 #   writes:    $RUN/iter_$ITER/eval (generations, rewards, summary + manifest.json), the layout `rlhf iterate` uses
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: relative paths below resolve from here
@@ -20,7 +23,8 @@ MODEL=${MODEL:-meta-llama/Meta-Llama-3-8B-Instruct}   # the policy of iteration 
 RUN=${RUN:-runs/rebel_llama3}
 ITER=${ITER:-1}                                       # 0 = the starting policy
 if [ "$ITER" -eq 0 ]; then POLICY=${POLICY:-$MODEL}; else POLICY=${POLICY:-$RUN/iter_$ITER/train}; fi
-if [ "$ITER" -eq 0 ]; then BASELINE=${BASELINE:-}; else BASELINE=${BASELINE:-$MODEL}; fi   # empty = no win rate
+if [ "$ITER" -eq 0 ] || [ ! -f "$RUN/iter_0/eval/manifest.json" ]; then BASELINE=${BASELINE-$MODEL}
+else BASELINE=${BASELINE-$RUN/iter_0/eval}; fi   # BASELINE= (empty): no win rate
 EVAL_PROMPTS=${EVAL_PROMPTS:-allenai/ultrafeedback_binarized_cleaned:test_prefs}
 REWARD_MODEL=${REWARD_MODEL:-RLHFlow/ArmoRM-Llama3-8B-v0.1}   # REBEL's reward model (rank.py:14), custom code
 OUT=${OUT:-$RUN/iter_$ITER/eval}

@@ -16,6 +16,8 @@
 #       4ad7c11 of github.com/ZhaolinGao/REBEL). Same setting as scripts/gpu/rebel_ultrafeedback.yaml.
 #   TP=1 SHARDS=8: eight independent engines (`--shard i/8`, one GPU each), then `rlhf merge`. Usually faster for
 #       an 8B model (no all-reduce per layer); a prompt's samples do not depend on the sharding (per-prompt seeds).
+#       scripts/iterate.sh does not take this merged output as its own generate step (another config): continue
+#       such an iteration with the scripts.
 # Rerunning with the same settings skips finished outputs (shards included), so a crash resumes where it stopped.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: relative paths below resolve from here

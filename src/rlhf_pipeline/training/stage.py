@@ -189,7 +189,7 @@ def training_record(name: str, result: TrainResult, dd, sampling: dict | None, t
         result=result,
         rows_in=sum(ds.num_rows for ds in dd.values()),
         extra={"sampling": sampling, "training": training},
-        summary=summary or f"{name}: {result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}",
+        summary=summary or f"{name}: {result.steps} step{'s' if result.steps != 1 else ''}, loss {result.first_loss:.4f} -> {result.last_loss:.4f}",
     )
 
 
