@@ -21,7 +21,7 @@ is all it takes.
 
 The final answer (:func:`extract_answer`): the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``); else what
 follows the last GSM8K-style ``#### ``; else what follows the last "answer is" / "answer:" ("The final answer is
-$42$." gives ``42``). The reference goes through the same extraction, so a GSM8K ``answer`` column (a worked
+$42$." gives ``42``), where a plain number's trailing words are left out ("The answer is 18 cookies." gives ``18``). The reference goes through the same extraction, so a GSM8K ``answer`` column (a worked
 solution ending in ``#### 72``) serves as it is; a reference with none of these is taken whole.
 
 Majority voting: :func:`math_equal` and :func:`exact_match` carry ``extract_answer(response) -> str | None``, the
@@ -50,8 +50,15 @@ MATH_VERIFY_TIMEOUT = 5
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _GSM8K = re.compile(r"####\s*([^\n]+)")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
-# Stripped from both ends of an answer: whitespace, sentence punctuation, quotes, markdown emphasis, TeX's $.
+# Stripped from both ends of an answer: whitespace, sentence punctuation, quotes, markdown emphasis, TeX's $; a
+# period from the end only (".5" is a number).
 _SURROUNDING = " \t\r\n.,;:!?\"'`*$"
+_LEADING = _SURROUNDING.replace(".", "")
+# A plain number followed by words only, on the unboxed paths: "18 cookies", "$1,000 dollars", "3.5 km" read as the
+# number. Not when the words join it to something else ("5 or 6", "3 to 4"), nor with a digit among them ("3 hours
+# and 20 minutes").
+_NUMBER_THEN_WORDS = re.compile(r"([-+−]?\$?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?)\s+([A-Za-z][A-Za-z' -]*)")
+_JOINING_WORDS = {"or", "and", "to", "plus", "minus", "times", "over", "divided"}
 
 
 def _boxed_contents(text: str) -> list[str]:
@@ -73,7 +80,19 @@ def _strip_math(answer: str) -> str:
     answer = answer.strip()
     if answer.startswith("\\(") and answer.endswith("\\)"):
         answer = answer[2:-2]
-    return answer.strip(_SURROUNDING)
+    return _strip(answer)
+
+
+def _strip(answer: str) -> str:
+    return answer.lstrip(_LEADING).rstrip(_SURROUNDING)
+
+
+def _without_unit(answer: str) -> str:
+    """``18 cookies`` -> ``18``: a plain number's trailing words (see :data:`_NUMBER_THEN_WORDS`) left out."""
+    match = _NUMBER_THEN_WORDS.fullmatch(answer)
+    if match is None or _JOINING_WORDS & set(match.group(2).casefold().replace("-", " ").split()):
+        return answer
+    return match.group(1)
 
 
 def extract_answer(text: str) -> str | None:
@@ -87,16 +106,17 @@ def extract_answer(text: str) -> str | None:
         if not matches:
             return None
         # up to the end of the sentence: a period followed by a space or the end (not a decimal point)
-        answer = re.split(r"\.(?:\s|$)", matches[-1], maxsplit=1)[0]
+        answer = _without_unit(_strip_math(re.split(r"\.(?:\s|$)", matches[-1], maxsplit=1)[0]))
     answer = _strip_math(answer)
     return answer or None
 
 
 def normalize_answer(answer: str) -> str:
     """How :func:`exact_match` compares answers: case folded; runs of whitespace made one space; whitespace,
-    ``.,;:!?``, quotes, ``*`` and ``$`` stripped from both ends (brackets are kept: ``(1, 2)`` is a tuple); thousands
-    separators removed from numbers (``1,234,567`` -> ``1234567``; a comma followed by three digits and no fourth)."""
-    answer = re.sub(r"\s+", " ", answer.casefold()).strip(_SURROUNDING)
+    ``.,;:!?``, quotes, ``*`` and ``$`` stripped from both ends, a period from the end only (``.5`` is a number;
+    brackets are kept: ``(1, 2)`` is a tuple); thousands separators removed from numbers (``1,234,567`` ->
+    ``1234567``; a comma followed by three digits and no fourth)."""
+    answer = _strip(re.sub(r"\s+", " ", answer.casefold()))
     return re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", answer)
 
 
