@@ -1,6 +1,8 @@
 """Dataset references, atomic outputs, manifests and the reuse rules."""
 
 import json
+from pathlib import Path
+from typing import Optional
 from dataclasses import dataclass
 
 import pytest
@@ -29,6 +31,7 @@ from conftest import write_jsonl
 @dataclass(kw_only=True)
 class Cfg(OutputOptions):
     value: int = option(1, help="a value")
+    model: Optional[str] = option(None, help="a model path")
 
 
 def test_parse_ref_kinds(tmp_path):
@@ -114,11 +117,33 @@ def test_changed_input_or_config_refuses_without_overwrite(tmp_path):
     assert load_from_disk(str(tmp_path / "out"))["x"] == [2]
 
 
-def test_directory_without_manifest_is_refused(tmp_path):
+def test_directory_without_manifest_is_refused_and_never_deleted(tmp_path):
+    """Files no stage wrote (no manifest, no run record) stay, --overwrite or not; an empty directory is used."""
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "something").write_text("x")
-    with pytest.raises(PipelineError, match="no manifest.json"):
-        _run(tmp_path)
+    assert _run(tmp_path)["rows_out"] == 1  # empty: nothing to keep
+    (tmp_path / "out" / MANIFEST).unlink()
+    for overwrite in (False, True):
+        with pytest.raises(PipelineError, match="not a stage's output .*does not delete"):
+            _run(tmp_path, overwrite=overwrite)
+    assert (tmp_path / "out" / "state.json").exists()
+
+
+def test_an_output_that_is_or_holds_an_input_is_refused_even_with_overwrite(tmp_path):
+    """``rlhf generate --model pc --output pc --overwrite`` deleted the model it had just sampled from; an output
+    holding the prompts file, or the input dataset itself (a stage output, with a manifest), went the same way."""
+    _run(tmp_path)  # out/ is a finished stage output
+    prompts = write_jsonl(tmp_path / "out" / "p.jsonl", [{"prompt": "a"}])
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cases = [(dict(output=str(tmp_path / "out")), [parse_ref(prompts)], "holds .*p.jsonl, which this run reads"),
+             (dict(output=str(tmp_path / "out")), [parse_ref(str(tmp_path / "out"))], "is .*out, which this run reads"),
+             (dict(output=str(model), model=str(model)), [], "is .*model, which this run reads")]
+    for options, inputs, match in cases:
+        out = StageOutput("unit", Cfg(value=1, overwrite=True, **options), inputs)
+        with pytest.raises(PipelineError, match=match):
+            out.done()
+    assert Path(prompts).exists() and (model / "config.json").exists()
 
 
 def test_failed_write_leaves_nothing_and_keeps_the_old_output(tmp_path):

@@ -382,8 +382,12 @@ class StageOutput:
             return False
         if not self.path.is_dir():
             raise PipelineError(f"--output {self.path}: exists and is a file; choose a directory path")
+        self._refuse_writing_over_an_input()
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
+            if not any(self.path.iterdir()):
+                self.replace = True  # an empty directory: nothing to keep
+                return False
             started = self.path / RUN_RECORD
             if resume and started.exists():
                 diffs = self.differences(json.loads(started.read_text()))
@@ -396,14 +400,17 @@ class StageOutput:
                     )
             elif resume:
                 return False
-            if self.config.overwrite:
-                self.replace = True
-                return False
-            hint = "pass --resume to continue it, or --overwrite to start over" if resume is False else (
-                "remove it, choose another --output, or pass --overwrite"
-            )
+            if started.exists():  # an unfinished run of this stage: --overwrite starts it over
+                if self.config.overwrite:
+                    self.replace = True
+                    return False
+                raise PipelineError(f"--output {self.path}: holds an unfinished run (no {MANIFEST}); pass --resume "
+                                    "to continue it, or --overwrite to start over")
+            # files no stage wrote (a model, a dataset of the user's, a folder of other things): never deleted here
             raise PipelineError(
-                f"--output {self.path}: exists but holds no completed stage output (no {MANIFEST}); {hint}"
+                f"--output {self.path}: exists and holds files that are not a stage's output (no {MANIFEST} or "
+                f"{RUN_RECORD}), which rlhf does not delete, --overwrite or not; choose another --output, or remove "
+                "it yourself"
             )
         manifest = read_manifest(DatasetRef("dir", str(self.path)))
         diffs = self.differences(manifest)
@@ -423,6 +430,21 @@ class StageOutput:
             f"--output {self.path}: holds a {self.stage} run with a different config or inputs "
             f"({'; '.join(diffs)}); pass --overwrite to replace it or choose another --output"
         )
+
+    def _refuse_writing_over_an_input(self) -> None:
+        """An --output that is, or holds, something this run reads (its input data, a model, a tokenizer, a
+        baseline: any option naming a local path) is refused, --overwrite or not: replacing it would delete it."""
+        out = self.path.resolve()
+        named = [r.location for r in self.inputs if r.kind != "hub"]
+        for key, value in to_dict(self.config).items():
+            if key != "output":
+                named += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str) and v]
+        for text in named:
+            path = Path(text).expanduser()
+            if path.exists() and (path.resolve() == out or out in path.resolve().parents):
+                what = "is" if path.resolve() == out else "holds"
+                raise PipelineError(f"--output {self.path}: {what} {text}, which this run reads; choose another "
+                                    "--output (a stage never writes over its own inputs)")
 
     def record_start(self) -> None:
         """For outputs filled in place: note the config and inputs, so that ``--resume`` can check them."""
