@@ -84,6 +84,18 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
                                                      for i in range(4)])
     k["questions"] = write_jsonl(d / "questions.jsonl", [{"question": "Why?"}, {"question": "How?"}])
     k["int_prompts"] = write_jsonl(d / "int_prompts.jsonl", [{"prompt": "Fine."}, {"prompt": 7}])
+    # a template that refuses roles that do not alternate (as Mistral's, Gemma's, Llama-2's do), and rows it refuses
+    (d / "alternating.jinja").write_text(
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    k["alternating"] = str(d / "alternating.jinja")
+    user = {"role": "user", "content": "Hi."}
+    k["non_alternating"] = write_jsonl(d / "non_alternating.jsonl", [{"messages": [user]}, {"messages": [user]},
+                                                                     {"messages": [user, user]}])
+    k["sft_non_alternating"] = write_jsonl(d / "sft_non_alternating.jsonl", [
+        {"messages": [user, {"role": "assistant", "content": "Hello."}]},
+        {"messages": [user, user, {"role": "assistant", "content": "Hello."}]}])
     k["gen"] = write_jsonl(d / "gen.jsonl", GEN_ROWS)
     k["gen_text_responses"] = write_jsonl(d / "gen_text.jsonl", [{"prompt_id": "p0", "prompt": "Hi.",
                                                                   "responses": "Hello there."}])
@@ -154,6 +166,13 @@ CASES = [
          "has neither a 'prompt' nor a 'messages' column"),
     Case("generate-prompt-wrong-type", ["generate", "--model", "{policy}", "--prompts", "{int_prompts}"],
          "row 1: 'prompt' is int, not text"),
+    Case("generate-template-refuses-a-row", ["generate", "--model", "{policy}", "--prompts", "{non_alternating}",
+                                             "--chat-template", "{alternating}"],
+         "non_alternating.jsonl: row 2: the chat template refuses its conversation (roles: user, user): Conversation "
+         "roles must alternate"),
+    Case("sft-template-refuses-a-row", ["sft", "--model", "{policy}", "--data", "{sft_non_alternating}",
+                                        "--chat-template", "{alternating}"],
+         "sft_non_alternating.jsonl: row 1: the chat template refuses its conversation (roles: user, user)"),
     Case("generate-prompts-already-generated", ["generate", "--model", "{policy}", "--prompts", "{shard0}"],
          "already has column(s) prompt_token_ids"),
     Case("generate-shard-out-of-range", ["generate", "--model", "{policy}", "--prompts", "{prompts}",

@@ -38,7 +38,7 @@ from rlhf_pipeline.chat_templates import BUILTIN_TEMPLATES
 from rlhf_pipeline.config import NO_CHAT_TEMPLATE
 from rlhf_pipeline.contracts import PROMPT_COLUMNS
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.files import MODEL_HINT, reading
+from rlhf_pipeline.files import MODEL_HINT, first_line, reading
 from rlhf_pipeline.machine import usable_cores
 
 if TYPE_CHECKING:
@@ -662,6 +662,55 @@ def encode_plain(tokenizer: PreTrainedTokenizerBase, texts: list[str], allow_spe
         lambda control, spelled: control.split_encode(spelled, False))
 
 
+class ChatTemplateRefused(PipelineError):
+    """The chat template raised on a conversation (a template's ``raise_exception``: roles that do not alternate, a
+    system turn it does not take, ...). ``index`` is the conversation's place in the list given to
+    :func:`encode_prompts` or :func:`encode_conversations`, which a stage turns into the row of its input
+    (:meth:`at`)."""
+
+    def __init__(self, index: int, conversation: list, cause: Exception):
+        self.index = index
+        roles = ", ".join(str(m.get("role")) for m in conversation if isinstance(m, dict))
+        self.reason = (f"the chat template refuses its conversation (roles: {roles}): {first_line(cause)}; change "
+                       "its messages to what the template takes, or choose another --chat-template")
+        super().__init__(f"conversation {index} of the batch: {self.reason}")
+
+    def at(self, source: str, row: int) -> PipelineError:
+        return PipelineError(f"{source}: row {row}: {self.reason}")
+
+
+def _refusing(tokenizer: PreTrainedTokenizerBase, convs: list, add_generation_prompt: bool,
+              error: Exception) -> Exception:
+    """``error`` as a :class:`ChatTemplateRefused` naming the first conversation the template raises on, when it is
+    a template's error (jinja's); else ``error`` itself."""
+    from jinja2.exceptions import TemplateError
+
+    if not isinstance(error, TemplateError):
+        return error
+    for k, conv in enumerate(convs):
+        try:
+            tokenizer.apply_chat_template([conv], add_generation_prompt=add_generation_prompt, tokenize=False)
+        except TemplateError as e:
+            return ChatTemplateRefused(k, conv, e)
+    return error
+
+
+def _encode_conversations_checked(tokenizer: PreTrainedTokenizerBase, convs: list, add_generation_prompt: bool,
+                                  allow_special_tokens: bool, keys: list | None = None,
+                                  meanwhile: Callable[[], None] | None = None) -> list[list[int]]:
+    """Conversations through the template (:func:`_render`), special-token strings checked (:func:`_encode_checked`);
+    a conversation the template refuses is a :class:`ChatTemplateRefused`."""
+    render = _render(tokenizer, add_generation_prompt)
+    try:
+        return _encode_checked(
+            tokenizer, convs, allow_special_tokens,
+            lambda items, ks: encode_texts(tokenizer, items, render, add_special_tokens=False, keys=ks,
+                                           meanwhile=meanwhile),
+            lambda control, items: control.encode_guarded(items, render), keys=keys)
+    except Exception as e:
+        raise _refusing(tokenizer, convs, add_generation_prompt, e) from None
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Iterable[str | list[dict[str, str]]], use_chat_template: bool = True,
     allow_special_tokens: bool = False,
@@ -670,11 +719,7 @@ def encode_prompts(
     Special-token strings in a prompt are text unless ``allow_special_tokens`` (:class:`ControlTokens`)."""
     prompts = list(prompts)
     if use_chat_template and tokenizer.chat_template:
-        render = _render(tokenizer, True)
-        return _encode_checked(
-            tokenizer, [as_messages(p) for p in prompts], allow_special_tokens,
-            lambda convs, _: encode_texts(tokenizer, convs, render, add_special_tokens=False),
-            lambda control, convs: control.encode_guarded(convs, render))
+        return _encode_conversations_checked(tokenizer, [as_messages(p) for p in prompts], True, allow_special_tokens)
     if any(not isinstance(p, str) for p in prompts):
         raise PipelineError(
             "the tokenizer has no chat template, so 'messages' prompts cannot be rendered; "
@@ -694,13 +739,9 @@ def encode_conversations(
     part encoded once where that gives the same ids. Special-token strings in a prompt or response are text unless
     ``allow_special_tokens`` (:class:`ControlTokens`); ``meanwhile`` runs while the clean ones are encoded."""
     if tokenizer.chat_template:
-        render = _render(tokenizer, False)
         convs = [as_messages(p) + [{"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
-        return _encode_checked(
-            tokenizer, convs, allow_special_tokens,
-            lambda items, keys: encode_texts(tokenizer, items, render, add_special_tokens=False, keys=keys,
-                                             meanwhile=meanwhile),
-            lambda control, items: control.encode_guarded(items, render), keys=list(prompts))
+        return _encode_conversations_checked(tokenizer, convs, False, allow_special_tokens, keys=list(prompts),
+                                             meanwhile=meanwhile)
     return _encode_checked(
         tokenizer, [as_text(p) + r for p, r in zip(prompts, responses)], allow_special_tokens,
         lambda texts, _: encode_texts(tokenizer, texts, list, add_special_tokens=True, meanwhile=meanwhile),

@@ -189,7 +189,8 @@ def main(config: GenerateConfig) -> Path:
     from datasets import Features, List, Value, concatenate_datasets
 
     from rlhf_pipeline.attention import check_attn_implementation, check_engine
-    from rlhf_pipeline.chat import encode_prompts, load_tokenizer, raw_conversation_error, stop_token_ids
+    from rlhf_pipeline.chat import ChatTemplateRefused, encode_prompts, load_tokenizer, raw_conversation_error
+    from rlhf_pipeline.chat import stop_token_ids
     from rlhf_pipeline.chat import use_chat_template
     from rlhf_pipeline.datasets_io import StageOutput, parse_ref, scratch_writer
     from rlhf_pipeline.engines import SamplingSettings, resolve_engine_name
@@ -246,17 +247,24 @@ def main(config: GenerateConfig) -> Path:
             out[SAMPLER_LOGPROBS] = [c.logprobs for c in completions]
         return out
 
+    def encoded(start: int, stop: int) -> tuple[dict, list[list[int]]]:
+        part = ds[start:stop]
+        try:
+            ids = encode_prompts(tokenizer, part[column], allow_special_tokens=config.allow_special_tokens_in_text)
+            return part, ids
+        except ChatTemplateRefused as e:
+            raise e.at(ref.name, rows[start + e.index]) from None
+
     with scratch_writer(out.path, Features(features)) as writer:
         if config.executor == "ray":  # the replicas take their shards of every prompt at once
-            part = ds[:]
-            prompt_ids = encode_prompts(tokenizer, part[column],
-                                        allow_special_tokens=config.allow_special_tokens_in_text)
+            part, prompt_ids = encoded(0, ds.num_rows)
             seeds = [request_seed(config.seed, r) for r in rows]
             started = time.perf_counter()
             engine_name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
             timing["sampling_s"] = time.perf_counter() - started  # the replicas' start-up included
             writer.write(columns(part, prompt_ids, completions))
         else:
+            first = encoded(0, CHUNK_PROMPTS)  # a prompt the template refuses stops the run before the engine loads
             started = time.perf_counter()
             engine = open_engine(config, tokenizer)
             engine_name = engine.name
@@ -264,9 +272,7 @@ def main(config: GenerateConfig) -> Path:
             started = time.perf_counter()
             try:
                 for start in range(0, ds.num_rows, CHUNK_PROMPTS):
-                    part = ds[start : start + CHUNK_PROMPTS]
-                    prompt_ids = encode_prompts(tokenizer, part[column],
-                                                allow_special_tokens=config.allow_special_tokens_in_text)
+                    part, prompt_ids = first if start == 0 else encoded(start, start + CHUNK_PROMPTS)
                     seeds = [request_seed(config.seed, r) for r in rows[start : start + CHUNK_PROMPTS]]
                     completions = engine.generate(prompt_ids, seeds, sampling, logprobs=config.logprobs)
                     writer.write(columns(part, prompt_ids, completions))

@@ -111,7 +111,7 @@ def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int
     counts = {"fallback": 0}
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        from rlhf_pipeline.chat import raw_conversation_error
+        from rlhf_pipeline.chat import ChatTemplateRefused, raw_conversation_error
 
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         prompts, answers = zip(*(split_conversation(r, i, source) for r, i in zip(rows, indices)))
@@ -119,8 +119,11 @@ def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int
             for prompt, i in zip(prompts, indices):
                 if not isinstance(prompt, str):
                     raise raw_conversation_error(source, i)
-        prompt_ids, answer_ids, fallbacks = encode_answers(tokenizer, list(prompts), list(answers), stop_ids,
-                                                             allow_special_tokens)
+        try:
+            prompt_ids, answer_ids, fallbacks = encode_answers(tokenizer, list(prompts), list(answers), stop_ids,
+                                                                 allow_special_tokens)
+        except ChatTemplateRefused as e:
+            raise e.at(source, indices[e.index]) from None
         counts["fallback"] += fallbacks
         return {
             "prompt_token_ids": prompt_ids,

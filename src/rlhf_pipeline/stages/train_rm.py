@@ -88,13 +88,14 @@ def conversation(prompt: Any, response: Any, row_index: int, source: str) -> tup
 
 def tokenize(dd, tokenizer, max_length: int, source: str, allow_special_tokens: bool = False):
     """Each split as ``chosen_input_ids`` / ``rejected_input_ids`` conversations; over-long pairs dropped."""
-    from rlhf_pipeline.chat import encode_conversations, raw_conversation_error
+    from rlhf_pipeline.chat import ChatTemplateRefused, encode_conversations, raw_conversation_error
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-        prompts, chosen, rejected = [], [], []
+        prompts, chosen, rejected, of_row = [], [], [], []
         for row, i in zip(rows, indices):
             for prompt, c, r in expand_pairs(row, i, source):
+                of_row += [i, i]
                 p_c, t_c = conversation(prompt, c, i, source)
                 p_r, t_r = conversation(prompt, r, i, source)
                 if not tokenizer.chat_template and not (isinstance(p_c, str) and isinstance(p_r, str)):
@@ -103,7 +104,10 @@ def tokenize(dd, tokenizer, max_length: int, source: str, allow_special_tokens: 
                 chosen.append(t_c)
                 rejected.append(t_r)
         texts = [t for pair in zip(chosen, rejected) for t in pair]
-        ids = encode_conversations(tokenizer, prompts, texts, allow_special_tokens=allow_special_tokens)
+        try:
+            ids = encode_conversations(tokenizer, prompts, texts, allow_special_tokens=allow_special_tokens)
+        except ChatTemplateRefused as e:
+            raise e.at(source, of_row[e.index]) from None
         return {"chosen_input_ids": ids[0::2], "rejected_input_ids": ids[1::2],
                 "num_tokens": [max(len(c), len(r)) for c, r in zip(ids[0::2], ids[1::2])]}
 
