@@ -89,6 +89,25 @@ def test_model_generation_config_does_not_leak_into_sampling(tiny_policy, tmp_pa
     assert len({tuple(ids) for ids in out[0].token_ids}) == 4
 
 
+def test_no_option_of_the_models_generation_config_shapes_the_samples(tiny_policy, tmp_path):
+    """Besides top-k and the repetition penalty, generate reads suppress_tokens, bad_words_ids, sequence_bias,
+    min_length, epsilon/eta cutoffs, forced_eos_token_id, ... from generation_config.json. A model that ships them
+    samples here (and records log-probs) exactly as the same weights without them, for the same seeds."""
+    tok, prompts, sampling = _setup(tiny_policy, n=3, max_new_tokens=10)
+    plain = HFEngine(tiny_policy, tok, batch_size=2).generate(prompts, [0, 1, 2], sampling, logprobs=True)
+    sampled = sorted({t for c in plain for ids in c.token_ids for t in ids})
+    path = tmp_path / "shaped"
+    shutil.copytree(tiny_policy, path)
+    cfg = json.loads((path / "generation_config.json").read_text())
+    cfg.update(suppress_tokens=sampled[:3], begin_suppress_tokens=sampled[3:5], bad_words_ids=[[sampled[5]]],
+               sequence_bias=[[[sampled[6]], 5.0]], min_length=64, epsilon_cutoff=0.2, eta_cutoff=0.2,
+               forced_eos_token_id=sampled[7], exponential_decay_length_penalty=[2, 1.5], renormalize_logits=True)
+    (path / "generation_config.json").write_text(json.dumps(cfg))
+    shaped = HFEngine(str(path), tok, batch_size=2).generate(prompts, [0, 1, 2], sampling, logprobs=True)
+    assert [c.token_ids for c in shaped] == [c.token_ids for c in plain]
+    assert [c.logprobs for c in shaped] == [c.logprobs for c in plain]
+
+
 def test_greedy_is_deterministic(tiny_policy):
     tok, prompts, sampling = _setup(tiny_policy, n=1, temperature=0.0)
     engine = HFEngine(tiny_policy, tok, batch_size=3)

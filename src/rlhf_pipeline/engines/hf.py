@@ -1,8 +1,9 @@
 """Hugging Face ``generate`` engine: batched, left-padded, prompts grouped by length, n samples per request.
 
 Sampling matches vLLM's defaults for the same settings: ``model.generate`` fills every unset option from the
-model's ``generation_config.json`` and then from transformers' global defaults (``top_k=50`` among them), so each
-option that shapes the distribution is set here explicitly (top-k off unless asked, no repetition penalty).
+model's ``generation_config.json`` and then from transformers' global defaults (``top_k=50`` among them), so the
+model's own config is replaced by one that keeps only its special tokens and cache settings, and each option that
+shapes the distribution is set here explicitly (top-k off unless asked, no repetition penalty).
 
 Same seed, same prompts, same batch size: same output. Unlike vLLM's per-request seeds, a sample here also depends
 on which prompts share its batch, except with ``batch_size=1``: then each prompt is sampled alone, from its own
@@ -197,6 +198,26 @@ def cache_keyword() -> str:
     return "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
+# What generate may still take from a model's generation_config.json: its special tokens and how it caches. Every
+# option that shapes the distribution (suppress_tokens, bad_words_ids, sequence_bias, min_length, epsilon_cutoff,
+# forced_eos_token_id, ...) is left out, so that the samples and their recorded log-probs come from exactly the
+# settings the run names, as vLLM's do.
+KEPT_GENERATION_OPTIONS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
+                           "cache_implementation", "cache_config", "use_cache")
+
+
+def _without_sampling_options(own):
+    """A fresh ``GenerationConfig`` with only :data:`KEPT_GENERATION_OPTIONS` of the model's own ``own``."""
+    from transformers import GenerationConfig
+
+    clean = GenerationConfig()
+    for key in KEPT_GENERATION_OPTIONS:
+        value = getattr(own, key, None)
+        if value is not None:
+            setattr(clean, key, value)
+    return clean
+
+
 class HFEngine:
     name = "hf"
 
@@ -215,6 +236,7 @@ class HFEngine:
 
         self.model = load_causal_lm(model, dtype=dtype, trust_remote_code=trust_remote_code,
                                     attn_implementation=attn_implementation)
+        self.model.generation_config = _without_sampling_options(self.model.generation_config)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.pad_id = pad_id(tokenizer)
@@ -228,16 +250,13 @@ class HFEngine:
 
         greedy = sampling.temperature == 0
         # Temperature, top-k and top-p come from sampling_processors(); these values make generate add none of its
-        # own (1.0 and 0 rather than None, which generate would fill from the model's generation_config.json).
-        # min_p: None adds no per-step no-op warper; 0.0 only where the model's own config sets one to override.
+        # own (1.0 and 0 rather than None, which generate would fill from transformers' defaults: top_k=50).
         # Greedy decoding uses none of them (None: no "flag ignored" warnings).
-        model_min_p = getattr(getattr(self.model, "generation_config", None), "min_p", None)
         return GenerationConfig(
             do_sample=not greedy,
             temperature=None if greedy else 1.0,
             top_p=None if greedy else 1.0,
             top_k=None if greedy else 0,
-            min_p=0.0 if model_min_p and not greedy else None,
             typical_p=1.0,
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
