@@ -99,6 +99,31 @@ def test_scorer_fast_path_equals_model_forward_one_by_one(tiny_rm, batch_size):
     assert scorer.score_ids(ids) == pytest.approx(reference, abs=1e-5)
 
 
+def test_a_model_pad_id_other_than_the_tokenizers_gives_the_same_rewards_whatever_the_batch(tiny_rm, tmp_path):
+    """A reward model whose config.json names a pad id of its own (Llama-3.1's <|finetune_right_pad_id|>) beside a
+    tokenizer that pads with another: batches are padded with the model's, which its pooling skips. Padded with the
+    tokenizer's, a shorter sequence was read at its last pad (0.22 apart between batch sizes 1 and 8), and the fast
+    path's check, failing, sent every batch through that forward."""
+    import json
+    import shutil
+
+    path = tmp_path / "rm"
+    shutil.copytree(tiny_rm, path)
+    config = json.loads((path / "config.json").read_text())
+    tokenizer_pad = RewardModelScorer(tiny_rm).pad_id
+    config["pad_token_id"] = next(i for i in (3, 4, 5) if i != tokenizer_pad)
+    (path / "config.json").write_text(json.dumps(config))
+    prompts = ["Write a short review of the hotel The Willow.", "Hi", "What did you think of the album Low Tide?"] * 3
+    responses = [r * (1 + k % 3) for k, r in enumerate(["Great staff.", "ok", "Dull songs, but warm vocals."] * 3)]
+    one = RewardModelScorer(str(path), batch_size=1)
+    ids = one.encode(prompts, responses)
+    reference = _one_at_a_time(one.model, ids)
+    assert one.score_ids(ids) == pytest.approx(reference, abs=1e-5)
+    eight = RewardModelScorer(str(path), batch_size=8)
+    assert eight.score_ids(ids) == pytest.approx(reference, abs=1e-5)
+    assert eight.mode == "last_token"
+
+
 def test_scorer_falls_back_to_the_model_forward_when_the_fast_path_disagrees(tiny_rm, monkeypatch, caplog):
     """A model whose reward is not score(last hidden state) fails the first-batch check and is scored by its own
     forward, with a warning."""

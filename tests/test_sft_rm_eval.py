@@ -287,7 +287,11 @@ def _reward_alone(model, ids: list[int]) -> float:
         return model(input_ids=torch.tensor([ids])).logits[0, 0].item()
 
 
-def test_reward_loss_is_bradley_terry_on_rewards_of_each_sequence_alone(tiny_rm):
+@pytest.mark.parametrize("own_pad", [False, True])
+def test_reward_loss_is_bradley_terry_on_rewards_of_each_sequence_alone(tiny_rm, own_pad):
+    """``own_pad``: the model's config names a pad id other than the tokenizer's; batches are padded with the
+    model's (what prepare_reward_model returns, and train-rm pads with), so each reward is still read at its
+    sequence's last real token."""
     from rlhf_pipeline.chat import encode_conversations, load_tokenizer, pad_id
     from rlhf_pipeline.modeling import load_reward_model
     from rlhf_pipeline.rewards import prepare_reward_model
@@ -295,7 +299,10 @@ def test_reward_loss_is_bradley_terry_on_rewards_of_each_sequence_alone(tiny_rm)
 
     tok = load_tokenizer(tiny_rm)
     model = load_reward_model(tiny_rm, device=torch.device("cpu"))
-    prepare_reward_model(model, pad_id(tok))
+    if own_pad:
+        model.config.pad_token_id = next(i for i in (3, 4, 5) if i != pad_id(tok))
+    pad = prepare_reward_model(model, pad_id(tok))
+    assert pad == (model.config.pad_token_id if own_pad else pad_id(tok))
     prompts = ["Review the park.", "Review Nova X2, a phone.", "Hi"]
     chosen = ["Lovely.", "The screen was lovely and the battery superb.", "Great food, friendly staff."]
     rejected = ["The paths were dull and the lake messy; I would call it awful.", "Bad.", "Cold soup."]
@@ -303,7 +310,7 @@ def test_reward_loss_is_bradley_terry_on_rewards_of_each_sequence_alone(tiny_rm)
             zip(encode_conversations(tok, prompts, chosen), encode_conversations(tok, prompts, rejected))]
     assert len({len(x) for r in rows for x in r.values()}) == 6
 
-    task = RewardTask(pad_id(tok))
+    task = RewardTask(pad)
     loss, metrics, (real, total) = task.loss(model, task.collate(rows))
     rc = torch.tensor([_reward_alone(model, r["chosen_input_ids"]) for r in rows], dtype=torch.float64)
     rr = torch.tensor([_reward_alone(model, r["rejected_input_ids"]) for r in rows], dtype=torch.float64)

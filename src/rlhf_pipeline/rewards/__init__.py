@@ -235,11 +235,17 @@ def pad_right(sequences: list[list[int]], pad_id: int):
     return input_ids, attention_mask
 
 
-def prepare_reward_model(model, pad: int) -> None:
+def prepare_reward_model(model, pad: int) -> int:
     """transformers finds each sequence's last real token through ``config.pad_token_id``; without one it refuses
-    batches larger than 1. Set it from the tokenizer's pad (or EOS) when the model has none."""
-    if model.config.pad_token_id is None:
+    batches larger than 1. Set it from the tokenizer's pad (or EOS) when the model has none. Returns the id to pad
+    the model's batches with: its own pad id (:func:`model_pad_id`), which may differ from the tokenizer's (a config
+    naming ``<|finetune_right_pad_id|>`` beside a tokenizer that pads with EOS): padded with another id, a shorter
+    sequence of a batch would be read at its last pad, a reward that changes with what shares its batch."""
+    if model_pad_id(model.config) is None:
         model.config.pad_token_id = pad
+        if hasattr(model.config, "get_text_config"):
+            model.config.get_text_config().pad_token_id = pad
+    return model_pad_id(model.config)
 
 
 class RewardModelScorer:
@@ -326,7 +332,7 @@ class RewardModelScorer:
 
         self.model = load_reward_model(self.path, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
                                        device=self.device, attn_implementation=self.attn_implementation)
-        prepare_reward_model(self.model, self.pad_id)
+        self.pad_id = prepare_reward_model(self.model, self.pad_id)
 
     def encode(self, prompts: list, responses: list[str], meanwhile=None) -> list[list[int]]:
         from rlhf_pipeline.chat import encode_conversations

@@ -180,9 +180,13 @@ def main(config: TrainRMConfig) -> Path:
         if data["train"].num_rows == 0:
             raise PipelineError(f"{ref}: no training pair fits in --max-length {config.max_length}; raise it")
         pad = pad_id(tokenizer)
+        reward_task = RewardTask(pad)
+
+        def ready(model) -> None:  # batches padded with the model's own pad id, which its pooling skips
+            reward_task.pad_id = prepare_reward_model(model, pad)
 
         def task(run, setup):
-            return RewardTask(pad), data["train"], data.get("test")
+            return reward_task, data["train"], data.get("test")
 
         def record(run, result):
             accuracy = result.final_eval.get("accuracy")
@@ -198,7 +202,7 @@ def main(config: TrainRMConfig) -> Path:
             )
 
         return TrainingJob(tokenizer, data["train"].num_rows, task, record, loader=load_reward_model_for_training,
-                           model_ready=lambda model: prepare_reward_model(model, pad))
+                           model_ready=ready)
 
     return run_training("train-rm", config, [ref], read)
 
