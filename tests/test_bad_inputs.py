@@ -102,6 +102,7 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     k["gen_with_source_column"] = write_jsonl(d / "gen_source_column.jsonl",
                                               [dict(r, rewards_reward_fn=[0.0, 0.0]) for r in GEN_ROWS])
     k["scored"] = write_jsonl(d / "scored.jsonl", [dict(r, rewards=[1.0, 0.0]) for r in GEN_ROWS])
+    k["scored_equal"] = write_jsonl(d / "scored_equal.jsonl", [dict(r, rewards=[0.0, 0.0]) for r in GEN_ROWS])
     k["scored_text_rewards"] = write_jsonl(d / "scored_text.jsonl", [dict(r, rewards=["1", "0"]) for r in GEN_ROWS])
     k["pairs"] = write_jsonl(d / "pairs.jsonl", [
         {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "chosen_token_ids": [7, 8, 2],
@@ -280,6 +281,9 @@ CASES = [
          "missing column(s) rewards; filter takes the output of rlhf score"),
     Case("filter-rewards-are-text", ["filter", "--input", "{scored_text_rewards}", "--tokenizer", "{policy}"],
          "column 'rewards' holds list of text, not list of number"),
+    Case("filter-nothing-left-names-the-reason", ["filter", "--input", "{scored_equal}", "--tokenizer", "{policy}"],
+         "no rows survive the filters (dropped: {{'equal_rewards': 2}}); every prompt's responses got one reward: "
+         "check the reward"),
     Case("filter-test-size-negative", ["filter", "--input", "{scored}", "--tokenizer", "{policy}",
                                        "--test-size", "-1"], "--test-size must be >= 0"),
     Case("filter-max-response-tokens-zero", ["filter", "--input", "{scored}", "--tokenizer", "{policy}",

@@ -209,9 +209,36 @@ def test_sampling_stops_on_the_end_of_turn_token(kit, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_filter_tokenizes_responses_without_ids_as_sampling_ends_them(kit, family):
+    """Data from another sampler, texts only: each response is tokenized in its conversation, so a finished one ends
+    with the template's turn end, as sampled (Llama-3's <|eot_id|> and Gemma's <end_of_turn>, not the tokenizer's
+    EOS it ended with before), and one cut at the token limit ends with no stop token."""
+    from rlhf_pipeline.chat import stop_token_ids
+    from rlhf_pipeline.stages.filter import _tokenize_missing
+
+    tok = load_tok(kit.policy(family))
+    end_of_turn = tok.convert_tokens_to_ids(HAND_WRITTEN[family].end_of_turn)
+    stops = tuple(stop_token_ids(tok, str(kit.policy(family))))
+    ds = load_from_disk(str(kit.stage(family, "generate")))
+    batch = {"messages": ds["messages"], "responses": ds["responses"], "finish_reasons": ds["finish_reasons"]}
+    _tokenize_missing(batch, tok, "messages", stops)
+    seen = set()
+    for texts, samples, reasons in zip(ds["responses"], batch["response_token_ids"], ds["finish_reasons"]):
+        for text, ids, reason in zip(texts, samples, reasons):
+            seen.add(reason)
+            if reason == "stop":
+                assert ids[-1] == end_of_turn and not set(ids[:-1]) & set(stops)
+            else:
+                assert not set(ids) & set(stops)
+            assert tok.decode([t for t in ids if t not in stops]).strip() == text.strip()  # templates trim
+    assert seen == {"stop", "length"}
+    assert batch["prompt_token_ids"] == ds["prompt_token_ids"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_sft_loss_covers_exactly_the_answer_and_its_end_of_turn(kit, family):
-    from rlhf_pipeline.chat import encode_prompts, pad_id, stop_token_ids
-    from rlhf_pipeline.stages.sft import SFTTask, encode_answers, split_conversation
+    from rlhf_pipeline.chat import encode_answers, encode_prompts, pad_id, stop_token_ids
+    from rlhf_pipeline.stages.sft import SFTTask, split_conversation
 
     model = kit.policy(family)
     tok = load_tok(model)
@@ -247,19 +274,19 @@ def test_sft_stage_trains_up_to_the_end_of_turn_from_the_generation_config(kit, 
                                                                            fresh_accelerate_state):
     """``rlhf sft`` passes the model's stop tokens on: Gemma's <end_of_turn> is not the tokenizer's EOS, so only the
     generation config can tell the stage where the answer ends (before the template's "\\n")."""
-    import rlhf_pipeline.stages.sft as sft
+    import rlhf_pipeline.chat as chat
 
     model = kit.policy("gemma")
     tok = load_tok(model)
     end_of_turn = tok.convert_tokens_to_ids("<end_of_turn>")
-    seen, real = [], sft.encode_answers
+    seen, real = [], chat.encode_answers
 
     def recording(*args, **kwargs):  # the answer ids the stage trains on
         out = real(*args, **kwargs)
         seen.extend(out[1])
         return out
 
-    monkeypatch.setattr(sft, "encode_answers", recording)
+    monkeypatch.setattr(chat, "encode_answers", recording)  # read by the stage when it tokenizes
     rows = [{"messages": MESSAGES + [{"role": "assistant", "content": ANSWER}]},
             {"prompt": "Review the park Oak Hollow.", "answer": "Green and quiet."}]
     assert run("sft", "--model", model, "--data", write_jsonl(tmp_path / "demos.jsonl", rows), "--output",

@@ -213,7 +213,7 @@ def test_every_stage_that_renders_text_takes_the_opt_out(stage):
 def test_sft_answers_spelling_a_stop_token_are_text():
     """SFT on prompt/answer rows: an answer that spells the end-of-turn token is trained as text, ending at the
     template's own end-of-turn token."""
-    from rlhf_pipeline.stages.sft import encode_answers
+    from rlhf_pipeline.chat import encode_answers
 
     tok = build_tokenizer(chat_format="tiny")
     end = tok.convert_tokens_to_ids("<|end|>")

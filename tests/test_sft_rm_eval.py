@@ -64,7 +64,8 @@ def tok(tiny_policy):
 
 def test_encode_answers_splits_the_rendered_conversation_at_the_generation_prompt(tok):
     from rlhf_pipeline.chat import encode_prompts
-    from rlhf_pipeline.stages.sft import encode_answers, split_conversation
+    from rlhf_pipeline.chat import encode_answers
+    from rlhf_pipeline.stages.sft import split_conversation
 
     prompts = ["Write a short review of the park Fox Hill.", "Hi"]
     answers = ["The paths were lovely.", "A superb album with warm vocals. I would call it fun."]
@@ -92,7 +93,7 @@ def test_encode_answers_splits_the_rendered_conversation_at_the_generation_promp
 
 def test_encode_answers_falls_back_when_the_template_does_not_render_the_prompt_as_a_prefix(tiny_policy):
     from rlhf_pipeline.chat import load_tokenizer
-    from rlhf_pipeline.stages.sft import encode_answers
+    from rlhf_pipeline.chat import encode_answers
 
     tok = load_tokenizer(tiny_policy)
     # The generation prompt says <|assistant|>, but a rendered assistant turn is opened by <|system|>: no prefix.
@@ -105,6 +106,11 @@ def test_encode_answers_falls_back_when_the_template_does_not_render_the_prompt_
     assert fallbacks == 1
     assert ai == tok("It was good.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert tok.convert_ids_to_tokens(pi[-1]) == "<|assistant|>"
+    # raw text (--chat-template none): nothing after the answer stops sampling, so the EOS it stops on is trained
+    tok.chat_template = None
+    (pi,), (ai,), fallbacks = encode_answers(tok, ["Review it."], ["It was good."])
+    assert fallbacks == 0 and ai[-1] == tok.eos_token_id and tok.eos_token_id not in pi + ai[:-1]
+    assert tok.decode(ai[:-1]).strip() == "It was good."
 
 
 def test_split_conversation_rejects_rows_without_an_answer():
@@ -139,7 +145,8 @@ def _nll_oracle(model, prompt: list[int], answer: list[int], include_prompt: boo
 def test_sft_loss_is_the_mean_over_examples_of_the_answer_tokens_mean_nll(tiny_policy, tok):
     from rlhf_pipeline.chat import pad_id
     from rlhf_pipeline.modeling import load_causal_lm
-    from rlhf_pipeline.stages.sft import SFTTask, encode_answers
+    from rlhf_pipeline.chat import encode_answers
+    from rlhf_pipeline.stages.sft import SFTTask
 
     model = load_causal_lm(tiny_policy, device=torch.device("cpu"))
     with torch.no_grad():  # the random init predicts every token at about log(1/V): sharpen it so NLLs differ
@@ -216,7 +223,7 @@ def test_sft_eval_loss_at_step_0_is_the_untrained_models_answer_nll(sft_model, s
     """The logged step-0 eval loss is the SFT loss of the starting model on the held-out rows, recomputed here."""
     from rlhf_pipeline.modeling import load_causal_lm
     from rlhf_pipeline.selection import split_indices
-    from rlhf_pipeline.stages.sft import encode_answers
+    from rlhf_pipeline.chat import encode_answers
 
     rows = read_jsonl(sft_data)
     _, test_rows = split_indices(len(rows), 16, 0)

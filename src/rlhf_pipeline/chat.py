@@ -748,6 +748,35 @@ def encode_conversations(
         lambda control, texts: control.split_encode(texts, True))
 
 
+def encode_answers(
+    tokenizer, prompts: list, answers: list[str], stop_ids: Iterable[int] = (), allow_special_tokens: bool = False
+) -> tuple[list[list[int]], list[list[int]], int]:
+    """(prompt ids, answer ids, rows whose template does not render the prompt as a prefix of the whole).
+
+    The answer ends at its last stop token (``stop_ids``, the ids generation stops on, and the tokenizer's EOS): the
+    policy is trained on exactly the ids it will sample. Templates that put a newline after the turn's end token
+    (ChatML's ``<|im_end|>\\n``, Gemma's ``<end_of_turn>\\n``) would otherwise train a token that sampling, stopped
+    at the end token, never produces, and that the RL stages' sampled responses never contain. Where the rendering
+    puts no stop token after the answer (raw text, ``--chat-template none``, or a template without a turn end), the
+    EOS is added: sampling stops on it, so the policy must learn it.
+    """
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stops = set(stop_ids) | set(eos)
+    prompt_ids = encode_prompts(tokenizer, prompts, allow_special_tokens=allow_special_tokens)
+    full_ids = encode_conversations(tokenizer, prompts, answers, allow_special_tokens=allow_special_tokens)
+    answer_ids, fallbacks = [], 0
+    for p, full, answer in zip(prompt_ids, full_ids, answers):
+        if full[: len(p)] == p and len(full) > len(p):
+            rest = full[len(p) :]
+            ends = [i for i, t in enumerate(rest) if t in stops]
+            answer_ids.append(rest[: ends[-1] + 1] if ends else rest + eos)
+        else:
+            fallbacks += 1
+            (ids,) = encode_plain(tokenizer, [answer], allow_special_tokens)
+            answer_ids.append(ids + eos)
+    return prompt_ids, answer_ids, fallbacks
+
+
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str, trust_remote_code: bool = False) -> list[int]:
     """Every token that ends a response: the tokenizer's EOS plus the generation config's ``eos_token_id``.
 

@@ -7,8 +7,8 @@ each prompt's best; train/test split.
     rlhf filter --input out/scored --output out/unpaired --tokenizer models/tiny-policy --mode unpaired  # KTO
 
 Lengths are measured on the token ids the engine saw and sampled, so nothing is re-tokenized. Scored data from
-elsewhere without token ids is tokenized here once (prompt with the chat template, each response followed by
-EOS): the template is ``--chat-template``, else the one the generate manifest records, else the tokenizer's own, and
+elsewhere without token ids is tokenized here (prompt with the chat template, each response in its conversation,
+ending as sampling ends it: with the template's turn end, or none when cut at the token limit): the template is ``--chat-template``, else the one the generate manifest records, else the tokenizer's own, and
 one that differs from what the sampler recorded is refused (``_chat_template``). Rows dropped per reason go in the
 manifest. The work runs as one batched ``datasets.map`` over ``--num-proc`` processes. Output: ``train`` and
 ``test`` splits of the pairs, groups or unpaired contract (``rlhf_pipeline.contracts``; unpaired mode: see
@@ -92,18 +92,57 @@ class FilterConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
             raise ValueError("--overlong-penalty is the penalty over --overlong-buffer's last tokens; give the buffer")
 
 
-def _tokenize_missing(batch: dict[str, list], tokenizer: Any, prompt_column: str,
+# What to change when no row survives, by the reason that dropped the most.
+_NOTHING_LEFT_FIXES = {
+    "prompt_too_long": "raise --max-prompt-tokens",
+    "fewer_than_two_responses_left": "raise --max-response-tokens or drop --drop-truncated",
+    "equal_rewards": "every prompt's responses got one reward: check the reward (a right/wrong reward the policy "
+                     "always fails or always passes ranks nothing), or sample more responses a prompt (--n)",
+    "uniform_rewards": "every group's rewards are equal: check the reward, sample more responses a prompt (--n), or "
+                       "drop --drop-uniform-groups",
+    "identical_chosen_rejected": "the best and the worst response are the same text: sample more varied responses "
+                                 "(a higher --temperature, more --n)",
+}
+
+
+def _stops_for_missing_ids(config: FilterConfig, tokenizer: Any, ds: Any) -> tuple[int, ...]:
+    """The ids generation stops on (``chat.stop_token_ids``), for :func:`_tokenize_missing`; none needed when the
+    data has its token ids."""
+    from rlhf_pipeline.chat import stop_token_ids
+
+    if "response_token_ids" in ds.column_names:
+        return ()
+    return tuple(stop_token_ids(tokenizer, config.tokenizer, config.trust_remote_code))
+
+
+def nothing_left(source: str, dropped: Counter) -> PipelineError:
+    """The error when the filters leave no row: the counts, and the fix for the reason that dropped the most."""
+    reasons = [r for r, _ in dropped.most_common() if r in _NOTHING_LEFT_FIXES]
+    fixes = "; or ".join(_NOTHING_LEFT_FIXES[r] for r in reasons) or "loosen the filters"
+    counts = {r: n for r, n in dropped.items() if n}
+    return PipelineError(f"{source}: no rows survive the filters (dropped: {counts}); {fixes}")
+
+
+def _tokenize_missing(batch: dict[str, list], tokenizer: Any, prompt_column: str, stop_ids: tuple[int, ...],
                       allow_special_tokens: bool = False) -> None:
-    """Token ids for data that arrives without them: each text is tokenized exactly once."""
-    from rlhf_pipeline.chat import encode_plain, encode_prompts
+    """Token ids for data that arrives without them, as the policy samples them: each response encoded in its
+    conversation (:func:`chat.encode_answers`), so it ends in the template's turn end (Llama-3's ``<|eot_id|>``,
+    Gemma's ``<end_of_turn>``) rather than the tokenizer's EOS; a response cut at the token limit
+    (``finish_reasons`` "length") ends without one."""
+    from rlhf_pipeline.chat import encode_answers, encode_prompts
 
     batch["prompt_token_ids"] = encode_prompts(tokenizer, batch[prompt_column],
                                                allow_special_tokens=allow_special_tokens)
+    prompts = [p for p, rs in zip(batch[prompt_column], batch["responses"]) for _ in rs]
     flat = [r for rs in batch["responses"] for r in rs]
-    encoded = encode_plain(tokenizer, flat, allow_special_tokens)
-    eos = [tokenizer.eos_token_id]
-    it = iter(encoded)
-    batch["response_token_ids"] = [[list(next(it)) + eos for _ in rs] for rs in batch["responses"]]
+    _, answers, _ = encode_answers(tokenizer, prompts, flat, stop_ids, allow_special_tokens)
+    finish = batch.get("finish_reasons") or [["stop"] * len(rs) for rs in batch["responses"]]
+    stops = set(stop_ids) | {tokenizer.eos_token_id}
+    it = iter(answers)
+    batch["response_token_ids"] = [
+        [ids[:-1] if reason == "length" and ids and ids[-1] in stops else ids
+         for ids, reason in zip((next(it) for _ in rs), reasons or ["stop"] * len(rs))]
+        for rs, reasons in zip(batch["responses"], finish)]
 
 
 def _check_vocab(batch: dict[str, list], indices: list[int], vocab_size: int, source: str) -> None:
@@ -145,11 +184,12 @@ def build_rows(
     penalty: OverlongPenalty | None = None,
     uniform_dropped: bool = False,
     allow_special_tokens: bool = False,
+    stop_ids: tuple[int, ...] = (),
 ) -> dict[str, list]:
     """The batched map function: one output row per input row, with ``_drop`` set on rows to leave out. With
     ``penalty`` the rewards are shaped by length first (the output's rewards are the shaped ones)."""
     if "response_token_ids" not in batch:
-        _tokenize_missing(batch, tokenizer, prompt_column, allow_special_tokens)
+        _tokenize_missing(batch, tokenizer, prompt_column, stop_ids, allow_special_tokens)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
     sampler = batch.get(SAMPLER_LOGPROBS)
@@ -300,6 +340,7 @@ def main(config: FilterConfig) -> Path:
             "penalty": penalty,
             "uniform_dropped": config.drop_uniform_groups,
             "allow_special_tokens": config.allow_special_tokens_in_text,
+            "stop_ids": _stops_for_missing_ids(config, tokenizer, ds),
         },
         desc=f"filter ({config.mode})",
     )
@@ -316,10 +357,7 @@ def main(config: FilterConfig) -> Path:
         feature = List(Value("int32")) if name != "response_token_ids" else List(List(Value("int32")))
         kept = kept.cast_column(name, feature)
     if kept.num_rows == 0:
-        raise PipelineError(
-            f"{ref.name}: no rows survive the filters (dropped: {dict(dropped)}); "
-            "raise --max-prompt-tokens / --max-response-tokens or drop --drop-truncated"
-        )
+        raise nothing_left(ref.name, dropped)
     try:
         train_rows, test_rows = split_indices(kept.num_rows, config.test_size, config.seed)
     except ValueError as e:
@@ -361,6 +399,7 @@ def build_unpaired_rows(
     source: str,
     penalty: OverlongPenalty | None = None,
     allow_special_tokens: bool = False,
+    stop_ids: tuple[int, ...] = (),
 ) -> dict[str, list]:
     """The batched map function of unpaired mode: a row per kept response (carrying the prompt's columns), and one
     row with ``_drop`` set for a dropped prompt; a prompt's counts of left-out responses ride on its first row."""
@@ -368,7 +407,7 @@ def build_unpaired_rows(
 
     if "response_token_ids" not in batch:
         batch = dict(batch)  # a copy: datasets would keep columns added to its own batch, with the input's length
-        _tokenize_missing(batch, tokenizer, prompt_column, allow_special_tokens)
+        _tokenize_missing(batch, tokenizer, prompt_column, stop_ids, allow_special_tokens)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
     sampler = batch.get(SAMPLER_LOGPROBS)
@@ -426,7 +465,8 @@ def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tok
         num_proc=num_proc,
         remove_columns=ds.column_names,
         fn_kwargs={"limits": limits, "tokenizer": tokenizer, "prompt_column": column, "source": source,
-                   "penalty": penalty, "allow_special_tokens": config.allow_special_tokens_in_text},
+                   "penalty": penalty, "allow_special_tokens": config.allow_special_tokens_in_text,
+                   "stop_ids": _stops_for_missing_ids(config, tokenizer, ds)},
         desc="filter (unpaired)",
     )
     reasons, prompt_rows = built["_drop"], built["_prompt_row"]
@@ -434,10 +474,7 @@ def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tok
     dropped["response_at_mean"] = sum(built["_response_at_mean"])
     kept = built.select([i for i, r in enumerate(reasons) if not r])
     if kept.num_rows == 0:
-        raise PipelineError(
-            f"{source}: no rows survive the filters (dropped: {dict(dropped)}); "
-            "raise --max-prompt-tokens / --max-response-tokens or drop --drop-truncated"
-        )
+        raise nothing_left(source, dropped)
     prompts = list(dict.fromkeys(kept["_prompt_row"]))
     try:
         train_prompts, test_prompts = split_indices(len(prompts), config.test_size, config.seed)

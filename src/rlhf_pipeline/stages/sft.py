@@ -77,41 +77,13 @@ def split_conversation(row: dict[str, Any], row_index: int, source: str) -> tupl
     )
 
 
-def encode_answers(
-    tokenizer, prompts: list, answers: list[str], stop_ids: Iterable[int] = (), allow_special_tokens: bool = False
-) -> tuple[list[list[int]], list[list[int]], int]:
-    """(prompt ids, answer ids, rows whose template does not render the prompt as a prefix of the whole).
-
-    The answer ends at its last stop token (``stop_ids``, the ids generation stops on, and the tokenizer's EOS): the
-    policy is trained on exactly the ids it will sample. Templates that put a newline after the turn's end token
-    (ChatML's ``<|im_end|>\\n``, Gemma's ``<end_of_turn>\\n``) would otherwise train a token that sampling, stopped
-    at the end token, never produces, and that the RL stages' sampled responses never contain.
-    """
-    from rlhf_pipeline.chat import encode_conversations, encode_plain, encode_prompts
-
-    stops = set(stop_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    prompt_ids = encode_prompts(tokenizer, prompts, allow_special_tokens=allow_special_tokens)
-    full_ids = encode_conversations(tokenizer, prompts, answers, allow_special_tokens=allow_special_tokens)
-    answer_ids, fallbacks = [], 0
-    for p, full, answer in zip(prompt_ids, full_ids, answers):
-        if full[: len(p)] == p and len(full) > len(p):
-            rest = full[len(p) :]
-            ends = [i for i, t in enumerate(rest) if t in stops]
-            answer_ids.append(rest[: ends[-1] + 1] if ends else rest)
-        else:
-            fallbacks += 1
-            (ids,) = encode_plain(tokenizer, [answer], allow_special_tokens)
-            answer_ids.append(ids + [tokenizer.eos_token_id])
-    return prompt_ids, answer_ids, fallbacks
-
-
 def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int] = (),
              allow_special_tokens: bool = False):
     """Add ``prompt_token_ids``, ``answer_token_ids`` and ``num_tokens``; drop rows over ``max_length``."""
     counts = {"fallback": 0}
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        from rlhf_pipeline.chat import ChatTemplateRefused, raw_conversation_error
+        from rlhf_pipeline.chat import ChatTemplateRefused, encode_answers, raw_conversation_error
 
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         prompts, answers = zip(*(split_conversation(r, i, source) for r, i in zip(rows, indices)))
