@@ -83,6 +83,10 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     k["prompts"] = write_jsonl(d / "prompts.jsonl", [{"prompt": f"Say something about the number {i}."}
                                                      for i in range(4)])
     k["questions"] = write_jsonl(d / "questions.jsonl", [{"question": "Why?"}, {"question": "How?"}])
+    k["duplicate_ids"] = write_jsonl(d / "duplicate_ids.jsonl", [{"prompt_id": "a", "prompt": "Hi."},
+                                                                 {"prompt_id": "b", "prompt": "Yo."},
+                                                                 {"prompt_id": "a", "prompt": "Ho."}])
+    k["long_prompt"] = write_jsonl(d / "long_prompt.jsonl", [{"prompt": "Hi."}, {"prompt": "word " * 5000}])
     k["int_prompts"] = write_jsonl(d / "int_prompts.jsonl", [{"prompt": "Fine."}, {"prompt": 7}])
     # a template that refuses roles that do not alternate (as Mistral's, Gemma's, Llama-2's do), and rows it refuses
     (d / "alternating.jinja").write_text(
@@ -107,6 +111,12 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     k["pairs"] = write_jsonl(d / "pairs.jsonl", [
         {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "chosen_token_ids": [7, 8, 2],
          "rejected_token_ids": [9, 2], "chosen_reward": 1.0, "rejected_reward": 0.0} for i in range(6)])
+    k["pairs_foreign_id"] = write_jsonl(d / "pairs_foreign_id.jsonl", [
+        {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "chosen_token_ids": [7, 99999 if i == 2 else 8, 2],
+         "rejected_token_ids": [9, 2], "chosen_reward": 1.0, "rejected_reward": 0.0} for i in range(6)])
+    k["groups_nan_reward"] = write_jsonl(d / "groups_nan.jsonl", [
+        {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "response_token_ids": [[7, 2], [8, 9, 2]],
+         "rewards": [1.0, float("nan") if i == 3 else 0.0]} for i in range(6)])
     unpaired = [{"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "completion_token_ids": [7, 8, 2],
                  "kl_completion_token_ids": [9, 2], "desirable": i % 2 == 0, "reward": float(i % 2)} for i in range(6)]
     k["unpaired"] = write_jsonl(d / "unpaired.jsonl", unpaired)
@@ -174,6 +184,11 @@ CASES = [
     Case("sft-template-refuses-a-row", ["sft", "--model", "{policy}", "--data", "{sft_non_alternating}",
                                         "--chat-template", "{alternating}"],
          "sft_non_alternating.jsonl: row 1: the chat template refuses its conversation (roles: user, user)"),
+    Case("generate-prompt-ids-repeated", ["generate", "--model", "{policy}", "--prompts", "{duplicate_ids}"],
+         "duplicate_ids.jsonl: rows 0 and 2 have the same prompt_id 'a'; give every prompt its own"),
+    Case("generate-prompt-fills-the-context", ["generate", "--model", "{policy}", "--prompts", "{long_prompt}",
+                                               "--engine", "hf"],
+         "long_prompt.jsonl: row 1: the prompt is 10005 tokens, which fills the model's context of 4096"),
     Case("generate-prompts-already-generated", ["generate", "--model", "{policy}", "--prompts", "{shard0}"],
          "already has column(s) prompt_token_ids"),
     Case("generate-shard-out-of-range", ["generate", "--model", "{policy}", "--prompts", "{prompts}",
@@ -308,6 +323,11 @@ CASES = [
     # train
     Case("train-dpo-on-generations", ["train", "--algo", "dpo", "--model", "{policy}", "--data", "{shard0}"],
          "missing column(s) chosen_token_ids, rejected_token_ids; pass pairs made by rlhf filter --mode pairs"),
+    Case("train-token-id-outside-the-vocabulary", ["train", "--algo", "dpo", "--model", "{policy}", "--data",
+                                                   "{pairs_foreign_id}"],
+         "row 2: chosen_token_ids holds token id 99999, outside the"),
+    Case("train-grpo-nan-reward", ["train", "--algo", "grpo", "--model", "{policy}", "--data", "{groups_nan_reward}",
+                                   "--temperature", "1"], "row 3 has a reward of nan; rescore it"),
     Case("train-grpo-on-pairs", ["train", "--algo", "grpo", "--model", "{policy}", "--data", "{pairs}"],
          "missing column(s) response_token_ids, rewards; the PPO family trains on groups"),
     Case("train-kto-on-pairs", ["train", "--algo", "kto", "--model", "{policy}", "--data", "{pairs}"],
@@ -359,6 +379,8 @@ CASES = [
     Case("eval-gpus-per-replica-without-ray", ["eval", "--model", "{policy}", "--prompts", "{prompts}",
                                                "--reward-fn", "{rewards}:good", "--gpus-per-replica", "1"],
          "rlhf eval: --gpus-per-replica: only with --executor ray"),
+    Case("eval-prompt-ids-repeated", ["eval", "--model", "{policy}", "--prompts", "{duplicate_ids}", "--reward-fn",
+                                      "{rewards}:good"], "rows 0 and 2 have the same prompt_id 'a'"),
     Case("eval-model-not-found", ["eval", "--model", "nomodel", "--prompts", "{prompts}", "--reward-fn",
                                   "{rewards}:good"], "--model nomodel: not found locally"),
     Case("eval-baseline-not-found", ["eval", "--model", "{policy}", "--prompts", "{prompts}", "--reward-fn",

@@ -111,6 +111,31 @@ def require_types(ds: Dataset, kinds: dict[str, str], source: str, hint: str) ->
                 raise PipelineError(f"{source}: column '{column}' holds {found}, not {expected}; {hint}")
 
 
+def require_token_ids(ds: Dataset, vocab_size: int, source: str, hint: str) -> None:
+    """Raise a PipelineError naming ``source``, the row, the column and the id when a token id of ``ds`` (every column
+    whose name ends in ``token_ids``, nested lists included) is negative or not below ``vocab_size``: such an id
+    would index past the model's embedding, a traceback on a CPU and a device-side assert on a GPU. Read with
+    Arrow's min and max, so no row is decoded unless one is out of range."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for column in (c for c in ds.column_names if c.endswith("token_ids")):
+        values = ds.with_format("arrow")[column]
+        while pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+            values = pc.list_flatten(values)
+        if not pa.types.is_integer(values.type) or len(values) == 0:
+            continue  # require_types names a column of another kind
+        low, high = (x.as_py() for x in pc.min_max(values).values())
+        if low is None or (low >= 0 and high < vocab_size):
+            continue
+        for row, ids in enumerate(ds[column]):
+            flat = [t for part in ids for t in (part if isinstance(part, list) else [part])]
+            bad = next((t for t in flat if t is not None and not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise PipelineError(f"{source}: row {row}: {column} holds token id {bad}, outside the {vocab_size} "
+                                    f"ids of this model; {hint}")
+
+
 def feature_kind(feature) -> str:
     """A ``datasets`` feature in words: ``text``, ``int``, ``float``, ``bool``, ``list of ...``, ``mapping``."""
     from datasets import LargeList, List, Value

@@ -882,6 +882,8 @@ def train(config) -> Path:
         if config.algorithm.reward_sources:
             source_columns, params.reward_weights = _reward_sources(dd, ref)
         params.rollout_correction, params.rollout_correction_cap = _rollout_correction(config, dd, ref)
+        for split, ds in dd.items():  # every row's rewards and lengths checked before anything is written
+            flatten_groups(ds, f"{config.data}:{split}", source_columns)
         temperature = logp_temperature(config.algorithm, config.temperature, sampling, str(ref))
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)
@@ -930,7 +932,7 @@ def train(config) -> Path:
                                    summary=f"{params.algo}: {result.steps} steps over {num_train} samples, loss "
                                    f"{result.first_loss:.4f} -> {result.last_loss:.4f}")
 
-        return TrainingJob(tokenizer, num_train, task, record, loader=loader,
+        return TrainingJob(tokenizer, num_train, task, record, loader=loader, data=dd,
                            learning_rate=lambda name: critic_lr if name.startswith("critic.") else config.learning_rate)
 
     return run_training("train", config, [ref], read)

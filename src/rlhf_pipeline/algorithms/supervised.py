@@ -120,7 +120,7 @@ def train(config) -> Path:
             return training_record(algo.name, result, dd, find_in_lineage([ref], "sampling"), training,
                                    config.model)
 
-        return TrainingJob(tokenizer, data["train"].num_rows, task, record)
+        return TrainingJob(tokenizer, data["train"].num_rows, task, record, data=data)
 
     return run_training("train", config, [ref], read)
 

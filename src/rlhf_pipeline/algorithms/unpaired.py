@@ -332,7 +332,7 @@ def train(config) -> Path:
                         "ref_model": reference, "classes": balance, **training_summary(result)}
             return training_record(algo.name, result, dd, sampling, training, config.model)
 
-        return TrainingJob(tokenizer, dd["train"].num_rows, task, record)
+        return TrainingJob(tokenizer, dd["train"].num_rows, task, record, data=dd)
 
     return run_training("train", config, [ref], read)
 

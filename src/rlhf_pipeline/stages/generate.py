@@ -86,6 +86,36 @@ def ids_of_prompts(part, column: str) -> list[str]:
     return [make_prompt_id(v) for v in part[column]]
 
 
+def prompt_context(config: GenerateConfig) -> tuple[int, str] | None:
+    """The longest a prompt plus its response may be, and where that number comes from: ``--max-model-len``, else
+    the model config's ``max_position_embeddings``; None when the config names none. A prompt as long (vLLM refuses
+    it, with a traceback, once its engine has loaded; transformers samples past the positions the model knows)
+    is refused before any engine starts."""
+    if config.max_model_len is not None:
+        return config.max_model_len, "--max-model-len"
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    positions = getattr(text, "max_position_embeddings", None)
+    return (positions, "max_position_embeddings in its config.json") if positions else None
+
+
+def _check_unique_ids(ds, source: str) -> None:
+    """A prompt set's own ids (``prompt_id``, else ``id``: what :func:`ids_of_prompts` reads) name one prompt each:
+    later stages match responses, rewards and an evaluation's baseline by them, so two prompts with one id would be
+    compared across. (Ids made from the prompts' text are shared only by prompts of the same text.)"""
+    name = next((c for c in ("prompt_id", "id") if c in ds.column_names), None)
+    if name is None:
+        return
+    first: dict[str, int] = {}
+    for row, value in enumerate(ds[name]):
+        earlier = first.setdefault(str(value), row)
+        if earlier != row:
+            raise PipelineError(f"{source}: rows {earlier} and {row} have the same {name} {str(value)!r}; give every "
+                                "prompt its own (responses, rewards and baselines are matched by it)")
+
+
 def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | None = None):
     """The prompts a run samples for, checked: ``(dataset of the selected rows, prompt column, rows, rows_total)``.
     ``rlhf eval`` calls it too, to check its prompts before it makes its output directory."""
@@ -98,6 +128,7 @@ def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | 
     if clash:
         raise PipelineError(f"{ref.name}: already has column(s) {', '.join(clash)}; pass a prompt dataset")
     column = validate_prompts(ds, ref.name)
+    _check_unique_ids(ds, ref.name)
     if offset >= rows_total:
         raise PipelineError(f"{ref.name}: --offset {offset} skips all of its {rows_total} prompts")
     end = rows_total if limit is None else min(offset + limit, rows_total)
@@ -247,13 +278,21 @@ def main(config: GenerateConfig) -> Path:
             out[SAMPLER_LOGPROBS] = [c.logprobs for c in completions]
         return out
 
+    context = prompt_context(config)
+
     def encoded(start: int, stop: int) -> tuple[dict, list[list[int]]]:
         part = ds[start:stop]
         try:
             ids = encode_prompts(tokenizer, part[column], allow_special_tokens=config.allow_special_tokens_in_text)
-            return part, ids
         except ChatTemplateRefused as e:
             raise e.at(ref.name, rows[start + e.index]) from None
+        long = next((k for k, x in enumerate(ids) if context is not None and len(x) >= context[0]), None)
+        if long is not None:
+            raise PipelineError(
+                f"{ref.name}: row {rows[start + long]}: the prompt is {len(ids[long])} tokens, which fills the "
+                f"model's context of {context[0]} ({context[1]}) and leaves no room to sample; shorten the prompt or "
+                "drop the row")
+        return part, ids
 
     with scratch_writer(out.path, Features(features)) as writer:
         if config.executor == "ray":  # the replicas take their shards of every prompt at once

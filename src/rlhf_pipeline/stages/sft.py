@@ -149,7 +149,7 @@ def main(config: SFTConfig) -> Path:
                 + (f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""),
             )
 
-        return TrainingJob(tokenizer, data["train"].num_rows, task, record)
+        return TrainingJob(tokenizer, data["train"].num_rows, task, record, data=data)
 
     return run_training("sft", config, [ref], read)
 

@@ -189,7 +189,8 @@ def training_record(name: str, result: TrainResult, dd, sampling: dict | None, t
         result=result,
         rows_in=sum(ds.num_rows for ds in dd.values()),
         extra={"sampling": sampling, "training": training},
-        summary=summary or f"{name}: {result.steps} step{'s' if result.steps != 1 else ''}, loss {result.first_loss:.4f} -> {result.last_loss:.4f}",
+        summary=summary or (f"{name}: {result.steps} step{'s' if result.steps != 1 else ''}, "
+                            f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}"),
     )
 
 
@@ -298,6 +299,7 @@ class TrainingJob:
     loader: Optional[Callable[..., Any]] = None  # (path, trust_remote_code, **kwargs) -> model; a causal LM by default
     model_ready: Optional[Callable[[Any], None]] = None  # called on the loaded (and adapted) model, before start
     learning_rate: Optional[Callable[[str], float]] = None  # a parameter's own peak rate (PPO's critic)
+    data: Optional[dict] = None  # the splits read, when they hold token ids: checked against the model's vocabulary
 
 
 def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[[TrainingRun], TrainingJob]) -> Path:
@@ -319,6 +321,8 @@ def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[
             job.model_ready(model)
         if config.compile:
             require_decoder_layers(model, config.model)
+        if job.data is not None:
+            check_vocabulary(job.data, model, job.tokenizer, config)
         run.start()  # the data and the model are read and checked: now the output directory is made
         setup = prepare(config, run.accelerator, model, job.num_examples, learning_rate=job.learning_rate)
         with compile_errors(config.compile):  # compiled lazily, by the first forwards
@@ -326,6 +330,20 @@ def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[
             result = train(config, run.accelerator, setup, job.tokenizer, task, train_rows, test_rows)
         run.finish(job.record(run, result))
     return run.path
+
+
+def check_vocabulary(data: dict, model: Any, tokenizer: Any, config: TrainOptions) -> None:
+    """Every token id of every split within the vocabulary of the model (its input embedding's rows, and the
+    tokenizer's ids): data tokenized for another model fails here, naming the row, before anything is written."""
+    from rlhf_pipeline.contracts import require_token_ids
+
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    vocab_size = min(len(tokenizer), rows) if rows else len(tokenizer)
+    for split, ds in data.items():
+        require_token_ids(ds, vocab_size, f"{config.data}:{split}",
+                          f"the data was tokenized for another model: make it again with this model's tokenizer "
+                          f"(rlhf filter --tokenizer {config.model}), or train the model it was made for")
 
 
 def _causal_lm(path: str, trust_remote_code: bool = False, **kwargs):
