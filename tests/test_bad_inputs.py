@@ -101,12 +101,20 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
         {"messages": [user, {"role": "assistant", "content": "Hello."}]},
         {"messages": [user, user, {"role": "assistant", "content": "Hello."}]}])
     k["gen"] = write_jsonl(d / "gen.jsonl", GEN_ROWS)
+    k["gen_short_finish"] = write_jsonl(d / "gen_short_finish.jsonl", [GEN_ROWS[0], dict(GEN_ROWS[1],
+                                                                                         finish_reasons=["stop"])])
+    k["gen_null_response"] = write_jsonl(d / "gen_null_response.jsonl", [GEN_ROWS[0], dict(GEN_ROWS[1],
+                                                                                           responses=["A pear.", None])])
     k["gen_text_responses"] = write_jsonl(d / "gen_text.jsonl", [{"prompt_id": "p0", "prompt": "Hi.",
                                                                   "responses": "Hello there."}])
     k["gen_with_source_column"] = write_jsonl(d / "gen_source_column.jsonl",
                                               [dict(r, rewards_reward_fn=[0.0, 0.0]) for r in GEN_ROWS])
     k["scored"] = write_jsonl(d / "scored.jsonl", [dict(r, rewards=[1.0, 0.0]) for r in GEN_ROWS])
     k["scored_equal"] = write_jsonl(d / "scored_equal.jsonl", [dict(r, rewards=[0.0, 0.0]) for r in GEN_ROWS])
+    k["scored_short_rewards"] = write_jsonl(d / "scored_short.jsonl", [dict(GEN_ROWS[0], rewards=[1.0, 0.0]),
+                                                                       dict(GEN_ROWS[1], rewards=[1.0])])
+    k["scored_null_reward"] = write_jsonl(d / "scored_null.jsonl", [dict(GEN_ROWS[0], rewards=[1.0, None]),
+                                                                    dict(GEN_ROWS[1], rewards=[1.0, 0.0])])
     k["scored_text_rewards"] = write_jsonl(d / "scored_text.jsonl", [dict(r, rewards=["1", "0"]) for r in GEN_ROWS])
     k["pairs"] = write_jsonl(d / "pairs.jsonl", [
         {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "chosen_token_ids": [7, 8, 2],
@@ -230,6 +238,11 @@ CASES = [
          "missing column(s) prompt_id, responses; score takes the output of rlhf generate"),
     Case("score-responses-not-a-list", ["score", "--input", "{gen_text_responses}", "--reward-fn", "{rewards}:good"],
          "column 'responses' holds text, not list of text"),
+    Case("score-fewer-finish-reasons-than-responses", ["score", "--input", "{gen_short_finish}", "--reward-fn",
+                                                       "{rewards}:good"],
+         "row 1 has 2 responses but 1 entries in 'finish_reasons'"),
+    Case("score-null-response", ["score", "--input", "{gen_null_response}", "--reward-fn", "{rewards}:good"],
+         "row 1 has a response that is null"),
     Case("score-already-scored", ["score", "--input", "{scored}", "--reward-fn", "{rewards}:good"],
          "already has a 'rewards' column"),
     Case("score-reward-fn-file-missing", ["score", "--input", "{gen}", "--reward-fn", "{dir}/rewardz.py:good"],
@@ -299,6 +312,10 @@ CASES = [
     Case("filter-nothing-left-names-the-reason", ["filter", "--input", "{scored_equal}", "--tokenizer", "{policy}"],
          "no rows survive the filters (dropped: {{'equal_rewards': 2}}); every prompt's responses got one reward: "
          "check the reward"),
+    Case("filter-fewer-rewards-than-responses", ["filter", "--input", "{scored_short_rewards}", "--tokenizer",
+                                                 "{policy}"], "row 1 has 2 responses but 1 entries in 'rewards'"),
+    Case("filter-null-reward", ["filter", "--input", "{scored_null_reward}", "--tokenizer", "{policy}", "--mode",
+                                "groups"], "row 0 has a reward of None; score it again"),
     Case("filter-test-size-negative", ["filter", "--input", "{scored}", "--tokenizer", "{policy}",
                                        "--test-size", "-1"], "--test-size must be >= 0"),
     Case("filter-max-response-tokens-zero", ["filter", "--input", "{scored}", "--tokenizer", "{policy}",

@@ -145,6 +145,24 @@ def _tokenize_missing(batch: dict[str, list], tokenizer: Any, prompt_column: str
         for rs, reasons in zip(batch["responses"], finish)]
 
 
+def _check_rows(batch: dict[str, list], indices: list[int], source: str) -> None:
+    """Each row's per-response columns hold one entry per response, and its rewards are numbers: data made by
+    hand that does not fails here, naming the row, instead of deep in the selection."""
+    import math
+
+    for k, row in enumerate(indices):
+        n = len(batch["response_token_ids"][k])
+        for column in (c for c in (*PER_RESPONSE_COLUMNS, SAMPLER_LOGPROBS) if c in batch):
+            values = batch[column][k]
+            if values is not None and len(values) != n:
+                raise PipelineError(f"{source}: row {row} has {n} responses but {len(values)} entries in '{column}'; "
+                                    "give every response one")
+        for reward in batch["rewards"][k]:
+            if reward is None or not math.isfinite(reward):
+                raise PipelineError(f"{source}: row {row} has a reward of {reward}; score it again (rlhf score) or "
+                                    "drop the row")
+
+
 def _check_vocab(batch: dict[str, list], indices: list[int], vocab_size: int, source: str) -> None:
     for row, prompt_ids, responses in zip(indices, batch["prompt_token_ids"], batch["response_token_ids"]):
         top = max([max(prompt_ids, default=0)] + [max(r, default=0) for r in responses])
@@ -190,6 +208,7 @@ def build_rows(
     ``penalty`` the rewards are shaped by length first (the output's rewards are the shaped ones)."""
     if "response_token_ids" not in batch:
         _tokenize_missing(batch, tokenizer, prompt_column, stop_ids, allow_special_tokens)
+    _check_rows(batch, indices, source)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
     sampler = batch.get(SAMPLER_LOGPROBS)
@@ -273,12 +292,15 @@ def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -
     require_columns(ds, SCORED_COLUMNS, source, "filter takes the output of rlhf score")
     require_types(ds, SCORED_KINDS, source, "filter takes the output of rlhf score")
     if config.mode in ("pairs", "unpaired", "best"):
-        n = sampling["n"] if sampling else min((len(r) for r in ds["rewards"]), default=0)
-        if n < 2:
-            raise PipelineError(
-                f"{source}: --mode {config.mode} needs at least 2 responses per prompt, but the data has {n} "
-                f"(generated with --n {n}); regenerate with --n 2 or more, or use --mode groups"
-            )
+        needs = f"{source}: --mode {config.mode} needs at least 2 responses per prompt"
+        if sampling and sampling["n"] < 2:
+            raise PipelineError(f"{needs}, but the data was generated with --n {sampling['n']}; regenerate with --n 2 "
+                                "or more, or use --mode groups")
+        if not sampling:  # data from elsewhere: the row with the fewest
+            counts = [len(r) for r in ds["responses"]]
+            if counts and min(counts) < 2:
+                row = counts.index(min(counts))
+                raise PipelineError(f"{needs}, but row {row} has {counts[row]}; drop such rows, or use --mode groups")
     return prompt_column(ds, source)
 
 
@@ -408,6 +430,7 @@ def build_unpaired_rows(
     if "response_token_ids" not in batch:
         batch = dict(batch)  # a copy: datasets would keep columns added to its own batch, with the input's length
         _tokenize_missing(batch, tokenizer, prompt_column, stop_ids, allow_special_tokens)
+    _check_rows(batch, indices, source)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
     sampler = batch.get(SAMPLER_LOGPROBS)

@@ -56,6 +56,7 @@ from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenO
 from rlhf_pipeline.contracts import (
     GENERATED_COLUMNS,
     GENERATIONS_COLUMNS,
+    SAMPLER_LOGPROBS,
     SOURCE_REWARDS_PREFIX,
     require_columns,
     require_types,
@@ -236,12 +237,33 @@ def _check_generations(ds, source: str, sources: Sequence[RewardSource] = ()) ->
     require_types(ds, {"responses": "list of text"}, source, "score takes the output of rlhf generate")
     if "rewards" in ds.column_names:
         raise PipelineError(f"{source}: already has a 'rewards' column (already scored?)")
+    _check_responses(ds, source)
     if len(sources) > 1:
         taken = [s.column for s in sources if s.column in ds.column_names]
         if taken:
             raise PipelineError(f"{source}: already has a '{taken[0]}' column, where rlhf score would put the rewards "
                                 "of a source (already scored?); remove or rename that column")
     return prompt_column(ds, source)
+
+
+def _check_responses(ds, source: str) -> None:
+    """Every response is text, and the per-response columns a row has hold one entry per response: generations made
+    elsewhere that do not fail here, naming the row, rather than inside a reward function. Read with Arrow's list
+    lengths: no token list is decoded."""
+    import pyarrow.compute as pc
+
+    table = ds.with_format("arrow")
+    responses = table["responses"]
+    counts = pc.list_value_length(responses).to_pylist()
+    if pc.list_flatten(responses).null_count:
+        row = next(i for i, rs in enumerate(ds["responses"]) if any(r is None for r in rs))
+        raise PipelineError(f"{source}: row {row} has a response that is null; give it a text or drop the row")
+    for column in ("response_token_ids", "finish_reasons", SAMPLER_LOGPROBS):
+        if column in ds.column_names:
+            for row, (n, m) in enumerate(zip(counts, pc.list_value_length(table[column]).to_pylist())):
+                if m is not None and n != m:
+                    raise PipelineError(f"{source}: row {row} has {n} responses but {m} entries in '{column}'; give "
+                                        "every response one")
 
 
 def check_reference_column(ds, source: str, name: str | None, carried: str) -> None:
