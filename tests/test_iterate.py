@@ -185,6 +185,10 @@ def test_demo_interrupted_resumes_without_redoing_finished_stages(tmp_path):
     assert summary["iterations"][0]["rm_win_rate_vs_base"] == 0.5
     for key in ("gold_reward_mean", "gold_reward_stderr", "rm_reward_mean", "rm_win_rate_vs_base"):
         assert isinstance(summary["iterations"][1][key], float)
+    # iteration 1 was evaluated against iteration 0's samples: its gain over them is the gold gain, paired by prompt
+    gold_1 = json.loads((run / "iter_1" / "eval" / "results.json").read_text())["scores"]["reward_fn"]
+    assert gold_1["gain"] == pytest.approx(summary["gold_gain"], abs=1e-9)
+    assert summary["gold_gain_in_paired_stderr"] == pytest.approx(gold_1["gain"] / gold_1["gain_stderr"])
     assert (run / "report.md").exists() and (run / "plots" / "reward_per_iteration.png").exists()
 
     # a third run finds everything finished and launches nothing

@@ -450,6 +450,13 @@ def test_win_counts_and_summarize_by_hand():
     assert s["mean"] == pytest.approx((0.5 + 1.3 / 3) / 2)
     assert s["stderr"] == pytest.approx(abs(0.5 - 1.3 / 3) / 2)  # two values: sd = |a - b| / sqrt 2, over sqrt 2
     assert s["baseline_mean"] == pytest.approx((0.7 / 3 + 1.3 / 3) / 2)
+    # the gain and its paired standard error: per-prompt differences 0.5 - 0.7/3 and 1.3/3 - 1.3/3 = 0
+    assert s["gain"] == pytest.approx((0.5 - 0.7 / 3) / 2)
+    assert s["gain_stderr"] == pytest.approx(abs(0.5 - 0.7 / 3) / 2)
+    # prompts of shared difficulty: a gain the combined standard errors hide, and their pairing shows
+    easy_hard = summarize([[1.1], [5.1], [9.2]], [[1.0], [5.0], [9.0]])
+    combined = (easy_hard["stderr"] ** 2 + easy_hard["baseline_stderr"] ** 2) ** 0.5
+    assert easy_hard["gain"] / combined < 0.1 and easy_hard["gain"] / easy_hard["gain_stderr"] > 2
 
     s = summarize([[1.0], [3.0, 5.0]], None)  # uneven counts: per-prompt means 1 and 4
     assert s["mean"] == pytest.approx(2.5) and s["win_rate"] is None and s["wins"] is None
@@ -585,3 +592,8 @@ def test_eval_refuses_a_baseline_eval_sampled_with_other_settings_before_samplin
     err = capsys.readouterr().err
     assert "sampled with other settings (--n 2 vs 3)" in err
     assert not (out / "generate").exists()
+    # other prompts: refused before sampling too (it was found only once both had been sampled and scored)
+    other = write_jsonl(tmp_path / "other_prompts.jsonl", read_jsonl(task["eval_prompts"])[::-1])
+    assert run(*eval_args(tiny_policy, other, out, "--reward-fn", GOLD, "--baseline", eval_self)) == 1
+    assert "that evaluation was made on other prompts" in capsys.readouterr().err
+    assert not out.exists()

@@ -179,13 +179,20 @@ def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[fl
     """One scorer's numbers: ``rewards[i]`` are prompt i's rewards (``baseline`` aligned with them, or None; one
     reward per prompt for reference answers), ``lengths`` the responses' lengths in characters for the
     length-controlled win rate (without them it is fitted with no length term), ``bradley_terry`` for a reward
-    model's scores (see :func:`evalstats.reward_comparison`)."""
-    mean, stderr = mean_and_stderr([sum(r) / len(r) for r in rewards])
+    model's scores (see :func:`evalstats.reward_comparison`). With a baseline, ``gain`` is the mean reward's gain over
+    it, and ``gain_stderr`` its paired standard error: over the prompts, of each prompt's mean reward less the
+    baseline's on the same prompt (the two evaluations share their prompts, so a prompt's difficulty cancels;
+    the two standard errors combined as if independent would count it twice)."""
+    means = [sum(r) / len(r) for r in rewards]
+    mean, stderr = mean_and_stderr(means)
     result: dict[str, Any] = {"mean": mean, "stderr": stderr, "baseline_mean": None, "baseline_stderr": None,
+                              "gain": None, "gain_stderr": None,
                               "win_rate": None, "wins": None, "ties": None, "losses": None,
                               "lc_win_rate": None, "lc_stderr": None, "length_controlled": None}
     if baseline is not None:
-        result["baseline_mean"], result["baseline_stderr"] = mean_and_stderr([sum(r) / len(r) for r in baseline])
+        theirs = [sum(b) / len(b) for b in baseline]
+        result["baseline_mean"], result["baseline_stderr"] = mean_and_stderr(theirs)
+        result["gain"], result["gain_stderr"] = mean_and_stderr([a - b for a, b in zip(means, theirs)])
         zeros = [[0] * len(r) for r in rewards], [[0] * len(r) for r in baseline]
         ours_len, theirs_len = (lengths, baseline_lengths) if lengths is not None else zeros
         result.update(reward_comparison(rewards, baseline, ours_len, theirs_len, bradley_terry))
@@ -443,6 +450,7 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     prompts and the baseline (and Ray, for --executor ray). Returns the earlier evaluation given as ``--baseline``
     (None for a model, or none)."""
     from rlhf_pipeline.attention import check_attn_implementation, check_engine
+    from rlhf_pipeline.datasets_io import fingerprint
     from rlhf_pipeline.engines import resolve_engine_name
     from rlhf_pipeline.executors import check_ray_installed
     from rlhf_pipeline.stages.generate import select_prompts
@@ -479,7 +487,15 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
     if earlier is None:
         check_model_ref("--baseline", config.baseline, hint="a model, or the output directory of a finished rlhf eval")
         return None
-    previous_config = json.loads((earlier / "manifest.json").read_text())["config"]  # _earlier_eval checked it
+    previous = json.loads((earlier / "manifest.json").read_text())  # _earlier_eval checked it
+    previous_config = previous["config"]
+    previous_prompts = (previous.get("inputs") or [{}])[0].get("fingerprint")
+    if previous_prompts is not None and previous_prompts != fingerprint(ref):
+        raise PipelineError(
+            f"--baseline {config.baseline}: that evaluation was made on other prompts ({previous['inputs'][0]['ref']}, "
+            f"not {ref}, or that file has changed since); a win rate compares responses to the same prompts, so "
+            "evaluate the baseline on these prompts, or pass the baseline model"
+        )
     differ = [k for k in SAMPLING_KEYS if previous_config.get(k) != getattr(config, k)]
     if differ:
         raise PipelineError(
