@@ -85,6 +85,7 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     k["questions"] = write_jsonl(d / "questions.jsonl", [{"question": "Why?"}, {"question": "How?"}])
     k["duplicate_ids"] = write_jsonl(d / "duplicate_ids.jsonl", [{"prompt_id": "a", "prompt": "Hi."},
                                                                  {"prompt_id": "b", "prompt": "Yo."},
+                                                                 {"prompt_id": "b", "prompt": "Yo."},  # the same one
                                                                  {"prompt_id": "a", "prompt": "Ho."}])
     k["long_prompt"] = write_jsonl(d / "long_prompt.jsonl", [{"prompt": "Hi."}, {"prompt": "word " * 5000}])
     k["int_prompts"] = write_jsonl(d / "int_prompts.jsonl", [{"prompt": "Fine."}, {"prompt": 7}])
@@ -193,7 +194,8 @@ CASES = [
                                         "--chat-template", "{alternating}"],
          "sft_non_alternating.jsonl: row 1: the chat template refuses its conversation (roles: user, user)"),
     Case("generate-prompt-ids-repeated", ["generate", "--model", "{policy}", "--prompts", "{duplicate_ids}"],
-         "duplicate_ids.jsonl: rows 0 and 2 have the same prompt_id 'a'; give every prompt its own"),
+         "duplicate_ids.jsonl: rows 0 and 3 have the same prompt_id 'a' but other prompts; give every prompt its "
+         "own"),
     Case("generate-prompt-fills-the-context", ["generate", "--model", "{policy}", "--prompts", "{long_prompt}",
                                                "--engine", "hf"],
          "long_prompt.jsonl: row 1: the prompt is 10005 tokens, which fills the model's context of 4096"),
@@ -397,7 +399,7 @@ CASES = [
                                                "--reward-fn", "{rewards}:good", "--gpus-per-replica", "1"],
          "rlhf eval: --gpus-per-replica: only with --executor ray"),
     Case("eval-prompt-ids-repeated", ["eval", "--model", "{policy}", "--prompts", "{duplicate_ids}", "--reward-fn",
-                                      "{rewards}:good"], "rows 0 and 2 have the same prompt_id 'a'"),
+                                      "{rewards}:good"], "rows 0 and 3 have the same prompt_id 'a'"),
     Case("eval-model-not-found", ["eval", "--model", "nomodel", "--prompts", "{prompts}", "--reward-fn",
                                   "{rewards}:good"], "--model nomodel: not found locally"),
     Case("eval-baseline-not-found", ["eval", "--model", "{policy}", "--prompts", "{prompts}", "--reward-fn",

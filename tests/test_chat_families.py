@@ -221,7 +221,7 @@ def test_filter_tokenizes_responses_without_ids_as_sampling_ends_them(kit, famil
     stops = tuple(stop_token_ids(tok, str(kit.policy(family))))
     ds = load_from_disk(str(kit.stage(family, "generate")))
     batch = {"messages": ds["messages"], "responses": ds["responses"], "finish_reasons": ds["finish_reasons"]}
-    _tokenize_missing(batch, tok, "messages", stops)
+    _tokenize_missing(batch, list(range(ds.num_rows)), "generated.jsonl", tok, "messages", stops)
     seen = set()
     for texts, samples, reasons in zip(ds["responses"], batch["response_token_ids"], ds["finish_reasons"]):
         for text, ids, reason in zip(texts, samples, reasons):
@@ -233,6 +233,28 @@ def test_filter_tokenizes_responses_without_ids_as_sampling_ends_them(kit, famil
             assert tok.decode([t for t in ids if t not in stops]).strip() == text.strip()  # templates trim
     assert seen == {"stop", "length"}
     assert batch["prompt_token_ids"] == ds["prompt_token_ids"]
+
+
+def test_filter_keeps_the_text_of_a_response_its_template_rewrites(kit):
+    """A reasoning template that writes an empty think block before the last assistant turn's content (Qwen3's)
+    would put tokens the policy never sampled into the response: the response is then encoded as its text,
+    followed by the turn end the template closes it with."""
+    from rlhf_pipeline.chat import stop_token_ids
+    from rlhf_pipeline.stages.filter import _tokenize_missing
+
+    tok = load_tok(kit.policy("chatml"))
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}[think] [/think] "
+        "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% endif %}")
+    end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
+    batch = {"prompt": ["Review the park.", "Hi"], "responses": [["Green and quiet.", "Dull"], ["Hello there."]],
+             "finish_reasons": [["stop", "length"], ["stop"]]}
+    _tokenize_missing(batch, [0, 1], "data.jsonl", tok, "prompt", tuple(stop_token_ids(tok, str(kit.policy("chatml")))))
+    (quiet, dull), (hello,) = batch["response_token_ids"]
+    assert quiet == tok("Green and quiet.", add_special_tokens=False)["input_ids"] + [end_of_turn]
+    assert dull == tok("Dull", add_special_tokens=False)["input_ids"]  # cut at the token limit: no turn end
+    assert tok.decode(hello[:-1]) == "Hello there." and hello[-1] == end_of_turn
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -125,7 +125,14 @@ def test_directory_without_manifest_is_refused_and_never_deleted(tmp_path):
     for overwrite in (False, True):
         with pytest.raises(PipelineError, match="not a stage's output .*does not delete"):
             _run(tmp_path, overwrite=overwrite)
+        # a stage that fills its output in place and resumes (training, eval) does not write into it either
+        with pytest.raises(PipelineError, match="not a stage's output"):
+            StageOutput("unit", Cfg(output=str(tmp_path / "out"), overwrite=overwrite), []).done(resume=True)
     assert (tmp_path / "out" / "state.json").exists()
+    empty = tmp_path / "mount"
+    empty.mkdir()  # an empty directory that may not be removable (a mount point): written into, never deleted
+    out = StageOutput("unit", Cfg(output=str(empty)), [])
+    assert out.done(resume=True) is False and out.replace is False
 
 
 def test_an_output_that_is_or_holds_an_input_is_refused_even_with_overwrite(tmp_path):

@@ -193,7 +193,8 @@ def build_parser(cls: type, prog: str, description: str | None = None, only: set
     mappings = [f.name for f in dataclasses.fields(cls) if _is_mapping(hints[f.name])]
     example = "train" if "train" in mappings else mappings[0] if mappings else ""
     merged = (f" A mapping's flag overrides it key by key: {_flag(example)} '{{key: value}}' changes that key of the "
-              "file's mapping and keeps the others (null takes one away)." if mappings else "")
+              "file's mapping and keeps the others (null takes one away; a key whose value is a mapping gets the "
+              "flag's whole)." if mappings else "")
     stage_group.add_argument(
         "--config", metavar="FILE.yaml", default=None, help="Read options from a YAML file; flags override it." + merged
     )
@@ -261,7 +262,8 @@ class _MergedMapping(argparse.Action):
     """A mapping option: each use on the command line is merged into the mapping so far (the YAML file's, which
     ``set_defaults`` makes the default, then the earlier uses), key by key, its own keys winning. So
     ``--train '{gradient_accumulation_steps: 32}'`` changes that one option of the config's train section and keeps
-    the others; a key set to null takes the config's value away (the stage's default applies)."""
+    the others; a key set to null takes the config's value away (the stage's default applies). One level deep: a
+    key whose value is itself a mapping (``lane_env``'s ``sample``) takes the flag's mapping whole."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         current = getattr(namespace, self.dest, None)

@@ -385,11 +385,18 @@ class StageOutput:
         self._refuse_writing_over_an_input()
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
-            if not any(self.path.iterdir()):
-                self.replace = True  # an empty directory: nothing to keep
-                return False
             started = self.path / RUN_RECORD
-            if resume and started.exists():
+            if not started.exists():
+                if not any(self.path.iterdir()):
+                    return False  # an empty directory (a mount point, say): written into, not deleted
+                # files no stage wrote (a model, a dataset of the user's, a folder of other things): never deleted
+                # here, nor written into
+                raise PipelineError(
+                    f"--output {self.path}: exists and holds files that are not a stage's output (no {MANIFEST} or "
+                    f"{RUN_RECORD}), which rlhf does not delete, --overwrite or not; choose another --output, or "
+                    "remove it yourself"
+                )
+            if resume:
                 diffs = self.differences(json.loads(started.read_text()))
                 if not diffs:
                     return False
@@ -398,20 +405,12 @@ class StageOutput:
                         f"--output {self.path}: its unfinished run was started with another config or inputs "
                         f"({'; '.join(diffs)}); pass --overwrite to start over, or resume with the same options"
                     )
-            elif resume:
+            if self.config.overwrite:  # an unfinished run: --overwrite starts it over
+                self.replace = True
                 return False
-            if started.exists():  # an unfinished run of this stage: --overwrite starts it over
-                if self.config.overwrite:
-                    self.replace = True
-                    return False
-                raise PipelineError(f"--output {self.path}: holds an unfinished run (no {MANIFEST}); pass --resume "
-                                    "to continue it, or --overwrite to start over")
-            # files no stage wrote (a model, a dataset of the user's, a folder of other things): never deleted here
-            raise PipelineError(
-                f"--output {self.path}: exists and holds files that are not a stage's output (no {MANIFEST} or "
-                f"{RUN_RECORD}), which rlhf does not delete, --overwrite or not; choose another --output, or remove "
-                "it yourself"
-            )
+            hint = "pass --resume to continue it, or --overwrite to start over" if resume is False else (
+                "pass --overwrite to start over")
+            raise PipelineError(f"--output {self.path}: holds an unfinished run (no {MANIFEST}); {hint}")
         manifest = read_manifest(DatasetRef("dir", str(self.path)))
         diffs = self.differences(manifest)
         if not diffs:
@@ -438,7 +437,9 @@ class StageOutput:
         named = [r.location for r in self.inputs if r.kind != "hub"]
         for key, value in to_dict(self.config).items():
             if key != "output":
-                named += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str) and v]
+                for v in (value if isinstance(value, list) else [value]):
+                    if isinstance(v, str) and v:
+                        named += [v, v.rsplit(":", 1)[0]] if ":" in v else [v]  # a reward function's FILE.py:fn
         for text in named:
             path = Path(text).expanduser()
             if path.exists() and (path.resolve() == out or out in path.resolve().parents):

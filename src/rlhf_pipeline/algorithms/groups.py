@@ -41,6 +41,7 @@ the same update for any micro-batch or process split of an optimizer step.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field, fields
@@ -218,6 +219,33 @@ def check_groups(ds, source: str) -> None:
     hint = "the PPO family trains on groups: make them with rlhf filter --mode groups"
     require_columns(ds, GROUP_COLUMNS, source, hint)
     require_types(ds, SCORED_KINDS, source, hint)
+
+
+def check_group_rows(ds, source: str, source_columns: Sequence[str] = ()) -> None:
+    """What :func:`flatten_groups` checks row by row, before a run starts, without decoding a token list (Arrow's
+    list lengths; the rewards are read as they are): one reward per response in ``rewards`` and each source's
+    column, each finite, and one sampler log-prob per response token."""
+    import pyarrow.compute as pc
+
+    table = ds.with_format("arrow")
+    counts = pc.list_value_length(table["response_token_ids"]).to_pylist()
+    for column in ("rewards", *source_columns):
+        for g, (n, m) in enumerate(zip(counts, pc.list_value_length(table[column]).to_pylist())):
+            if n != m:
+                where = "" if column == "rewards" else f" in {column}"
+                raise PipelineError(f"{source}: row {g} has {n} responses but {m} rewards{where}")
+    for g, rewards in enumerate(ds["rewards"]):
+        for reward in rewards:
+            if reward is None or not math.isfinite(reward):
+                raise PipelineError(f"{source}: row {g} has a reward of {reward}; rescore it (rlhf score)")
+    if SAMPLER_LOGPROBS in ds.column_names:
+        tokens = pc.list_value_length(pc.list_flatten(table["response_token_ids"])).to_pylist()
+        logps = pc.list_value_length(pc.list_flatten(table[SAMPLER_LOGPROBS])).to_pylist()
+        bad = next((k for k, (a, b) in enumerate(zip(tokens, logps)) if a != b), None)
+        if bad is not None:
+            g = next(g for g, end in enumerate(itertools.accumulate(counts)) if bad < end)
+            raise PipelineError(f"{source}: row {g} has a response of {tokens[bad]} tokens but {logps[bad]} sampler "
+                                f"log-probs in {SAMPLER_LOGPROBS}")
 
 
 def flatten_groups(ds, source: str, source_columns: Sequence[str] = ()) -> dict[str, list]:
@@ -883,7 +911,7 @@ def train(config) -> Path:
             source_columns, params.reward_weights = _reward_sources(dd, ref)
         params.rollout_correction, params.rollout_correction_cap = _rollout_correction(config, dd, ref)
         for split, ds in dd.items():  # every row's rewards and lengths checked before anything is written
-            flatten_groups(ds, f"{config.data}:{split}", source_columns)
+            check_group_rows(ds, f"{config.data}:{split}", source_columns)
         temperature = logp_temperature(config.algorithm, config.temperature, sampling, str(ref))
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)

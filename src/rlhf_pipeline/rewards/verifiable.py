@@ -21,7 +21,8 @@ is all it takes.
 
 The final answer (:func:`extract_answer`): the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``); else what
 follows the last GSM8K-style ``#### ``; else what follows the last "answer is" / "answer:" ("The final answer is
-$42$." gives ``42``), where a plain number's trailing words are left out ("The answer is 18 cookies." gives ``18``). The reference goes through the same extraction, so a GSM8K ``answer`` column (a worked
+$42$." gives ``42``). :func:`math_equal` then reads a plain number's unit words as the number ("18 cookies" is 18;
+"1 million" and "5 squared" stay whole). The reference goes through the same extraction, so a GSM8K ``answer`` column (a worked
 solution ending in ``#### 72``) serves as it is; a reference with none of these is taken whole.
 
 Majority voting: :func:`math_equal` and :func:`exact_match` carry ``extract_answer(response) -> str | None``, the
@@ -54,11 +55,15 @@ _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
 # period from the end only (".5" is a number).
 _SURROUNDING = " \t\r\n.,;:!?\"'`*$"
 _LEADING = _SURROUNDING.replace(".", "")
-# A plain number followed by words only, on the unboxed paths: "18 cookies", "$1,000 dollars", "3.5 km" read as the
-# number. Not when the words join it to something else ("5 or 6", "3 to 4"), nor with a digit among them ("3 hours
-# and 20 minutes").
+# math_equal reads a plain number followed by words only as the number: "18 cookies", "$1,000 dollars", "3.5 km"
+# (math-verify would read the words as a product of letters). Not when a word changes the value or joins the number
+# to more ("1 million", "3 dozen", "2 pi", "5 squared", "5 or 6", "3 to 4"), nor with a digit among the words ("3
+# hours and 20 minutes").
 _NUMBER_THEN_WORDS = re.compile(r"([-+−]?\$?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?)\s+([A-Za-z][A-Za-z' -]*)")
-_JOINING_WORDS = {"or", "and", "to", "plus", "minus", "times", "over", "divided"}
+_VALUE_WORDS = {"or", "and", "to", "plus", "minus", "times", "over", "divided", "by", "of", "per", "point", "half",
+                "halves", "third", "thirds", "quarter", "quarters", "fourths", "dozen", "dozens", "score", "hundred",
+                "hundreds", "thousand", "thousands", "million", "millions", "billion", "billions", "trillion",
+                "squared", "cubed", "pi", "percent", "degrees", "radians", "i", "e", "x", "y", "n", "k"}
 
 
 def _boxed_contents(text: str) -> list[str]:
@@ -90,7 +95,7 @@ def _strip(answer: str) -> str:
 def _without_unit(answer: str) -> str:
     """``18 cookies`` -> ``18``: a plain number's trailing words (see :data:`_NUMBER_THEN_WORDS`) left out."""
     match = _NUMBER_THEN_WORDS.fullmatch(answer)
-    if match is None or _JOINING_WORDS & set(match.group(2).casefold().replace("-", " ").split()):
+    if match is None or _VALUE_WORDS & set(match.group(2).casefold().replace("-", " ").split()):
         return answer
     return match.group(1)
 
@@ -106,7 +111,7 @@ def extract_answer(text: str) -> str | None:
         if not matches:
             return None
         # up to the end of the sentence: a period followed by a space or the end (not a decimal point)
-        answer = _without_unit(_strip_math(re.split(r"\.(?:\s|$)", matches[-1], maxsplit=1)[0]))
+        answer = re.split(r"\.(?:\s|$)", matches[-1], maxsplit=1)[0]
     answer = _strip_math(answer)
     return answer or None
 
@@ -196,8 +201,8 @@ def math_equal(prompts: Sequence[str], responses: Sequence[str], **columns: Any)
             values.append(0.0)
             continue
         if reference not in golds:
-            golds[reference] = parse(_reference_answer(reference))
-        gold, target = golds[reference], parse(answer)
+            golds[reference] = parse(_without_unit(_reference_answer(reference)))
+        gold, target = golds[reference], parse(_without_unit(answer))
         ok = bool(gold) and bool(target) and mv.verify(gold, target, timeout_seconds=limit)
         values.append(1.0 if ok else 0.0)
     return values

@@ -445,12 +445,12 @@ def _earlier_eval(path: str) -> Path | None:
     raise PipelineError(f"--baseline {path}: holds a {stage} output, not a model or an rlhf eval output")
 
 
-def _check_inputs(config: EvalConfig, ref) -> Path | None:
+def _check_inputs(config: EvalConfig, ref, prompts_fingerprint: str) -> Path | None:
     """Everything eval reads, checked before it makes its output directory: the models, the reward function, the
     prompts and the baseline (and Ray, for --executor ray). Returns the earlier evaluation given as ``--baseline``
     (None for a model, or none)."""
     from rlhf_pipeline.attention import check_attn_implementation, check_engine
-    from rlhf_pipeline.datasets_io import fingerprint
+    from rlhf_pipeline.datasets_io import parse_ref
     from rlhf_pipeline.engines import resolve_engine_name
     from rlhf_pipeline.executors import check_ray_installed
     from rlhf_pipeline.stages.generate import select_prompts
@@ -489,8 +489,11 @@ def _check_inputs(config: EvalConfig, ref) -> Path | None:
         return None
     previous = json.loads((earlier / "manifest.json").read_text())  # _earlier_eval checked it
     previous_config = previous["config"]
-    previous_prompts = (previous.get("inputs") or [{}])[0].get("fingerprint")
-    if previous_prompts is not None and previous_prompts != fingerprint(ref):
+    previous_prompts = (previous.get("inputs") or [{}])[0]
+    earlier_ref = parse_ref(previous_prompts["ref"]) if "ref" in previous_prompts else None
+    # a Hub dataset's fingerprint does not say which split or configuration: those are compared too
+    other_part = earlier_ref is not None and (earlier_ref.config, earlier_ref.split) != (ref.config, ref.split)
+    if other_part or previous_prompts.get("fingerprint", prompts_fingerprint) != prompts_fingerprint:
         raise PipelineError(
             f"--baseline {config.baseline}: that evaluation was made on other prompts ({previous['inputs'][0]['ref']}, "
             f"not {ref}, or that file has changed since); a win rate compares responses to the same prompts, so "
@@ -558,7 +561,8 @@ def _evaluate(config: EvalConfig, accelerator) -> Path:
         out = StageOutput("eval", config, inputs=inputs, pusher=push_samples)
         if out.done(resume=True):  # the parts are stage outputs of their own: an unfinished eval continues
             return None
-        return out, _check_inputs(config, ref), ref  # before the output directory is made: a mistake leaves nothing
+        # before the output directory is made: a mistake leaves nothing
+        return out, _check_inputs(config, ref, out.input_records[0]["fingerprint"]), ref
 
     begun = guarded(accelerator, begin)
     if begun is None:

@@ -123,26 +123,40 @@ def nothing_left(source: str, dropped: Counter) -> PipelineError:
     return PipelineError(f"{source}: no rows survive the filters (dropped: {counts}); {fixes}")
 
 
-def _tokenize_missing(batch: dict[str, list], tokenizer: Any, prompt_column: str, stop_ids: tuple[int, ...],
-                      allow_special_tokens: bool = False) -> None:
+def _tokenize_missing(batch: dict[str, list], indices: list[int], source: str, tokenizer: Any, prompt_column: str,
+                      stop_ids: tuple[int, ...], allow_special_tokens: bool = False) -> None:
     """Token ids for data that arrives without them, as the policy samples them: each response encoded in its
     conversation (:func:`chat.encode_answers`), so it ends in the template's turn end (Llama-3's ``<|eot_id|>``,
     Gemma's ``<end_of_turn>``) rather than the tokenizer's EOS; a response cut at the token limit
-    (``finish_reasons`` "length") ends without one."""
-    from rlhf_pipeline.chat import encode_answers, encode_prompts
+    (``finish_reasons`` "length") ends without one. Where the template rewrites the answer it renders (a reasoning
+    template's empty think block, say), the response is encoded as its text, followed by that stop token."""
+    from rlhf_pipeline.chat import ChatTemplateRefused, encode_answers, encode_plain, encode_prompts
 
-    batch["prompt_token_ids"] = encode_prompts(tokenizer, batch[prompt_column],
-                                               allow_special_tokens=allow_special_tokens)
-    prompts = [p for p, rs in zip(batch[prompt_column], batch["responses"]) for _ in rs]
+    counts = [len(rs) for rs in batch["responses"]]
+    try:
+        batch["prompt_token_ids"] = encode_prompts(tokenizer, batch[prompt_column],
+                                                   allow_special_tokens=allow_special_tokens)
+    except ChatTemplateRefused as e:
+        raise e.at(source, indices[e.index]) from None
+    prompts = [p for p, n in zip(batch[prompt_column], counts) for _ in range(n)]
     flat = [r for rs in batch["responses"] for r in rs]
-    _, answers, _ = encode_answers(tokenizer, prompts, flat, stop_ids, allow_special_tokens)
-    finish = batch.get("finish_reasons") or [["stop"] * len(rs) for rs in batch["responses"]]
+    try:
+        _, answers, _ = encode_answers(tokenizer, prompts, flat, stop_ids, allow_special_tokens)
+    except ChatTemplateRefused as e:  # its index counts responses: the row that holds that one
+        raise e.at(source, [indices[k] for k, n in enumerate(counts) for _ in range(n)][e.index]) from None
     stops = set(stop_ids) | {tokenizer.eos_token_id}
-    it = iter(answers)
-    batch["response_token_ids"] = [
-        [ids[:-1] if reason == "length" and ids and ids[-1] in stops else ids
-         for ids, reason in zip((next(it) for _ in rs), reasons or ["stop"] * len(rs))]
-        for rs, reasons in zip(batch["responses"], finish)]
+    finish = batch.get("finish_reasons") or [None] * len(counts)
+    reasons = [r for rs, n in zip(finish, counts) for r in (rs or ["stop"] * n)]
+    out = []
+    for text, ids, reason in zip(flat, answers, reasons):
+        stop = ids[-1:] if ids and ids[-1] in stops else []
+        body = ids[: len(ids) - len(stop)]
+        if tokenizer.decode(body).strip() != text.strip():  # the template changed the answer: its text as it is
+            (body,) = encode_plain(tokenizer, [text], allow_special_tokens)
+            stop = stop or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        out.append(body if reason == "length" else body + stop)
+    it = iter(out)
+    batch["response_token_ids"] = [[next(it) for _ in range(n)] for n in counts]
 
 
 def _check_rows(batch: dict[str, list], indices: list[int], source: str) -> None:
@@ -151,8 +165,10 @@ def _check_rows(batch: dict[str, list], indices: list[int], source: str) -> None
     import math
 
     for k, row in enumerate(indices):
-        n = len(batch["response_token_ids"][k])
-        for column in (c for c in (*PER_RESPONSE_COLUMNS, SAMPLER_LOGPROBS) if c in batch):
+        n = len(batch["responses"][k])
+        if batch["rewards"][k] is None:
+            raise PipelineError(f"{source}: row {row} has no rewards (null); score it again (rlhf score) or drop it")
+        for column in (c for c in (*PER_RESPONSE_COLUMNS, SAMPLER_LOGPROBS) if c in batch and c != "responses"):
             values = batch[column][k]
             if values is not None and len(values) != n:
                 raise PipelineError(f"{source}: row {row} has {n} responses but {len(values)} entries in '{column}'; "
@@ -206,9 +222,9 @@ def build_rows(
 ) -> dict[str, list]:
     """The batched map function: one output row per input row, with ``_drop`` set on rows to leave out. With
     ``penalty`` the rewards are shaped by length first (the output's rewards are the shaped ones)."""
-    if "response_token_ids" not in batch:
-        _tokenize_missing(batch, tokenizer, prompt_column, stop_ids, allow_special_tokens)
     _check_rows(batch, indices, source)
+    if "response_token_ids" not in batch:
+        _tokenize_missing(batch, indices, source, tokenizer, prompt_column, stop_ids, allow_special_tokens)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
     sampler = batch.get(SAMPLER_LOGPROBS)
@@ -296,8 +312,10 @@ def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -
         if sampling and sampling["n"] < 2:
             raise PipelineError(f"{needs}, but the data was generated with --n {sampling['n']}; regenerate with --n 2 "
                                 "or more, or use --mode groups")
-        if not sampling:  # data from elsewhere: the row with the fewest
-            counts = [len(r) for r in ds["responses"]]
+        if not sampling:  # data from elsewhere: the row with the fewest (Arrow's list lengths: no text decoded)
+            import pyarrow.compute as pc
+
+            counts = [n or 0 for n in pc.list_value_length(ds.with_format("arrow")["responses"]).to_pylist()]
             if counts and min(counts) < 2:
                 row = counts.index(min(counts))
                 raise PipelineError(f"{needs}, but row {row} has {counts[row]}; drop such rows, or use --mode groups")
@@ -427,10 +445,10 @@ def build_unpaired_rows(
     row with ``_drop`` set for a dropped prompt; a prompt's counts of left-out responses ride on its first row."""
     from rlhf_pipeline.selection import REWARD_AT_MEAN, RESPONSE_TOO_LONG, RESPONSE_TRUNCATED
 
+    _check_rows(batch, indices, source)
     if "response_token_ids" not in batch:
         batch = dict(batch)  # a copy: datasets would keep columns added to its own batch, with the input's length
-        _tokenize_missing(batch, tokenizer, prompt_column, stop_ids, allow_special_tokens)
-    _check_rows(batch, indices, source)
+        _tokenize_missing(batch, indices, source, tokenizer, prompt_column, stop_ids, allow_special_tokens)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
     sampler = batch.get(SAMPLER_LOGPROBS)

@@ -98,22 +98,33 @@ def prompt_context(config: GenerateConfig) -> tuple[int, str] | None:
     model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     positions = getattr(text, "max_position_embeddings", None)
-    return (positions, "max_position_embeddings in its config.json") if positions else None
+    if not positions:
+        return None
+    # a RoPE scaling that stretches the positions (YaRN, linear, dynamic: Qwen2.5's factor 4 over 32,768) reaches
+    # factor times its original length, as vLLM counts it; Llama-3's and LongRoPE's already count in the positions
+    scaling = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
+    kind, factor = scaling.get("rope_type") or scaling.get("type"), scaling.get("factor")
+    if factor and kind not in (None, "default", "llama3", "longrope", "su"):
+        positions = int((scaling.get("original_max_position_embeddings") or positions) * factor)
+        return positions, f"max_position_embeddings with its {kind} RoPE scaling"
+    return positions, "max_position_embeddings in its config.json"
 
 
-def _check_unique_ids(ds, source: str) -> None:
+def _check_unique_ids(ds, source: str, column: str) -> None:
     """A prompt set's own ids (``prompt_id``, else ``id``: what :func:`ids_of_prompts` reads) name one prompt each:
-    later stages match responses, rewards and an evaluation's baseline by them, so two prompts with one id would be
-    compared across. (Ids made from the prompts' text are shared only by prompts of the same text.)"""
+    later stages match responses, rewards and an evaluation's baseline by them, so two different prompts under one
+    id would be compared across. One prompt given twice under its id (a content hash, as ids made from the text
+    are) is the same prompt, and passes."""
     name = next((c for c in ("prompt_id", "id") if c in ds.column_names), None)
     if name is None:
         return
-    first: dict[str, int] = {}
-    for row, value in enumerate(ds[name]):
-        earlier = first.setdefault(str(value), row)
-        if earlier != row:
-            raise PipelineError(f"{source}: rows {earlier} and {row} have the same {name} {str(value)!r}; give every "
-                                "prompt its own (responses, rewards and baselines are matched by it)")
+    first: dict[str, tuple[int, object]] = {}
+    for row, (value, prompt) in enumerate(zip(ds[name], ds[column])):
+        earlier, earlier_prompt = first.setdefault(str(value), (row, prompt))
+        if earlier != row and earlier_prompt != prompt:
+            raise PipelineError(f"{source}: rows {earlier} and {row} have the same {name} {str(value)!r} but other "
+                                "prompts; give every prompt its own (responses, rewards and baselines are matched "
+                                "by it)")
 
 
 def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | None = None):
@@ -128,7 +139,7 @@ def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | 
     if clash:
         raise PipelineError(f"{ref.name}: already has column(s) {', '.join(clash)}; pass a prompt dataset")
     column = validate_prompts(ds, ref.name)
-    _check_unique_ids(ds, ref.name)
+    _check_unique_ids(ds, ref.name, column)
     if offset >= rows_total:
         raise PipelineError(f"{ref.name}: --offset {offset} skips all of its {rows_total} prompts")
     end = rows_total if limit is None else min(offset + limit, rows_total)
