@@ -87,6 +87,11 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
                                                                  {"prompt_id": "b", "prompt": "Yo."},
                                                                  {"prompt_id": "b", "prompt": "Yo."},  # the same one
                                                                  {"prompt_id": "a", "prompt": "Ho."}])
+    (d / "empty.jsonl").write_text("")
+    k["empty_jsonl"] = str(d / "empty.jsonl")
+    (d / "broken.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"\n{"prompt": "c"}\n')
+    k["broken_jsonl"] = str(d / "broken.jsonl")
+    k["messages_text"] = write_jsonl(d / "messages_text.jsonl", [{"messages": "hello"}])
     k["long_prompt"] = write_jsonl(d / "long_prompt.jsonl", [{"prompt": "Hi."}, {"prompt": "word " * 5000}])
     k["int_prompts"] = write_jsonl(d / "int_prompts.jsonl", [{"prompt": "Fine."}, {"prompt": 7}])
     # a template that refuses roles that do not alternate (as Mistral's, Gemma's, Llama-2's do), and rows it refuses
@@ -193,6 +198,12 @@ CASES = [
     Case("sft-template-refuses-a-row", ["sft", "--model", "{policy}", "--data", "{sft_non_alternating}",
                                         "--chat-template", "{alternating}"],
          "sft_non_alternating.jsonl: row 1: the chat template refuses its conversation (roles: user, user)"),
+    Case("generate-prompts-file-empty", ["generate", "--model", "{policy}", "--prompts", "{empty_jsonl}"],
+         "empty.jsonl: is empty; give it at least one row"),
+    Case("generate-prompts-line-not-json", ["generate", "--model", "{policy}", "--prompts", "{broken_jsonl}"],
+         "broken.jsonl: line 2 is not valid JSON (Expecting ',' delimiter at column 15); fix or remove it"),
+    Case("generate-messages-not-a-list", ["generate", "--model", "{policy}", "--prompts", "{messages_text}"],
+         "row 0: 'messages' is str, not a list"),
     Case("generate-prompt-ids-repeated", ["generate", "--model", "{policy}", "--prompts", "{duplicate_ids}"],
          "duplicate_ids.jsonl: rows 0 and 3 have the same prompt_id 'a' but other prompts; give every prompt its "
          "own"),

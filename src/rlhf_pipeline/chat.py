@@ -68,7 +68,10 @@ def check_prompt(value: Any, column: str, row: int, source: str) -> None:
         if not value.strip():
             raise PipelineError(f"{where}: 'prompt' is empty; remove the row or give it a prompt")
         return
-    if not isinstance(value, list) or not value:
+    if not isinstance(value, list):
+        raise PipelineError(f"{where}: 'messages' is {type(value).__name__}, not a list; give it a list of "
+                            "{role, content} turns")
+    if not value:
         raise PipelineError(f"{where}: 'messages' is empty; give it a list of {{role, content}} turns")
     for turn in value:
         if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):

@@ -102,6 +102,26 @@ def parse_ref(text: str) -> DatasetRef:
     )
 
 
+def _unreadable_file(path: Path, builder: str, error: Exception) -> str:
+    """Why a data file did not load, as precisely as can be found: an empty file, or a JSON Lines file's first line
+    that is not a JSON object (datasets' own error names neither)."""
+    text_file = path.suffix in (".json", ".jsonl")
+    if path.stat().st_size == 0 or (text_file and not path.read_text(errors="replace").strip()):
+        return f"{path}: is empty; give it at least one row"
+    if path.suffix == ".jsonl":
+        with path.open(errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line.strip())
+                except json.JSONDecodeError as e:
+                    return f"{path}: line {number} is not valid JSON ({e.msg} at column {e.colno}); fix or remove it"
+                if not isinstance(value, dict):
+                    return f"{path}: line {number} is a JSON {type(value).__name__}, not an object; give one row a line"
+    return f"{path}: could not be read as {builder} ({type(error).__name__}: {error})"
+
+
 def _load_raw(ref: DatasetRef) -> Dataset | DatasetDict:
     import datasets
 
@@ -124,7 +144,7 @@ def _load_raw(ref: DatasetRef) -> Dataset | DatasetDict:
         try:
             ds = datasets.load_dataset(builder, data_files=ref.location, split="train")
         except Exception as e:  # datasets wraps JSON/Arrow parse errors in several exception types
-            raise PipelineError(f"{ref.location}: could not be read as {builder} ({type(e).__name__}: {e})") from e
+            raise PipelineError(_unreadable_file(Path(ref.location), builder, e)) from e
     else:
         ds = datasets.load_dataset(ref.location, name=ref.config, revision=ref.revision)
     if ref.split is not None:

@@ -8,9 +8,10 @@ each prompt's best; train/test split.
 
 Lengths are measured on the token ids the engine saw and sampled, so nothing is re-tokenized. Scored data from
 elsewhere without token ids is tokenized here (prompt with the chat template, each response in its conversation,
-ending as sampling ends it: with the template's turn end, or none when cut at the token limit): the template is ``--chat-template``, else the one the generate manifest records, else the tokenizer's own, and
-one that differs from what the sampler recorded is refused (``_chat_template``). Rows dropped per reason go in the
-manifest. The work runs as one batched ``datasets.map`` over ``--num-proc`` processes. Output: ``train`` and
+ending as sampling ends it: with the template's turn end, or none when cut at the token limit): the template is
+``--chat-template``, else the one the generate manifest records, else the tokenizer's own, and one that differs
+from what the sampler recorded is refused (``_chat_template``). Rows dropped per reason go in the manifest. The
+work runs as one batched ``datasets.map`` over ``--num-proc`` processes. Output: ``train`` and
 ``test`` splits of the pairs, groups or unpaired contract (``rlhf_pipeline.contracts``; unpaired mode: see
 ``filter_unpaired``).
 """
