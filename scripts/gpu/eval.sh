@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Evaluation of a policy: one response per held-out prompt, scored with the reward model; mean reward, and win rate
-# against a baseline (BASELINE, by default the starting policy; BASELINE= for none). REBEL's own trainer evaluates only the regression loss on the
-# test pairs (src/ultrafeedback_largebatch/rebel.py, evaluate()); its published numbers are AlpacaEval 2, MT-Bench,
-# MMLU and GSM8K (the model table of REBEL's README.md), not this.
+# against a baseline (BASELINE, by default the starting policy; BASELINE= for none). REBEL's own trainer evaluates
+# only the regression loss on the test pairs (src/ultrafeedback_largebatch/rebel.py, evaluate()); its published
+# numbers are AlpacaEval 2, MT-Bench, MMLU and GSM8K (the model table of REBEL's README.md), not this.
 # REBEL file:line citations below: github.com/ZhaolinGao/REBEL at commit 4ad7c11, src/ultrafeedback_largebatch/.
 #
 #   conda env: rlhf-vllm (envs/vllm.yml): --engine vllm needs vLLM, which rlhf-train does not have; the reward

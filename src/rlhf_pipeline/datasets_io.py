@@ -105,8 +105,9 @@ def parse_ref(text: str) -> DatasetRef:
 def _unreadable_file(path: Path, builder: str, error: Exception) -> str:
     """Why a data file did not load, as precisely as can be found: an empty file, or a JSON Lines file's first line
     that is not a JSON object (datasets' own error names neither)."""
-    text_file = path.suffix in (".json", ".jsonl")
-    if path.stat().st_size == 0 or (text_file and not path.read_text(errors="replace").strip()):
+    size = path.stat().st_size
+    blank = size <= 1 << 20 and path.suffix in (".json", ".jsonl") and not path.read_bytes().strip()
+    if size == 0 or blank:
         return f"{path}: is empty; give it at least one row"
     if path.suffix == ".jsonl":
         with path.open(errors="replace") as f:

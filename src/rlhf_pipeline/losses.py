@@ -465,8 +465,8 @@ def sppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, targets: torch.Tensor,
     sampled from onto its target, ``(log π(y|x) − log π_t(y|x) − η(P(y ≻ π_t | x) − 1/2))²``; the caller puts
     ``η(P − 1/2)`` in ``targets`` (per sequence (B,), or per token with the same value on every token of a sequence,
     of which the first is read). One squared error per sequence, whatever ``reduction`` (they are averaged over the
-    sequences, an empty response counting as 0; ``"sum"`` sums them for a caller that divides by a count over more than this input). Metrics:
-    ``logratio_mean`` (the mean sequence log-ratio), ``target_mean``."""
+    sequences, an empty response counting as 0; ``"sum"`` sums them for a caller that divides by a count over more
+    than this input). Metrics: ``logratio_mean`` (the mean sequence log-ratio), ``target_mean``."""
     m = _ppo_mask(mask, logp)
     _same_shape(logp, old_logp=old_logp)
     if logp.dim() != 2:

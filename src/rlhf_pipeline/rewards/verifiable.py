@@ -22,8 +22,8 @@ is all it takes.
 The final answer (:func:`extract_answer`): the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``); else what
 follows the last GSM8K-style ``#### ``; else what follows the last "answer is" / "answer:" ("The final answer is
 $42$." gives ``42``). :func:`math_equal` then reads a plain number's unit words as the number ("18 cookies" is 18;
-"1 million" and "5 squared" stay whole). The reference goes through the same extraction, so a GSM8K ``answer`` column (a worked
-solution ending in ``#### 72``) serves as it is; a reference with none of these is taken whole.
+"1 million" and "5 squared" stay whole). The reference goes through the same extraction, so a GSM8K ``answer``
+column (a worked solution ending in ``#### 72``) serves as it is; a reference with none of these is taken whole.
 
 Majority voting: :func:`math_equal` and :func:`exact_match` carry ``extract_answer(response) -> str | None``, the
 canonical answer a response votes for (the normalised final answer), which ``rlhf eval`` uses for maj@k. Answers
