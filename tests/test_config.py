@@ -107,6 +107,16 @@ def test_semantic_dict_leaves_out_non_semantic_fields():
     assert {"model", "max_new_tokens", "temperature"} <= keys
 
 
+def test_how_a_training_run_gets_to_its_result_is_not_its_identity():
+    """A run resumes with checkpointing turned on after running out of memory, or with checkpoints or evaluations
+    added; they were part of its identity, so that --resume refused them and rlhf iterate --overwrite retrained."""
+    from rlhf_pipeline.training.loop import TrainOptions
+
+    keys = set(semantic_dict(TrainOptions(model="m", data="d", output="o")))
+    assert not keys & {"gradient_checkpointing", "save_every", "eval_every", "pack_ratio", "compile"}
+    assert {"model", "learning_rate", "batch_size", "seed"} <= keys
+
+
 @pytest.mark.parametrize("stage", sorted(STAGES))
 def test_every_stage_option_is_documented(stage):
     from rlhf_pipeline.cli import config_class

@@ -117,6 +117,29 @@ def test_changed_input_or_config_refuses_without_overwrite(tmp_path):
     assert load_from_disk(str(tmp_path / "out"))["x"] == [2]
 
 
+def test_a_run_whose_model_was_made_again_is_redone(tmp_path):
+    """A stage output that an option names (the policy generate samples from, say) is recorded by its output_id: a
+    policy retrained into the same directory makes what was sampled from it stale, though every option string is the
+    same. Model directories no stage wrote are not recorded; an older manifest without the record still matches."""
+    model = tmp_path / "policy"
+    model.mkdir()
+    (model / MANIFEST).write_text(json.dumps({"stage": "train", "output_id": "first"}))
+    config = Cfg(output=str(tmp_path / "out"), model=str(model))
+    out = StageOutput("unit", config, [])
+    assert out.used_outputs == {"model": "first"}
+    out.save(Dataset.from_dict({"x": [1]}), rows_in=1)
+    assert StageOutput("unit", config, []).done()
+    (model / MANIFEST).write_text(json.dumps({"stage": "train", "output_id": "second"}))
+    with pytest.raises(PipelineError, match="model was made again since"):
+        StageOutput("unit", config, []).done()
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    del manifest["used_outputs"]
+    (tmp_path / "out" / MANIFEST).write_text(json.dumps(manifest))
+    assert StageOutput("unit", config, []).done()
+    (model / MANIFEST).unlink()  # a model no stage wrote
+    assert StageOutput("unit", config, []).used_outputs == {}
+
+
 def test_directory_without_manifest_is_refused_and_never_deleted(tmp_path):
     """Files no stage wrote (no manifest, no run record) stay, --overwrite or not; an empty directory is used."""
     (tmp_path / "out").mkdir()

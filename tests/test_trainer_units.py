@@ -1,5 +1,6 @@
 """The shared loop's batching and schedule: pure functions, checked on small cases."""
 
+import json
 import math
 
 import pytest
@@ -265,3 +266,18 @@ def test_a_model_with_its_own_checkpointing_method_gets_it_called_as_it_was_writ
     enable_activation_checkpointing(model)
     assert calls == [{"use_reentrant": False}]
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
+
+
+def test_a_resumed_run_keeps_the_metrics_up_to_its_checkpoint_and_drops_a_line_cut_short(tmp_path):
+    """A kill or a full disk mid-write leaves metrics.jsonl with a partial last line: --resume keeps the whole
+    records up to its checkpoint's step (it failed on that line with a JSON traceback before)."""
+    from types import SimpleNamespace
+
+    from rlhf_pipeline.training.loop import Metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 0.7}\n{"step": 2, "loss": 0.6}\n{"step": 3, "loss": 0.5}\n{"step": 4, "lo')
+    Metrics(SimpleNamespace(is_main_process=True), tmp_path, resume_step=2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    Metrics(SimpleNamespace(is_main_process=True), tmp_path, resume_step=0)  # a fresh start keeps nothing
+    assert path.read_text() == ""

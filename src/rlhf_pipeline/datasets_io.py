@@ -247,6 +247,29 @@ def fingerprint(ref: DatasetRef) -> str:
     return f"hub:{ref.location}{'#' + ref.config if ref.config else ''}@{ref.revision or 'main'}"
 
 
+# The manifest's record of the other stages' outputs a run's options name (a policy, a reference, a baseline).
+USED_OUTPUTS = "used_outputs"
+
+
+def used_outputs(config: Any) -> dict[str, str]:
+    """``{option: output_id}`` of every finished stage output that an option of ``config`` names, besides
+    ``--output``: the policy a stage samples from or trains, a reference or critic model, an earlier evaluation as
+    the baseline. Written again (a policy retrained into its directory), an output gets a new id, so a run that
+    used it counts as changed and is redone: what it made came from the old one. Directories that no stage wrote
+    (a model from the Hub) are not in it."""
+    found: dict[str, str] = {}
+    for key, value in semantic_dict(config).items():
+        values = value if isinstance(value, list) else [value]
+        for k, v in enumerate(values):
+            if key == "output" or not isinstance(v, str) or not v:
+                continue
+            manifest = Path(v).expanduser() / MANIFEST
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                if manifest.is_file():
+                    found[key if len(values) == 1 else f"{key}[{k}]"] = json.loads(manifest.read_text())["output_id"]
+    return found
+
+
 def find_in_lineage(inputs: list[DatasetRef], key: str) -> Any:
     """A value (e.g. ``sampling``) recorded in the nearest upstream manifest that has it, or None."""
     for ref in inputs:
@@ -369,6 +392,7 @@ class StageOutput:
         self.path = Path(config.output).expanduser()
         self.started = time.time()
         self.input_records = [{"ref": str(r), "fingerprint": fingerprint(r)} for r in inputs]
+        self.used_outputs = used_outputs(config)
 
     def differences(self, manifest: dict[str, Any]) -> list[str]:
         """What differs between this run and the one recorded in ``manifest`` (empty when they match)."""
@@ -384,6 +408,9 @@ class StageOutput:
                 diffs.append(f"{key} {old.get(key)!r} -> {value!r}")
         if [i["fingerprint"] for i in manifest.get("inputs", [])] != [i["fingerprint"] for i in self.input_records]:
             diffs.append("the input data changed")
+        used = manifest.get(USED_OUTPUTS) or {}  # a record without them (an older run) is not held against it
+        diffs += [f"{key} was made again since" for key in sorted(set(used) & set(self.used_outputs))
+                  if used[key] != self.used_outputs[key]]
         return diffs
 
     def done(self, resume: bool | None = None, push: bool = True) -> bool:
@@ -471,7 +498,8 @@ class StageOutput:
     def record_start(self) -> None:
         """For outputs filled in place: note the config and inputs, so that ``--resume`` can check them."""
         self.path.mkdir(parents=True, exist_ok=True)
-        record = {"stage": self.stage, "config": to_dict(self.config), "inputs": self.input_records}
+        record = {"stage": self.stage, "config": to_dict(self.config), "inputs": self.input_records,
+                  USED_OUTPUTS: self.used_outputs}
         # atomically: a record truncated by a kill would make the output unreadable to --resume and --overwrite
         write_text_atomic(self.path / RUN_RECORD, json.dumps(record, indent=2, default=str) + "\n")
 
@@ -520,6 +548,7 @@ class StageOutput:
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "config": to_dict(self.config),
             "inputs": self.input_records,
+            USED_OUTPUTS: self.used_outputs,
             "rows_in": rows_in,
             "rows_out": rows_out,
             "dropped": dict(sorted((dropped or {}).items())),

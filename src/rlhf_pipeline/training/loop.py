@@ -112,7 +112,10 @@ class TrainOptions(OutputOptions, LoraOptions):
         "float rounding only. Not under DeepSpeed.",
         semantic=False,
     )
-    gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass to save memory.")
+    # How a run gets to its result, not the result: a run may resume with these changed (checkpointing turned on
+    # after running out of memory, checkpoints or evaluations added), as with pack_ratio and the attention kernel.
+    gradient_checkpointing: bool = option(False, help="Recompute activations in the backward pass to save memory.",
+                                          semantic=False)
     pack_ratio: float = option(
         2.0,
         help="Pack each micro-batch's sequences into rows of up to this many times its longest sequence, kept apart "
@@ -122,9 +125,11 @@ class TrainOptions(OutputOptions, LoraOptions):
         semantic=False,
     )
     attn_implementation: AttnImplementation = option(DEFAULT_ATTENTION, help=attn_help(), semantic=False)
-    eval_every: int = option(0, help="Evaluate on the test split every N steps (0 = at the end only).")
+    eval_every: int = option(0, help="Evaluate on the test split every N steps (0 = at the end only).",
+                             semantic=False)
     eval_batch_size: int = option(8, help="Examples per process per evaluation forward.", semantic=False)
-    save_every: int = option(0, help="Save a resumable checkpoint every N steps (0 = final model only).")
+    save_every: int = option(0, help="Save a resumable checkpoint every N steps (0 = final model only).",
+                             semantic=False)
     save_total_limit: int = option(
         2, help="Keep only the newest N checkpoints, 0 = keep all: an older one is deleted once a newer one is "
         "complete, so the one a run resumed from goes only after its successor is safely written. The default 2 keeps "
@@ -332,6 +337,14 @@ def disable_dropout(model: Any) -> None:
 # Metrics
 
 
+def _step(line: str) -> float:
+    """The step a metrics.jsonl line records; infinity for a line that is not a whole record."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 class Metrics:
     """Per-step metrics to OUTPUT/metrics.jsonl (main process) and to the configured tracker."""
 
@@ -339,11 +352,9 @@ class Metrics:
         self.accelerator = accelerator
         self.path = output / METRICS
         if accelerator.is_main_process and self.path.exists():
-            # A resumed run rewrites the steps after its checkpoint.
-            kept = [
-                l for l in self.path.read_text().splitlines()
-                if l and resume_step > 0 and json.loads(l)["step"] <= resume_step
-            ]
+            # A resumed run rewrites the steps after its checkpoint; a line a kill or a full disk cut short is not
+            # one of the steps to keep
+            kept = [l for l in self.path.read_text().splitlines() if resume_step > 0 and _step(l) <= resume_step]
             # atomically: a kill between truncating and writing would lose the steps before the checkpoint
             write_text_atomic(self.path, "".join(l + "\n" for l in kept))
 
