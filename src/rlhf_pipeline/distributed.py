@@ -16,11 +16,12 @@ none left.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from rlhf_pipeline.errors import FailedElsewhere, PipelineError, ProcessFailed, UserCodeError, one_line
 
@@ -55,6 +56,26 @@ def finish_distributed() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def outside_zero3_init(accelerator) -> Iterator[None]:
+    """Models loaded inside are whole on every process, not partitioned: for a frozen model beside a ZeRO-3 engine
+    (``--ref-model``). Under a DeepSpeed stage-3 plugin accelerate registers its config with transformers whatever
+    ``zero3_init_flag`` says, and ``from_pretrained`` then builds every model inside ``deepspeed.zero.Init``: each
+    process would hold a 0-element share of each weight, which only an engine gathers (a forward outside one fails
+    on the first weight). Elsewhere it changes nothing."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()  # as accelerate set it
 
 
 def on_main_process(accelerator, fn: Callable[[], Any]) -> None:

@@ -76,14 +76,17 @@ def check_reference(config, algorithm: Any, sampling: dict | None, record: dict 
 
 def load_reference(config, accelerator):
     """``--ref-model`` for inference beside the policy (same dtype, on this process's device), or None when it is
-    the policy as loaded (unset, or ``--model`` itself)."""
+    the policy as loaded (unset, or ``--model`` itself). Whole on every process under ZeRO-3 too (a full copy on
+    each GPU: 16 GB at 8B in bf16), where only the trained model is partitioned."""
+    from rlhf_pipeline.distributed import outside_zero3_init
     from rlhf_pipeline.modeling import load_causal_lm
 
     if not config.ref_model or same_model(config.ref_model, config.model):
         return None
-    return load_causal_lm(config.ref_model, dtype="float32" if not config.bf16 else "bfloat16",
-                          trust_remote_code=config.trust_remote_code, device=accelerator.device,
-                          attn_implementation=config.attn_implementation)
+    with outside_zero3_init(accelerator):
+        return load_causal_lm(config.ref_model, dtype="float32" if not config.bf16 else "bfloat16",
+                              trust_remote_code=config.trust_remote_code, device=accelerator.device,
+                              attn_implementation=config.attn_implementation)
 
 
 def add_ref_columns(dd, values: dict[str, tuple[list, list]], columns: Sequence[str]):
