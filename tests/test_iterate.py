@@ -27,6 +27,20 @@ def test_option_args_spell_flags_as_the_stages_parse_them():
         "--max-new-tokens", "64", "--bf16", "--no-drop-truncated", "--inputs", "a", "b", "--eta", "1000000.0"]
 
 
+def test_a_chunk_of_prompts_past_the_last_row_goes_on_from_the_first(tmp_path):
+    """prompts_per_iteration's chunks wrap (generate --wrap): the one that runs past the last prompt was cut short,
+    and the rows it left out were then used once less than the others."""
+    from conftest import write_jsonl
+    from rlhf_pipeline.datasets_io import parse_ref
+    from rlhf_pipeline.stages.generate import select_prompts
+
+    ref = parse_ref(write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Prompt {i}."} for i in range(5)]))
+    assert list(select_prompts(ref, 3, 4)[2]) == [3, 4]
+    ds, _, rows, total = select_prompts(ref, 3, 4, wrap=True)
+    assert rows == [3, 4, 0, 1] and total == 5 and ds["prompt"] == ["Prompt 3.", "Prompt 4.", "Prompt 0.", "Prompt 1."]
+    assert select_prompts(ref, 3, 10, wrap=True)[2] == [3, 4, 0, 1, 2]  # every row once at most
+
+
 def test_plan_chains_policies_prompts_and_seeds(tmp_path):
     steps = plan(config(tmp_path, prompts_per_iteration=300, eval_prompts="e.jsonl", generate={"seed": 5, "n": 2},
                         launchers={"train": "accelerate launch --config_file z.yaml"}), num_prompts=640)
@@ -47,6 +61,7 @@ def test_plan_chains_policies_prompts_and_seeds(tmp_path):
     assert arg("iter_3/filter", "--tokenizer") == str(run / "iter_2" / "train")
     # consecutive chunks of 300 prompts, wrapping around 640; seeds differ per iteration
     assert [arg(f"iter_{t}/generate", "--offset") for t in (1, 2, 3)] == ["0", "300", "600"]
+    assert all("--wrap" in by_name[f"iter_{t}/generate"].args for t in (1, 2, 3))  # 600..639, then 0..259
     assert [arg(f"iter_{t}/generate", "--seed") for t in (1, 2, 3)] == ["5", "6", "7"]
     # evaluation against the starting policy's samples; iteration 0 against itself
     assert arg("iter_0/eval", "--baseline") == "base"

@@ -57,6 +57,10 @@ class GenerateConfig(ChatTemplateOptions, ControlTokenOptions, SamplingOptions, 
         0, help="Skip the first OFFSET prompts; --limit counts from there (rlhf iterate gives each iteration its "
         "own rows)."
     )
+    wrap: bool = option(
+        False, help="Where --offset + --limit runs past the last prompt, go on from the first (rlhf iterate's "
+        "prompts_per_iteration chunks), up to every prompt once."
+    )
     logprobs: bool = option(
         True, help="Keep each sampled token's log-prob as the sampler drew it (after temperature, top-k and top-p) "
         "in response_logprobs, for the PPO family's rollout correction (--rollout-correction)."
@@ -68,6 +72,8 @@ class GenerateConfig(ChatTemplateOptions, ControlTokenOptions, SamplingOptions, 
             raise ValueError("--offset must be >= 0")
         if self.shard is not None:
             parse_shard(self.shard)
+            if self.wrap:
+                raise ValueError("--wrap takes its rows from the whole prompt set: not with --shard")
 
 
 def make_prompt_id(value: str | list) -> str:
@@ -127,9 +133,10 @@ def _check_unique_ids(ds, source: str, column: str) -> None:
                                 "by it)")
 
 
-def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | None = None):
-    """The prompts a run samples for, checked: ``(dataset of the selected rows, prompt column, rows, rows_total)``.
-    ``rlhf eval`` calls it too, to check its prompts before it makes its output directory."""
+def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | None = None, wrap: bool = False):
+    """The prompts a run samples for, checked: ``(dataset of the selected rows, prompt column, rows, rows_total)``;
+    ``rows`` a range, or with ``wrap`` a list that goes on from the first row. ``rlhf eval`` calls it too, to check
+    its prompts before it makes its output directory."""
     from rlhf_pipeline.chat import validate_prompts
     from rlhf_pipeline.datasets_io import load_dataset_ref
 
@@ -144,6 +151,8 @@ def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | 
         raise PipelineError(f"{ref.name}: --offset {offset} skips all of its {rows_total} prompts")
     end = rows_total if limit is None else min(offset + limit, rows_total)
     rows = range(offset, end)
+    if wrap and limit is not None and offset + limit > rows_total:  # on from the first row, each row once at most
+        rows = [*rows, *range(min(offset + limit - rows_total, offset))]
     if shard is not None:
         i, n = parse_shard(shard)
         part = shard_indices(len(rows), i, n)
@@ -151,7 +160,7 @@ def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | 
     if len(rows) != rows_total:
         ds = ds.select(rows)
     if ds.num_rows == 0:
-        raise PipelineError(f"{ref.name}: no prompts to generate for (rows {rows.start}..{rows.stop})")
+        raise PipelineError(f"{ref.name}: no prompts to generate for (rows {offset}..{end})")
     return ds, column, rows, rows_total
 
 
@@ -250,12 +259,12 @@ def main(config: GenerateConfig) -> Path:
     out = StageOutput("generate", config, inputs=[ref])
     if out.done():
         return out.path
-    ds, column, rows, rows_total = select_prompts(ref, config.offset, config.limit, config.shard)
+    ds, column, rows, rows_total = select_prompts(ref, config.offset, config.limit, config.shard, config.wrap)
 
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     template = use_chat_template(tokenizer, config.chat_template, config.model)
     if template.text is None and column == "messages":
-        raise raw_conversation_error(ref.name, rows.start)
+        raise raw_conversation_error(ref.name, rows[0])
     sampling = SamplingSettings(
         n=config.n,
         temperature=config.temperature,

@@ -17,7 +17,8 @@ pairs (or, for the PPO family, groups; for KTO, unpaired responses) with policy 
 from policy t-1 (the PPO family with its KL to ``model`` by default, PPO with the critic of iteration t-1) and, when
 ``eval_prompts`` is set, evaluates policy t against the starting policy (``rlhf eval --baseline RUN/iter_0/eval``).
 Prompts: every iteration uses all of ``prompts``, or with ``prompts_per_iteration: k`` iteration t takes the k rows
-starting at row ``(t-1)*k`` (modulo the number of rows; a chunk stops at the last row). Generation seed of iteration
+starting at row ``(t-1)*k`` (modulo the number of rows; a chunk that runs past the last row goes on from the first,
+``rlhf generate --wrap``, each row once at most). Generation seed of iteration
 t: ``generate.seed + t - 1``, so iterations do not repeat each other's samples.
 
 Each stage runs as its own process, ``LAUNCHER -m rlhf_pipeline.stages.<stage> ARGS``, where the launcher is a
@@ -79,7 +80,7 @@ INPUT_FIELD = {"generate": "prompts", "score": "input", "filter": "input", "trai
                "sft": "data", "train-rm": "data", "ref-logps": "input"}
 # Options that iterate sets itself; a stage section may not set them.
 RESERVED = {
-    "generate": {"model", "prompts", "output", "offset", "limit"},
+    "generate": {"model", "prompts", "output", "offset", "limit", "wrap"},
     "score": {"input", "output", "reward_model", "reward_fn"},
     "filter": {"input", "output", "tokenizer"},
     "train": {"model", "data", "output", "algo", "resume"},
@@ -411,7 +412,7 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
         gen_opts = dict(sections["generate"], seed=base_seed + t - 1)
         if config.prompts_per_iteration is not None:
             k = config.prompts_per_iteration
-            gen_opts.update(offset=((t - 1) * k) % num_prompts, limit=k)
+            gen_opts.update(offset=((t - 1) * k) % num_prompts, limit=k, wrap=True)
         reward = {"reward_model": config.reward_model, "reward_fn": config.reward_fn}
         train_opts = dict(sections["train"])
         if algorithm.uses_critic:
