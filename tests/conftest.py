@@ -216,6 +216,23 @@ def shared_vllm_engines():
         engine.close()
 
 
+def launch_cpu_zero3(stage_args: list, timeout: int = 300):
+    """``rlhf STAGE ARGS...`` (``stage_args``) under ``accelerate launch`` on 2 CPU processes with ZeRO-3
+    (``accelerate_cfgs/cpu_zero3.yaml``, gloo), asserted to succeed; returns the finished process."""
+    import subprocess
+    import sys
+
+    stage, *args = stage_args
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+           str(Path(__file__).resolve().parents[1] / "accelerate_cfgs" / "cpu_zero3.yaml"),
+           "--main_process_port", str(free_port()), "-m", f"rlhf_pipeline.stages.{stage.replace('-', '_')}",
+           *map(str, args)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert res.returncode == 0, launch_failure(res)
+    return res
+
+
 def launch_failure(res) -> str:
     """What a failed ``accelerate launch`` said: the end of its output (where a run got to) and of its errors, with
     the stderr lines that are only deprecation noise left out."""

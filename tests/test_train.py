@@ -3,8 +3,6 @@
 import importlib.util
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,8 +14,7 @@ from safetensors.torch import load_file
 from rlhf_pipeline.training import loop as trainer
 from conftest import (
     crash_after_checkpoint,
-    free_port,
-    launch_failure,
+    launch_cpu_zero3,
     logged,
     make_pairs,
     max_weight_diff,
@@ -27,8 +24,6 @@ from conftest import (
 )
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -350,13 +345,7 @@ def test_two_process_zero3_equals_one_process(pairs, tiny_policy, tmp_path):
     common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 4, "--learning-rate", 1e-3]
     assert run(*train_args(pairs, tiny_policy, tmp_path / "single", *common, "--batch-size", 2,
                            "--gradient-accumulation-steps", 2)) == 0
-    accelerate = Path(sys.executable).parent / "accelerate"
-    cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
-           "--main_process_port", str(free_port()), "-m", "rlhf_pipeline.stages.train",
-           *map(str, train_args(pairs, tiny_policy, tmp_path / "zero3", *common, "--batch-size", 2)[1:])]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, launch_failure(res)
+    res = launch_cpu_zero3(train_args(pairs, tiny_policy, tmp_path / "zero3", *common, "--batch-size", 2))
     assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
     assert logged(tmp_path / "zero3", "loss/eval") == pytest.approx(logged(tmp_path / "single", "loss/eval"), abs=1e-5)
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
@@ -377,13 +366,7 @@ def test_two_process_zero3_with_a_separate_reference_equals_one_process(pairs, t
               reference, "--batch-size", 2]
     assert run(*train_args(pairs, tiny_policy, tmp_path / "single", *common, "--gradient-accumulation-steps", 2,
                            data="pairs")) == 0
-    accelerate = Path(sys.executable).parent / "accelerate"
-    cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
-           "--main_process_port", str(free_port()), "-m", "rlhf_pipeline.stages.train",
-           *map(str, train_args(pairs, tiny_policy, tmp_path / "zero3", *common, data="pairs")[1:])]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, launch_failure(res)
+    launch_cpu_zero3(train_args(pairs, tiny_policy, tmp_path / "zero3", *common, data="pairs"))
     losses = logged(tmp_path / "zero3")
     assert losses == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
     assert abs(losses[0] - math.log(2)) > 1e-3  # the reference is not the policy: the first loss is not log 2
@@ -401,14 +384,8 @@ def test_two_process_zero3_with_a_token_budget_equals_one_process_by_count(pairs
     assert len(micro_batch_sizes(steps[:3]) - {2}) >= 1  # micro-batches of other sizes than by count
     common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 3, "--learning-rate", 1e-3, "--batch-size", 2]
     assert run(*train_args(pairs, tiny_policy, tmp_path / "single", *common, "--gradient-accumulation-steps", 4)) == 0
-    accelerate = Path(sys.executable).parent / "accelerate"
-    cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
-           "--main_process_port", str(free_port()), "-m", "rlhf_pipeline.stages.train",
-           *map(str, train_args(pairs, tiny_policy, tmp_path / "zero3", *common, "--gradient-accumulation-steps", 2,
-                                "--max-tokens-per-micro-batch", 250)[1:])]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, launch_failure(res)
+    launch_cpu_zero3(train_args(pairs, tiny_policy, tmp_path / "zero3", *common, "--gradient-accumulation-steps", 2,
+                                "--max-tokens-per-micro-batch", 250))
     assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
     assert logged(tmp_path / "zero3", "reward/train_margin") == pytest.approx(
         logged(tmp_path / "single", "reward/train_margin"), abs=1e-5)

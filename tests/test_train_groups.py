@@ -8,9 +8,7 @@ resume and a 2-process ZeRO-3 run against an uninterrupted 1-process run.
 
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,8 +23,7 @@ from rlhf_pipeline.training import loop as trainer
 from conftest import (
     LENGTH_REWARD,
     crash_after_checkpoint,
-    free_port,
-    launch_failure,
+    launch_cpu_zero3,
     logged,
     max_weight_diff,
     micro_batch_sizes,
@@ -35,8 +32,6 @@ from conftest import (
 )
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 GROUP_ALGOS = algorithms.names(algorithms.GROUPS)  # every group algorithm the registry holds
@@ -862,13 +857,7 @@ def test_two_process_zero3_equals_one_process(algo, data, tiny_policy, tiny_rm, 
     common = ["--max-steps", 3, "--learning-rate", 1e-3, "--batch-size", 4]
     assert run(*train_args(data, tiny_policy, tmp_path / "single", algo, *common, "--gradient-accumulation-steps", 2,
                            critic=critic)) == 0
-    accelerate = Path(sys.executable).parent / "accelerate"
-    cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
-           "--main_process_port", str(free_port()), "-m", "rlhf_pipeline.stages.train",
-           *map(str, train_args(data, tiny_policy, tmp_path / "zero3", algo, *common, critic=critic)[1:])]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, launch_failure(res)
+    launch_cpu_zero3(train_args(data, tiny_policy, tmp_path / "zero3", algo, *common, critic=critic))
     for key in ("loss/train", "loss/eval", "loss/train_policy_loss"):
         assert len(logged(tmp_path / "zero3", key)) == len(logged(tmp_path / "single", key)) > 0
         # float32 sums in another order: 1e-5 absolute, or relative for SPPO's losses (eta 100: of order 40)
