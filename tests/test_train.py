@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -370,6 +371,41 @@ def test_two_process_zero3_with_a_separate_reference_equals_one_process(pairs, t
     losses = logged(tmp_path / "zero3")
     assert losses == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
     assert abs(losses[0] - math.log(2)) > 1e-3  # the reference is not the policy: the first loss is not log 2
+
+
+def test_two_process_zero3_with_every_weight_partitioned_calls_the_head_alike_on_both(pairs, tiny_policy, tmp_path):
+    """ZeRO-3 gathers a partitioned LM head from every process at each call, a collective. The head runs once per
+    chunk of response rows, so a process with fewer rows made fewer calls and the step hung: at 8B (vocabulary
+    128,256: 261 rows a chunk) any two ranks' micro-batches. Here every weight is partitioned (persistence threshold
+    0; the tiny kit's weights are otherwise below DeepSpeed's default and never gathered) and a chunk is 4 rows:
+    gloo failed with "Is there a distributed collective mismatch" before every process made as many calls."""
+    import subprocess
+    import sys
+
+    from conftest import free_port, launch_failure
+
+    ds_config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                       "stage3_gather_16bit_weights_on_model_save": True},
+                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                 "gradient_clipping": "auto", "train_batch_size": "auto"}
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
+    (tmp_path / "accelerate.yaml").write_text(
+        f"compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+        f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\nnum_machines: 1\n"
+        "num_processes: 2\nmachine_rank: 0\nrdzv_backend: static\nsame_network: true\n")
+    (tmp_path / "train.py").write_text("import sys\nimport rlhf_pipeline.logprobs as logprobs\n"
+                                       "logprobs.LOGITS_CHUNK_ELEMENTS = 4 * 1024  # 4 rows a chunk\n"
+                                       "from rlhf_pipeline.stages.train import cli\nsys.exit(cli())\n")
+    common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 3, "--learning-rate", 1e-3, "--batch-size", 1]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "single", *common, "--gradient-accumulation-steps", 2,
+                           data="pairs")) == 0
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(tmp_path / "accelerate.yaml"),
+           "--main_process_port", str(free_port()), str(tmp_path / "train.py"),
+           *map(str, train_args(pairs, tiny_policy, tmp_path / "zero3", *common, data="pairs")[1:])]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, launch_failure(res)
+    assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
 
 
 def test_two_process_zero3_with_a_token_budget_equals_one_process_by_count(pairs, tiny_policy, tmp_path):

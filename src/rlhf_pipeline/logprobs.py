@@ -348,6 +348,24 @@ def _recomputable(head):
     return lambda hidden: torch.nn.functional.linear(hidden, *held)
 
 
+def _head_calls(head, chunks: int, device) -> int:
+    """How many times this process calls the LM head: once a chunk, or under ZeRO-3 the most chunks of any process.
+    There each call of a partitioned head gathers its weight from every process, a collective, in its forward and
+    again in the recomputation of its backward: a process with fewer response tokens would take part in fewer
+    gathers than the others and the step would hang (or read another collective's data). It calls the head on no
+    rows for the difference (its hooks gather as any call's do; the rows' log-probs are unchanged). A head that
+    :func:`_recomputable` holds gathered, or any head outside ZeRO-3, makes no collective: its chunks alone."""
+    if not hasattr(getattr(head, "weight", None), "ds_id"):
+        return chunks
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return chunks
+    most = torch.tensor([chunks], dtype=torch.long, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
 def _chunk_logps(head, hidden: Tensor, targets: Tensor, softcap: float | None, temperature: float) -> Tensor:
     """Log-probs of ``targets`` (n,) under ``softmax(softcap(head(hidden)) / temperature)``, hidden (n, H)."""
     logits = _chunk_logits(head, hidden, softcap, temperature)
@@ -511,7 +529,8 @@ def _token_pass(model, batch: Batch, temperature: float, chunk_size: int | None,
         head = _recomputable(head)
     chunk = _chunk_logps_entropy if entropy else _chunk_logps
     pieces = []
-    for start in range(0, rows.shape[0], chunk_size):
+    for k in range(_head_calls(head, -(-rows.shape[0] // chunk_size), rows.device)):
+        start = k * chunk_size  # past the last row: a call on no rows (see _head_calls)
         args = (head, rows[start : start + chunk_size], targets[start : start + chunk_size], softcap, temperature)
         if checkpoint:
             piece = torch.utils.checkpoint.checkpoint(chunk, *args, use_reentrant=False)
