@@ -434,6 +434,8 @@ class StageOutput:
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
             started = self.path / RUN_RECORD
+            for cut in [*self.path.glob(f".{RUN_RECORD}.tmp-*"), *self.path.glob(f".{MANIFEST}.tmp-*")]:
+                cut.unlink(missing_ok=True)  # a record a kill cut short while write_text_atomic wrote it
             if not started.exists():
                 if not any(self.path.iterdir()):
                     return False  # an empty directory (a mount point, say): written into, not deleted
