@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from rlhf_pipeline.training.checkpoints import list_checkpoints, remove_checkpoints
-from rlhf_pipeline.distributed import cpu_deepspeed_backend, finish_distributed, on_main_process
+from rlhf_pipeline.distributed import COLLECTIVE_TIMEOUT, cpu_deepspeed_backend, finish_distributed, on_main_process
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
 from rlhf_pipeline.modeling import same_model
@@ -112,8 +112,12 @@ class TrainingRun:
 
 
 def make_accelerator(config: TrainOptions):
-    """The Accelerator of a training run, with DeepSpeed's batch sizes and clipping set from ``config``."""
+    """The Accelerator of a training run, with DeepSpeed's batch sizes and clipping set from ``config``. Its
+    collectives wait as long as the inference stages' (``COLLECTIVE_TIMEOUT``), not DeepSpeed's 10 minutes: the other
+    processes wait in one while the main process uploads the finished model to the Hub (16 GB at 8B), and would
+    otherwise abort the run mid-upload, over and over on each rerun."""
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     cpu_deepspeed_backend()
     accelerator = Accelerator(
@@ -121,6 +125,7 @@ def make_accelerator(config: TrainOptions):
         mixed_precision="bf16" if config.bf16 else "no",
         log_with=None if config.report_to == "none" else config.report_to,
         project_dir=str(Path(config.output).expanduser()),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)],
     )
     if accelerator.num_processes > 1 and accelerator.state.deepspeed_plugin is None:
         # logprobs.token_logps calls the decoder and LM head directly, which DDP's gradient sync would miss.
