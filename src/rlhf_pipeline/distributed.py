@@ -165,8 +165,17 @@ def sharded_inference(accelerator, model, lengths: Sequence[int], batch_size: in
         model.train(was_training)
         return results
 
-    # a process that fails tells the others at the gather, so they fail with it instead of waiting there
-    results = [pair for part in gather_guarded(accelerator, mine) for pair in part]
+    if accelerator.num_processes > 1 and any(hasattr(p, "ds_id") for p in list(model.parameters())[:1]):
+        # ZeRO-3: every forward gathers weights from all processes, so a process that failed midway and went to
+        # the guarded gather would meet the others inside a forward (a hang, or another collective's data): it
+        # raises at once instead, and the launcher stops the others
+        from accelerate.utils import gather_object
+
+        parts = gather_object([mine()])
+    else:
+        # a process that fails tells the others at the gather, so they fail with it instead of waiting there
+        parts = gather_guarded(accelerator, mine)
+    results = [pair for part in parts for pair in part]
     out: list[Any] = [None] * len(lengths)
     for i, value in results:
         out[i] = value
