@@ -61,7 +61,7 @@ def test_plan_chains_policies_prompts_and_seeds(tmp_path):
     assert arg("iter_3/filter", "--tokenizer") == str(run / "iter_2" / "train")
     # consecutive chunks of 300 prompts, wrapping around 640; seeds differ per iteration
     assert [arg(f"iter_{t}/generate", "--offset") for t in (1, 2, 3)] == ["0", "300", "600"]
-    assert all("--wrap" in by_name[f"iter_{t}/generate"].args for t in (1, 2, 3))  # 600..639, then 0..259
+    assert ["--wrap" in by_name[f"iter_{t}/generate"].args for t in (1, 2, 3)] == [False, False, True]  # 600..259
     assert [arg(f"iter_{t}/generate", "--seed") for t in (1, 2, 3)] == ["5", "6", "7"]
     # evaluation against the starting policy's samples; iteration 0 against itself
     assert arg("iter_0/eval", "--baseline") == "base"

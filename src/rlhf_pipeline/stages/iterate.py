@@ -412,7 +412,10 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
         gen_opts = dict(sections["generate"], seed=base_seed + t - 1)
         if config.prompts_per_iteration is not None:
             k = config.prompts_per_iteration
-            gen_opts.update(offset=((t - 1) * k) % num_prompts, limit=k, wrap=True)
+            offset = ((t - 1) * k) % num_prompts
+            gen_opts.update(offset=offset, limit=k)
+            if offset + k > num_prompts:  # only a chunk that runs past the last row: the others' configs as before
+                gen_opts["wrap"] = True
         reward = {"reward_model": config.reward_model, "reward_fn": config.reward_fn}
         train_opts = dict(sections["train"])
         if algorithm.uses_critic:
