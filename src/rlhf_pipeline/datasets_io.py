@@ -394,8 +394,10 @@ class StageOutput:
         self.input_records = [{"ref": str(r), "fingerprint": fingerprint(r)} for r in inputs]
         self.used_outputs = used_outputs(config)
 
-    def differences(self, manifest: dict[str, Any]) -> list[str]:
-        """What differs between this run and the one recorded in ``manifest`` (empty when they match)."""
+    def differences(self, manifest: dict[str, Any], used: bool = True) -> list[str]:
+        """What differs between this run and the one recorded in ``manifest`` (empty when they match); ``used``: the
+        outputs of other stages it names too (:func:`used_outputs`; not for an unfinished run a stage continues,
+        whose parts check what they use themselves, as rlhf eval's do)."""
         diffs = []
         if manifest.get("stage") != self.stage:
             diffs.append(f"stage {manifest.get('stage')!r} -> {self.stage!r}")
@@ -408,9 +410,9 @@ class StageOutput:
                 diffs.append(f"{key} {old.get(key)!r} -> {value!r}")
         if [i["fingerprint"] for i in manifest.get("inputs", [])] != [i["fingerprint"] for i in self.input_records]:
             diffs.append("the input data changed")
-        used = manifest.get(USED_OUTPUTS) or {}  # a record without them (an older run) is not held against it
-        diffs += [f"{key} was made again since" for key in sorted(set(used) & set(self.used_outputs))
-                  if used[key] != self.used_outputs[key]]
+        recorded = (manifest.get(USED_OUTPUTS) or {}) if used else {}  # none (an older run's): not held against it
+        diffs += [f"{key} was made again since" for key in sorted(set(recorded) & set(self.used_outputs))
+                  if recorded[key] != self.used_outputs[key]]
         return diffs
 
     def done(self, resume: bool | None = None, push: bool = True) -> bool:
@@ -447,7 +449,7 @@ class StageOutput:
                     "remove it yourself"
                 )
             if resume:
-                diffs = self.differences(json.loads(started.read_text()))
+                diffs = self.differences(json.loads(started.read_text()), used=False)
                 if not diffs:
                     return False
                 if not self.config.overwrite:
