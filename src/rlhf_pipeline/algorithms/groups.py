@@ -222,9 +222,9 @@ def check_groups(ds, source: str) -> None:
 
 
 def check_group_rows(ds, source: str, source_columns: Sequence[str] = ()) -> None:
-    """What :func:`flatten_groups` checks row by row, before a run starts, without decoding a token list (Arrow's
-    list lengths; the rewards are read as they are): one reward per response in ``rewards`` and each source's
-    column, each finite, and one sampler log-prob per response token."""
+    """Each group row's rewards and lengths, before a run starts and before :func:`flatten_groups`, without decoding
+    a token list (Arrow's list lengths; the rewards are read as they are): one reward per response in ``rewards``
+    and each source's column, each finite, and one sampler log-prob per response token."""
     import pyarrow.compute as pc
 
     table = ds.with_format("arrow")
@@ -251,8 +251,8 @@ def check_group_rows(ds, source: str, source_columns: Sequence[str] = ()) -> Non
 def flatten_groups(ds, source: str, source_columns: Sequence[str] = ()) -> dict[str, list]:
     """One sample per response: ``group`` (row of ``ds``), ``prompt_token_ids``, ``response_token_ids``, ``reward``;
     with ``source_columns`` (each reward source's ``rewards_<key>``), ``source_rewards``: the sample's reward from
-    each, in that order."""
-
+    each, in that order. The rows are checked first (:func:`check_group_rows`)."""
+    check_group_rows(ds, source, source_columns)
     out: dict[str, list] = {"group": [], "prompt_token_ids": [], "response_token_ids": [], "reward": []}
     sampler = ds[SAMPLER_LOGPROBS] if SAMPLER_LOGPROBS in ds.column_names else None
     if sampler is not None:
@@ -263,24 +263,12 @@ def flatten_groups(ds, source: str, source_columns: Sequence[str] = ()) -> dict[
     for g, (prompt, responses, rewards) in enumerate(zip(ds["prompt_token_ids"], ds["response_token_ids"],
                                                          ds["rewards"])):
         if source_columns:
-            for column, values in zip(source_columns, per_source):
-                if len(values[g]) != len(responses):
-                    raise PipelineError(f"{source}: row {g} has {len(responses)} responses but {len(values[g])} "
-                                        f"rewards in {column}")
             out["source_rewards"].extend(map(list, zip(*(values[g] for values in per_source))))
-        if len(responses) != len(rewards):
-            raise PipelineError(f"{source}: row {g} has {len(responses)} responses but {len(rewards)} rewards")
         for j, (response, reward) in enumerate(zip(responses, rewards)):
-            if reward is None or not math.isfinite(reward):
-                raise PipelineError(f"{source}: row {g} has a reward of {reward}; rescore it (rlhf score)")
             out["group"].append(g)
             out["prompt_token_ids"].append(list(prompt))
             if sampler is not None:
-                logps = sampler[g][j]
-                if len(logps) != len(response):
-                    raise PipelineError(f"{source}: row {g} has a response of {len(response)} tokens but "
-                                        f"{len(logps)} sampler log-probs in {SAMPLER_LOGPROBS}")
-                out["sampler_logps"].append([float("nan") if x is None else float(x) for x in logps])
+                out["sampler_logps"].append([float("nan") if x is None else float(x) for x in sampler[g][j]])
             out["response_token_ids"].append(list(response))
             out["reward"].append(float(reward))
     return out
