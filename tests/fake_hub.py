@@ -63,9 +63,18 @@ def install(setattr_, root: str | Path) -> None:
             data = path_or_fileobj if isinstance(path_or_fileobj, bytes) else Path(path_or_fileobj).read_bytes()
             target.write_bytes(data)
 
-        def upload_folder(self, folder_path, repo_id, repo_type=None, revision=None, ignore_patterns=(), **kw):
+        def list_repo_files(self, repo_id, repo_type=None, revision=None, **kw):
+            files = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main")
+            return sorted(str(f.relative_to(files)) for f in files.rglob("*") if f.is_file())
+
+        def upload_folder(self, folder_path, repo_id, repo_type=None, revision=None, ignore_patterns=(),
+                          delete_patterns=None, **kw):
             check(revision)
             target = repo(repo_type or "model", repo_id) / "rev" / (revision or "main")
+            patterns = [delete_patterns] if isinstance(delete_patterns, str) else delete_patterns or ()
+            for name in self.list_repo_files(repo_id, repo_type, revision):  # as huggingface_hub: fnmatchcase
+                if name != ".gitattributes" and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                    (target / name).unlink()
             for file in Path(folder_path).rglob("*"):
                 name = str(file.relative_to(folder_path))
                 if file.is_file() and not any(fnmatch.fnmatch(name, p) for p in ignore_patterns or ()):

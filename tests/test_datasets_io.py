@@ -275,6 +275,35 @@ def test_outputs_pushed_to_configurations_of_one_private_repo_load_back_with_the
     assert hub_manifest(HubTarget("org/run", "iter2-score"), model=False) is None  # nothing pushed there
 
 
+@pytest.mark.parametrize("branch", [None, "iter1-train"])
+def test_a_model_pushed_again_replaces_the_files_of_the_one_before(tmp_path, monkeypatch, branch):
+    """A second push to the same place (a rerun, --overwrite) leaves none of the first model's files: a stale single
+    model.safetensors beside new shards is what transformers would load. The user's model card stays, and the
+    manifest is the new one."""
+    from rlhf_pipeline.training.stage import push_model_to_hub
+
+    hub = tmp_path / "hub"
+    fake_hub.install(monkeypatch.setattr, hub)
+    first = tmp_path / "first"
+    first.mkdir()
+    for name in ("model.safetensors", "config.json", "adapter_config.json", "odd[1].json"):
+        (first / name).write_text("old")
+    push_model_to_hub(first, HubTarget("org/m", branch), b'{"output_id": "a"}')
+    files = hub / "model" / "org/m" / "rev" / (branch or "main")
+    (files / "README.md").write_text("the user's card")
+    second = tmp_path / "second"
+    (second / "checkpoints").mkdir(parents=True)
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                 "model.safetensors.index.json", "config.json", "checkpoints/step-4.bin"):
+        (second / name).write_text("new")
+    push_model_to_hub(second, HubTarget("org/m", branch), b'{"output_id": "b"}')
+    assert sorted(str(f.relative_to(files)) for f in files.rglob("*") if f.is_file()) == sorted([
+        MANIFEST, "README.md", "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json"])
+    assert (files / "config.json").read_text() == "new" and (files / "README.md").read_text() == "the user's card"
+    assert json.loads((files / MANIFEST).read_text()) == {"output_id": "b"}
+
+
 @pytest.mark.parametrize("options,message", [
     ({"hub_config": "iter1-score"}, "--hub-config iter1-score without --push-to-hub"),
     ({"private": True}, "--private without --push-to-hub"),

@@ -199,11 +199,22 @@ def training_record(name: str, result: TrainResult, dd, sampling: dict | None, t
     )
 
 
+# Files of a model repo's branch that a push leaves as they are (huggingface_hub keeps .gitattributes itself).
+KEPT_ON_HUB = ("README.md", ".gitattributes")
+
+
 def push_model_to_hub(output: Path, hub: HubTarget, manifest: bytes) -> None:
     """Upload the final model and its manifest (not the checkpoints, logs, cached reference log-probs or PPO rollout)
     to a model repo: its main branch, or the branch ``hub.config`` (``--hub-config``; rlhf iterate gives each
     iteration's policy its own, ``iter<t>-train``). The token comes from the environment (HF_TOKEN), read by
-    huggingface_hub."""
+    huggingface_hub.
+
+    A push replaces the branch's files (its ``README.md`` and ``.gitattributes`` aside) in the same commit: a model
+    pushed there before leaves nothing behind, such as a single ``model.safetensors`` beside new shards (which
+    transformers would load instead of them) or an ``adapter_config.json`` beside a full model. Its manifest goes
+    too, and comes back last, with the new one."""
+    import glob
+
     from huggingface_hub import HfApi
 
     api = HfApi()
@@ -212,11 +223,14 @@ def push_model_to_hub(output: Path, hub: HubTarget, manifest: bytes) -> None:
     if hub.config:
         api.create_branch(hub.repo_id, branch=hub.config, repo_type="model", exist_ok=True)
         revision = {"revision": hub.config}
+    present = api.list_repo_files(hub.repo_id, repo_type="model", **revision)
     api.upload_folder(
         folder_path=str(output),
         repo_id=hub.repo_id,
         repo_type="model",
         ignore_patterns=[f"{CHECKPOINTS}/*", "runs/*", f"{REF_LOGPS_CACHE}/*", f"{ROLLOUT_CACHE}/*", MANIFEST],
+        # exact names (escaped: a pattern here is fnmatch's), so a model card the user wrote stays
+        delete_patterns=[glob.escape(name) for name in present if name not in KEPT_ON_HUB] or None,
         **revision,
     )
     api.upload_file(path_or_fileobj=manifest, path_in_repo=MANIFEST, repo_id=hub.repo_id, repo_type="model",
