@@ -8,6 +8,7 @@ import torch
 
 from conftest import logged, micro_batch_sizes, spy_token_budget_plans
 from rlhf_pipeline.distributed import sharded_batches
+from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.training.loop import (
     TrainOptions,
     global_batches,
@@ -154,6 +155,33 @@ def train_toy(output, rows: list[dict], **options) -> tuple[ToyModel, TrainOptio
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     return model, config
+
+
+@pytest.mark.parametrize("launcher", ["bf16", "fp16"])
+def test_a_launcher_asking_for_mixed_precision_needs_bf16_on_the_run(tmp_path, monkeypatch, launcher):
+    """accelerate launch --config_file accelerate_cfgs/zero3.yaml sets ACCELERATE_MIXED_PRECISION=bf16; a run
+    without --bf16 passed mixed_precision='no', which wins, and trained in float32 without a word."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from rlhf_pipeline.training.stage import make_accelerator
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launcher)
+    plain = TrainOptions(model="unused", data="unused", output=str(tmp_path), report_to="none")
+    with pytest.raises(PipelineError, match=f"asks for {launcher} mixed precision.*no --bf16.*add --bf16"):
+        make_accelerator(plain)
+    try:
+        accelerator = make_accelerator(TrainOptions(model="unused", data="unused", output=str(tmp_path),
+                                                    report_to="none", bf16=True))
+        assert accelerator.mixed_precision == "bf16"
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    try:
+        assert make_accelerator(plain).mixed_precision == "no"
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
 
 
 def test_logged_learning_rate_is_the_one_each_step_used(tmp_path):

@@ -115,10 +115,25 @@ def make_accelerator(config: TrainOptions):
     """The Accelerator of a training run, with DeepSpeed's batch sizes and clipping set from ``config``. Its
     collectives wait as long as the inference stages' (``COLLECTIVE_TIMEOUT``), not DeepSpeed's 10 minutes: the other
     processes wait in one while the main process uploads the finished model to the Hub (16 GB at 8B), and would
-    otherwise abort the run mid-upload, over and over on each rerun."""
+    otherwise abort the run mid-upload, over and over on each rerun.
+
+    Precision is ``--bf16``'s, recorded in the manifest: the Accelerator is given it, which overrides what the
+    launcher's config asks for. A launcher asking for mixed precision (``mixed_precision: bf16`` in
+    accelerate_cfgs/zero3.yaml) of a run without ``--bf16`` is refused rather than trained in float32 unannounced."""
+    import os
+
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()  # set by accelerate launch
+    if launcher != "no" and not config.bf16:
+        fix = ("add --bf16 to the stage's options" if launcher == "bf16"
+               else "the trainers run bfloat16 (--bf16) or float32: add --bf16")
+        raise PipelineError(
+            f"accelerate launch asks for {launcher} mixed precision (its config's mixed_precision, or "
+            f"--mixed_precision), but this run has no --bf16 and would train in float32: {fix}, or launch with "
+            "mixed_precision 'no' to train in float32"
+        )
     cpu_deepspeed_backend()
     accelerator = Accelerator(
         gradient_accumulation_steps=config.gradient_accumulation_steps,
