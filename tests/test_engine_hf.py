@@ -67,13 +67,31 @@ def test_a_model_that_always_stops_gives_eos_only_samples(tiny_policy, tmp_path)
 
 
 def test_same_seed_same_output_and_other_seed_differs(tiny_policy):
+    """The request seeds decide the samples (the run's --seed reaches the engine through them, as with vLLM)."""
     tok, prompts, sampling = _setup(tiny_policy)
     engine = HFEngine(tiny_policy, tok, batch_size=2)
     a = engine.generate(prompts, [0, 1, 2], sampling)
     b = engine.generate(prompts, [0, 1, 2], sampling)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
-    other = SamplingSettings(**{**sampling.__dict__, "seed": 1})
-    assert [c.token_ids for c in engine.generate(prompts, [0, 1, 2], other)] != [c.token_ids for c in a]
+    assert [c.token_ids for c in engine.generate(prompts, [3, 4, 5], sampling)] != [c.token_ids for c in a]
+    with pytest.raises(ValueError, match="3 prompts but 2 seeds"):
+        engine.generate(prompts, [0, 1], sampling)
+
+
+def test_batches_of_other_chunks_and_shards_draw_other_random_numbers(tiny_policy):
+    """Two chunks of a run (or two shards, or two Ray replicas) hold other rows, so other request seeds: with batches
+    of several prompts they must not replay one random stream. The same prompt in both would then get the same
+    samples, and a run's samples would be correlated across its chunks. A batch's samples depend on its own prompts
+    and seeds only, not on the batches sampled before it."""
+    tok, prompts, sampling = _setup(tiny_policy, n=3, max_new_tokens=8)
+    engine = HFEngine(tiny_policy, tok, batch_size=3)
+    same = [prompts[1]] * 3
+    first = engine.generate(same, [101, 102, 103], sampling)  # a chunk of rows 0..2
+    second = engine.generate(same, [201, 202, 203], sampling)  # the next chunk, the same prompts again
+    assert [c.token_ids for c in first] != [c.token_ids for c in second]
+    # Batches of 3 over 6 prompts: the second batch samples as it does alone.
+    whole = HFEngine(tiny_policy, tok, batch_size=3).generate(same * 2, [1, 2, 3, 4, 5, 6], sampling)
+    assert [c.token_ids for c in whole[3:]] == [c.token_ids for c in engine.generate(same, [4, 5, 6], sampling)]
 
 
 def test_model_generation_config_does_not_leak_into_sampling(tiny_policy, tmp_path):

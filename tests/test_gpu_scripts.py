@@ -24,6 +24,10 @@ ORDER = ["prepare_prompts", "sft", "train_rm", "generate", "score", "filter", "r
 TRAINING = ("sft", "train_rm", "train")
 pytestmark = pytest.mark.slow  # every test reads the outputs of one run of the whole chain
 
+# Prompts of the chain's iteration: 4 pairs go to the test split and training needs 8 (2 steps of 4); a prompt whose
+# 2 samples tie in reward makes no pair, so some room is left for ties.
+PROMPTS = 16
+
 
 @pytest.fixture(scope="module")
 def chain(tiny_policy, tmp_path_factory) -> dict:
@@ -33,7 +37,7 @@ def chain(tiny_policy, tmp_path_factory) -> dict:
 
     d = tmp_path_factory.mktemp("gpu_scripts")
     files = write_task_data(d / "task")
-    for name, rows in (("prompts", 12), ("eval_prompts", 6), ("sft", 16), ("preferences", 16)):
+    for name, rows in (("prompts", PROMPTS), ("eval_prompts", 6), ("sft", 16), ("preferences", 16)):
         lines = files[name].read_text().splitlines()[:rows]
         (d / f"{name}.jsonl").write_text("".join(line + "\n" for line in lines))
     run = d / "run"
@@ -94,7 +98,7 @@ def test_every_script_runs_to_the_end(chain):
 
 def test_prepare_prompts_keeps_only_the_prompt_columns(chain):
     prompts = load_from_disk(str(Path(chain["run"]).parent / "prompts"))
-    assert prompts.column_names == ["prompt"] and prompts.num_rows == 12
+    assert prompts.column_names == ["prompt"] and prompts.num_rows == PROMPTS
 
 
 def test_training_scripts_train_under_zero3_and_delete_their_checkpoints(chain):
@@ -118,7 +122,7 @@ def test_training_scripts_train_under_zero3_and_delete_their_checkpoints(chain):
 def test_generate_shards_and_merges(chain):
     run = chain["run"] / "iter_1"
     gen = load_from_disk(str(run / "generate"))
-    assert gen.num_rows == 12 and all(len(r) == 2 for r in gen["responses"])
+    assert gen.num_rows == PROMPTS and all(len(r) == 2 for r in gen["responses"])
     assert manifest(run / "generate")["stage"] == "merge"
     assert sorted(p.name for p in (run / "generate_shards").iterdir()) == ["0", "1"]
 
@@ -127,7 +131,7 @@ def test_score_ref_logps_and_eval_run_data_parallel(chain):
     """Score, ref-logps and eval's scoring each ran on the 2 processes of one launch."""
     run = chain["run"] / "iter_1"
     scored = load_from_disk(str(run / "score"))
-    assert scored.num_rows == 12 and all(len(r) == 2 for r in scored["rewards"])
+    assert scored.num_rows == PROMPTS and all(len(r) == 2 for r in scored["rewards"])
     assert manifest(run / "score")["processes"] == 2
     pairs = load_from_disk(str(run / "filter"))
     assert set(pairs) == {"train", "test"} and pairs["test"].num_rows == 4

@@ -467,11 +467,15 @@ def generate_in_passes(
     engine, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings
 ) -> list[Completion]:
     """``sampling.n`` responses per prompt as REBEL's ``generate.py`` gets them: ``n`` passes over all prompts with
-    one sample each, pass ``p`` seeded ``p * 50``; the passes' samples are then put side by side per prompt."""
+    one sample each, pass ``p`` seeded ``p * 50`` (each prompt's seed in the pass derived from it and the prompt's own
+    seed, as engines draw from request seeds); the passes' samples are then put side by side per prompt."""
     from rlhf_pipeline.engines import Completion
+    from rlhf_pipeline.sharding import request_seed
 
     passes = [
-        engine.generate(prompts, seeds, dataclasses.replace(sampling, n=1, seed=p * 50)) for p in range(sampling.n)
+        engine.generate(prompts, [request_seed(p * 50, s) for s in seeds],
+                        dataclasses.replace(sampling, n=1, seed=p * 50))
+        for p in range(sampling.n)
     ]
     return [
         Completion(

@@ -5,10 +5,12 @@ model's ``generation_config.json`` and then from transformers' global defaults (
 model's own config is replaced by one that keeps only its special tokens and cache settings, and each option that
 shapes the distribution is set here explicitly (top-k off unless asked, no repetition penalty).
 
-Same seed, same prompts, same batch size: same output. Unlike vLLM's per-request seeds, a sample here also depends
-on which prompts share its batch, except with ``batch_size=1``: then each prompt is sampled alone, from its own
-request seed, so its samples do not depend on the other prompts either (a ``--shard i/N`` run or a Ray replica
-samples each of its prompts as the whole run would).
+Same seeds, same prompts, same batch size: same output. Each batch draws from a generator seeded with the request
+seed of its first prompt (``sampling.seed`` only reaches the engine through the request seeds, as with vLLM), so two
+chunks of a run, two ``--shard``s or two Ray replicas never replay the same random numbers. Unlike vLLM's per-request
+seeds, a sample here also depends on which prompts share its batch, except with ``batch_size=1``: then each prompt is
+sampled alone, from its own request seed, so its samples do not depend on the other prompts either (a ``--shard
+i/N`` run or a Ray replica samples each of its prompts as the whole run would).
 
 Temperature, top-k and top-p are applied by our own logits processors (:func:`sampling_processors`), in transformers'
 order, instead of ``generate``'s: :class:`TopPLogitsWarper` and :class:`TopKLogitsWarper` below give exactly
@@ -366,7 +368,8 @@ class HFEngine:
         # Longest first: similar lengths share a batch (little padding), and a memory problem shows up at once.
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         results: list[Completion | None] = [None] * len(prompts)
-        torch.manual_seed(sampling.seed)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         with tqdm(total=len(prompts), desc="generate (hf)", unit="prompt") as bar:
             for start in range(0, len(order), self.batch_size):
                 batch = order[start : start + self.batch_size]
@@ -380,8 +383,10 @@ class HFEngine:
                 input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
                 if self.share_prefill is None and sampling.n > 1 and width > 1:
                     self.share_prefill = self._check_shared_prefill(input_ids, attention_mask, sampling)
-                if self.batch_size == 1:  # alone in its batch: its own seed, as vLLM's per-request seeds
-                    torch.manual_seed(seeds[batch[0]])
+                # The batch's own stream: from its first prompt's request seed (alone in its batch, a prompt is
+                # sampled from its own seed, as vLLM's per-request seeds): no two batches of a run, across its chunks,
+                # shards and replicas, start from the same seed.
+                torch.manual_seed(seeds[batch[0]])
                 recorder = SampledLogprobs() if logprobs else None
                 used = LogitsProcessorList([*processors, recorder]) if recorder is not None else processors
                 with torch.no_grad():

@@ -165,8 +165,8 @@ def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | 
 
 
 # Prompts sampled and written at a time: the stage holds one chunk's samples, not the whole output's. vLLM's samples
-# do not depend on it (a seed per prompt); the hf engine's do where --batch-size > 1 (its random stream restarts at
-# each chunk's first batch), as they depend on --batch-size.
+# do not depend on it (a seed per prompt); the hf engine's do where --batch-size > 1 (which prompts share a batch
+# depends on the chunk, as on --batch-size), but no two of its batches draw the same random numbers.
 CHUNK_PROMPTS = 4096
 
 
