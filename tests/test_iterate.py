@@ -203,7 +203,10 @@ def test_demo_interrupted_resumes_without_redoing_finished_stages(tmp_path):
     # iteration 1 was evaluated against iteration 0's samples: its gain over them is the gold gain, paired by prompt
     gold_1 = json.loads((run / "iter_1" / "eval" / "results.json").read_text())["scores"]["reward_fn"]
     assert gold_1["gain"] == pytest.approx(summary["gold_gain"], abs=1e-9)
-    assert summary["gold_gain_in_paired_stderr"] == pytest.approx(gold_1["gain"] / gold_1["gain_stderr"])
+    # (two steps of a 32-wide model may leave every paired difference 0: both evaluations draw the same random
+    # numbers for a prompt, and most samples come out the same; the ratio is then undefined)
+    paired = gold_1["gain_stderr"]
+    assert summary["gold_gain_in_paired_stderr"] == (pytest.approx(gold_1["gain"] / paired) if paired else None)
     assert (run / "report.md").exists() and (run / "plots" / "reward_per_iteration.png").exists()
 
     # a third run finds everything finished and launches nothing
