@@ -151,6 +151,58 @@ def test_a_misspelt_option_fails_before_anything_runs(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+# A launcher that, like `accelerate launch` of one process or `conda run`, runs the stage as a child of its own and
+# dies of SIGTERM without passing it on; the "stage" writes its pid and sleeps.
+LAUNCHER = ("import subprocess, sys\n"
+            "stage = 'import os, sys, time; open(sys.argv[1], \"w\").write(str(os.getpid())); time.sleep(300)'\n"
+            "sys.exit(subprocess.call([sys.executable, '-c', stage, sys.argv[-1]]))\n")
+RUN_ONE_STEP = ("import sys\n"
+                "from pathlib import Path\n"
+                "from rlhf_pipeline.stages.iterate import Step, run_steps\n"
+                "run, launcher, pid_file = Path(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
+                "run_steps([Step('iter_1/generate', 'generate', [pid_file], run / 'iter_1' / 'generate',\n"
+                "                launcher=[sys.executable, launcher])], run)\n")
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_to_iterate_alone_stops_every_process_of_the_running_stage(tmp_path, sig):
+    """A scheduler or a container's stop sends SIGTERM to rlhf iterate alone (a closed terminal, SIGHUP). The stage
+    under a launcher that does not pass it on went on running (vLLM holding its GPUs beside the rerun); now iterate
+    passes it to every process of the stage, waits for them, and says how to resume."""
+    launcher, pid_file = tmp_path / "launcher.py", tmp_path / "stage.pid"
+    launcher.write_text(LAUNCHER)
+    proc = subprocess.Popen([sys.executable, "-c", RUN_ONE_STEP, str(tmp_path / "run"), str(launcher), str(pid_file)],
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stage_pid = None
+    try:
+        deadline = time.time() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+            time.sleep(0.1)
+        stage_pid = int(pid_file.read_text())
+        proc.send_signal(sig)  # to iterate's process alone, not its group
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert f"stopped by {sig.name} during iter_1/generate; run the same command again" in output, output
+        assert not _alive(stage_pid), "the stage under the launcher outlived rlhf iterate"
+        record = json.loads((tmp_path / "run" / "steps.jsonl").read_text())
+        assert record["step"] == "iter_1/generate" and record["rc"] == "interrupted"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if stage_pid is not None and _alive(stage_pid):
+            os.kill(stage_pid, signal.SIGKILL)
+
+
 DEMO_SMALL = ["--iterations", "1", "--prompts-per-iteration", "48", "--n", "2", "--max-new-tokens", "12",
               "--eval-prompts", "16", "--eval-n", "1", "--sft-epochs", "1", "--rm-epochs", "1", "--hidden-size", "32"]
 

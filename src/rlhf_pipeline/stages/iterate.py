@@ -49,6 +49,7 @@ the first hour of generation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -57,10 +58,11 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from rlhf_pipeline.algorithms import GROUPS, PAIRS, AlgoName, get, help_text
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation
@@ -610,6 +612,79 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGHUP reached ``rlhf iterate`` while its steps ran (a scheduler, ``kill``, a closed terminal)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+
+
+# Seconds a step's processes get to exit after the SIGTERM rlhf iterate passes on, before they are killed.
+STOP_GRACE_SECONDS = 20.0
+
+
+class StopSignals:
+    """SIGTERM and SIGHUP to this process, while it runs steps: each raises :class:`Stopped` (in the main thread), so
+    that the running steps can be stopped with it, except inside :meth:`held`, which raises it on leaving. A signal the
+    process ignores (``nohup``) stays ignored."""
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None
+        self.holding = False
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGHUP)
+                             if signal.getsignal(sig) is not signal.SIG_IGN}
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
+        if not self.holding:
+            raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Within, a stop signal waits: between starting a step's process and recording it as running, say."""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.received is not None:
+            raise Stopped(self.received)
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], grace: float = STOP_GRACE_SECONDS) -> None:
+    """SIGTERM to each of ``procs`` and every process under it, then SIGKILL to those still there after ``grace``
+    seconds. The whole tree: a launcher (``accelerate launch`` of one process, ``conda run``) exits on SIGTERM without
+    passing it on, and the stage under it would go on writing beside the rerun (vLLM holding its GPUs)."""
+    import psutil
+
+    tree: list[psutil.Process] = []
+    for proc in procs:
+        try:
+            top = psutil.Process(proc.pid)
+            tree += [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=grace)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=grace)
+    for proc in procs:
+        proc.wait()
+
+
 def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: bool = False,
               on_hub: dict[Path, OnHub] | None = None) -> list[str]:
     """Run the steps, skipping finished ones, here or with ``hub`` on the Hub (those are recorded in ``on_hub`` and
@@ -617,7 +692,9 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
     time per lane (a sequential plan: one after the other). Returns the names of the steps that were launched.
 
     A failed step stops new launches; a step still running on the other lane is let finish (its work is kept), then
-    the failure is raised. Ctrl-C reaches the running stages too (one process group) and is waited out."""
+    the failure is raised. Ctrl-C reaches the running stages too (one process group) and is waited out. SIGTERM or
+    SIGHUP to this process alone (``kill``, a container's stop) is passed on to every process of the running steps
+    (:func:`stop_processes`), which are waited for, then the run stops; the same command resumes it."""
     run.mkdir(parents=True, exist_ok=True)
     on_hub = {} if on_hub is None else on_hub
     steps = list(steps)
@@ -633,7 +710,8 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
         return step.lane not in running and all(name in finished for name in before)
 
     def launch(step: Step) -> Optional[subprocess.Popen]:
-        """Start ``step``'s process, or None where it is finished (here, or on the Hub with ``hub``)."""
+        """Start ``step``'s process and record it as running, or None where it is finished (here, or on the Hub
+        with ``hub``)."""
         if is_complete(step, on_hub):
             return None
         remote = on_the_hub(step, on_hub) if hub else None
@@ -645,14 +723,18 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
         pull_inputs(step, on_hub)
         print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: {shlex.join(step.command)}", flush=True)
         env = {**os.environ, **step.env} if step.env else None
-        return subprocess.Popen(step.command, env=env,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        with stops.held():  # a stop signal now would miss the process: it waits until it is recorded as running
+            proc = subprocess.Popen(step.command, env=env,
+                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            running[step.lane] = (step, proc, time.time())
+        return proc
 
     def finish(step: Step, rc: Any, started: float) -> None:
         ended = time.time()
         _log(run, {"step": step.name, "command": step.command, "rc": rc, "seconds": round(ended - started, 2),
                    "started": round(started, 3), "ended": round(ended, 3), "lane": step.lane})
 
+    stops = StopSignals().install()
     try:
         while pending or running:
             progressed = True
@@ -675,7 +757,6 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
                     if proc is None:
                         finished.add(step.name)
                         continue
-                    running[step.lane] = (step, proc, time.time())
                     launched.append(step.name)
             if not running:
                 if pending and failure is None:  # nothing runs and nothing can start: a plan that names no step
@@ -699,16 +780,21 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
                     failure = failure or f"{step.name} exited without writing {step.output / 'manifest.json'}"
                 else:
                     finished.add(step.name)
-    except KeyboardInterrupt:  # the children got the same Ctrl-C; let them clean up
-        names = []
+    except (KeyboardInterrupt, Stopped) as e:
+        stops.holding = True  # a second signal does not cut the stopping short
+        names = ", ".join(step.name for step, _, _ in running.values()) or "the run"
+        if isinstance(e, Stopped):  # sent to this process alone: pass it on to the steps' processes
+            print(f"[{label}] {e}: stopping {names}", flush=True)
+            stop_processes([proc for _, proc, _ in running.values()])
         for step, proc, started in running.values():
-            proc.wait()
+            proc.wait()  # Ctrl-C: the children got the same one; let them clean up
             finish(step, "interrupted", started)
-            names.append(step.name)
+        what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {e}"
         raise PipelineError(
-            f"interrupted during {', '.join(names) or 'the run'}; run the same command again to resume there "
-            "(finished stages are kept)"
+            f"{what} during {names}; run the same command again to resume there (finished stages are kept)"
         ) from None
+    finally:
+        stops.restore()
     if failure:
         raise PipelineError(failure)
     return launched
