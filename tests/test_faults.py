@@ -308,6 +308,40 @@ def test_a_full_disk_is_one_line_and_nothing_finished_is_left(stage, args, sourc
     assert tree_digest(kit[source]) == before
 
 
+def test_checkpoints_a_kill_left_beside_a_finished_run_go_when_it_is_found_again(kit, tmp_path, monkeypatch, capsys):
+    """A run killed between writing its manifest and removing its checkpoints is finished, with its checkpoints
+    (about 112 GB each at 8B) still there, and nothing removed them: the same command again, or rlhf iterate's check
+    of the finished step, now removes them (and a killed removal's leftover .tmp) without training again. A run that
+    keeps its checkpoints keeps them."""
+    import rlhf_pipeline.training.stage as stage
+    from rlhf_pipeline.stages.iterate import Step, is_complete
+
+    common = ["--model", kit["policy"], "--data", kit["ref"], "--algo", "dpo", "--temperature", 0.8, "--max-steps", 3,
+              "--save-every", 1, "--batch-size", 2, "--learning-rate", 1e-3, "--report-to", "none"]
+    for rerun in ("stage", "iterate"):
+        out = tmp_path / rerun
+        with monkeypatch.context() as m:
+            m.setattr(stage, "remove_checkpoints", lambda path: None)  # killed once the manifest is written
+            assert run("train", *common, "--output", out) == 0
+        assert json.loads((out / "manifest.json").read_text())["checkpoints"] == []
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+        (out / "checkpoints" / "step_000003.tmp").mkdir()  # what a removal killed midway leaves
+        finished = json.loads((out / "manifest.json").read_text())["output_id"]
+        capsys.readouterr()
+        if rerun == "stage":
+            assert run("train", *common, "--output", out) == 0
+        else:
+            args = [str(a) for a in [*common, "--output", out]]
+            assert is_complete(Step("iter_1/train", "train", args, out))
+        assert f"{out}: removed the 2 checkpoints its finished run left behind" in capsys.readouterr().out
+        assert not (out / "checkpoints").exists()
+        assert json.loads((out / "manifest.json").read_text())["output_id"] == finished  # not trained again
+    kept = tmp_path / "kept"
+    assert run("train", *common, "--keep-checkpoints", "--output", kept) == 0
+    assert run("train", *common, "--keep-checkpoints", "--output", kept) == 0
+    assert sorted(p.name for p in (kept / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+
+
 def test_a_disk_that_fills_during_training_keeps_the_checkpoints_and_the_rerun_resumes(kit, small_disk, tmp_path,
                                                                                       capsys):
     """The disk fills while the second checkpoint is written: one line, the first checkpoint untouched, no partial

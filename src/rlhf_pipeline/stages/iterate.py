@@ -72,6 +72,7 @@ from rlhf_pipeline.layout import CRITIC, ITERATE_CONFIG, ITERATION_STAGES, STEPS
 from rlhf_pipeline.machine import gpus_visible
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.stages.score import as_list, one_or_list
+from rlhf_pipeline.training.checkpoints import remove_leftover_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -543,7 +544,10 @@ def is_complete(step: Step, on_hub: dict[Path, OnHub] | None = None) -> bool:
         return False
     out = _stage_output(step, _stage_config(step), on_hub or {})
     resume = True if step.stage in TRAINING_STAGES or step.stage == "eval" else None
-    return out.done(resume=resume, push=False) and not out.push_pending()  # a pending upload: the stage does it
+    complete = out.done(resume=resume, push=False) and not out.push_pending()  # a pending upload: the stage does it
+    if complete and step.stage in TRAINING_STAGES:
+        remove_leftover_checkpoints(step.output)
+    return complete
 
 
 def on_the_hub(step: Step, on_hub: dict[Path, OnHub]) -> OnHub | None:

@@ -30,7 +30,7 @@ from rlhf_pipeline.training import lora
 from rlhf_pipeline.distributed import on_main_process, unwrap
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import first_line, flush_files, seal, verify, writing
-from rlhf_pipeline.layout import CHECKPOINTS
+from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST
 from rlhf_pipeline.training.master_weights import MasterWeights
 
 log = logging.getLogger(__name__)
@@ -104,8 +104,25 @@ def remove_checkpoints(output: Path) -> None:
     for old in list_checkpoints(output):
         _remove(old)
     root = output / CHECKPOINTS
+    for stale in root.glob("step_*.tmp"):  # what a killed save or removal left
+        shutil.rmtree(stale, ignore_errors=True)
     if root.is_dir() and not any(root.iterdir()):
         root.rmdir()
+
+
+def remove_leftover_checkpoints(output: Path) -> int:
+    """The checkpoints of a finished run whose manifest keeps none, still there because the run was killed between
+    writing its manifest and removing them (about 112 GB each at 8B): removed when the finished run is found again
+    (by its stage, or by ``rlhf iterate``, which then launches nothing). Returns how many complete ones there were."""
+    root = output / CHECKPOINTS
+    if not root.is_dir() or json.loads((output / MANIFEST).read_text()).get("checkpoints") != []:
+        return 0
+    left = len(list_checkpoints(output))
+    remove_checkpoints(output)
+    if left:
+        print(f"{output}: removed the {left} checkpoint{'s' if left != 1 else ''} its finished run left behind "
+              "(stopped while removing them)", flush=True)
+    return left
 
 
 def _remove(checkpoint: Path) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from rlhf_pipeline.training.checkpoints import list_checkpoints, remove_checkpoints
+from rlhf_pipeline.training.checkpoints import list_checkpoints, remove_checkpoints, remove_leftover_checkpoints
 from rlhf_pipeline.distributed import COLLECTIVE_TIMEOUT, cpu_deepspeed_backend, finish_distributed, on_main_process
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
@@ -172,6 +172,8 @@ def training_run(stage: str, config: TrainOptions, inputs: list) -> Iterator[Tra
         accelerator = make_accelerator(config)
         finished = out.done(resume=config.resume)
         accelerator.wait_for_everyone()  # every process has looked before the main process changes anything
+        if finished:
+            on_main_process(accelerator, lambda: remove_leftover_checkpoints(out.path))
         run = TrainingRun(out, accelerator, finished)
         yield run
         if not (run.finished or run.completed):
