@@ -49,6 +49,11 @@ def short(prompts, responses, **columns):
 
 def words(prompts, responses, **columns):
     return ["high"] * len(responses)
+
+
+def quits(prompts, responses, **columns):
+    import sys
+    sys.exit(3)
 '''
 
 ITERATE_YAML = """model: {policy}
@@ -268,6 +273,14 @@ CASES = [
     Case("score-reward-fn-raises-in-a-process", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:boom",
                                                  "--batch-size", "3"],
          "rlhf score: the reward function {rewards}:boom raised on rows 0..1 (batch of 3 responses)",
+         user_code="{rewards}", subprocess=True),
+    Case("score-reward-fn-exits", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:quits"],
+         "rlhf score: the reward function {rewards}:quits called sys.exit(3) on rows 0..1 (batch of 4 responses); "
+         "a reward function returns one reward per response: raise an exception to stop the run",
+         user_code="{rewards}"),
+    Case("score-reward-fn-exits-in-a-process", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:quits",
+                                                "--batch-size", "3"],
+         "rlhf score: the reward function {rewards}:quits called sys.exit(3) on rows 0..1 (batch of 3 responses)",
          user_code="{rewards}", subprocess=True),
     Case("score-reward-fn-does-not-import", ["score", "--input", "{gen}", "--reward-fn", "{broken_rewards}:reward"],
          "importing {broken_rewards} raised SyntaxError", user_code="{broken_rewards}"),

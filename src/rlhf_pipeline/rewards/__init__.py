@@ -65,7 +65,7 @@ def load_reward_fn(spec: str) -> RewardFn:
         module = importlib.util.module_from_spec(mod_spec)
         try:
             mod_spec.loader.exec_module(module)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise UserCodeError(f"the reward function {spec}: importing {path} raised {one_line(e)}", e) from e
     else:
         try:
@@ -76,7 +76,7 @@ def load_reward_fn(spec: str) -> RewardFn:
             raise PipelineError(f"--reward-fn {spec!r}: cannot import module '{module_name}'")
         try:
             module = importlib.import_module(module_name)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise UserCodeError(f"the reward function {spec}: importing {module_name} raised {one_line(e)}", e) from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
@@ -110,6 +110,9 @@ def call_reward_fn(
         raise PipelineError(f"{label}{at}: {e}") from None
     except Exception as e:
         raise UserCodeError(f"{label} raised{at}: {one_line(e)}", e) from e
+    except SystemExit as e:  # would end the run with its exit status and no word
+        raise UserCodeError(f"{label} called sys.exit({e.code!r}){at}; a reward function returns one reward per "
+                            "response: raise an exception to stop the run", e) from e
     try:
         values = [float(v) for v in values]
     except (TypeError, ValueError) as e:
