@@ -367,6 +367,9 @@ def test_a_disk_that_fills_during_training_keeps_the_checkpoints_and_the_rerun_r
     assert run("train", *common, "--output", out, "--resume") == 0
     assert tree_digest(out / "checkpoints" / "step_000001") == first
     assert logged(out) == pytest.approx(logged(tmp_path / "full"), abs=1e-6)
+    resumed = [json.loads((p / "manifest.json").read_text())["training"]["resumed_from_step"]
+               for p in (tmp_path / "full", out)]
+    assert resumed == [0, 1]  # what rlhf report marks: the manifest's wall time is the last attempt's
     assert max_weight_diff(out, tmp_path / "full") < 1e-6
 
 

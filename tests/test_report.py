@@ -141,6 +141,35 @@ def test_collect_offsets_and_stats(full_run):
     assert data["reward_model"]["manifest"]["stage"] == "train-rm"
 
 
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_each_iterations_samples_are_placed_at_the_policy_that_sampled_them(tmp_path, overlap):
+    """An overlapped run's iteration t samples with policy t-2 (policy 0 for t <= 2): the report said t-1 for every
+    run, in its text and in the response-length plot's positions. A resumed training run's wall time is marked."""
+    from rlhf_pipeline.stages.report import _length_points, _markdown
+
+    run = tmp_path / "run"
+    for t in (1, 2, 3):
+        sampler = max(t - 1 - overlap, 0)
+        model = str(run / f"iter_{sampler}" / "train") if sampler else "/models/sft"
+        write_json(run / f"iter_{t}" / "generate" / "manifest.json",
+                   {**manifest("generate", 1.0), "config": {"model": model}})
+        save_generations(run / f"iter_{t}" / "generate", [[t, t]], [["stop", "stop"]])
+        train = {**manifest("train", 9.5), "training": {"resumed_from_step": 4 if t == 2 else 0}}
+        write_json(run / f"iter_{t}" / "train" / "manifest.json", train)
+    data = collect(run)
+    expected = [0, 1, 2] if overlap == 0 else [0, 0, 1]
+    assert [it["sampler"] for it in data["iterations"]] == expected
+    assert _length_points(data["iterations"])["gen_tokens"] == [(s, t) for s, t in zip(expected, (1.0, 2.0, 3.0))]
+    text = _markdown(data, [])
+    if overlap:
+        assert ("generate sampled from the policy its manifest names (iteration 1: policy 0, iteration 2: policy 0, "
+                "iteration 3: policy 1)") in text
+    else:
+        assert "generate sampled from policy t−1," in text
+    walls = [line.split("|")[-2].strip() for line in text.splitlines() if line.startswith("| ") and "wall" not in line]
+    assert [w.split(" / ")[3] for w in walls] == ["9.5", "9.5+", "9.5"]
+
+
 def test_collect_offsets_skip_untrained_iterations(tmp_path):
     run = tmp_path / "run"
     write_metrics(run / "iter_1" / "train" / "metrics.jsonl",

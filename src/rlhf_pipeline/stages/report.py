@@ -15,7 +15,8 @@ is an error):
     RUN/summary.json                         optional (rlhf demo), shown as is
     RUN/steps.jsonl                          each launched stage's start and end (the schedule plot)
 
-Iteration t's generate sampled from policy t-1, its train made policy t and its eval evaluated policy t.
+Iteration t's train made policy t and its eval evaluated policy t; its generate sampled from the policy its manifest
+names: policy t-1 in a sequential run, t-2 in an overlapped one (``overlap: 1``), policy 0 at first.
 
 Writes (``--output``, default the run directory; each file replaced atomically):
 
@@ -202,6 +203,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         max_step = max((r["step"] for r in metrics), default=0)
         iterations.append({
             "iteration": t,
+            "sampler": sampler_index(t, _read_json(path / "generate" / "manifest.json"), run_dir),
             "path": str(path),
             "eval": _read_json(path / "eval" / EVAL_RESULTS),
             "manifests": {stage: _read_json(path / stage / "manifest.json") for stage in ITERATION_STAGES},
@@ -225,6 +227,20 @@ def collect(run_dir: Path) -> dict[str, Any]:
             "or rlhf demo"
         )
     return data
+
+
+def sampler_index(t: int, generate_manifest: Optional[dict[str, Any]], run_dir: Path) -> int:
+    """The policy iteration t's generate sampled from: ``k`` where its manifest's model is this run's
+    ``iter_<k>/train`` (k < t; an overlapped run's is t - 2), else 0, the starting policy. Without a manifest that
+    names it, t - 1, as a sequential run plans it."""
+    named = ((generate_manifest or {}).get("config") or {}).get("model")
+    if not named:
+        return t - 1
+    model = Path(str(named))
+    match = ITER_DIR.match(model.parent.name)
+    if model.name == "train" and match and int(match.group(1)) < t and model.parent.parent.name == run_dir.name:
+        return int(match.group(1))
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -536,13 +552,13 @@ def _plot_logp(data: dict[str, Any], path: Path) -> Optional[str]:
 
 
 def _length_points(iterations: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
-    """(policy index, value) per series: iteration t's generate sampled policy t-1, its eval policy t."""
+    """(policy index, value) per series: iteration t's generate sampled policy ``it["sampler"]``, its eval policy t."""
     out: dict[str, list[tuple[int, float]]] = {"gen_tokens": [], "gen_stop": [], "eval_tokens": [], "eval_stop": []}
     for it in iterations:
         t, gen, ev = it["iteration"], it["generate"] or {}, it["eval"] or {}
         for key, series in (("response_tokens_mean", "gen_tokens"), ("stop_fraction", "gen_stop")):
             if gen.get(key) is not None:
-                out[series].append((t - 1, gen[key]))
+                out[series].append((it["sampler"], gen[key]))
         for key, series in (("response_tokens_mean", "eval_tokens"), ("stop_fraction", "eval_stop")):
             if ev.get(key) is not None:
                 out[series].append((t, ev[key]))
@@ -671,7 +687,17 @@ OPTIONAL_PLOTS = {"judge_and_pass_at_k.png", "lm_eval.png", "schedule.png"}
 
 
 def _wall(manifest: Optional[dict[str, Any]]) -> str:
-    return fmt((manifest or {}).get("wall_time_s"))
+    """The stage's wall time; marked ``+`` for a resumed training run, whose manifest has its last attempt's."""
+    resumed = ((manifest or {}).get("training") or {}).get("resumed_from_step")
+    return fmt((manifest or {}).get("wall_time_s")) + ("+" if resumed else "")
+
+
+def _sampled_from(iterations: list[dict[str, Any]]) -> str:
+    """Which policy each iteration's generate sampled from, in words."""
+    pairs = [(it["iteration"], it["sampler"]) for it in iterations if it["manifests"].get("generate")]
+    if all(s == t - 1 for t, s in pairs):
+        return "policy t−1"
+    return "the policy its manifest names (" + ", ".join(f"iteration {t}: policy {s}" for t, s in pairs) + ")"
 
 
 def _iteration_table(data: dict[str, Any]) -> list[str]:
@@ -793,7 +819,8 @@ def _markdown(data: dict[str, Any], plots: list[tuple[str, str, Optional[str]]])
     lines = [f"# RLHF run report: `{data['run_dir']}`", ""]
     if iterations:
         ts = [it["iteration"] for it in iterations]
-        lines += [f"Iterations found: {', '.join(map(str, ts))}. Iteration t's generate sampled from policy t−1, "
+        sampled = _sampled_from(iterations)
+        lines += [f"Iterations found: {', '.join(map(str, ts))}. Iteration t's generate sampled from {sampled}, "
                   "its train made policy t, its eval evaluated policy t (row 0: the starting policy).", ""]
         lines += ["## Per iteration", ""] + _iteration_table(data) + [""]
         setups = _eval_setup(iterations)
@@ -803,8 +830,11 @@ def _markdown(data: dict[str, Any], plots: list[tuple[str, str, Optional[str]]])
                  "lengths; a reward model's preferences are its Bradley-Terry probabilities), ± its standard error.",
                  "Train loss, eval loss and eval accuracy: `train/metrics.jsonl` of iteration t "
                  "(eval accuracy: reward/accuracy).",
-                 "Gen. tokens/stopped: the `generate/` dataset of iteration t (sampled from policy t−1); "
+                 "Gen. tokens/stopped: the `generate/` dataset of iteration t (sampled from "
+                 + ("policy t−1" if sampled == "policy t−1" else "the policy named above") + "); "
                  "stopped = fraction of responses that ended before the token limit.",
+                 "Wall time: each stage's manifest; `+` marks a training run resumed from a checkpoint, whose time "
+                 "is its last attempt's (`training.seconds` in its manifest: the training loop over all attempts).",
                  f"{MISSING}: not in the run."]
         lines += [f"- {n}" for n in notes] + [""]
         lm_eval = _lm_eval_table(iterations)

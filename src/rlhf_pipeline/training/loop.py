@@ -506,8 +506,9 @@ class TrainResult:
     final_eval: dict[str, float]
     real_tokens: int
     all_tokens: int  # token positions processed, padding included
-    seconds: float
+    seconds: float  # the training loop's, over every attempt of a resumed run (to its checkpoints)
     skipped_steps: int = 0  # steps whose loss or gradients were not finite: no update applied
+    resumed_from_step: int = 0  # the checkpoint's step this attempt went on from; 0: trained from the start
 
 
 @dataclass
@@ -618,7 +619,7 @@ def train(
 
     checkpoint, totals_so_far = (resume_checkpoint(accelerator, model, output, setup.masters) if config.resume
                                  else (None, {}))
-    step = totals_so_far.get("step", 0)
+    step = resumed_from = totals_so_far.get("step", 0)
     if checkpoint is not None:
         accelerator.print(f"resuming from {checkpoint} (step {step})")
     if config.report_to != "none":
@@ -778,7 +779,7 @@ def train(
     if config.report_to != "none":
         accelerator.end_training()
     return TrainResult(step, first_loss, last_loss, final_eval, real_tokens, all_tokens, time.time() - started,
-                       skipped_steps=skipped)
+                       skipped_steps=skipped, resumed_from_step=resumed_from)
 
 
 def deepspeed_grads_nonfinite(engine) -> bool:

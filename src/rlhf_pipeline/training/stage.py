@@ -195,6 +195,7 @@ def training_summary(result: TrainResult) -> dict[str, Any]:
         "real_token_fraction": result.real_tokens / max(result.all_tokens, 1),
         "skipped_steps": result.skipped_steps,
         "seconds": round(result.seconds, 2),
+        "resumed_from_step": result.resumed_from_step,
     }
 
 
