@@ -375,6 +375,30 @@ def rm_model(task, tiny_policy, tmp_path_factory) -> Path:
     return d / "out"
 
 
+def test_a_causal_lm_loads_as_a_reward_model_without_transformers_load_report(tiny_policy, tmp_path, capfd, caplog):
+    """From a causal LM the LM head is left out and the score head is new, always: transformers' report of that (a
+    table per process, "Consider training on your downstream task") is not shown. A body weight missing from the
+    checkpoint still is, as a warning naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from rlhf_pipeline.stages.train_rm import load_reward_model_for_training
+
+    with caplog.at_level("WARNING"):
+        model = load_reward_model_for_training(tiny_policy)
+    assert model.config.num_labels == 1 and not caplog.records
+    assert "LOAD REPORT" not in "".join(capfd.readouterr())
+    damaged = shutil.copytree(tiny_policy, tmp_path / "damaged")
+    weights = load_file(str(damaged / "model.safetensors"))
+    del weights["model.layers.0.mlp.up_proj.weight"]
+    save_file(weights, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        load_reward_model_for_training(str(damaged))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{damaged}: 1 weight of the model missing from it, so initialised at random: model.layers.0.mlp.up_proj.weight"]
+
+
 def test_reward_model_learns_the_gold_preferences_and_loads_for_scoring(rm_model):
     from transformers import AutoModelForSequenceClassification
 

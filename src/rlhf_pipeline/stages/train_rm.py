@@ -21,6 +21,7 @@ the first update and at the end. Pairs longer than ``--max-length`` tokens are d
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import ChatTemplateOptions, ControlTokenOptions, check_test_size, option
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.training.loop import TrainOptions
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -152,11 +155,37 @@ class RewardTask:
         return losses.mean(), metrics, (real, attention_mask.numel())
 
 
-def load_reward_model_for_training(path: str, trust_remote_code: bool = False, **kwargs):
-    from transformers import AutoModelForSequenceClassification
+class NoLoadReport(logging.Filter):
+    """Drops transformers' load report (``<class> LOAD REPORT from: <path>`` and its table)."""
 
-    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code,
-                                                              **kwargs)
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+def load_reward_model_for_training(path: str, trust_remote_code: bool = False, **kwargs):
+    """``path`` as a one-label sequence classifier. From a causal LM its LM head is left out and the reward head is
+    new, as always: transformers' load report of that (a table per process, ending "Consider training on your
+    downstream task") is not shown. Anything else it would report, weights of the body missing or left out, is a
+    warning that names them."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    logger = hf_logging.get_logger("transformers.modeling_utils")
+    no_report = NoLoadReport()  # a filter, not a level: transformers reads its logger's level for other warnings
+    logger.addFilter(no_report)
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, trust_remote_code=trust_remote_code, output_loading_info=True, **kwargs)
+    finally:
+        logger.removeFilter(no_report)
+    body = f"{model.base_model_prefix}."
+    missing = sorted(k for k in info["missing_keys"] if k.startswith(body))
+    left_out = sorted(k for k in info["unexpected_keys"] if not k.startswith("lm_head."))
+    for what, keys in (("missing from it, so initialised at random", missing), ("in it but not used", left_out)):
+        if keys:
+            log.warning("%s: %d weight%s of the model %s: %s", path, len(keys), "s" if len(keys) != 1 else "",
+                        what, ", ".join(keys[:8]) + (", ..." if len(keys) > 8 else ""))
+    return model
 
 
 def main(config: TrainRMConfig) -> Path:
