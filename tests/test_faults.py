@@ -500,6 +500,9 @@ def failing_hub(monkeypatch, calls: list, fail: bool):
             if fail:
                 raise OSError("cannot reach the Hub")
 
+        def list_repo_files(self, repo_id, **kw):
+            return []  # a new repo
+
         def upload_folder(self, **kw):
             calls.append(("folder", kw["repo_id"]))
 

@@ -319,6 +319,9 @@ def test_finished_run_is_not_redone_and_pushes_only_the_model(pairs, tiny_policy
         def create_repo(self, repo_id, **kw):
             uploads.append(("create", repo_id))
 
+        def list_repo_files(self, repo_id, **kw):
+            return []  # a new repo
+
         def upload_folder(self, **kw):
             uploads.append(("upload", kw["repo_id"], kw["folder_path"], kw["ignore_patterns"]))
 
@@ -448,13 +451,21 @@ def test_rebel_reward_gap_scale_is_eta_over_the_gap_rms(pairs, tiny_policy, tmp_
     logs the paper's loss (Δlogratio/eta − Δr)², r² times smaller."""
     import math
 
-    train = load_from_disk(str(pairs / "ref"))["train"]
+    # the sampled pairs' rewards, tripled: their gaps' RMS is then far from 1 whatever the samples were, so the two
+    # runs below differ unless the scale is applied
+    tripled = load_from_disk(str(pairs / "ref")).map(
+        lambda row: {"chosen_reward": 3 * row["chosen_reward"], "rejected_reward": 3 * row["rejected_reward"]})
+    tripled.save_to_disk(str(tmp_path / "tripled"))
+    train = tripled["train"]
     gaps = [c - r for c, r in zip(train["chosen_reward"], train["rejected_reward"])]
     rms = math.sqrt(sum(g * g for g in gaps) / len(gaps))
-    assert abs(rms - 1) > 0.1  # far enough from 1 for the two runs to differ if the scale were not applied
-    common = ["--max-steps", 3, "--learning-rate", 1e-4, "--max-grad-norm", 0, "--batch-size", 4]
-    assert run(*train_args(pairs, tiny_policy, tmp_path / "scaled", *common, "--reward-gap-scale", "rms")) == 0
-    assert run(*train_args(pairs, tiny_policy, tmp_path / "raw", *common, "--eta", 1 / rms)) == 0
+    assert abs(rms - 1) > 0.1
+    sampled_at = json.loads((pairs / "ref" / "manifest.json").read_text())["sampling"]["temperature"]
+    common = ["--max-steps", 3, "--learning-rate", 1e-4, "--max-grad-norm", 0, "--batch-size", 4,
+              "--temperature", sampled_at]  # the copy has no manifest that records it
+    assert run(*train_args(tmp_path, tiny_policy, tmp_path / "scaled", *common, "--reward-gap-scale", "rms",
+                           data="tripled")) == 0
+    assert run(*train_args(tmp_path, tiny_policy, tmp_path / "raw", *common, "--eta", 1 / rms, data="tripled")) == 0
     assert max_weight_diff(tmp_path / "scaled", tmp_path / "raw") < 1e-6
     assert [x * rms**2 for x in logged(tmp_path / "scaled")] == pytest.approx(logged(tmp_path / "raw"), rel=1e-4)
     record = json.loads((tmp_path / "scaled" / "manifest.json").read_text())["training"]["reward_gap_scale"]
