@@ -234,8 +234,39 @@ def test_wrong_tokenizer_is_caught(capsys, pipeline, tmp_path):
     tok = build_tokenizer(vocab_size=300)
     build_model(tok).save_pretrained(small)
     tok.save_pretrained(small)
+    # the sampler's tokenizer is recorded with the data: another one is refused at once, with the right one named
     _fails(capsys, "filter", "--input", pipeline / "scored_rm", "--tokenizer", small, "--test-size", 5,
+           output=tmp_path / "out", expect=["splits text unlike the tokenizer given", "--tokenizer"])
+    # data with token ids and no record of what made them: the first id past the vocabulary names its row
+    bare = tmp_path / "scored.jsonl"
+    load_from_disk(str(pipeline / "scored_rm")).to_json(str(bare))
+    _fails(capsys, "filter", "--input", bare, "--tokenizer", small, "--test-size", 5,
            output=tmp_path / "out", expect=["row", "outside the tokenizer's", "--tokenizer"])
+
+
+def test_token_ids_of_another_tokenizer_of_the_same_size_are_refused(capsys, pipeline, tiny_policy, tmp_path):
+    """Two tokenizers with vocabularies of one size (Llama-2's and Mistral-7B's: 32,000) give the same text other
+    ids; every id is in range, so only the probe the data records tells them apart. Filter, ref-logps and train
+    each refuse the other one, naming the fix, before writing anything."""
+    import shutil
+
+    from rlhf_pipeline.chat import TOKENIZER_PROBE, load_tokenizer
+
+    other = Path(shutil.copytree(tiny_policy, tmp_path / "other_tokenizer"))
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = list(dict.fromkeys(load_tokenizer(tiny_policy).tokenize(TOKENIZER_PROBE)))[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two tokens of the probe text, ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    fix = f"--tokenizer {tiny_policy}"
+    _fails(capsys, "filter", "--input", pipeline / "scored_rm", "--tokenizer", other, output=tmp_path / "out",
+           expect=["splits text unlike the tokenizer given", fix])
+    for stage, args in (("ref-logps", ["--model", other, "--input", pipeline / "pairs", "--temperature", 1]),
+                        ("train", ["--algo", "dpo", "--model", other, "--data", pipeline / "pairs"]),
+                        ("train", ["--algo", "grpo", "--model", other, "--data", pipeline / "groups",
+                                   "--temperature", 1])):
+        _fails(capsys, stage, *args, output=tmp_path / "out",
+               expect=[f"{other}'s tokenizer", f"rlhf filter --tokenizer {other}"])
 
 
 def test_console_script_and_module_entry_points(tmp_path):

@@ -230,6 +230,32 @@ def raw_conversation_error(source: str, row: int) -> PipelineError:
                          f"{'|'.join(BUILTIN_TEMPLATES)}|FILE) or plain 'prompt' text")
 
 
+# A text every tokenizer splits its own way (words, digits, runs of spaces, punctuation, accents, CJK, an emoji): two
+# tokenizers that give it the same ids give any text the same ids, in practice. Token ids made by one model's
+# tokenizer and read by another model whose vocabulary has the same size pass every range check and train on noise
+# (Llama-2 and Mistral-7B: 32,000 each); the stages that make token ids record the probe's ids under the key below,
+# and the stages that read them compare.
+TOKENIZER_PROBE = "The quick brown fox, 1234567 jumps!  Naïve café: 東京 ½ 🙂\n\tdone."
+TOKENIZER_PROBE_KEY = "tokenizer_probe"
+
+
+def tokenizer_probe(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids of :data:`TOKENIZER_PROBE` under ``tokenizer``, without special tokens."""
+    return list(tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"])
+
+
+def check_same_tokenizer(recorded: Optional[Sequence[int]], tokenizer: PreTrainedTokenizerBase, source: str,
+                         whose: str, fix: str) -> None:
+    """Raise a PipelineError when the token ids of ``source`` were made by a tokenizer that splits text unlike
+    ``tokenizer`` (``whose``: which one it is, in words), as the probe its manifests recorded shows. Data without a
+    record (made elsewhere, or before the record existed) is not checked."""
+    if recorded is None or list(recorded) == tokenizer_probe(tokenizer):
+        return
+    raise PipelineError(f"{source}: its token ids were made by a tokenizer that splits text unlike {whose} (a probe "
+                        f"text recorded with the data encodes to other ids with it), so they would be read as other "
+                        f"words; {fix}")
+
+
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The id that pads batches: the tokenizer's pad token, else its EOS (many chat models ship no pad token).
     Padded positions are masked out, so which id fills them does not change any result."""

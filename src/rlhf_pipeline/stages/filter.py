@@ -343,7 +343,7 @@ def _chat_template(config: FilterConfig, tokenizer, ds, column: str, source: str
 def main(config: FilterConfig) -> Path:
     from datasets import DatasetDict, List, Value
 
-    from rlhf_pipeline.chat import load_tokenizer
+    from rlhf_pipeline.chat import TOKENIZER_PROBE_KEY, check_same_tokenizer, load_tokenizer, tokenizer_probe
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_ref, parse_ref
     from rlhf_pipeline.modeling import check_model_ref
 
@@ -357,6 +357,10 @@ def main(config: FilterConfig) -> Path:
     column = _check_input(ds, config, ref.name, sampling)
     ds, renamed = rename_clashes(ds, config.mode)
     tokenizer = load_tokenizer(config.tokenizer, config.trust_remote_code)
+    if "response_token_ids" in ds.column_names:  # the sampler's ids are kept: --tokenizer must split text as it did
+        check_same_tokenizer((sampling or {}).get(TOKENIZER_PROBE_KEY), tokenizer, ref.name,
+                             f"the tokenizer given (--tokenizer {config.tokenizer})",
+                             f"pass the sampling model's tokenizer (--tokenizer {(sampling or {}).get('model')})")
     template = _chat_template(config, tokenizer, ds, column, ref.name, sampling)
     limits = LengthLimits(config.max_prompt_tokens, config.max_response_tokens, config.drop_truncated)
     penalty = _overlong_penalty(config, sampling, ref.name)
@@ -410,7 +414,7 @@ def main(config: FilterConfig) -> Path:
     result = DatasetDict({"train": kept.select(train_rows), **({"test": kept.select(test_rows)} if test_rows else {})})
     extra: dict[str, Any] = {"mode": config.mode, "sampling": sampling, "renamed_columns": renamed,
                              "reward": find_in_lineage([ref], "reward"),  # how it was scored (PPO's critic reads it)
-                             "chat_template": template.record()}
+                             "chat_template": template.record(), TOKENIZER_PROBE_KEY: tokenizer_probe(tokenizer)}
     if config.mode in ("pairs", "best"):
         extra["responses_left_out"] = responses_left_out
     if penalty is not None:
@@ -499,6 +503,8 @@ def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tok
     responses the length filters left out; ``unpaired`` the rule and each split's prompts and class counts."""
     from datasets import DatasetDict, List, Value
 
+    from rlhf_pipeline.chat import TOKENIZER_PROBE_KEY, tokenizer_probe
+
     built = ds.map(
         build_unpaired_rows,
         batched=True,
@@ -551,7 +557,7 @@ def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tok
         result[split] = part
     extra: dict[str, Any] = {
         "mode": "unpaired", "sampling": sampling, "renamed_columns": renamed, "reward": reward,
-        "chat_template": chat_template,
+        "chat_template": chat_template, TOKENIZER_PROBE_KEY: tokenizer_probe(tokenizer),
         "responses_left_out": {"response_too_long": sum(built["_response_too_long"]),
                                "response_truncated": sum(built["_response_truncated"])},
         "unpaired": {"rule": "desirable above the prompt's mean reward, undesirable below it, at it left out",

@@ -240,7 +240,8 @@ def main(config: GenerateConfig) -> Path:
     from datasets import Features, List, Value, concatenate_datasets
 
     from rlhf_pipeline.attention import check_attn_implementation, check_engine
-    from rlhf_pipeline.chat import ChatTemplateRefused, encode_prompts, load_tokenizer, raw_conversation_error
+    from rlhf_pipeline.chat import (TOKENIZER_PROBE_KEY, ChatTemplateRefused, encode_prompts, load_tokenizer,
+                                    raw_conversation_error, tokenizer_probe)
     from rlhf_pipeline.chat import stop_token_ids
     from rlhf_pipeline.chat import use_chat_template
     from rlhf_pipeline.datasets_io import StageOutput, parse_ref, scratch_writer
@@ -355,6 +356,7 @@ def main(config: GenerateConfig) -> Path:
                     "engine": engine_name,
                     "use_chat_template": template.text is not None,  # what manifests before chat_template say
                     "chat_template": template.record(),
+                    TOKENIZER_PROBE_KEY: tokenizer_probe(tokenizer),  # what made the token ids (chat.py)
                 },
                 "shard": {"spec": config.shard, "rows": [rows.start, rows.stop], "rows_total": rows_total},
                 "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help
 from rlhf_pipeline.stages import run_stage
@@ -98,9 +98,11 @@ def _ref_logps(config: RefLogpsConfig, accelerator) -> Path:
     from accelerate import Accelerator
 
     from rlhf_pipeline.algorithms.reference import add_ref_columns
-    from rlhf_pipeline.chat import load_tokenizer, pad_id
+    from rlhf_pipeline.chat import TOKENIZER_PROBE_KEY, load_tokenizer, pad_id
+    from rlhf_pipeline.datasets_io import find_in_lineage, parse_ref
     from rlhf_pipeline.distributed import guarded, on_main_process, world_and_rank
     from rlhf_pipeline.modeling import load_causal_lm
+    from rlhf_pipeline.training.stage import check_vocabulary
 
     read = guarded(accelerator, lambda: _read(config))
     if read is None:
@@ -108,11 +110,15 @@ def _ref_logps(config: RefLogpsConfig, accelerator) -> Path:
     out, dd, data, sampling, temperature = read
     processes = world_and_rank(accelerator)[0]
     accelerator = accelerator or Accelerator()  # one process: the accelerator this stage has always used
-    tokenizer, model = guarded(accelerator, lambda: (
-        load_tokenizer(config.model, config.trust_remote_code),
-        load_causal_lm(config.model, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
-                       device=accelerator.device, attn_implementation=config.attn_implementation),
-    ))
+
+    def load() -> tuple[Any, Any]:
+        tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        model = load_causal_lm(config.model, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
+                               device=accelerator.device, attn_implementation=config.attn_implementation)
+        check_vocabulary(dd, model, tokenizer, config.input, config.model)  # ids this model reads as the data's
+        return tokenizer, model
+
+    tokenizer, model = guarded(accelerator, load)
     values = {
         split: data.compute_ref_logps(
             accelerator, model, ds, pad_id(tokenizer), temperature, config.batch_size, config.pack_ratio
@@ -123,6 +129,7 @@ def _ref_logps(config: RefLogpsConfig, accelerator) -> Path:
         add_ref_columns(dd, values, data.REF_LOGP_COLUMNS),
         rows_in=sum(ds.num_rows for ds in dd.values()),
         extra={"sampling": sampling, "ref_logps": {"model": config.model, "temperature": temperature},
+               TOKENIZER_PROBE_KEY: find_in_lineage([parse_ref(config.input)], TOKENIZER_PROBE_KEY),
                "processes": processes},
     ))
     return out.path

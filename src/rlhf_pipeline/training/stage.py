@@ -359,7 +359,7 @@ def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[
         if config.compile:
             require_decoder_layers(model, config.model)
         if job.data is not None:
-            check_vocabulary(job.data, model, job.tokenizer, config)
+            check_vocabulary(job.data, model, job.tokenizer, config.data, config.model)
         run.start()  # the data and the model are read and checked: now the output directory is made
         setup = prepare(config, run.accelerator, model, job.num_examples, learning_rate=job.learning_rate)
         with compile_errors(config.compile):  # compiled lazily, by the first forwards
@@ -369,18 +369,24 @@ def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[
     return run.path
 
 
-def check_vocabulary(data: dict, model: Any, tokenizer: Any, config: TrainOptions) -> None:
+def check_vocabulary(data: dict, model: Any, tokenizer: Any, source: str, model_name: str) -> None:
     """Every token id of every split within the vocabulary of the model (its input embedding's rows, and the
-    tokenizer's ids): data tokenized for another model fails here, naming the row, before anything is written."""
+    tokenizer's ids), and made by a tokenizer that splits text as this model's does (the probe the data's manifest
+    recorded, ``chat.check_same_tokenizer``): data tokenized for another model fails here, naming the row or the
+    tokenizer, before anything is written."""
+    from rlhf_pipeline.chat import TOKENIZER_PROBE_KEY, check_same_tokenizer
     from rlhf_pipeline.contracts import require_token_ids
+    from rlhf_pipeline.datasets_io import find_in_lineage, parse_ref
 
+    fix = (f"make it again with this model's tokenizer (rlhf filter --tokenizer {model_name}), or use the model it "
+           "was made for")
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(embedding, "num_embeddings", None)
     vocab_size = min(len(tokenizer), rows) if rows else len(tokenizer)
     for split, ds in data.items():
-        require_token_ids(ds, vocab_size, f"{config.data}:{split}",
-                          f"the data was tokenized for another model: make it again with this model's tokenizer "
-                          f"(rlhf filter --tokenizer {config.model}), or train the model it was made for")
+        require_token_ids(ds, vocab_size, f"{source}:{split}", f"the data was tokenized for another model: {fix}")
+    check_same_tokenizer(find_in_lineage([parse_ref(source)], TOKENIZER_PROBE_KEY), tokenizer, source,
+                         f"{model_name}'s tokenizer", fix)
 
 
 def _causal_lm(path: str, trust_remote_code: bool = False, **kwargs):
