@@ -162,6 +162,16 @@ RUN_ONE_STEP = ("import sys\n"
                 "run, launcher, pid_file = Path(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
                 "run_steps([Step('iter_1/generate', 'generate', [pid_file], run / 'iter_1' / 'generate',\n"
                 "                launcher=[sys.executable, launcher])], run)\n")
+# The same, with SIGTERM arriving just as the step's process has started (before iterate records it as running):
+# iterate's Popen sends it, once it has written the launcher's pid.
+SIGNALLED_AT_START = ("import os, signal, subprocess, sys\n"
+                      "import rlhf_pipeline.stages.iterate as iterate\n"
+                      "class Popen(subprocess.Popen):\n"
+                      "    def __init__(self, *args, **kwargs):\n"
+                      "        super().__init__(*args, **kwargs)\n"
+                      "        open(sys.argv[3] + '.launcher', 'w').write(str(self.pid))\n"
+                      "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                      "iterate.subprocess.Popen = Popen\n") + RUN_ONE_STEP
 
 
 def _alive(pid: int) -> bool:
@@ -196,6 +206,52 @@ def test_a_stop_signal_to_iterate_alone_stops_every_process_of_the_running_stage
         assert not _alive(stage_pid), "the stage under the launcher outlived rlhf iterate"
         record = json.loads((tmp_path / "run" / "steps.jsonl").read_text())
         assert record["step"] == "iter_1/generate" and record["rc"] == "interrupted"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if stage_pid is not None and _alive(stage_pid):
+            os.kill(stage_pid, signal.SIGKILL)
+
+
+def test_a_stop_signal_as_a_step_starts_stops_it_too(tmp_path):
+    """SIGTERM between starting a step's process and recording it as running waits until it is recorded, then
+    stops it: it was taken for the step failing to start, and iterate waited for the stage to finish."""
+    launcher, pid_file = tmp_path / "launcher.py", tmp_path / "stage.pid"
+    launcher.write_text(LAUNCHER)
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-c", SIGNALLED_AT_START, str(tmp_path / "run"), str(launcher),
+                           str(pid_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.returncode != 0 and time.time() - started < 60  # not the stage's 300 s
+    assert "stopped by SIGTERM during iter_1/generate; run the same command again" in proc.stdout, proc.stdout
+    assert not _alive(int(Path(f"{pid_file}.launcher").read_text()))
+    if pid_file.exists() and pid_file.read_text():  # the stage had started under it
+        assert not _alive(int(pid_file.read_text()))
+    assert json.loads((tmp_path / "run" / "steps.jsonl").read_text())["rc"] == "interrupted"
+
+
+def test_a_closed_terminal_stops_the_running_stage(tmp_path):
+    """A closed terminal sends SIGHUP, and writing to it then fails: iterate stopped nothing when its message about
+    stopping could not be written. The stage is stopped and recorded as interrupted all the same."""
+    import pty
+
+    launcher, pid_file = tmp_path / "launcher.py", tmp_path / "stage.pid"
+    launcher.write_text(LAUNCHER)
+    terminal, side = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", RUN_ONE_STEP, str(tmp_path / "run"), str(launcher), str(pid_file)],
+                            start_new_session=True, stdout=side, stderr=side)
+    os.close(side)
+    stage_pid = None
+    try:
+        deadline = time.time() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.1)
+        stage_pid = int(pid_file.read_text())
+        os.close(terminal)  # the terminal goes away
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=60) != 0
+        assert not _alive(stage_pid), "the stage outlived rlhf iterate"
+        assert json.loads((tmp_path / "run" / "steps.jsonl").read_text())["rc"] == "interrupted"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

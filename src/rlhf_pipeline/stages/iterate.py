@@ -616,8 +616,10 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-class Stopped(Exception):
-    """SIGTERM or SIGHUP reached ``rlhf iterate`` while its steps ran (a scheduler, ``kill``, a closed terminal)."""
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP reached ``rlhf iterate`` while its steps ran (a scheduler, ``kill``, a closed terminal). A
+    BaseException, as KeyboardInterrupt is: no ``except Exception`` on its way (around a step's launch) may take it
+    for that step's failure."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -636,9 +638,10 @@ class StopSignals:
         self.received: Optional[int] = None
         self.holding = False
         self.previous: dict[int, Any] = {}
+        self.main = threading.current_thread() is threading.main_thread()  # only it may set handlers
 
     def install(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+        if self.main:
             self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGHUP)
                              if signal.getsignal(sig) is not signal.SIG_IGN}
         return self
@@ -663,24 +666,48 @@ class StopSignals:
         if self.received is not None:
             raise Stopped(self.received)
 
+    @contextlib.contextmanager
+    def stopping(self) -> Iterator[None]:
+        """Within, the run is being stopped: a further stop signal, or Ctrl-C, does not cut that short."""
+        self.holding = True
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if self.main else None
+        try:
+            yield
+        finally:
+            if interrupt is not None:
+                signal.signal(signal.SIGINT, interrupt)
+
 
 def stop_processes(procs: Sequence[subprocess.Popen], grace: float = STOP_GRACE_SECONDS) -> None:
     """SIGTERM to each of ``procs`` and every process under it, then SIGKILL to those still there after ``grace``
     seconds. The whole tree: a launcher (``accelerate launch`` of one process, ``conda run``) exits on SIGTERM without
-    passing it on, and the stage under it would go on writing beside the rerun (vLLM holding its GPUs)."""
+    passing it on, and the stage under it would go on writing beside the rerun (vLLM holding its GPUs). The tree is
+    frozen (SIGSTOP) and listed again before it is signalled, so that a process it starts meanwhile is in it too."""
     import psutil
 
-    tree: list[psutil.Process] = []
-    for proc in procs:
-        try:
-            top = psutil.Process(proc.pid)
-            tree += [top, *top.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-    for process in tree:
+    def tree() -> list[psutil.Process]:
+        found: list[psutil.Process] = []
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                top = psutil.Process(proc.pid)
+                found += [top, *top.children(recursive=True)]
+        return found
+
+    frozen: dict[int, psutil.Process] = {}
+    for _ in range(3):  # a process forking as it was frozen shows up in the next listing
+        new = [p for p in tree() if p.pid not in frozen]
+        if not new:
+            break
+        for process in new:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.suspend()
+            frozen[process.pid] = process
+    processes = list(frozen.values())
+    for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.terminate()
-    _, alive = psutil.wait_procs(tree, timeout=grace)
+            process.resume()  # a stopped process acts on SIGTERM once continued
+    _, alive = psutil.wait_procs(processes, timeout=grace)
     for process in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
@@ -785,14 +812,15 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
                 else:
                     finished.add(step.name)
     except (KeyboardInterrupt, Stopped) as e:
-        stops.holding = True  # a second signal does not cut the stopping short
         names = ", ".join(step.name for step, _, _ in running.values()) or "the run"
-        if isinstance(e, Stopped):  # sent to this process alone: pass it on to the steps' processes
-            print(f"[{label}] {e}: stopping {names}", flush=True)
-            stop_processes([proc for _, proc, _ in running.values()])
-        for step, proc, started in running.values():
-            proc.wait()  # Ctrl-C: the children got the same one; let them clean up
-            finish(step, "interrupted", started)
+        with stops.stopping():
+            if isinstance(e, Stopped):  # sent to this process alone: pass it on to the steps' processes
+                with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot be written to
+                    print(f"[{label}] {e}: stopping {names}", flush=True)
+                stop_processes([proc for _, proc, _ in running.values()])
+            for step, proc, started in running.values():
+                proc.wait()  # Ctrl-C: the children got the same one; let them clean up
+                finish(step, "interrupted", started)
         what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {e}"
         raise PipelineError(
             f"{what} during {names}; run the same command again to resume there (finished stages are kept)"
