@@ -375,28 +375,50 @@ def rm_model(task, tiny_policy, tmp_path_factory) -> Path:
     return d / "out"
 
 
-def test_a_causal_lm_loads_as_a_reward_model_without_transformers_load_report(tiny_policy, tmp_path, capfd, caplog):
+def test_a_causal_lm_loads_as_a_reward_model_without_transformers_load_report(tiny_policy, tmp_path, caplog):
     """From a causal LM the LM head is left out and the score head is new, always: transformers' report of that (a
     table per process, "Consider training on your downstream task") is not shown. A body weight missing from the
-    checkpoint still is, as a warning naming it."""
+    checkpoint still is, as a warning naming it; a load that fails shows the report its error points to."""
+    import logging
     import shutil
 
     from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForSequenceClassification
 
     from rlhf_pipeline.stages.train_rm import load_reward_model_for_training
 
-    with caplog.at_level("WARNING"):
-        model = load_reward_model_for_training(tiny_policy)
-    assert model.config.num_labels == 1 and not caplog.records
-    assert "LOAD REPORT" not in "".join(capfd.readouterr())
-    damaged = shutil.copytree(tiny_policy, tmp_path / "damaged")
-    weights = load_file(str(damaged / "model.safetensors"))
-    del weights["model.layers.0.mlp.up_proj.weight"]
-    save_file(weights, str(damaged / "model.safetensors"), metadata={"format": "pt"})
-    with caplog.at_level("WARNING"):
-        load_reward_model_for_training(str(damaged))
-    assert [r.getMessage() for r in caplog.records] == [
-        f"{damaged}: 1 weight of the model missing from it, so initialised at random: model.layers.0.mlp.up_proj.weight"]
+    class Reports(logging.Handler):  # what reaches transformers' handlers (its logger does not propagate)
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    reports = Reports()
+    logging.getLogger("transformers.modeling_utils").addHandler(reports)
+    try:
+        with caplog.at_level("WARNING"):
+            model = load_reward_model_for_training(tiny_policy)
+        assert model.config.num_labels == 1 and not caplog.records
+        assert not [m for m in reports.messages if "LOAD REPORT" in m]
+        damaged = shutil.copytree(tiny_policy, tmp_path / "damaged")
+        weights = load_file(str(damaged / "model.safetensors"))
+        del weights["model.layers.0.mlp.up_proj.weight"]
+        save_file(weights, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+        with caplog.at_level("WARNING"):
+            load_reward_model_for_training(str(damaged))
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{damaged}: 1 weight of the model missing from it, so initialised at random: "
+            "model.layers.0.mlp.up_proj.weight"]
+        assert not [m for m in reports.messages if "LOAD REPORT" in m]
+        two_labels = tmp_path / "two_labels"
+        AutoModelForSequenceClassification.from_pretrained(tiny_policy, num_labels=2).save_pretrained(two_labels)
+        with pytest.raises(RuntimeError, match="look at the above report"):
+            load_reward_model_for_training(str(two_labels))
+        assert [m for m in reports.messages if "LOAD REPORT" in m and "MISMATCH" in m]
+    finally:
+        logging.getLogger("transformers.modeling_utils").removeHandler(reports)
 
 
 def test_reward_model_learns_the_gold_preferences_and_loads_for_scoring(rm_model):

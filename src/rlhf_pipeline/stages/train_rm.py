@@ -156,17 +156,24 @@ class RewardTask:
 
 
 class NoLoadReport(logging.Filter):
-    """Drops transformers' load report (``<class> LOAD REPORT from: <path>`` and its table)."""
+    """Holds back transformers' load report (``<class> LOAD REPORT from: <path>`` and its table), in ``held``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "LOAD REPORT" not in record.getMessage()
+        if "LOAD REPORT" in record.getMessage():
+            self.held.append(record)
+            return False
+        return True
 
 
 def load_reward_model_for_training(path: str, trust_remote_code: bool = False, **kwargs):
     """``path`` as a one-label sequence classifier. From a causal LM its LM head is left out and the reward head is
     new, as always: transformers' load report of that (a table per process, ending "Consider training on your
     downstream task") is not shown. Anything else it would report, weights of the body missing or left out, is a
-    warning that names them."""
+    warning that names them; where loading fails (mismatched sizes), the report its error points to is shown."""
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
@@ -176,6 +183,11 @@ def load_reward_model_for_training(path: str, trust_remote_code: bool = False, *
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, trust_remote_code=trust_remote_code, output_loading_info=True, **kwargs)
+    except Exception:
+        logger.removeFilter(no_report)
+        for record in no_report.held:  # "For details look at the above report!"
+            logger.handle(record)
+        raise
     finally:
         logger.removeFilter(no_report)
     body = f"{model.base_model_prefix}."
