@@ -142,7 +142,7 @@ def test_collect_offsets_and_stats(full_run):
 
 
 @pytest.mark.parametrize("overlap", [0, 1])
-def test_each_iterations_samples_are_placed_at_the_policy_that_sampled_them(tmp_path, overlap):
+def test_each_iterations_samples_are_placed_at_the_policy_that_sampled_them(tmp_path, overlap, monkeypatch):
     """An overlapped run's iteration t samples with policy t-2 (policy 0 for t <= 2): the report said t-1 for every
     run, in its text and in the response-length plot's positions. A resumed training run's wall time is marked."""
     from rlhf_pipeline.stages.report import _length_points, _markdown
@@ -159,6 +159,11 @@ def test_each_iterations_samples_are_placed_at_the_policy_that_sampled_them(tmp_
     data = collect(run)
     expected = [0, 1, 2] if overlap == 0 else [0, 0, 1]
     assert [it["sampler"] for it in data["iterations"]] == expected
+    monkeypatch.chdir(run)
+    assert [it["sampler"] for it in collect(Path("."))["iterations"]] == expected  # rlhf report .
+    moved = run.rename(tmp_path / "moved")
+    assert [it["sampler"] for it in collect(moved)["iterations"]] == expected
+    run = moved
     assert _length_points(data["iterations"])["gen_tokens"] == [(s, t) for s, t in zip(expected, (1.0, 2.0, 3.0))]
     text = _markdown(data, [])
     if overlap:

@@ -203,7 +203,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         max_step = max((r["step"] for r in metrics), default=0)
         iterations.append({
             "iteration": t,
-            "sampler": sampler_index(t, _read_json(path / "generate" / "manifest.json"), run_dir),
+            "sampler": sampler_index(t, _read_json(path / "generate" / "manifest.json"),
+                                     _read_json(path / "train" / "manifest.json"), run_dir),
             "path": str(path),
             "eval": _read_json(path / "eval" / EVAL_RESULTS),
             "manifests": {stage: _read_json(path / stage / "manifest.json") for stage in ITERATION_STAGES},
@@ -229,18 +230,24 @@ def collect(run_dir: Path) -> dict[str, Any]:
     return data
 
 
-def sampler_index(t: int, generate_manifest: Optional[dict[str, Any]], run_dir: Path) -> int:
-    """The policy iteration t's generate sampled from: ``k`` where its manifest's model is this run's
-    ``iter_<k>/train`` (k < t; an overlapped run's is t - 2), else 0, the starting policy. Without a manifest that
-    names it, t - 1, as a sequential run plans it."""
+def sampler_index(t: int, generate_manifest: Optional[dict[str, Any]], train_manifest: Optional[dict[str, Any]],
+                  run_dir: Path) -> int:
+    """The policy iteration t's generate sampled from, as its manifest names it: ``k`` where that is this run's
+    ``<run>/iter_<k>/train`` (k < t; an overlapped run's is t - 2), else 0, the starting policy. The run is known by
+    its directory's name; in a run renamed since, an ``iter_<k>/train`` of another name is taken as its own unless
+    the train manifest's ``training.sampler`` says the sampler was the policy trained (then t - 1). Without a
+    manifest that names it, t - 1, as a sequential run plans it."""
     named = ((generate_manifest or {}).get("config") or {}).get("model")
     if not named:
         return t - 1
     model = Path(str(named))
     match = ITER_DIR.match(model.parent.name)
-    if model.name == "train" and match and int(match.group(1)) < t and model.parent.parent.name == run_dir.name:
+    if not (match and model.name == "train" and int(match.group(1)) < t):
+        return 0
+    if model.parent.parent.name == run_dir.resolve().name:
         return int(match.group(1))
-    return 0
+    sampler = ((train_manifest or {}).get("training") or {}).get("sampler") or {}
+    return t - 1 if sampler.get("is_trained_policy") else int(match.group(1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
