@@ -40,7 +40,7 @@ EVAL_EVERY=${EVAL_EVERY:-50}
 SAVE_EVERY=${SAVE_EVERY:-100}
 SAVE_TOTAL_LIMIT=${SAVE_TOTAL_LIMIT:-2}  # checkpoints kept while training (0 = all); ~112 GB each at 8B
 KEEP_CHECKPOINTS=${KEEP_CHECKPOINTS:-0}  # 1 = keep checkpoints/ after the run finishes (by default deleted then)
-BF16=${BF16:-1}                          # bf16 mixed precision; 0 = float32
+BF16=${BF16:-1}                          # bf16 mixed precision; 0 = float32 (launched with --mixed_precision no)
 GRADIENT_CHECKPOINTING=${GRADIENT_CHECKPOINTING:-1}
 SEED=${SEED:-0}
 REPORT_TO=${REPORT_TO:-tensorboard}
@@ -52,12 +52,14 @@ if [ $((BATCH_SIZE * GRAD_ACC * NUM_GPUS)) -ne "$GLOBAL_BATCH" ]; then
 fi
 push=(); [ -n "$PUSH_TO_HUB" ] && push=(--push-to-hub "$PUSH_TO_HUB")
 flags=()
-if [ "$BF16" = 1 ]; then flags+=(--bf16); else flags+=(--no-bf16); fi
+precision=()  # the configs ask for bf16, which a run without --bf16 refuses: say float32 to the launcher too
+if [ "$BF16" = 1 ]; then flags+=(--bf16); else flags+=(--no-bf16); precision=(--mixed_precision no); fi
 if [ "$GRADIENT_CHECKPOINTING" = 1 ]; then flags+=(--gradient-checkpointing); fi
 if [ "$KEEP_CHECKPOINTS" = 1 ]; then flags+=(--keep-checkpoints); fi
 
 # shellcheck disable=SC2086  # ACCELERATE_ARGS: several words
-accelerate launch --config_file "$ACCELERATE_CONFIG" --num_processes "$NUM_GPUS" $ACCELERATE_ARGS \
+accelerate launch --config_file "$ACCELERATE_CONFIG" --num_processes "$NUM_GPUS" \
+  ${precision[@]+"${precision[@]}"} $ACCELERATE_ARGS \
   -m rlhf_pipeline.stages.train_rm \
   --model "$MODEL" --data "$DATA" --output "$OUT" \
   --max-length "$MAX_LENGTH" --test-size "$TEST_SIZE" \

@@ -227,10 +227,11 @@ def push_model_to_hub(output: Path, hub: HubTarget, manifest: bytes) -> None:
     iteration's policy its own, ``iter<t>-train``). The token comes from the environment (HF_TOKEN), read by
     huggingface_hub.
 
-    A push replaces the branch's files (its ``README.md`` and ``.gitattributes`` aside) in the same commit: a model
-    pushed there before leaves nothing behind, such as a single ``model.safetensors`` beside new shards (which
-    transformers would load instead of them) or an ``adapter_config.json`` beside a full model. Its manifest goes
-    too, and comes back last, with the new one."""
+    A push replaces the branch's files (its ``README.md`` and ``.gitattributes`` aside): a model pushed there before
+    leaves nothing behind, such as a single ``model.safetensors`` beside new shards (which transformers would load
+    instead of them) or an ``adapter_config.json`` beside a full model. The deletions go with the upload's first
+    commit (huggingface_hub may split a large upload into several), the old manifest among them, and the new
+    manifest comes last: a branch caught midway has no manifest, never an old one beside new weights."""
     import glob
 
     from huggingface_hub import HfApi
