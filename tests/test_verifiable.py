@@ -330,3 +330,26 @@ def test_score_passes_the_named_column_as_reference(tiny_policy, tmp_path):
     default = load_from_disk(str(tmp_path / "s_default"))
     assert default["rewards"] == [[0.0 if r else 1.0 for r in rs] for rs in default["responses"]]
     assert json.loads((Path(tmp_path / "s") / "manifest.json").read_text())["config"]["reference_column"] == "gold"
+
+
+@pytest.mark.parametrize("body, raised", [("return 1 / 0", "ZeroDivisionError: division by zero"),
+                                          ("import sys; sys.exit(2)", "SystemExit: 2")])
+def test_an_extract_answer_that_raises_is_the_users_error_with_the_prompt_named(tmp_path, body, raised):
+    """maj@k reads the answers through the function's own extract_answer: user code, so what it raises (sys.exit
+    too, which ended rlhf eval without a word) is its traceback and one line naming the prompt."""
+    from rlhf_pipeline.errors import UserCodeError
+    from rlhf_pipeline.stages.eval import verifiable_summary
+    from rlhf_pipeline.stages.score import RewardSource
+
+    (tmp_path / "votes.py").write_text(
+        "def reward(prompts, responses, **columns):\n    return [1.0] * len(responses)\n\n"
+        f"def extract(response):\n    if response == 'bad':\n        {body}\n    return response\n\n"
+        "reward.extract_answer = extract\n")
+    spec = f"{tmp_path}/votes.py:reward"
+    source = RewardSource("reward_fn", spec, "reward_fn")
+    good = verifiable_summary(source, [["3", "3"], ["4", "5"]], [[1.0, 1.0], [0.0, 1.0]])
+    assert good["maj_at_k"]["1"]["mean"] == 0.5
+    with pytest.raises(UserCodeError) as error:
+        verifiable_summary(source, [["3", "3"], ["4", "bad"]], [[1.0, 1.0], [0.0, 1.0]])
+    assert str(error.value) == (f"the reward function {spec}: its extract_answer raised on the responses of prompt 1: "
+                                f"{raised}")

@@ -206,6 +206,7 @@ def verifiable_summary(source: RewardSource, responses: list[list[str]], rewards
     k = 1, 2, 4, ..., n (evalstats.k_ladder), and ``maj_at_k`` the same way when the function carries
     ``extract_answer(response)`` (the answer a response votes for, as rewards.verifiable's do); empty for anything
     else."""
+    from rlhf_pipeline.errors import UserCodeError, one_line
     from rlhf_pipeline.evalstats import maj_at_k_summary, pass_at_k_summary
 
     if source.kind != "reward_fn" or not rewards or any(r not in (0.0, 1.0) for rs in rewards for r in rs):
@@ -215,7 +216,13 @@ def verifiable_summary(source: RewardSource, responses: list[list[str]], rewards
     result: dict[str, Any] = {"pass_at_k": pass_at_k_summary(rewards)}
     extract = getattr(load_reward_fn(source.spec), "extract_answer", None)
     if callable(extract):
-        answers = [[extract(r) for r in row] for row in responses]
+        answers = []
+        for row, texts in enumerate(responses):
+            try:
+                answers.append([extract(r) for r in texts])
+            except (Exception, SystemExit) as e:  # the user's code: its traceback, then one line
+                raise UserCodeError(f"the reward function {source.spec}: its extract_answer raised on the responses "
+                                    f"of prompt {row}: {one_line(e)}", e) from e
         result["maj_at_k"] = maj_at_k_summary(answers, rewards)
     return result
 
