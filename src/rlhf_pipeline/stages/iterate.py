@@ -667,10 +667,12 @@ class StopSignals:
             raise Stopped(self.received)
 
     @contextlib.contextmanager
-    def stopping(self) -> Iterator[None]:
-        """Within, the run is being stopped: a further stop signal, or Ctrl-C, does not cut that short."""
+    def stopping(self, ignore_interrupts: bool) -> Iterator[None]:
+        """Within, the run is being stopped: a further stop signal, or with ``ignore_interrupts`` Ctrl-C, does not cut
+        that short (the stop of a run stopped by a signal is bounded by its grace; one stopped by Ctrl-C waits for
+        its stages, and a second Ctrl-C leaves them)."""
         self.holding = True
-        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if self.main else None
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if self.main and ignore_interrupts else None
         try:
             yield
         finally:
@@ -813,7 +815,7 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
                     finished.add(step.name)
     except (KeyboardInterrupt, Stopped) as e:
         names = ", ".join(step.name for step, _, _ in running.values()) or "the run"
-        with stops.stopping():
+        with stops.stopping(ignore_interrupts=isinstance(e, Stopped)):
             if isinstance(e, Stopped):  # sent to this process alone: pass it on to the steps' processes
                 with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot be written to
                     print(f"[{label}] {e}: stopping {names}", flush=True)
