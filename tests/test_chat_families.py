@@ -22,6 +22,10 @@ from conftest import make_stop_prone, run, write_jsonl
 FAMILIES = ["llama3", "chatml", "mistral", "gemma"]
 MAX_NEW_TOKENS = 12
 N = 4
+# The generations whose samples the stop/limit tests read, (generate options, token limit): the kit's, where most
+# samples end their turn (a third of the probability at each step: about 1 in 130 runs 12 tokens), and one of a
+# single token, where about two in three reach the limit, so that both kinds are there whatever the draw.
+GENERATIONS = [((), MAX_NEW_TOKENS), (("--max-new-tokens", 1), 1)]
 
 # A multi-turn conversation with a system turn, to be answered with ANSWER.
 MESSAGES = [
@@ -140,11 +144,11 @@ def kit(tmp_path_factory):
 
     @functools.cache
     def stage(family: str, name: str, *options) -> Path:
-        """The output of ``generate``, ``score`` or ``filter`` (pairs, with ``options``)."""
+        """The output of ``generate`` (with ``options``), ``score`` or ``filter`` (pairs, with ``options``)."""
         out = root / "-".join([family, name, *map(str, options)])
         if name == "generate":
             args = ["generate", "--model", policy(family), "--prompts", prompts, "--output", out, "--engine", "hf",
-                    "--n", N, "--max-new-tokens", MAX_NEW_TOKENS, "--seed", 0]
+                    "--n", N, "--max-new-tokens", MAX_NEW_TOKENS, "--seed", 0, *options]
         elif name == "score":
             args = ["score", "--input", stage(family, "generate"), "--output", out,
                     "--reward-fn", f"{root}/rewards.py:reward"]
@@ -196,16 +200,21 @@ def test_sampling_stops_on_the_end_of_turn_token(kit, family):
     if family in ("llama3", "gemma"):  # the turn end is not the tokenizer's EOS: it comes from the generation config
         assert end_of_turn != tok.eos_token_id
         assert end_of_turn in json.loads((kit.policy(family) / "generation_config.json").read_text())["eos_token_id"]
-    ds = load_from_disk(str(gen))
-    finishes = [f for fs in ds["finish_reasons"] for f in fs]
-    assert finishes.count("stop") >= 0.75 * len(finishes) and "length" in finishes  # both kinds occur
-    for texts, samples, reasons in zip(ds["responses"], ds["response_token_ids"], ds["finish_reasons"]):
-        for text, ids, reason in zip(texts, samples, reasons):
-            if reason == "stop":
-                assert ids[-1] == end_of_turn and not set(ids[:-1]) & set(stop_ids)
-            else:
-                assert len(ids) == MAX_NEW_TOKENS and not set(ids) & set(stop_ids)
-            assert hand.end_of_turn not in text  # texts (for people and reward models) carry no turn marker
+    seen = []
+    for options, limit in GENERATIONS:
+        ds = load_from_disk(str(kit.stage(family, "generate", *options)))
+        finishes = [f for fs in ds["finish_reasons"] for f in fs]
+        if limit == MAX_NEW_TOKENS:
+            assert finishes.count("stop") >= 0.75 * len(finishes)  # stop-prone: most samples end their turn
+        seen += finishes
+        for texts, samples, reasons in zip(ds["responses"], ds["response_token_ids"], ds["finish_reasons"]):
+            for text, ids, reason in zip(texts, samples, reasons):
+                if reason == "stop":
+                    assert ids[-1] == end_of_turn and not set(ids[:-1]) & set(stop_ids)
+                else:
+                    assert len(ids) == limit and not set(ids) & set(stop_ids)
+                assert hand.end_of_turn not in text  # texts (for people and reward models) carry no turn marker
+    assert set(seen) == {"stop", "length"}  # both kinds were checked
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -219,20 +228,21 @@ def test_filter_tokenizes_responses_without_ids_as_sampling_ends_them(kit, famil
     tok = load_tok(kit.policy(family))
     end_of_turn = tok.convert_tokens_to_ids(HAND_WRITTEN[family].end_of_turn)
     stops = tuple(stop_token_ids(tok, str(kit.policy(family))))
-    ds = load_from_disk(str(kit.stage(family, "generate")))
-    batch = {"messages": ds["messages"], "responses": ds["responses"], "finish_reasons": ds["finish_reasons"]}
-    _tokenize_missing(batch, list(range(ds.num_rows)), "generated.jsonl", tok, "messages", stops)
     seen = set()
-    for texts, samples, reasons in zip(ds["responses"], batch["response_token_ids"], ds["finish_reasons"]):
-        for text, ids, reason in zip(texts, samples, reasons):
-            seen.add(reason)
-            if reason == "stop":
-                assert ids[-1] == end_of_turn and not set(ids[:-1]) & set(stops)
-            else:
-                assert not set(ids) & set(stops)
-            assert tok.decode([t for t in ids if t not in stops]).strip() == text.strip()  # templates trim
+    for options, _ in GENERATIONS:
+        ds = load_from_disk(str(kit.stage(family, "generate", *options)))
+        batch = {"messages": ds["messages"], "responses": ds["responses"], "finish_reasons": ds["finish_reasons"]}
+        _tokenize_missing(batch, list(range(ds.num_rows)), "generated.jsonl", tok, "messages", stops)
+        for texts, samples, reasons in zip(ds["responses"], batch["response_token_ids"], ds["finish_reasons"]):
+            for text, ids, reason in zip(texts, samples, reasons):
+                seen.add(reason)
+                if reason == "stop":
+                    assert ids[-1] == end_of_turn and not set(ids[:-1]) & set(stops)
+                else:
+                    assert not set(ids) & set(stops)
+                assert tok.decode([t for t in ids if t not in stops]).strip() == text.strip()  # templates trim
+        assert batch["prompt_token_ids"] == ds["prompt_token_ids"]
     assert seen == {"stop", "length"}
-    assert batch["prompt_token_ids"] == ds["prompt_token_ids"]
 
 
 def test_filter_keeps_the_text_of_a_response_its_template_rewrites(kit):

@@ -821,6 +821,9 @@ def test_push_to_hub_leaves_the_rollout_cache_out(data, tiny_policy, tmp_path, m
         def create_repo(self, repo_id, **kw):
             pass
 
+        def list_repo_files(self, repo_id, **kw):
+            return []  # a new repo
+
         def upload_folder(self, **kw):
             uploads.append(kw["ignore_patterns"])
 
