@@ -230,11 +230,11 @@ def raw_conversation_error(source: str, row: int) -> PipelineError:
                          f"{'|'.join(BUILTIN_TEMPLATES)}|FILE) or plain 'prompt' text")
 
 
-# A text every tokenizer splits its own way (words, digits, runs of spaces, punctuation, accents, CJK, an emoji): two
-# tokenizers that give it the same ids give any text the same ids, in practice. Token ids made by one model's
-# tokenizer and read by another model whose vocabulary has the same size pass every range check and train on noise
-# (Llama-2 and Mistral-7B: 32,000 each); the stages that make token ids record the probe's ids under the key below,
-# and the stages that read them compare.
+# A text in which two vocabularies of one size (Llama-2's and Mistral-7B's: 32,000 each) give ids of different tokens:
+# words, digits, runs of spaces, punctuation, accents, CJK, an emoji. Token ids made by one model's tokenizer and
+# read by another such model pass every range check and train on noise, so the stages that make token ids record
+# the probe's ids under the key below, and the stages that read them check that those ids mean the probe text to the
+# tokenizer they use.
 TOKENIZER_PROBE = "The quick brown fox, 1234567 jumps!  Naïve café: 東京 ½ 🙂\n\tdone."
 TOKENIZER_PROBE_KEY = "tokenizer_probe"
 
@@ -246,14 +246,29 @@ def tokenizer_probe(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 def check_same_tokenizer(recorded: Optional[Sequence[int]], tokenizer: PreTrainedTokenizerBase, source: str,
                          whose: str, fix: str) -> None:
-    """Raise a PipelineError when the token ids of ``source`` were made by a tokenizer that splits text unlike
-    ``tokenizer`` (``whose``: which one it is, in words), as the probe its manifests recorded shows. Data without a
+    """Raise a PipelineError when the token ids of ``source`` were made by a tokenizer whose ids mean other text
+    than ``tokenizer``'s (``whose``: which one it is, in words): the probe ids its manifests recorded, decoded by
+    ``tokenizer``, are not the probe text as ``tokenizer`` itself reads it back. What the ids mean is compared, not
+    how the text was cut: the same vocabulary may split text otherwise under another backend or transformers
+    release (a tokenizer's pre-tokenizer fixed since, say), and its ids still mean what they did. Data without a
     record (made elsewhere, or before the record existed) is not checked."""
-    if recorded is None or list(recorded) == tokenizer_probe(tokenizer):
+    if recorded is None:
         return
-    raise PipelineError(f"{source}: its token ids were made by a tokenizer that splits text unlike {whose} (a probe "
-                        f"text recorded with the data encodes to other ids with it), so they would be read as other "
-                        f"words; {fix}")
+    own = tokenizer_probe(tokenizer)
+    if list(recorded) == own:
+        return
+
+    def text(ids: Sequence[int]) -> Optional[str]:
+        try:
+            return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        except Exception:  # noqa: BLE001 - ids this tokenizer cannot decode mean nothing to it
+            return None
+
+    if text(recorded) is not None and text(recorded) == text(own):
+        return
+    raise PipelineError(f"{source}: its token ids mean other text under {whose} than under the tokenizer that made "
+                        f"them (a probe text recorded with the data decodes to other text), so they would be read as "
+                        f"other words; {fix}")
 
 
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -102,7 +102,7 @@ def _ref_logps(config: RefLogpsConfig, accelerator) -> Path:
     from rlhf_pipeline.datasets_io import find_in_lineage, parse_ref
     from rlhf_pipeline.distributed import guarded, on_main_process, world_and_rank
     from rlhf_pipeline.modeling import load_causal_lm
-    from rlhf_pipeline.training.stage import check_vocabulary
+    from rlhf_pipeline.training.stage import check_tokenizer, check_vocabulary
 
     read = guarded(accelerator, lambda: _read(config))
     if read is None:
@@ -111,11 +111,12 @@ def _ref_logps(config: RefLogpsConfig, accelerator) -> Path:
     processes = world_and_rank(accelerator)[0]
     accelerator = accelerator or Accelerator()  # one process: the accelerator this stage has always used
 
-    def load() -> tuple[Any, Any]:
+    def load() -> tuple[Any, Any]:  # and check that this model reads the data's ids as the data's
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
+        check_tokenizer(tokenizer, config.input, config.model)
         model = load_causal_lm(config.model, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
                                device=accelerator.device, attn_implementation=config.attn_implementation)
-        check_vocabulary(dd, model, tokenizer, config.input, config.model)  # ids this model reads as the data's
+        check_vocabulary(dd, model, tokenizer, config.input, config.model)
         return tokenizer, model
 
     tokenizer, model = guarded(accelerator, load)

@@ -354,6 +354,8 @@ def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[
         if config.compile:  # before any work
             check_compile(run.accelerator.state.deepspeed_plugin is not None)
         job = read(run)
+        if job.data is not None:
+            check_tokenizer(job.tokenizer, config.data, config.model)  # before the model loads
         model = load_trainable(config, job.loader or _causal_lm)
         if job.model_ready is not None:
             job.model_ready(model)
@@ -370,24 +372,33 @@ def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[
     return run.path
 
 
-def check_vocabulary(data: dict, model: Any, tokenizer: Any, source: str, model_name: str) -> None:
-    """Every token id of every split within the vocabulary of the model (its input embedding's rows, and the
-    tokenizer's ids), and made by a tokenizer that splits text as this model's does (the probe the data's manifest
-    recorded, ``chat.check_same_tokenizer``): data tokenized for another model fails here, naming the row or the
-    tokenizer, before anything is written."""
+def data_fix(model_name: str) -> str:
+    """What to do about data tokenized for another model than ``model_name``."""
+    return (f"make it again with this model's tokenizer (rlhf filter --tokenizer {model_name}), or use the model it "
+            "was made for")
+
+
+def check_tokenizer(tokenizer: Any, source: str, model_name: str) -> None:
+    """The token ids of ``source`` mean to ``tokenizer`` what they meant to the tokenizer that made them (the probe
+    its manifest recorded, ``chat.check_same_tokenizer``); checked before the model is loaded."""
     from rlhf_pipeline.chat import TOKENIZER_PROBE_KEY, check_same_tokenizer
-    from rlhf_pipeline.contracts import require_token_ids
     from rlhf_pipeline.datasets_io import find_in_lineage, parse_ref
 
-    fix = (f"make it again with this model's tokenizer (rlhf filter --tokenizer {model_name}), or use the model it "
-           "was made for")
+    check_same_tokenizer(find_in_lineage([parse_ref(source)], TOKENIZER_PROBE_KEY), tokenizer, source,
+                         f"{model_name}'s tokenizer", data_fix(model_name))
+
+
+def check_vocabulary(data: dict, model: Any, tokenizer: Any, source: str, model_name: str) -> None:
+    """Every token id of every split within the vocabulary of the model (its input embedding's rows, and the
+    tokenizer's ids): data tokenized for another model fails here, naming the row, before anything is written."""
+    from rlhf_pipeline.contracts import require_token_ids
+
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(embedding, "num_embeddings", None)
     vocab_size = min(len(tokenizer), rows) if rows else len(tokenizer)
     for split, ds in data.items():
-        require_token_ids(ds, vocab_size, f"{source}:{split}", f"the data was tokenized for another model: {fix}")
-    check_same_tokenizer(find_in_lineage([parse_ref(source)], TOKENIZER_PROBE_KEY), tokenizer, source,
-                         f"{model_name}'s tokenizer", fix)
+        require_token_ids(ds, vocab_size, f"{source}:{split}",
+                          f"the data was tokenized for another model: {data_fix(model_name)}")
 
 
 def _causal_lm(path: str, trust_remote_code: bool = False, **kwargs):
