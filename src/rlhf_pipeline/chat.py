@@ -264,7 +264,8 @@ def check_same_tokenizer(recorded: Optional[Sequence[int]], tokenizer: PreTraine
         except Exception:  # noqa: BLE001 - ids this tokenizer cannot decode mean nothing to it
             return None
 
-    if text(recorded) is not None and text(recorded) == text(own):
+    theirs = text(recorded)
+    if theirs is not None and theirs == text(own):
         return
     raise PipelineError(f"{source}: its token ids mean other text under {whose} than under the tokenizer that made "
                         f"them (a probe text recorded with the data decodes to other text), so they would be read as "

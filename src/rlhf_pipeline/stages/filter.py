@@ -357,7 +357,7 @@ def main(config: FilterConfig) -> Path:
     column = _check_input(ds, config, ref.name, sampling)
     ds, renamed = rename_clashes(ds, config.mode)
     tokenizer = load_tokenizer(config.tokenizer, config.trust_remote_code)
-    if "response_token_ids" in ds.column_names:  # the sampler's ids are kept: --tokenizer must split text as it did
+    if "response_token_ids" in ds.column_names:  # the sampler's ids are kept: --tokenizer must read them as it did
         check_same_tokenizer((sampling or {}).get(TOKENIZER_PROBE_KEY), tokenizer, ref.name,
                              f"the tokenizer given (--tokenizer {config.tokenizer})",
                              f"pass the sampling model's tokenizer (--tokenizer {(sampling or {}).get('model')})")
