@@ -66,8 +66,7 @@ def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str
     final = output / CHECKPOINTS / f"step_{state['step']:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
-        for stale in final.parent.glob("step_*.tmp"):  # what a killed save or removal left
-            shutil.rmtree(stale, ignore_errors=True)
+        _remove_unfinished(final.parent)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
@@ -104,8 +103,7 @@ def remove_checkpoints(output: Path) -> None:
     for old in list_checkpoints(output):
         _remove(old)
     root = output / CHECKPOINTS
-    for stale in root.glob("step_*.tmp"):  # what a killed save or removal left
-        shutil.rmtree(stale, ignore_errors=True)
+    _remove_unfinished(root)
     if root.is_dir() and not any(root.iterdir()):
         root.rmdir()
 
@@ -123,6 +121,12 @@ def remove_leftover_checkpoints(output: Path) -> int:
         print(f"{output}: removed the {left} checkpoint{'s' if left != 1 else ''} its finished run left behind "
               "(stopped while removing them)", flush=True)
     return left
+
+
+def _remove_unfinished(root: Path) -> None:
+    """The ``step_N.tmp`` directories under ``root``: what a killed save or removal left."""
+    for stale in root.glob("step_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _remove(checkpoint: Path) -> None:
