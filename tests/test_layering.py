@@ -3,7 +3,7 @@
 :data:`LEVELS` is the map of the package, bottom to top, one line per module or package (a package's line covers
 its submodules). A module may import a module of a lower line, or of its own line (a package's submodules among
 themselves); never one above it, nor a sibling on the same level: the stages do not import each other, and the
-stages that run others (``eval`` runs ``generate`` and ``score``, ``iterate`` plans every stage, ``demo`` runs
+stages that run others (``eval`` runs ``generate`` and ``score``, ``merge`` reads ``generate``'s options, ``iterate`` plans every stage, ``demo`` runs
 ``iterate`` and ``report``) each have a level of their own above the ones they run.
 
 An import is any ``import``/``from ... import`` anywhere in a file (function bodies and ``TYPE_CHECKING`` blocks
@@ -58,7 +58,6 @@ LEVELS: list[tuple[int, str, str]] = [
     (7, "algorithms", "the registry and the algorithm families"),
     (8, "stages", "run_stage, what every stage's cli calls"),
     (9, "stages.generate", "rlhf generate"),
-    (9, "stages.merge", "rlhf merge"),
     (9, "stages.score", "rlhf score"),
     (9, "stages.filter", "rlhf filter"),
     (9, "stages.ref_logps", "rlhf ref-logps"),
@@ -68,6 +67,7 @@ LEVELS: list[tuple[int, str, str]] = [
     (9, "stages.report", "rlhf report"),
     (9, "stages.tiny_model", "rlhf tiny-model"),
     (10, "stages.eval", "rlhf eval: runs generate and score"),
+    (10, "stages.merge", "rlhf merge: checks the shards by generate's options"),
     (11, "stages.iterate", "rlhf iterate: plans and launches the stages"),
     (12, "stages.demo", "rlhf demo: runs iterate and report"),
     (13, "bench", "rlhf bench: runs the stages side by side with peers"),

@@ -169,6 +169,35 @@ def test_shards_merge_into_the_whole(tiny_policy, bundled_prompts, tmp_path):
     assert not (tmp_path / "m2").exists()
 
 
+def test_merge_takes_the_shards_of_one_run_however_named_and_ordered_and_no_others(tiny_policy, bundled_prompts,
+                                                                                   tmp_path, capsys):
+    """The shards' order and how each spells the prompts' path do not matter; the engine that sampled a shard, or a
+    policy written again between the shards under the same path, do."""
+    spelled = [bundled_prompts, str(Path(bundled_prompts).parent / "." / Path(bundled_prompts).name)]
+    for i in range(2):
+        assert run("generate", "--model", tiny_policy, "--prompts", spelled[i], "--n", 1, "--max-new-tokens", 2,
+                   "--limit", 4, "--shard", f"{i}/2", "--output", tmp_path / f"s{i}") == 0
+    assert run("merge", "--inputs", tmp_path / "s0", tmp_path / "s1", "--output", tmp_path / "m") == 0
+    capsys.readouterr()
+    assert run("merge", "--inputs", tmp_path / "s1", tmp_path / "s0", "--output", tmp_path / "m") == 0
+    assert "nothing to do" in capsys.readouterr().out
+    recorded = manifest(tmp_path / "s1")
+    for change, expect in [({"sampling": dict(recorded["sampling"], engine="vllm")}, "sampling engine"),
+                           ({"used_outputs": {"model": "another"}}, "the model, written again between the shards")]:
+        (tmp_path / "s1" / "manifest.json").write_text(json.dumps(dict(recorded, **change)))
+        assert run("merge", "--inputs", tmp_path / "s0", tmp_path / "s1", "--output", tmp_path / "m2") == 1
+        assert expect in capsys.readouterr().err and not (tmp_path / "m2").exists()
+
+
+def test_generate_wraps_past_the_last_prompt_and_records_its_rows(tiny_policy, small_prompts, tmp_path):
+    """--wrap (rlhf iterate's last chunk of prompts_per_iteration) goes on from the first prompt."""
+    assert run("generate", "--model", tiny_policy, "--prompts", small_prompts, "--n", 1, "--max-new-tokens", 2,
+               "--offset", 10, "--limit", 4, "--wrap", "--output", tmp_path / "gen") == 0
+    ids = [json.loads(line)["id"] for line in open(small_prompts).read().splitlines()]
+    assert load_from_disk(str(tmp_path / "gen"))["id"] == [ids[10], ids[11], ids[0], ids[1]]
+    assert manifest(tmp_path / "gen")["shard"]["rows"] == [[10, 12], [0, 2]]
+
+
 def test_generate_closes_its_engine_even_when_sampling_fails(tiny_policy, small_prompts, tmp_path, monkeypatch):
     """A stage frees its engine when done (eval goes on to score, or to start a baseline's engine), and on failure."""
     import rlhf_pipeline.engines as engines

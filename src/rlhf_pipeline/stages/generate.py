@@ -156,12 +156,27 @@ def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | 
     if shard is not None:
         i, n = parse_shard(shard)
         part = shard_indices(len(rows), i, n)
+        if not part:
+            raise PipelineError(f"{ref.name}: --shard {shard} gets no prompts: {n} shards of its {len(rows)} "
+                                f"prompts (rows {offset}..{end}) leave shard {i} empty; give at most {len(rows)} shards")
         rows = rows[part.start : part.stop]
     if len(rows) != rows_total:
         ds = ds.select(rows)
     if ds.num_rows == 0:
         raise PipelineError(f"{ref.name}: no prompts to generate for (rows {offset}..{end})")
     return ds, column, rows, rows_total
+
+
+def row_spans(rows: Sequence[int]) -> list[list[int]]:
+    """The rows ``select_prompts`` chose as ``[start, stop)`` spans: one for a range, two where --wrap went on from
+    the first row."""
+    spans: list[list[int]] = []
+    for row in rows:
+        if spans and spans[-1][1] == row:
+            spans[-1][1] += 1
+        else:
+            spans.append([row, row + 1])
+    return spans
 
 
 # Prompts sampled and written at a time: the stage holds one chunk's samples, not the whole output's. vLLM's samples
@@ -358,7 +373,7 @@ def main(config: GenerateConfig) -> Path:
                     "chat_template": template.record(),
                     TOKENIZER_PROBE_KEY: tokenizer_probe(tokenizer),  # what made the token ids (chat.py)
                 },
-                "shard": {"spec": config.shard, "rows": [rows.start, rows.stop], "rows_total": rows_total},
+                "shard": {"spec": config.shard, "rows": row_spans(rows), "rows_total": rows_total},
                 "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),
                              "gpus_per_replica": config.gpus_per_replica, "ray_address": config.ray_address},
                 "responses": {"total": stopped + counts["length"], "stopped": stopped},

@@ -11,6 +11,7 @@ rows come out in prompt order. The merged manifest carries the sampling settings
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,8 @@ from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import OutputOptions
 from rlhf_pipeline.errors import PipelineError
 
-# Settings that may differ between the shards of one run.
-PER_SHARD = ("shard", "output", "overwrite", "push_to_hub", "hub_config", "private", "gpu_memory_utilization")
+# Settings that may differ between the shards of one run, besides those that do not change a run's output.
+PER_SHARD = ("shard",)
 
 
 @dataclass(kw_only=True)
@@ -62,20 +63,15 @@ def main(config: MergeConfig) -> Path:
         )
     first = manifests[0]
     for ref, manifest in zip(refs, manifests):
-        diffs = [
-            k
-            for k in set(first["config"]) | set(manifest["config"])
-            if k not in PER_SHARD and first["config"].get(k) != manifest["config"].get(k)
-        ]
-        if manifest["inputs"] != first["inputs"]:
-            diffs.append("prompts")
+        diffs = settings_differences(first, manifest)
         if diffs:
-            raise PipelineError(f"{ref}: made with other settings than {refs[0]} ({', '.join(sorted(diffs))})")
+            raise PipelineError(f"{ref}: made with other settings than {refs[0]} ({', '.join(diffs)}); merge shards "
+                                "of one run")
 
-    out = StageOutput("merge", config, inputs=refs)
+    order = sorted(range(len(refs)), key=lambda k: shards[k][0])
+    out = StageOutput("merge", config, inputs=[refs[k] for k in order])  # in shard order: any order given is one run
     if out.done():
         return out.path
-    order = sorted(range(len(refs)), key=lambda k: shards[k][0])
     merged = concatenate_datasets([load_dataset_ref(refs[k]) for k in order])
     out.save(
         merged,
@@ -83,6 +79,27 @@ def main(config: MergeConfig) -> Path:
         extra={"sampling": first["sampling"], "shards": num_shards},
     )
     return out.path
+
+
+def settings_differences(first: dict, manifest: dict) -> list[str]:
+    """What makes the shard of ``manifest`` part of another run than that of ``first``: an option that changes the
+    output (those that do not, such as how a path is spelled or the engine's memory share, may differ), the prompts'
+    data, the policy's own output written again in between, or the sampling as the engine ran it."""
+    from rlhf_pipeline.datasets_io import USED_OUTPUTS, same_inputs
+    from rlhf_pipeline.stages.generate import GenerateConfig
+
+    keys = [f.name for f in dataclasses.fields(GenerateConfig)
+            if f.metadata.get("semantic", True) and f.name not in PER_SHARD]
+    diffs = [k for k in keys if first["config"].get(k) != manifest["config"].get(k)]
+    options = set(diffs)
+    if not same_inputs(first["inputs"], manifest["inputs"]):
+        diffs.append("the prompts' data")
+    if (first.get(USED_OUTPUTS) or {}) != (manifest.get(USED_OUTPUTS) or {}):
+        diffs.append("the model, written again between the shards")
+    sampling, other = first.get("sampling") or {}, manifest.get("sampling") or {}
+    diffs += [f"sampling {k}" for k in sorted(set(sampling) | set(other))
+              if sampling.get(k) != other.get(k) and k not in options]  # an option named above: once
+    return diffs
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
