@@ -96,6 +96,8 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     k["empty_jsonl"] = str(d / "empty.jsonl")
     (d / "broken.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"\n{"prompt": "c"}\n')
     k["broken_jsonl"] = str(d / "broken.jsonl")
+    (d / "broken.json").write_text('{"prompt": "a"}\n{"prompt": "b"\n{"prompt": "c"}\n')  # JSON Lines named .json
+    k["broken_json"] = str(d / "broken.json")
     k["messages_text"] = write_jsonl(d / "messages_text.jsonl", [{"messages": "hello"}])
     k["long_prompt"] = write_jsonl(d / "long_prompt.jsonl", [{"prompt": "Hi."}, {"prompt": "word " * 5000}])
     k["int_prompts"] = write_jsonl(d / "int_prompts.jsonl", [{"prompt": "Fine."}, {"prompt": 7}])
@@ -133,6 +135,9 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     k["pairs_foreign_id"] = write_jsonl(d / "pairs_foreign_id.jsonl", [
         {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "chosen_token_ids": [7, 99999 if i == 2 else 8, 2],
          "rejected_token_ids": [9, 2], "chosen_reward": 1.0, "rejected_reward": 0.0} for i in range(6)])
+    k["best_foreign_id"] = write_jsonl(d / "best_foreign_id.jsonl", [
+        {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "completion_token_ids": [7, 99999 if i == 2 else 8, 2]}
+        for i in range(6)])
     k["groups_nan_reward"] = write_jsonl(d / "groups_nan.jsonl", [
         {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "response_token_ids": [[7, 2], [8, 9, 2]],
          "rewards": [1.0, float("nan") if i == 3 else 0.0]} for i in range(6)])
@@ -221,6 +226,17 @@ CASES = [
                                          "--shard", "3/2"], "--shard '3/2': need 0 <= i < N"),
     Case("generate-shard-malformed", ["generate", "--model", "{policy}", "--prompts", "{prompts}",
                                       "--shard", "half"], "--shard 'half': expected i/N"),
+    Case("generate-shard-without-prompts", ["generate", "--model", "{policy}", "--prompts", "{prompts}",
+                                            "--shard", "4/5"],
+         "prompts.jsonl: --shard 4/5 gets no prompts: 5 shards of its 4 prompts (rows 0..4) leave shard 4 empty; give "
+         "at most 4 shards"),
+    Case("generate-split-of-a-file", ["generate", "--model", "{policy}", "--prompts", "{prompts}:test"],
+         "is a file, which holds one split; drop ':test'"),
+    Case("generate-prompts-neither-here-nor-on-the-hub", ["generate", "--model", "{policy}", "--prompts",
+                                                          "no_such_runs/prompts"],
+         "no_such_runs/prompts: no such file or directory here, and it did not load as a Hub dataset"),
+    Case("generate-json-lines-line-not-json", ["generate", "--model", "{policy}", "--prompts", "{broken_json}"],
+         "broken.json: line 2 is not valid JSON (Expecting ',' delimiter at column 15); fix or remove it"),
     Case("generate-offset-past-the-end", ["generate", "--model", "{policy}", "--prompts", "{prompts}",
                                           "--offset", "10"], "--offset 10 skips all of its 4 prompts"),
     Case("yaml-not-valid", ["generate", "--config", "{yaml_invalid}", "--model", "{policy}", "--prompts",
@@ -369,6 +385,9 @@ CASES = [
     Case("train-token-id-outside-the-vocabulary", ["train", "--algo", "dpo", "--model", "{policy}", "--data",
                                                    "{pairs_foreign_id}"],
          "row 2: chosen_token_ids holds token id 99999, outside the"),
+    Case("train-raft-token-id-outside-the-vocabulary", ["train", "--algo", "raft", "--model", "{policy}", "--data",
+                                                        "{best_foreign_id}"],
+         "best_foreign_id.jsonl:train: row 2: completion_token_ids holds token id 99999, outside the"),
     Case("train-grpo-nan-reward", ["train", "--algo", "grpo", "--model", "{policy}", "--data", "{groups_nan_reward}",
                                    "--temperature", "1"], "row 3 has a reward of nan; rescore it"),
     Case("train-grpo-on-pairs", ["train", "--algo", "grpo", "--model", "{policy}", "--data", "{pairs}"],

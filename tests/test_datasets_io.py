@@ -14,6 +14,7 @@ from rlhf_pipeline.datasets_io import (
     HubTarget,
     StageOutput,
     atomic_directory,
+    clean_stale,
     fingerprint,
     hub_manifest,
     load_dataset_dict,
@@ -79,6 +80,27 @@ def test_fingerprint_follows_file_content(tmp_path):
     before = fingerprint(parse_ref(f))
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": "b"}])
     assert fingerprint(parse_ref(f)) != before
+
+
+def test_two_splits_of_one_source_are_different_data(tmp_path):
+    """An output made from one split is not taken for the same run on another (the option that names the input is
+    compared by the data's fingerprint, not by how it is spelled)."""
+    d = tmp_path / "dd"
+    DatasetDict({"train": Dataset.from_dict({"x": [1, 2]}), "test": Dataset.from_dict({"x": [3]})}).save_to_disk(d)
+    _run(tmp_path, inputs=[parse_ref(f"{d}:train")])
+    assert _run(tmp_path, inputs=[parse_ref(f"{d}:train")]) is None  # the same run
+    with pytest.raises(PipelineError, match="the input data changed"):
+        _run(tmp_path, inputs=[parse_ref(f"{d}:test")])
+    # a manifest from before the splits were recorded is not held to them
+    recorded = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    del recorded["inputs"][0]["split"]
+    (tmp_path / "out" / MANIFEST).write_text(json.dumps(recorded))
+    assert _run(tmp_path, inputs=[parse_ref(f"{d}:train")]) is None
+
+
+def test_a_hub_revision_may_hold_slashes():
+    ref = parse_ref("org/data:train@refs/pr/1")
+    assert (ref.kind, ref.location, ref.split, ref.revision) == ("hub", "org/data", "train", "refs/pr/1")
 
 
 def _run(tmp_path, value=1, overwrite=False, inputs=()):
@@ -197,6 +219,29 @@ def test_stale_temporary_directory_of_a_killed_run_is_removed(tmp_path):
     stale.mkdir()
     _run(tmp_path)
     assert not stale.exists()
+
+
+def test_only_an_outputs_own_leftovers_are_removed_whatever_its_name(tmp_path):
+    """Glob characters in an output's name match themselves: ``gen*``'s leftovers are its own, not ``gen_b``'s."""
+    theirs, ours = tmp_path / ".gen_b.stream-1234", tmp_path / ".gen*.tmp-1234"
+    theirs.mkdir()
+    ours.mkdir()
+    clean_stale(tmp_path / "gen*")
+    assert theirs.exists() and not ours.exists()
+    bracket = tmp_path / ".exp[1].tmp-1234"
+    bracket.mkdir()
+    clean_stale(tmp_path / "exp[1]")
+    assert not bracket.exists()
+
+
+def test_an_output_a_kill_left_half_replaced_is_put_back(tmp_path):
+    """Killed between atomic_directory's two renames, the old output is put back, not deleted with the new one."""
+    _run(tmp_path)
+    (tmp_path / "out").rename(tmp_path / ".out.old-1234")
+    (tmp_path / ".out.tmp-5678").mkdir()  # the new version, never put in place
+    assert _run(tmp_path) is None  # the run it holds, found again: nothing to do
+    assert load_from_disk(str(tmp_path / "out"))["x"] == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_push_to_hub_uploads_data_and_manifest(tmp_path, monkeypatch):

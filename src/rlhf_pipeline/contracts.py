@@ -129,7 +129,7 @@ def require_token_ids(ds: Dataset, vocab_size: int, source: str, hint: str) -> N
         if low is None or (low >= 0 and high < vocab_size):
             continue
         for row, ids in enumerate(ds[column]):
-            flat = [t for part in ids for t in (part if isinstance(part, list) else [part])]
+            flat = [t for part in ids or [] for t in (part if isinstance(part, list) else [part])]
             bad = next((t for t in flat if t is not None and not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise PipelineError(f"{source}: row {row}: {column} holds token id {bad}, outside the {vocab_size} "

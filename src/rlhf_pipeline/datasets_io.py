@@ -8,7 +8,7 @@ A reference (``REF``) is one of:
   ``--push-to-hub ORG/NAME --hub-config CONFIG`` writes, and ``rlhf iterate`` per stage), ``ORG/NAME:SPLIT`` and
   ``ORG/NAME@REVISION``, in the order ``ORG/NAME[#CONFIG][:SPLIT][@REVISION]``.
 
-A local directory or Hub id holding several splits takes ``:SPLIT`` too (``runs/iter_0/filter:train``).
+A local directory or Hub id holding several splits takes ``:SPLIT`` too (``runs/my_run/iter_1/filter:train``).
 
 An output directory holds the dataset and a ``manifest.json`` that is written last: its presence means the stage
 completed. It records the stage, the package version, the full config, the inputs with their fingerprints, row
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import logging
@@ -87,13 +88,16 @@ def parse_ref(text: str) -> DatasetRef:
     if path.is_dir():
         return DatasetRef("dir", str(path), split=split)
     if path.is_file():
+        if split is not None:
+            raise PipelineError(f"{text}: {path} is a file, which holds one split; drop ':{split}'")
         if path.suffix not in FILE_SUFFIXES:
             raise PipelineError(
                 f"{text}: unsupported file type '{path.suffix}'; use .json, .jsonl, .parquet or a save_to_disk directory"
             )
         return DatasetRef("file", str(path))
     match = _HUB_ID.match(text)
-    looks_local = text.startswith((".", "/", "~")) or Path(text).suffix in FILE_SUFFIXES or text.count("/") != 1
+    name = text.split("@", 1)[0]  # a revision may hold slashes (refs/pr/1)
+    looks_local = text.startswith((".", "/", "~")) or Path(name).suffix in FILE_SUFFIXES or name.count("/") != 1
     if match and not looks_local:
         return DatasetRef("hub", match["repo"], split=match["split"], revision=match["revision"],
                           config=match["config"])
@@ -109,7 +113,7 @@ def _unreadable_file(path: Path, builder: str, error: Exception) -> str:
     blank = size <= 1 << 20 and path.suffix in (".json", ".jsonl") and not path.read_bytes().strip()
     if size == 0 or blank:
         return f"{path}: is empty; give it at least one row"
-    if path.suffix == ".jsonl":
+    if path.suffix == ".jsonl" or (path.suffix == ".json" and _json_lines(path)):
         with path.open(errors="replace") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
@@ -121,6 +125,17 @@ def _unreadable_file(path: Path, builder: str, error: Exception) -> str:
                 if not isinstance(value, dict):
                     return f"{path}: line {number} is a JSON {type(value).__name__}, not an object; give one row a line"
     return f"{path}: could not be read as {builder} ({type(error).__name__}: {error})"
+
+
+def _json_lines(path: Path) -> bool:
+    """Whether a ``.json`` file is JSON Lines, as datasets reads one too: its first non-blank line is a JSON object
+    by itself."""
+    with path.open(errors="replace") as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        return isinstance(json.loads(first), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def _load_raw(ref: DatasetRef) -> Dataset | DatasetDict:
@@ -147,7 +162,13 @@ def _load_raw(ref: DatasetRef) -> Dataset | DatasetDict:
         except Exception as e:  # datasets wraps JSON/Arrow parse errors in several exception types
             raise PipelineError(_unreadable_file(Path(ref.location), builder, e)) from e
     else:
-        ds = datasets.load_dataset(ref.location, name=ref.config, revision=ref.revision)
+        try:
+            ds = datasets.load_dataset(ref.location, name=ref.config, revision=ref.revision)
+        except Exception as e:  # offline, not found, gated, a network error: many kinds
+            raise PipelineError(
+                f"{ref}: no such file or directory here, and it did not load as a Hub dataset ({type(e).__name__}: "
+                f"{redact(first_line(e))}); check the path, or the dataset id, HF_TOKEN and the network (HF_HUB_OFFLINE "
+                "unset)") from e
     if ref.split is not None:
         if not isinstance(ds, datasets.DatasetDict) or ref.split not in ds:
             have = ", ".join(ds) if isinstance(ds, datasets.DatasetDict) else "none"
@@ -245,6 +266,20 @@ def fingerprint(ref: DatasetRef) -> str:
     if ref.kind == "file":
         return "sha256:" + _sha256_file(Path(ref.location))
     return f"hub:{ref.location}{'#' + ref.config if ref.config else ''}@{ref.revision or 'main'}"
+
+
+def input_record(ref: DatasetRef) -> dict[str, Any]:
+    """How a manifest records an input: as given, its data's fingerprint, and the split it names (two splits of one
+    source are different data with one fingerprint)."""
+    return {"ref": str(ref), "fingerprint": fingerprint(ref), "split": ref.split}
+
+
+def same_inputs(recorded: list[dict[str, Any]], inputs: list[dict[str, Any]]) -> bool:
+    """Whether the inputs of a manifest (``recorded``) are the same data as ``inputs`` (:func:`input_record`'s): the
+    same fingerprints, and the same splits where the record has them (a manifest from before they were recorded has
+    none, and is not held to them)."""
+    return [r["fingerprint"] for r in recorded] == [i["fingerprint"] for i in inputs] and all(
+        r["split"] == i.get("split") for r, i in zip(recorded, inputs) if "split" in r)
 
 
 # The manifest's record of the other stages' outputs a run's options name (a policy, a reference, a baseline).
@@ -363,12 +398,20 @@ def _field_defaults(config: Any) -> dict[str, Any]:
 def clean_stale(path: Path, streams: bool = True) -> None:
     """Remove temporary siblings that a killed run (SIGKILL, power loss) left next to ``path``: the new version
     being written, the old one being replaced (killed between :func:`atomic_directory`'s two renames), and the rows
-    a :func:`scratch_writer` was writing (``streams``; not when the output is being saved from one)."""
-    if path.parent.exists():
-        for stale in [*path.parent.glob(f".{path.name}.tmp-*"), *path.parent.glob(f".{path.name}.old-*"),
-                      *(path.parent.glob(f".{path.name}.stream-*") if streams else [])]:
-            log.info("removing %s, left by an interrupted run", stale)
-            shutil.rmtree(stale, ignore_errors=True)
+    a :func:`scratch_writer` was writing (``streams``; not when the output is being saved from one). An old version
+    with nothing in its place (the kill came between the renames) is put back instead: the replacement did not
+    happen."""
+    if not path.parent.exists():
+        return
+    name = glob.escape(path.name)  # an output named exp[1] or gen*: its own siblings, no one else's
+    old = sorted(path.parent.glob(f".{name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if old and not path.exists():
+        log.warning("restoring %s from %s: an interrupted run was replacing it", path, old[-1].name)
+        os.rename(old.pop(), path)
+    for stale in [*path.parent.glob(f".{name}.tmp-*"), *old,
+                  *(path.parent.glob(f".{name}.stream-*") if streams else [])]:
+        log.info("removing %s, left by an interrupted run", stale)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 class StageOutput:
@@ -391,7 +434,7 @@ class StageOutput:
         self.inputs = inputs
         self.path = Path(config.output).expanduser()
         self.started = time.time()
-        self.input_records = [{"ref": str(r), "fingerprint": fingerprint(r)} for r in inputs]
+        self.input_records = [input_record(r) for r in inputs]
         self.used_outputs = used_outputs(config)
 
     def differences(self, manifest: dict[str, Any], used: bool = True) -> list[str]:
@@ -408,7 +451,7 @@ class StageOutput:
                 continue  # an option added since that run, left at its default: the same run
             if old.get(key) != value:
                 diffs.append(f"{key} {old.get(key)!r} -> {value!r}")
-        if [i["fingerprint"] for i in manifest.get("inputs", [])] != [i["fingerprint"] for i in self.input_records]:
+        if not same_inputs(manifest.get("inputs", []), self.input_records):
             diffs.append("the input data changed")
         recorded = (manifest.get(USED_OUTPUTS) or {}) if used else {}  # none (an older run's): not held against it
         diffs += [f"{key} was made again since" for key in sorted(set(recorded) & set(self.used_outputs))

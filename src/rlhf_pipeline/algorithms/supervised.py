@@ -120,7 +120,8 @@ def train(config) -> Path:
             return training_record(algo.name, result, dd, find_in_lineage([ref], "sampling"), training,
                                    config.model)
 
-        return TrainingJob(tokenizer, data["train"].num_rows, task, record, data=data)
+        # the ids checked as read (rows and columns as the data names them), not as renamed for the loss
+        return TrainingJob(tokenizer, data["train"].num_rows, task, record, data=dd)
 
     return run_training("train", config, [ref], read)
 
