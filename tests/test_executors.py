@@ -59,6 +59,22 @@ def test_a_ray_address_where_nothing_listens(tiny_policy, bundled_prompts, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_a_ray_address_in_brackets_is_reached():
+    """An IPv6 head node's address, as Ray prints it ([::1]:PORT), is checked at its host, not refused."""
+    import socket
+
+    from rlhf_pipeline.executors import _check_reachable
+
+    try:
+        listener = socket.socket(socket.AF_INET6)
+        listener.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with listener:
+        listener.listen()
+        _check_reachable(f"[::1]:{listener.getsockname()[1]}")
+
+
 def test_a_run_starts_and_stops_its_own_local_ray(tiny_policy, bundled_prompts, tmp_path):
     """Without --ray-address (and no Ray in the process yet: this test runs before the module's) the stage starts
     a local Ray of --replicas CPUs and stops it when done."""

@@ -94,7 +94,7 @@ def _check_reachable(address: str) -> None:
     if "://" in address or not host or not port.isdigit():  # auto, or a ray:// client address: Ray's to resolve
         return
     try:
-        socket.create_connection((host, int(port)), timeout=10).close()
+        socket.create_connection((host.removeprefix("[").removesuffix("]"), int(port)), timeout=10).close()  # [::1]
     except OSError as e:
         raise PipelineError(
             f"--ray-address {address}: nothing answers there ({e.strerror or e}); start the head node with "
