@@ -120,6 +120,21 @@ def test_k_non_finite_steps_in_a_row_stop_the_run_with_one_line(pairs, tiny_poli
     assert not (out / "manifest.json").exists() and not (out / "model.safetensors").exists()
 
 
+def test_a_run_whose_every_step_was_skipped_stops_with_one_line(pairs, tiny_policy, tmp_path, monkeypatch, capsys):
+    """Fewer steps than --max-nonfinite-steps, every one skipped: no model is saved as trained, as when K in a row
+    stop a longer run (it was saved, then its summary raised on the missing loss)."""
+    nan_on_calls(monkeypatch, set(range(1, 100)))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert run(*train_args(pairs / "ref", tiny_policy, out, "--algo", "dpo", "--temperature", 0.8, "--max-steps", 2,
+                           "--batch-size", 2)) == 1
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: step 2: the loss or the gradients were not finite for 2 steps in a row"), line
+    assert "no step had a finite loss" in line and "Traceback" not in err
+    assert not (out / "manifest.json").exists() and not (out / "model.safetensors").exists()
+
+
 def test_non_finite_gradients_under_a_finite_loss_are_skipped_too(pairs, tiny_policy, tmp_path, monkeypatch):
     """A hook puts inf into one gradient at the second step: the loss is finite, the gradient norm is not."""
     from rlhf_pipeline.training import loop

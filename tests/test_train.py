@@ -239,6 +239,42 @@ def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_pa
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
 
+def test_a_run_whose_policy_was_trained_again_since_does_not_resume(pairs, tiny_policy, tmp_path, monkeypatch,
+                                                                     capsys):
+    """--resume continues only from the --model it started from: a policy retrained into that directory since (a new
+    output_id) would mix its weights or its adapters' base with the old run's checkpoints and reference log-probs."""
+    import shutil
+
+    policy = Path(shutil.copytree(tiny_policy, tmp_path / "policy"))
+    (policy / "manifest.json").write_text(json.dumps({"stage": "sft", "output_id": "first"}))
+    common = ["--algo", "dpo", "--max-steps", 4, "--batch-size", 2, "--save-every", 2]
+    crash_after_checkpoint(monkeypatch, 2)
+    assert run(*train_args(pairs, str(policy), tmp_path / "cut", *common, data="pairs")) == 130
+    (policy / "manifest.json").write_text(json.dumps({"stage": "sft", "output_id": "second"}))
+    capsys.readouterr()
+    assert run(*train_args(pairs, str(policy), tmp_path / "cut", *common, "--resume", data="pairs")) == 1
+    assert "model was made again since" in capsys.readouterr().err
+    (policy / "manifest.json").write_text(json.dumps({"stage": "sft", "output_id": "first"}))
+    assert run(*train_args(pairs, str(policy), tmp_path / "cut", *common, "--resume", data="pairs")) == 0
+
+
+def test_a_run_is_resumed_on_as_many_processes_as_it_ran_on(pairs, tiny_policy, tmp_path, monkeypatch, capsys):
+    """Another process count would change the global batch (and a ZeRO checkpoint's shards would not load, each then
+    set aside as damaged): refused in one line before anything loads, the checkpoints left as they are."""
+    common = ["--algo", "rebel", "--max-steps", 4, "--batch-size", 2, "--save-every", 2]
+    crash_after_checkpoint(monkeypatch, 2)
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common)) == 130
+    state_file = tmp_path / "cut" / "checkpoints" / "step_000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["processes"] == 1
+    state_file.write_text(json.dumps(dict(state, processes=2)))  # as a 2-process launch would have saved it
+    capsys.readouterr()
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common, "--resume")) == 1
+    err = capsys.readouterr().err
+    assert "was saved by a run on 2 processes, and this launch has 1" in err and "Traceback" not in err
+    assert [p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()] == ["step_000002"]
+
+
 def test_save_total_limit_keeps_the_newest_and_resumes_from_them(pairs, tiny_policy, tmp_path, monkeypatch):
     common = ["--algo", "rebel", "--max-steps", 5, "--batch-size", 2, "--save-every", 1, "--learning-rate", 1e-3,
               "--keep-checkpoints"]

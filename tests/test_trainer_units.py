@@ -309,3 +309,29 @@ def test_a_resumed_run_keeps_the_metrics_up_to_its_checkpoint_and_drops_a_line_c
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
     Metrics(SimpleNamespace(is_main_process=True), tmp_path, resume_step=0)  # a fresh start keeps nothing
     assert path.read_text() == ""
+
+
+def test_metrics_keep_small_values_to_their_significant_digits(tmp_path):
+    """A learning rate of 1e-9 or a KL of 3.8e-8 is logged as itself (rounding to 8 decimals made them 0 and 4e-08)."""
+    from types import SimpleNamespace
+
+    from rlhf_pipeline.training.loop import Metrics
+
+    values = {"lr": 9.6194e-07, "kl": 3.806e-08, "tiny": 1.2e-9, "loss": 0.693147180559}
+    metrics = Metrics(SimpleNamespace(is_main_process=True, log=lambda *a, **k: None), tmp_path, resume_step=0)
+    metrics.log(1, values)
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {k: record[k] for k in values} == pytest.approx(values, rel=1e-9)
+
+
+def test_every_option_reaches_tensorboard_in_a_form_it_takes():
+    """TensorBoard's hparams refuse lists: --lora-target-modules under the default --report-to failed the run."""
+    from torch.utils.tensorboard.summary import hparams
+
+    from rlhf_pipeline.stages.sft import SFTConfig
+    from rlhf_pipeline.training.loop import tracker_config
+
+    config = SFTConfig(model="m", data="d.jsonl", output="o", lora_rank=4, lora_target_modules=["q_proj", "v_proj"])
+    tracked = tracker_config(config)
+    assert tracked["lora_target_modules"] == '["q_proj", "v_proj"]' and tracked["lora_rank"] == 4
+    hparams(tracked, {})  # raised ValueError on the list before

@@ -458,13 +458,15 @@ class StageOutput:
                   if recorded[key] != self.used_outputs[key]]
         return diffs
 
-    def done(self, resume: bool | None = None, push: bool = True) -> bool:
+    def done(self, resume: bool | None = None, push: bool = True, parts_check_themselves: bool = False) -> bool:
         """True when the output already holds this exact run; raises when it holds another one.
 
         ``resume`` is for stages that fill their output in place (training): True continues an unfinished output
         (no manifest yet) when it was started with the same config and inputs, False refuses it with a hint to pass
-        ``--resume``; None means the stage cannot resume. Afterwards ``self.replace`` says whether an existing
-        output must be removed before the run starts (``--overwrite``).
+        ``--resume``; None means the stage cannot resume. A run continued so is held to the outputs of other stages it
+        named when it started (a policy retrained into its ``--model`` since), unless ``parts_check_themselves``
+        (rlhf eval, whose finished parts are outputs that check what they use). Afterwards ``self.replace`` says
+        whether an existing output must be removed before the run starts (``--overwrite``).
 
         A finished output whose ``--push-to-hub`` upload is still pending is uploaded now (``push``; by the main
         process), without recomputing anything.
@@ -492,7 +494,7 @@ class StageOutput:
                     "remove it yourself"
                 )
             if resume:
-                diffs = self.differences(json.loads(started.read_text()), used=False)
+                diffs = self.differences(json.loads(started.read_text()), used=not parts_check_themselves)
                 if not diffs:
                     return False
                 if not self.config.overwrite:

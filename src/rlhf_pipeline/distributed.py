@@ -295,3 +295,9 @@ def run_inference(prog: str, body: Callable[[Any], Any]) -> Any:
         return result
     finally:
         finish_distributed()
+
+
+def stop_everywhere(accelerator, message: str) -> PipelineError:
+    """The error that every process of the run raises at the same point, on a verdict they share: the main
+    process's is the one ``error:`` line; the others exit without a word (``FailedElsewhere``)."""
+    return PipelineError(message) if accelerator.is_main_process else FailedElsewhere(message)

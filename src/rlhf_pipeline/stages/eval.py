@@ -566,7 +566,7 @@ def _evaluate(config: EvalConfig, accelerator) -> Path:
         ref = parse_ref(config.prompts)
         inputs = [ref] + ([parse_ref(config.reference)] if config.reference is not None else [])
         out = StageOutput("eval", config, inputs=inputs, pusher=push_samples)
-        if out.done(resume=True):  # the parts are stage outputs of their own: an unfinished eval continues
+        if out.done(resume=True, parts_check_themselves=True):  # an unfinished eval continues
             return None
         # before the output directory is made: a mistake leaves nothing
         return out, _check_inputs(config, ref, out.input_records[0]["fingerprint"]), ref

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.training import lora
-from rlhf_pipeline.distributed import on_main_process, unwrap
+from rlhf_pipeline.distributed import on_main_process, stop_everywhere, unwrap
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import first_line, flush_files, seal, verify, writing
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST
@@ -139,8 +139,8 @@ def _remove(checkpoint: Path) -> None:
 
 def load_checkpoint(accelerator, model, checkpoint: Path, masters: MasterWeights | None = None) -> dict[str, Any]:
     """Restore the weights (and ``masters``), optimizer, scheduler and RNG state that :func:`save_checkpoint` saved;
-    returns its trainer state (``step``, ``epoch``, ``first_loss``, ``first_grad_norm`` and ``divergence_warned`` for
-    the divergence warning, ``real_tokens``, ``all_tokens``, ``seconds``)."""
+    returns its trainer state (``step``, ``epoch``, ``processes``, ``first_loss``, ``first_grad_norm`` and
+    ``divergence_warned`` for the divergence warning, ``real_tokens``, ``all_tokens``, ``seconds``)."""
     accelerator.load_state(str(checkpoint / "state"), **_state_options(accelerator, model)[1])
     if masters is not None:
         masters.load(checkpoint / "state")
@@ -154,6 +154,7 @@ def resume_checkpoint(accelerator, model, output: Path,
     checkpoints exist and none of them loads, one error line says so. Every process checks the same files and agrees
     on whether the load worked, so all of them resume from the same step."""
     checkpoints = list_checkpoints(output)
+    _check_processes(accelerator, checkpoints)
     problems = []
     for checkpoint in reversed(checkpoints):
         problem = verify(checkpoint)
@@ -180,6 +181,29 @@ def resume_checkpoint(accelerator, model, output: Path,
             f"{problems[0]}); they are kept as step_N{DAMAGED}; pass --overwrite to start the run over"
         )
     return None, {}
+
+
+def _check_processes(accelerator, checkpoints: list[Path]) -> None:
+    """Refuse, before any checkpoint loads, to resume on another number of processes than the run's: its global batch
+    (``--batch-size`` x accumulation x processes), so its schedule and data order, would change, and a ZeRO
+    checkpoint's optimizer shards would not load (each would then be set aside as damaged). Every process reads the
+    same file; the main process's error is the one line."""
+    processes = accelerator.num_processes
+    for checkpoint in reversed(checkpoints):
+        try:
+            recorded = json.loads((checkpoint / TRAINER_STATE).read_text()).get("processes")
+        except (OSError, ValueError, AttributeError):
+            continue  # a damaged one: verify() says so
+        if recorded is None:  # from before the count was recorded
+            return
+        if recorded != processes:
+            raise stop_everywhere(
+                accelerator,
+                f"--resume: {checkpoint} was saved by a run on {recorded} process{'es' * (recorded != 1)}, and this "
+                f"launch has {processes}: the global batch and its schedule would change, and the optimizer's shards "
+                f"would not load; resume it on {recorded}, or pass --overwrite to start over"
+            )
+        return
 
 
 def _size(directory: Path | None) -> int | None:

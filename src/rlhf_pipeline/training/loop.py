@@ -49,8 +49,8 @@ from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_
 from rlhf_pipeline.training.checkpoints import resume_checkpoint, save_checkpoint, save_model
 from rlhf_pipeline.config import DATASET_REF, OutputOptions, option
 from rlhf_pipeline.datasets_io import write_text_atomic
-from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches
-from rlhf_pipeline.errors import FailedElsewhere, PipelineError
+from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches, stop_everywhere
+from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import METRICS
 from rlhf_pipeline.modeling import enable_activation_checkpointing
@@ -359,7 +359,7 @@ class Metrics:
             write_text_atomic(self.path, "".join(l + "\n" for l in kept))
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        record = {"step": step, **{k: round(float(v), 8) for k, v in values.items()}}
+        record = {"step": step, **{k: float(f"{float(v):.10g}") for k, v in values.items()}}  # 1e-9 rates kept
         if self.accelerator.is_main_process:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -428,10 +428,11 @@ def weights_finite(accelerator, model) -> bool:
     return not anywhere(accelerator, not ok)
 
 
-def stop_everywhere(accelerator, message: str) -> PipelineError:
-    """The error that every process of the run raises at the same point, on a verdict they share: the main
-    process's is the one ``error:`` line; the others exit without a word (``FailedElsewhere``)."""
-    return PipelineError(message) if accelerator.is_main_process else FailedElsewhere(message)
+def tracker_config(config) -> dict[str, Any]:
+    """The run's options as the trackers take them: TensorBoard's hparams take numbers, text and booleans only, so a
+    list (--lora-target-modules) or a mapping is given as its JSON text."""
+    return {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v, default=str)
+            for k, v in vars(config).items() if v is not None}
 
 
 def nonfinite_stop(accelerator, step: int, skipped_in_a_row: int, last_loss: float | None) -> PipelineError:
@@ -623,7 +624,7 @@ def train(
     if checkpoint is not None:
         accelerator.print(f"resuming from {checkpoint} (step {step})")
     if config.report_to != "none":
-        accelerator.init_trackers("runs", config={k: v for k, v in vars(config).items() if v is not None})
+        accelerator.init_trackers("runs", config=tracker_config(config))
     metrics = Metrics(accelerator, output, step)
     baseline = evaluate(accelerator, model, task, eval_ds, config.eval_batch_size) if step == 0 else {}
     if baseline:  # the test split before any update
@@ -759,7 +760,8 @@ def train(
         if config.save_every and step % config.save_every == 0 and step < total_steps:
             if not weights_finite(accelerator, model):
                 raise nonfinite_weights(accelerator, step, "no checkpoint")
-            state = {"step": step, "epoch": epoch, "first_loss": first_loss, "first_grad_norm": watch.first_grad_norm,
+            state = {"step": step, "epoch": epoch, "processes": accelerator.num_processes,
+                     "first_loss": first_loss, "first_grad_norm": watch.first_grad_norm,
                      "divergence_warned": watch.warned,
                      "real_tokens": real_tokens, "last_loss": last_loss, "skipped_steps": skipped,
                      "skipped_in_a_row": skipped_in_a_row,
@@ -767,6 +769,8 @@ def train(
             save_checkpoint(accelerator, model, tokenizer, output, state, keep=config.save_total_limit or None,
                             masters=setup.masters)
     bar.close()
+    if first_loss is None and skipped:  # fewer steps than --max-nonfinite-steps, every one skipped: nothing trained
+        raise nonfinite_stop(accelerator, step, skipped_in_a_row, last_loss)
 
     final_eval = evaluate(accelerator, model, task, eval_ds, config.eval_batch_size)
     if final_eval:
