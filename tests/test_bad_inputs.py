@@ -54,6 +54,11 @@ def words(prompts, responses, **columns):
 def quits(prompts, responses, **columns):
     import sys
     sys.exit(3)
+
+
+def lazy(prompts, responses, **columns):
+    for r in responses:
+        yield _length_ratio(r)
 '''
 
 ITERATE_YAML = """model: {policy}
@@ -128,6 +133,22 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
                                                                        dict(GEN_ROWS[1], rewards=[1.0])])
     k["scored_null_reward"] = write_jsonl(d / "scored_null.jsonl", [dict(GEN_ROWS[0], rewards=[1.0, None]),
                                                                     dict(GEN_ROWS[1], rewards=[1.0, 0.0])])
+    k["gen_null_row"] = write_jsonl(d / "gen_null_row.jsonl", [GEN_ROWS[0], dict(GEN_ROWS[1], responses=None)])
+    k["gen_no_responses"] = write_jsonl(d / "gen_no_responses.jsonl", [dict(r, responses=[], finish_reasons=[])
+                                                                        for r in GEN_ROWS])
+    k["gen_null_finish"] = write_jsonl(d / "gen_null_finish.jsonl", [GEN_ROWS[0], dict(GEN_ROWS[1],
+                                                                                        finish_reasons=None)])
+    k["gen_non_alternating"] = write_jsonl(d / "gen_non_alternating.jsonl", [
+        {"prompt_id": f"p{i}", "messages": [user] * (i + 1), "responses": ["Hello."], "finish_reasons": ["stop"]}
+        for i in range(2)])
+    with_ids = [dict(r, rewards=[1.0, 0.0], prompt_token_ids=[1, 5], response_token_ids=[[7, 2], [8, 9]])
+                for r in GEN_ROWS]
+    k["scored_responses_ids_only"] = write_jsonl(d / "scored_responses_ids_only.jsonl", [
+        {c: v for c, v in r.items() if c != "prompt_token_ids"} for r in with_ids])
+    k["scored_null_ids"] = write_jsonl(d / "scored_null_ids.jsonl", [with_ids[0], dict(with_ids[1],
+                                                                                         response_token_ids=None)])
+    k["scored_negative_id"] = write_jsonl(d / "scored_negative_id.jsonl", [dict(with_ids[0], prompt_token_ids=[1, -1]),
+                                                                           with_ids[1]])
     k["scored_text_rewards"] = write_jsonl(d / "scored_text.jsonl", [dict(r, rewards=["1", "0"]) for r in GEN_ROWS])
     k["pairs"] = write_jsonl(d / "pairs.jsonl", [
         {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "chosen_token_ids": [7, 8, 2],
@@ -298,6 +319,20 @@ CASES = [
                                                 "--batch-size", "3"],
          "rlhf score: the reward function {rewards}:quits called sys.exit(3) on rows 0..1 (batch of 3 responses)",
          user_code="{rewards}", subprocess=True),
+    Case("score-reward-fn-generator-raises", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:lazy"],
+         "rlhf score: the reward function {rewards}:lazy raised on rows 0..1 (batch of 4 responses): "
+         "ZeroDivisionError: division by zero", user_code="{rewards}"),
+    Case("score-responses-null", ["score", "--input", "{gen_null_row}", "--reward-fn", "{rewards}:good"],
+         "gen_null_row.jsonl: row 1: 'responses' is null; give it a list of texts or drop the row"),
+    Case("score-no-responses", ["score", "--input", "{gen_no_responses}", "--reward-fn", "{rewards}:good",
+                                "--reward-fn", "{rewards}:words"],
+         "gen_no_responses.jsonl: no row has a response; score the output of rlhf generate"),
+    Case("score-finish-reasons-null", ["score", "--input", "{gen_null_finish}", "--reward-fn", "{rewards}:good"],
+         "gen_null_finish.jsonl: row 1: 'finish_reasons' is null; give each of its 2 responses an entry"),
+    Case("score-template-refuses-a-row", ["score", "--input", "{gen_non_alternating}", "--reward-model", "{rm}",
+                                          "--chat-template", "{alternating}"],
+         "gen_non_alternating.jsonl: row 1: the chat template refuses its conversation (roles: user, user, "
+         "assistant)"),
     Case("score-reward-fn-does-not-import", ["score", "--input", "{gen}", "--reward-fn", "{broken_rewards}:reward"],
          "importing {broken_rewards} raised SyntaxError", user_code="{broken_rewards}"),
     Case("score-reward-fn-nan", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:nan"],
@@ -345,6 +380,13 @@ CASES = [
     Case("score-batch-size-zero", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good", "--batch-size", "0"],
          "--batch-size must be at least 1"),
     # filter
+    Case("filter-response-ids-without-prompt-ids", ["filter", "--input", "{scored_responses_ids_only}",
+                                                    "--tokenizer", "{policy}"],
+         "has response_token_ids but no prompt_token_ids; give both (as rlhf generate writes them), or neither"),
+    Case("filter-token-ids-null", ["filter", "--input", "{scored_null_ids}", "--tokenizer", "{policy}"],
+         "scored_null_ids.jsonl: row 1: 'response_token_ids' is null"),
+    Case("filter-token-id-negative", ["filter", "--input", "{scored_negative_id}", "--tokenizer", "{policy}"],
+         "scored_negative_id.jsonl: row 0 has token id -1, outside the tokenizer's"),
     Case("filter-tokenizer-not-found", ["filter", "--input", "{scored}", "--tokenizer", "nomodel"],
          "--tokenizer nomodel: not found locally; with HF_HUB_OFFLINE set, Hub ids are not fetched"),
     Case("filter-input-not-scored", ["filter", "--input", "{gen}", "--tokenizer", "{policy}"],

@@ -6,6 +6,7 @@ from rlhf_pipeline.selection import (
     EQUAL_REWARDS,
     FEWER_THAN_TWO,
     IDENTICAL,
+    NO_RESPONSES,
     PROMPT_TOO_LONG,
     RESPONSE_TOO_LONG,
     RESPONSE_TRUNCATED,
@@ -64,6 +65,9 @@ def test_group_keeps_all_or_nothing():
     assert decide_group(2, [[1], [2, 2, 2, 2]], None, LIMITS) == RESPONSE_TOO_LONG
     assert decide_group(9, [[1]], None, LIMITS) == PROMPT_TOO_LONG
     assert decide_group(2, [[1], [2]], ["stop", "length"], LengthLimits(4, 3, True)) == RESPONSE_TRUNCATED
+    # a prompt without responses is no group (--drop-uniform-groups took max() of no rewards)
+    assert decide_group(2, [], [], LIMITS) == NO_RESPONSES
+    assert decide_group(2, [], [], LIMITS, rewards=[], uniform_dropped=True) == NO_RESPONSES
 
 
 def test_split_is_seeded_disjoint_and_ordered():

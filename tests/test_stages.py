@@ -363,6 +363,9 @@ def test_scored_data_without_token_ids_is_tokenized_once(tmp_path, tiny_policy):
         assert row["prompt_token_ids"] == encode_prompts(tok, [row["prompt"]])[0]
         assert row["chosen"] == "Great coffee." and row["rejected"] == "Bad coffee and rude staff."
         assert row["chosen_token_ids"] == tok("Great coffee.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    # the pairs' columns and nothing else: the ids filter made for all the responses are not carried along
+    assert set(pairs.column_names) == {"prompt_id", "prompt", "prompt_token_ids", "chosen", "rejected",
+                                       "chosen_token_ids", "rejected_token_ids", "chosen_reward", "rejected_reward"}
 
 
 def test_input_columns_named_like_pair_columns_are_kept_renamed(tmp_path, tiny_policy):

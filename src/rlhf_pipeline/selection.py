@@ -31,6 +31,7 @@ FEWER_THAN_TWO = "fewer_than_two_responses_left"
 EQUAL_REWARDS = "equal_rewards"
 IDENTICAL = "identical_chosen_rejected"
 UNIFORM_REWARDS = "uniform_rewards"
+NO_RESPONSES = "no_responses"
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,8 @@ def decide_group(
     """Why a whole group is dropped, or None when it is kept (``rewards`` are needed for ``uniform_dropped``)."""
     if prompt_length > limits.max_prompt_tokens:
         return PROMPT_TOO_LONG
+    if not response_ids:  # nothing to compare, nor to train on
+        return NO_RESPONSES
     for j, ids in enumerate(response_ids):
         problem = response_problem(len(ids), finish_reasons[j] if finish_reasons else None, limits)
         if problem:

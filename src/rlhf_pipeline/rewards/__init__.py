@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -103,6 +103,8 @@ def call_reward_fn(
     at = f" on {where}" if where else ""
     try:
         values = fn(prompts, responses, **columns)
+        if isinstance(values, Iterator):  # a generator's body runs as it is read: here, where its errors are its own
+            values = list(values)
     except PipelineError as e:
         if isinstance(e, UserCodeError):
             raise

@@ -103,6 +103,7 @@ _NOTHING_LEFT_FIXES = {
                        "drop --drop-uniform-groups",
     "identical_chosen_rejected": "the best and the worst response are the same text: sample more varied responses "
                                  "(a higher --temperature, more --n)",
+    "no_responses": "no prompt has a response: filter the output of rlhf score on rlhf generate",
 }
 
 
@@ -166,6 +167,9 @@ def _check_rows(batch: dict[str, list], indices: list[int], source: str) -> None
     import math
 
     for k, row in enumerate(indices):
+        for column in ("responses", "prompt_token_ids", "response_token_ids", SAMPLER_LOGPROBS):
+            if column in batch and batch[column][k] is None:
+                raise PipelineError(f"{source}: row {row}: '{column}' is null; give it a value, or drop the row")
         n = len(batch["responses"][k])
         if batch["rewards"][k] is None:
             raise PipelineError(f"{source}: row {row} has no rewards (null); score it again (rlhf score) or drop it")
@@ -183,10 +187,11 @@ def _check_rows(batch: dict[str, list], indices: list[int], source: str) -> None
 def _check_vocab(batch: dict[str, list], indices: list[int], vocab_size: int, source: str) -> None:
     for row, prompt_ids, responses in zip(indices, batch["prompt_token_ids"], batch["response_token_ids"]):
         top = max([max(prompt_ids, default=0)] + [max(r, default=0) for r in responses])
-        if top >= vocab_size:
+        low = min([min(prompt_ids, default=0)] + [min(r, default=0) for r in responses])
+        if top >= vocab_size or low < 0:
             raise PipelineError(
-                f"{source}: row {row} has token id {top}, outside the tokenizer's {vocab_size} ids; "
-                "pass the tokenizer of the policy that generated the data as --tokenizer"
+                f"{source}: row {row} has token id {top if top >= vocab_size else low}, outside the tokenizer's "
+                f"{vocab_size} ids; pass the tokenizer of the policy that generated the data as --tokenizer"
             )
 
 
@@ -225,6 +230,7 @@ def build_rows(
     ``penalty`` the rewards are shaped by length first (the output's rewards are the shaped ones)."""
     _check_rows(batch, indices, source)
     if "response_token_ids" not in batch:
+        batch = dict(batch)  # a copy: datasets would keep columns added to its own batch, with the input's length
         _tokenize_missing(batch, indices, source, tokenizer, prompt_column, stop_ids, allow_special_tokens)
     _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
@@ -308,6 +314,11 @@ def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -
 
     require_columns(ds, SCORED_COLUMNS, source, "filter takes the output of rlhf score")
     require_types(ds, SCORED_KINDS, source, "filter takes the output of rlhf score")
+    ids = [c for c in ("prompt_token_ids", "response_token_ids") if c in ds.column_names]
+    if len(ids) == 1:
+        (missing,) = {"prompt_token_ids", "response_token_ids"} - set(ids)
+        raise PipelineError(f"{source}: has {ids[0]} but no {missing}; give both (as rlhf generate writes them), or "
+                            "neither, and filter tokenizes the text with --tokenizer")
     if config.mode in ("pairs", "unpaired", "best"):
         needs = f"{source}: --mode {config.mode} needs at least 2 responses per prompt"
         if sampling and sampling["n"] < 2:

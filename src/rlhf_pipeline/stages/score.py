@@ -255,12 +255,20 @@ def _check_responses(ds, source: str) -> None:
     table = ds.with_format("arrow")
     responses = table["responses"]
     counts = pc.list_value_length(responses).to_pylist()
+    if None in counts:
+        raise PipelineError(f"{source}: row {counts.index(None)}: 'responses' is null; give it a list of texts or drop "
+                            "the row")
     if pc.list_flatten(responses).null_count:
         row = next(i for i, rs in enumerate(ds["responses"]) if any(r is None for r in rs))
         raise PipelineError(f"{source}: row {row} has a response that is null; give it a text or drop the row")
+    if counts and not any(counts):
+        raise PipelineError(f"{source}: no row has a response; score the output of rlhf generate")
     for column in ("response_token_ids", "finish_reasons", SAMPLER_LOGPROBS):
         if column in ds.column_names:
             for row, (n, m) in enumerate(zip(counts, pc.list_value_length(table[column]).to_pylist())):
+                if m is None and n:
+                    raise PipelineError(f"{source}: row {row}: '{column}' is null; give each of its {n} responses "
+                                        "an entry, or drop the row")
                 if m is not None and n != m:
                     raise PipelineError(f"{source}: row {row} has {n} responses but {m} entries in '{column}'; give "
                                         "every response one")
@@ -305,6 +313,7 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: 
 
     world, rank = world_and_rank(accelerator)
     if source.kind == "reward_model":
+        from rlhf_pipeline.chat import ChatTemplateRefused
         from rlhf_pipeline.rewards import RewardModelScorer
 
         scorer = RewardModelScorer(
@@ -333,7 +342,10 @@ def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: 
                                                    config.allow_special_tokens_in_text, config.input, source.spec)
                     values = scorer.score_ids(scorer.truncate(sequences), world, rank)
                 else:
-                    values = scorer.score(*_texts(ds, column, locations[start:end]), world, rank)
+                    try:
+                        values = scorer.score(*_texts(ds, column, locations[start:end]), world, rank)
+                    except ChatTemplateRefused as e:  # its index counts the chunk's responses
+                        raise e.at(config.input, locations[start + e.index][0]) from None
                 for k, value in enumerate(values):
                     if value is not None:  # another process's share: None here
                         mine[0].append(start + k)
@@ -466,7 +478,7 @@ def _sampled_sequences(tokenizer, ds, column: str, locations: Locations, allow_s
     The reward model must share the policy's tokenizer and template: the chunk's first :data:`SAMPLED_IDS_CHECKED`
     prompts are rendered with the reward model's and must give the stored ids, and its template must render a
     prompt as the start of the conversation (Mistral's does not), else this is a PipelineError."""
-    from rlhf_pipeline.chat import encode_conversations, encode_prompts
+    from rlhf_pipeline.chat import ChatTemplateRefused, encode_conversations, encode_prompts
     from rlhf_pipeline.contracts import require_columns
 
     require_columns(ds, ("prompt_token_ids", "response_token_ids", "finish_reasons"), data,
@@ -477,7 +489,10 @@ def _sampled_sequences(tokenizer, ds, column: str, locations: Locations, allow_s
     prompt_ids, response_ids, finish = part["prompt_token_ids"], part["response_token_ids"], part["finish_reasons"]
     rows = sorted({row for row, _ in locations})[:SAMPLED_IDS_CHECKED]
     prompts = [part[column][row - first] for row in rows]
-    rendered = encode_prompts(tokenizer, prompts, allow_special_tokens=allow_special_tokens)
+    try:
+        rendered = encode_prompts(tokenizer, prompts, allow_special_tokens=allow_special_tokens)
+    except ChatTemplateRefused as e:
+        raise e.at(data, rows[e.index]) from None
     for row, ids in zip(rows, rendered):
         if ids != list(prompt_ids[row - first]):
             raise PipelineError(
