@@ -41,6 +41,26 @@ def test_a_chunk_of_prompts_past_the_last_row_goes_on_from_the_first(tmp_path):
     assert select_prompts(ref, 3, 10, wrap=True)[2] == [3, 4, 0, 1, 2]  # every row once at most
 
 
+def test_a_finished_eval_with_reference_answers_is_found_finished(tmp_path):
+    """iterate checks a step as the stage would: rlhf eval records its prompts and its --reference answers as inputs,
+    and iterate compared the prompts alone, so a second run stopped at the first evaluation ("the input data
+    changed")."""
+    from conftest import write_jsonl
+    from rlhf_pipeline.datasets_io import StageOutput, parse_ref
+    from rlhf_pipeline.stages.iterate import _stage_config, is_complete
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hi."}, {"prompt": "Yo."}])
+    answers = write_jsonl(tmp_path / "answers.jsonl", [{"prompt": "Hi.", "response": "a"},
+                                                       {"prompt": "Yo.", "response": "b"}])
+    step = plan(config(tmp_path, iterations=1, eval_prompts=prompts, eval={"reference": answers}))[0]
+    assert step.name == "iter_0/eval"
+    stage_config = _stage_config(step)
+    out = StageOutput("eval", stage_config, inputs=[parse_ref(prompts), parse_ref(answers)])  # as rlhf eval records
+    out.path.mkdir(parents=True)
+    out.write_manifest(out.manifest(rows_in=2, rows_out=2))
+    assert is_complete(step)
+
+
 def test_plan_chains_policies_prompts_and_seeds(tmp_path):
     steps = plan(config(tmp_path, prompts_per_iteration=300, eval_prompts="e.jsonl", generate={"seed": 5, "n": 2},
                         launchers={"train": "accelerate launch --config_file z.yaml"}), num_prompts=640)

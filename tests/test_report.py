@@ -175,6 +175,21 @@ def test_each_iterations_samples_are_placed_at_the_policy_that_sampled_them(tmp_
     assert [w.split(" / ")[3] for w in walls] == ["9.5", "9.5+", "9.5"]
 
 
+def test_a_starting_policy_from_another_run_is_placed_at_policy_0(tmp_path):
+    """An overlapped run that starts from another run's iter_1/train samples iteration 2 with it: policy 0, as
+    iterate.json names the start, not policy 1 of this run."""
+    start = str(tmp_path / "older" / "iter_1" / "train")
+    run = tmp_path / "run"
+    write_json(run / "iterate.json", {"model": start, "overlap": 1})
+    for t in (1, 2, 3):
+        model = start if t <= 2 else str(run / "iter_1" / "train")
+        write_json(run / f"iter_{t}" / "generate" / "manifest.json",
+                   {**manifest("generate", 1.0), "config": {"model": model}})
+        write_json(run / f"iter_{t}" / "train" / "manifest.json",
+                   {**manifest("train", 9.5), "training": {"sampler": {"model": model, "is_trained_policy": False}}})
+    assert [it["sampler"] for it in collect(run)["iterations"]] == [0, 0, 1]
+
+
 def test_collect_offsets_skip_untrained_iterations(tmp_path):
     run = tmp_path / "run"
     write_metrics(run / "iter_1" / "train" / "metrics.jsonl",
@@ -300,3 +315,25 @@ def test_length_controlled_reference_judge_and_pass_at_k(full_run, capsys):
     assert cells["reward_fn win rate (W/T/L), LC"] == "0.75 (6/0/2), LC 0.6 ± 0.02"
     assert cells["reward_fn win rate vs references, LC"] == "0.5, LC 0.45 ± 0.03"
     assert cells["judge vs reference: win rate, LC (consistency)"] == "0.6, LC 0.55 ± 0.04 (0.75)"
+
+
+def test_a_reward_models_win_rates_plot_the_preferences_its_length_control_is_fitted_on():
+    """A reward model's length-controlled win rate is fitted on Bradley-Terry preferences, not on the counted wins:
+    the plot draws their mean beside the two, so a gap between counted and length-controlled is not all length's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rlhf_pipeline.stages.report import _plot_win_rates
+
+    model = {"win_rate": 1.0, "lc_win_rate": 0.731, "lc_stderr": 0.01,
+             "length_controlled": {"preferences": "bradley-terry", "raw_win_rate": 0.731, "length_coef": 0.0}}
+    function = {"win_rate": 1.0, "lc_win_rate": 1.0, "lc_stderr": 0.0,
+                "length_controlled": {"preferences": "outcome", "raw_win_rate": 1.0, "length_coef": 0.0}}
+    for scores, expected in [(model, [1.0, 0.731]), (function, [])]:
+        fig, ax = plt.subplots()
+        assert _plot_win_rates(ax, [(1, scores, "baseline"), (2, scores, "baseline")])
+        dotted = [line for line in ax.get_lines() if "mean preference" in str(line.get_label())]
+        assert [list(line.get_ydata()) for line in dotted] == ([[0.731, 0.731]] if expected else [])
+        plt.close(fig)

@@ -617,6 +617,18 @@ def test_eval_refuses_a_baseline_eval_scored_with_another_scorer(eval_self, rm_m
     assert not (out / "manifest.json").exists() and not (out / "results.json").exists()
 
 
+def test_eval_refuses_a_baseline_eval_made_under_another_chat_template(eval_self, tiny_policy, task, tmp_path,
+                                                                       capsys):
+    """The template the prompts were rendered with is a sampling setting like --n: the baseline's samples under
+    another one answer other inputs."""
+    capsys.readouterr()
+    out = tmp_path / "chatml"
+    assert run(*eval_args(tiny_policy, task["eval_prompts"], out, "--reward-fn", GOLD, "--baseline", eval_self,
+                          "--chat-template", "chatml")) == 1
+    assert "sampled with other settings (--chat-template None vs chatml)" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_eval_refuses_a_baseline_directory_that_is_neither_a_model_nor_an_eval(generations, tiny_policy, task,
                                                                                tmp_path, capsys):
     capsys.readouterr()
@@ -624,6 +636,25 @@ def test_eval_refuses_a_baseline_directory_that_is_neither_a_model_nor_an_eval(g
                           "--baseline", generations)) == 1
     assert "holds a generate output, not a model or an rlhf eval output" in capsys.readouterr().err
     assert not (tmp_path / "e" / "manifest.json").exists()
+
+
+def test_an_unfinished_eval_whose_parts_differ_is_redone_with_overwrite(eval_self, tiny_policy, task, tmp_path,
+                                                                         capsys):
+    """An unfinished evaluation continues with its finished parts; a part made with other settings (here a score
+    batch size, which its score part records) is refused with "pass --overwrite", and --overwrite then redoes it
+    (the parts were run without it, and kept refusing)."""
+    import shutil
+
+    out = Path(shutil.copytree(eval_self, tmp_path / "eval"))
+    (out / "manifest.json").unlink()
+    (out / "results.json").unlink()  # as if killed after its parts were written
+    args = eval_args(tiny_policy, task["eval_prompts"], out, "--reward-fn", GOLD, "--baseline", tiny_policy,
+                     "--score-batch-size", 4)
+    capsys.readouterr()
+    assert run(*args) == 1
+    assert "batch_size 16 -> 4" in capsys.readouterr().err
+    assert run(*args, "--overwrite") == 0
+    assert json.loads((out / "results.json").read_text()) == json.loads((eval_self / "results.json").read_text())
 
 
 def test_eval_refuses_a_baseline_eval_sampled_with_other_settings_before_sampling(eval_self, tiny_policy, task,

@@ -89,8 +89,10 @@ if TYPE_CHECKING:
     from rlhf_pipeline.datasets_io import HubTarget
 
 
-# What must match for an earlier evaluation's samples to serve as the baseline.
-SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "limit")
+# What must match for an earlier evaluation's samples to serve as the baseline, and for its scores.
+SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "limit", "chat_template")
+SCORING_KEYS = ("reference_column",)
+MODEL_SCORING_KEYS = ("max_length", "chat_template", "dtype")  # a reward model's besides
 
 
 @dataclass(kw_only=True)
@@ -267,6 +269,7 @@ def _sample_and_score(config: EvalConfig, model: str, directory: Path, accelerat
 
     gen = generate.GenerateConfig(
         output=str(directory / "generate"), model=model, prompts=config.prompts, logprobs=False,
+        overwrite=config.overwrite,  # a part another run left (an unfinished eval continued) is replaced too
         **options_of(config, SamplingOptions), **options_of(config, ControlTokenOptions),
         **options_of(config, ChatTemplateOptions),
     )
@@ -282,7 +285,7 @@ def _score_all(config: EvalConfig, generations: Path, directory: Path, accelerat
     paths = {"generate": generations}
     for source in _scorers(config):
         paths[source.key] = score.score(score.ScoreConfig(
-            output=str(directory / f"score_{source.key}"), input=str(generations),
+            output=str(directory / f"score_{source.key}"), input=str(generations), overwrite=config.overwrite,
             batch_size=config.score_batch_size, max_length=config.max_length, dtype=config.dtype,
             attn_implementation=config.attn_implementation, trust_remote_code=config.trust_remote_code,
             reference_column=config.reference_column, **options_of(config, ControlTokenOptions),
@@ -408,7 +411,8 @@ def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory:
                    "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": config.judge_max_new_tokens,
                    "limit": None}
         generate.main(generate.GenerateConfig(output=str(directory / "generate"), model=config.judge,
-                                              prompts=str(directory / "prompts"), logprobs=False, **options))
+                                              prompts=str(directory / "prompts"), logprobs=False,
+                                              overwrite=config.overwrite, **options))
 
     on_main_process(accelerator, run)
     return directory / "generate"
@@ -516,13 +520,19 @@ def _check_inputs(config: EvalConfig, ref, prompts_fingerprint: str) -> Path | N
     for source in _scorers(config):
         scored = earlier / f"score_{source.key}"
         previous = json.loads((scored / "manifest.json").read_text()) if (scored / "manifest.json").exists() else None
-        if (previous is None or previous["config"].get(source.kind) != source.spec
-                or previous["config"].get("reference_column") != config.reference_column):
+        if previous is None or previous["config"].get(source.kind) != source.spec:
             raise PipelineError(
-                f"--baseline {config.baseline}: that evaluation was not scored with {source.flag} "
-                f"{source.spec}" + (f" and --reference-column {config.reference_column}" if config.reference_column
-                                   else "") + "; evaluate the baseline with the same scorers, or pass the baseline "
-                "model instead"
+                f"--baseline {config.baseline}: that evaluation was not scored with {source.flag} {source.spec}; "
+                "evaluate the baseline with the same scorers, or pass the baseline model instead"
+            )
+        keys = SCORING_KEYS + (MODEL_SCORING_KEYS if source.kind == "reward_model" else ())
+        differ = [k for k in keys if previous["config"].get(k) != getattr(config, k)]
+        if differ:
+            raise PipelineError(
+                f"--baseline {config.baseline}: that evaluation scored with {source.flag} {source.spec} under other "
+                "settings (" + ", ".join(f"--{k.replace('_', '-')} {previous['config'].get(k)} vs {getattr(config, k)}"
+                                         for k in differ)
+                + "); evaluate the baseline with the same settings, or pass the baseline model instead"
             )
     return earlier
 

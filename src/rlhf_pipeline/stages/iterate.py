@@ -78,9 +78,10 @@ log = logging.getLogger(__name__)
 
 STAGE_SECTIONS = ITERATION_STAGES
 TRAINING_STAGES = ("train", "sft", "train-rm")
-# The config field that names each stage's input dataset (its fingerprint is part of the reuse check).
-INPUT_FIELD = {"generate": "prompts", "score": "input", "filter": "input", "train": "data", "eval": "prompts",
-               "sft": "data", "train-rm": "data", "ref-logps": "input"}
+# The config fields that name each stage's input datasets, in the order the stage records them (their fingerprints are
+# part of the reuse check): the first is the main input; eval's reference answers, when set, come after its prompts.
+INPUT_FIELDS = {"generate": ("prompts",), "score": ("input",), "filter": ("input",), "train": ("data",),
+                "eval": ("prompts", "reference"), "sft": ("data",), "train-rm": ("data",), "ref-logps": ("input",)}
 # Options that iterate sets itself; a stage section may not set them.
 RESERVED = {
     "generate": {"model", "prompts", "output", "offset", "limit", "wrap"},
@@ -526,10 +527,11 @@ def _stage_output(step: Step, config, on_hub: dict[Path, OnHub]):
     that is only on the Hub is fingerprinted by its manifest there, as it will be once pulled."""
     from rlhf_pipeline.datasets_io import StageOutput, parse_ref
 
-    text = getattr(config, INPUT_FIELD[step.stage])
+    texts = [t for t in (getattr(config, f) for f in INPUT_FIELDS[step.stage]) if t is not None]
+    text = texts[0]
     remote = on_hub.get(Path(text).expanduser())
     if remote is None:
-        return StageOutput(step.stage, config, inputs=[parse_ref(text)])
+        return StageOutput(step.stage, config, inputs=[parse_ref(t) for t in texts])
     out = StageOutput(step.stage, config, inputs=[])
     # the fingerprint the pulled output will have: its manifest's output_id
     out.input_records = [{"ref": str(Path(text).expanduser()), "fingerprint": remote.manifest["output_id"],

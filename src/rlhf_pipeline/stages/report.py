@@ -49,8 +49,8 @@ from typing import Any, Callable, Optional, Sequence
 from rlhf_pipeline.config import option
 from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.layout import (EVAL_RESULTS, ITER_DIR, ITERATION_STAGES, METRICS, PLOTS_DIR, REPORT, STEPS_LOG,
-                                  SUMMARY)
+from rlhf_pipeline.layout import (EVAL_RESULTS, ITER_DIR, ITERATE_CONFIG, ITERATION_STAGES, METRICS, PLOTS_DIR, REPORT,
+                                  STEPS_LOG, SUMMARY)
 from rlhf_pipeline.stages import run_stage
 
 log = logging.getLogger(__name__)
@@ -198,13 +198,14 @@ def collect(run_dir: Path) -> dict[str, Any]:
             found.append((int(match.group(1)), child))
     iterations = []
     offset = 0
+    start = (_read_json(run_dir / ITERATE_CONFIG) or {}).get("model")  # the starting policy, where iterate recorded it
     for t, path in sorted(found):
         metrics = _read_metrics(path / "train" / METRICS)
         max_step = max((r["step"] for r in metrics), default=0)
         iterations.append({
             "iteration": t,
             "sampler": sampler_index(t, _read_json(path / "generate" / "manifest.json"),
-                                     _read_json(path / "train" / "manifest.json"), run_dir),
+                                     _read_json(path / "train" / "manifest.json"), run_dir, start),
             "path": str(path),
             "eval": _read_json(path / "eval" / EVAL_RESULTS),
             "manifests": {stage: _read_json(path / stage / "manifest.json") for stage in ITERATION_STAGES},
@@ -231,15 +232,18 @@ def collect(run_dir: Path) -> dict[str, Any]:
 
 
 def sampler_index(t: int, generate_manifest: Optional[dict[str, Any]], train_manifest: Optional[dict[str, Any]],
-                  run_dir: Path) -> int:
-    """The policy iteration t's generate sampled from, as its manifest names it: ``k`` where that is this run's
-    ``<run>/iter_<k>/train`` (k < t; an overlapped run's is t - 2), else 0, the starting policy. The run is known by
-    its directory's name; in a run renamed since, an ``iter_<k>/train`` of another name is taken as its own unless
-    the train manifest's ``training.sampler`` says the sampler was the policy trained (then t - 1). Without a
-    manifest that names it, t - 1, as a sequential run plans it."""
+                  run_dir: Path, start_model: Optional[str] = None) -> int:
+    """The policy iteration t's generate sampled from, as its manifest names it: 0 where that is ``start_model``
+    (the run's starting policy, as iterate.json records it), ``k`` where it is this run's ``<run>/iter_<k>/train``
+    (k < t; an overlapped run's is t - 2), else 0. The run is known by its directory's name; in a run renamed since,
+    an ``iter_<k>/train`` of another name is taken as its own unless the train manifest's ``training.sampler`` says
+    the sampler was the policy trained (then t - 1). Without a manifest that names it, t - 1, as a sequential run
+    plans it."""
     named = ((generate_manifest or {}).get("config") or {}).get("model")
     if not named:
         return t - 1
+    if start_model is not None and str(named) == str(start_model):  # another run's iter_k/train, say
+        return 0
     model = Path(str(named))
     match = ITER_DIR.match(model.parent.name)
     if not (match and model.name == "train" and int(match.group(1)) < t):
@@ -369,15 +373,23 @@ def _compared(s: dict[str, Any]) -> bool:
 
 def _plot_win_rates(ax, points: list[tuple[int, dict[str, Any], str]]) -> bool:
     """The raw win rate (solid) and the length-controlled one (dashed, ± its standard error) per iteration, for
-    each side compared with ("baseline", "references", "judge vs ..."). Returns whether anything was drawn."""
+    each side compared with ("baseline", "references", "judge vs ..."). A reward model's length-controlled rate is
+    fitted on Bradley-Terry preferences, not on the counted wins: their mean, the fit's own raw figure, is drawn
+    too (dotted), so that the gap between the solid and dashed lines is not read as length's alone. Returns whether
+    anything was drawn."""
     sides = list(dict.fromkeys(side for _, _, side in points))
     drawn = False
     for color, side in zip(("tab:green", "tab:purple", "tab:orange", "tab:brown"), sides):
         mine = [(t, s) for t, s, other in points if other == side]
         raw = [(t, s["win_rate"]) for t, s in mine if s.get("win_rate") is not None]
         lc = [(t, s["lc_win_rate"], s.get("lc_stderr") or 0.0) for t, s in mine if s.get("lc_win_rate") is not None]
+        preference = [(t, s["length_controlled"]["raw_win_rate"]) for t, s in mine
+                      if (s.get("length_controlled") or {}).get("preferences") == "bradley-terry"]
         if raw:
             ax.plot([w[0] for w in raw], [w[1] for w in raw], marker="o", color=color, label=f"vs {side}")
+        if preference:
+            ax.plot([w[0] for w in preference], [w[1] for w in preference], marker=".", linestyle=":", color=color,
+                    label=f"vs {side}, mean preference (what length is controlled on)")
         if lc:
             ax.errorbar([w[0] for w in lc], [w[1] for w in lc], yerr=[w[2] for w in lc], marker="^", capsize=4,
                         linestyle="--", color=color, label=f"vs {side}, length-controlled")
