@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,23 @@ def test_output_format_and_stop_tokens(tiny_policy):
                 assert len(ids) == 40 and tok.eos_token_id not in ids
             assert text == tok.decode(ids, skip_special_tokens=True)
     assert "length" in reasons
+
+
+def test_sampling_stops_at_the_models_context(tiny_policy, tmp_path):
+    """A prompt and its response fit in the context (the model's positions, or --max-model-len), as vLLM's do:
+    transformers sampled past the positions the model knows."""
+    config = json.loads((Path(tiny_policy) / "config.json").read_text())
+    short = Path(shutil.copytree(tiny_policy, tmp_path / "short"))
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 24}))
+    tok, prompts, sampling = _setup(str(short), n=2, max_new_tokens=40)
+    longest = max(len(p) for p in prompts)
+    assert longest < 24
+    for engine, context in [(HFEngine(str(short), tok, batch_size=1), 24),
+                            (HFEngine(tiny_policy, tok, batch_size=1, max_model_len=20), 20)]:
+        for prompt, c in zip(prompts, engine.generate(prompts, [0, 1, 2], sampling)):
+            for ids, reason in zip(c.token_ids, c.finish_reasons):
+                assert len(prompt) + len(ids) <= context
+                assert reason == "stop" or len(prompt) + len(ids) == context
 
 
 def test_a_model_that_always_stops_gives_eos_only_samples(tiny_policy, tmp_path):

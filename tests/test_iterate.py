@@ -38,7 +38,9 @@ def test_a_chunk_of_prompts_past_the_last_row_goes_on_from_the_first(tmp_path):
     assert list(select_prompts(ref, 3, 4)[2]) == [3, 4]
     ds, _, rows, total = select_prompts(ref, 3, 4, wrap=True)
     assert rows == [3, 4, 0, 1] and total == 5 and ds["prompt"] == ["Prompt 3.", "Prompt 4.", "Prompt 0.", "Prompt 1."]
-    assert select_prompts(ref, 3, 10, wrap=True)[2] == [3, 4, 0, 1, 2]  # every row once at most
+    ds, _, rows, _ = select_prompts(ref, 3, 10, wrap=True)
+    assert rows == [3, 4, 0, 1, 2]  # every row once at most
+    assert ds["prompt"] == [f"Prompt {i}." for i in rows]  # in that order, as their seeds and the manifest say
 
 
 def test_a_finished_eval_with_reference_answers_is_found_finished(tmp_path):

@@ -264,6 +264,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+# Every model this project loads: weights from safetensors, never from a pickle (pytorch_model.bin), which can run
+# code when loaded (check_model_ref says so in one line for a local directory)
+SAFE_WEIGHTS = {"use_safetensors": True}
+
+
+def context_length(model_config: Any) -> tuple[int, str] | None:
+    """The longest a sequence (a prompt and its response) may be in a model of this config, and where the number
+    comes from: ``max_position_embeddings``, stretched by a RoPE scaling that reaches past it (YaRN, linear, dynamic:
+    Qwen2.5's factor 4 over 32,768) as vLLM counts it; Llama-3's and LongRoPE's already count in the positions. None
+    when the config names none."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    positions = getattr(text, "max_position_embeddings", None)
+    if not positions:
+        return None
+    scaling = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
+    kind, factor = scaling.get("rope_type") or scaling.get("type"), scaling.get("factor")
+    if factor and kind not in (None, "default", "llama3", "longrope", "su"):
+        positions = int((scaling.get("original_max_position_embeddings") or positions) * factor)
+        return positions, f"max_position_embeddings with its {kind} RoPE scaling"
+    return positions, "max_position_embeddings in its config.json"
+
+
 def load_causal_lm(path: str, dtype: str = "auto", trust_remote_code: bool = False,
                    device: torch.device | None = None, attn_implementation: str = DEFAULT_ATTENTION):
     """A causal LM for inference, on ``device``, in ``dtype``, with ``attn_implementation``

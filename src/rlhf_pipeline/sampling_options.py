@@ -47,7 +47,9 @@ class SamplingOptions:
         "(VLLM_CPU_KVCACHE_SPACE GiB, 4 if unset).",
         semantic=False,
     )
-    max_model_len: Optional[int] = option(None, help="vllm engine: context length (default: the model's).")
+    max_model_len: Optional[int] = option(
+        None, help="Context length, a prompt and its response (default: the model's): vLLM's max_model_len; the hf "
+        "engine stops sampling there too.")
     trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
     # Where the engines run (executors.py). None of these changes the output: N replicas on N shards write what the
     # --shard i/N runs merged would, which with per-prompt seeds (vLLM) is what one local engine writes.

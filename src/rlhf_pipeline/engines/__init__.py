@@ -52,7 +52,7 @@ def load_engine(
         from rlhf_pipeline.engines.hf import HFEngine
 
         return HFEngine(model, tokenizer, dtype=dtype, trust_remote_code=trust_remote_code, batch_size=batch_size,
-                        attn_implementation=attn_implementation)
+                        attn_implementation=attn_implementation, max_model_len=max_model_len)
     if name == "vllm":
         from rlhf_pipeline.engines.vllm import VLLMEngine
 

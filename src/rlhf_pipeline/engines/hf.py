@@ -232,12 +232,15 @@ class HFEngine:
         trust_remote_code: bool = False,
         batch_size: int = 16,
         attn_implementation: str = DEFAULT_ATTENTION,
+        max_model_len: int | None = None,
     ):
         from rlhf_pipeline.chat import pad_id
-        from rlhf_pipeline.modeling import load_causal_lm
+        from rlhf_pipeline.modeling import context_length, load_causal_lm
 
         self.model = load_causal_lm(model, dtype=dtype, trust_remote_code=trust_remote_code,
                                     attn_implementation=attn_implementation)
+        # a prompt and its response fit in it, as vLLM's max_model_len: sampling stops there (finish reason length)
+        self.context = max_model_len or (context_length(self.model.config) or (None,))[0]
         self.model.generation_config = _without_sampling_options(self.model.generation_config)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -359,6 +362,8 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings,
                  logprobs: bool = False) -> list[Completion]:
+        import dataclasses
+
         import torch
         from transformers import LogitsProcessorList
 
@@ -389,8 +394,11 @@ class HFEngine:
                 torch.manual_seed(seeds[batch[0]])
                 recorder = SampledLogprobs() if logprobs else None
                 used = LogitsProcessorList([*processors, recorder]) if recorder is not None else processors
+                room = None if self.context is None else self.context - width  # the batch's longest prompt sets it
+                fitted = sampling if room is None or room >= sampling.max_new_tokens else dataclasses.replace(
+                    sampling, max_new_tokens=max(room, 1))
                 with torch.no_grad():
-                    out = self._sample(input_ids, attention_mask, sampling, used, share=bool(self.share_prefill))
+                    out = self._sample(input_ids, attention_mask, fitted, used, share=bool(self.share_prefill))
                 new_tokens = out[:, width:].tolist()  # (B * n, T), rows of one prompt are adjacent
                 sampled = recorder.finish(out[:, -1]).tolist() if recorder is not None else None
                 for row, i in enumerate(batch):

@@ -71,6 +71,8 @@ def completion_from_outputs(
         elif reason == "length":
             if not ids:
                 raise RuntimeError("vLLM returned no tokens for a prompt (longer than max_model_len?)")
+            if ids[-1] in stops:  # the stop token came as the last one allowed: a stop, as the hf engine says
+                reason = "stop"
         else:
             raise RuntimeError(f"vLLM request did not finish: finish_reason={reason!r} for sample {out.index}")
         token_ids.append(ids)

@@ -101,19 +101,9 @@ def prompt_context(config: GenerateConfig) -> tuple[int, str] | None:
         return config.max_model_len, "--max-model-len"
     from transformers import AutoConfig
 
-    model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    positions = getattr(text, "max_position_embeddings", None)
-    if not positions:
-        return None
-    # a RoPE scaling that stretches the positions (YaRN, linear, dynamic: Qwen2.5's factor 4 over 32,768) reaches
-    # factor times its original length, as vLLM counts it; Llama-3's and LongRoPE's already count in the positions
-    scaling = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
-    kind, factor = scaling.get("rope_type") or scaling.get("type"), scaling.get("factor")
-    if factor and kind not in (None, "default", "llama3", "longrope", "su"):
-        positions = int((scaling.get("original_max_position_embeddings") or positions) * factor)
-        return positions, f"max_position_embeddings with its {kind} RoPE scaling"
-    return positions, "max_position_embeddings in its config.json"
+    from rlhf_pipeline.modeling import context_length
+
+    return context_length(AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code))
 
 
 def _check_unique_ids(ds, source: str, column: str) -> None:
@@ -160,7 +150,7 @@ def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | 
             raise PipelineError(f"{ref.name}: --shard {shard} gets no prompts: {n} shards of its {len(rows)} "
                                 f"prompts (rows {offset}..{end}) leave shard {i} empty; give at most {len(rows)} shards")
         rows = rows[part.start : part.stop]
-    if len(rows) != rows_total:
+    if rows != range(rows_total):  # a wrapped list of every row is in another order
         ds = ds.select(rows)
     if ds.num_rows == 0:
         raise PipelineError(f"{ref.name}: no prompts to generate for (rows {offset}..{end})")
