@@ -223,6 +223,21 @@ def test_sft_answers_spelling_a_stop_token_are_text():
     assert answer.count(end) == 2
 
 
+def test_sft_answers_end_at_the_turn_end_sampling_stops_at():
+    """A template that writes the EOS after the last turn's end (Phi-3.5's ``<|end|>\\n<|endoftext|>``): sampling
+    stops at the turn end, so training does too (it went on to the EOS, two tokens sampling never produces)."""
+    from rlhf_pipeline.chat import encode_answers
+
+    tok = build_tokenizer(chat_format="chatml")
+    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                         "{% else %}{{ '<|endoftext|>' }}{% endif %}")
+    end, text_end = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    _, (answer,), fallbacks = encode_answers(tok, ["q"], ["Hello."], [end, text_end])  # as Phi-3.5's stop ids
+    assert answer[-1] == end and text_end not in answer and fallbacks == 0
+    assert tok.decode(answer[:-1]).strip() == "Hello."
+
+
 def test_iterate_passes_the_opt_out_to_every_stage_that_renders_text():
     """``rlhf iterate --allow-special-tokens-in-text``: generate, score, filter and eval get it, train does not need
     it (it reads token ids), and a section's own value wins."""

@@ -349,6 +349,17 @@ def test_expand_pairs_pairs_reals_answers_by_position_and_names_a_mismatched_row
         expand_pairs({"prompt": "q", "chosen": "a"}, 2, "p.jsonl")
 
 
+def test_reward_model_trains_on_filter_pairs_of_conversation_prompts(tiny_policy, tmp_path):
+    """rlhf filter's pairs carry the prompts' own column: prompts given as messages stay messages, which train-rm
+    refused ("text responses need a 'prompt' column")."""
+    messages = [{"role": "user", "content": "Review the park."}]
+    rows = [{"prompt_id": str(i), "messages": messages, "chosen": "Lovely trees.", "rejected": "Dull."}
+            for i in range(8)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    assert run("train-rm", "--model", tiny_policy, "--data", data, "--output", tmp_path / "rm", "--max-steps", 1,
+               "--batch-size", 2, "--test-size", 0, "--report-to", "none") == 0
+
+
 def test_reals_format_trains_on_every_positional_pair(tiny_policy, tmp_path):
     """pos_answers/neg_answers rows expand into one training pair per position (3 rows x 2 = 6 + test pairs)."""
     from datasets import Dataset, DatasetDict

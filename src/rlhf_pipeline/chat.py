@@ -793,15 +793,27 @@ def encode_conversations(
         lambda control, texts: control.split_encode(texts, True))
 
 
+def _answer_end(tokenizer, rest: list[int], ends: list[int], answer: str) -> int:
+    """The index in ``rest`` (the ids after the prompt) of the stop token that ends ``answer``: the first of ``ends``
+    before which the answer's whole text has been written, else the last."""
+    text = answer.strip()
+    for end in ends[:-1]:
+        if text in tokenizer.decode(rest[:end]):
+            return end
+    return ends[-1]
+
+
 def encode_answers(
     tokenizer, prompts: list, answers: list[str], stop_ids: Iterable[int] = (), allow_special_tokens: bool = False
 ) -> tuple[list[list[int]], list[list[int]], int]:
     """(prompt ids, answer ids, rows whose template does not render the prompt as a prefix of the whole).
 
-    The answer ends at its last stop token (``stop_ids``, the ids generation stops on, and the tokenizer's EOS): the
-    policy is trained on exactly the ids it will sample. Templates that put a newline after the turn's end token
-    (ChatML's ``<|im_end|>\\n``, Gemma's ``<end_of_turn>\\n``) would otherwise train a token that sampling, stopped
-    at the end token, never produces, and that the RL stages' sampled responses never contain. Where the rendering
+    The answer ends at the first stop token (``stop_ids``, the ids generation stops on, and the tokenizer's EOS) that
+    follows its whole text, where sampling stops: the policy is trained on exactly the ids it will sample (an answer
+    that spells a stop token, with ``allow_special_tokens``, keeps it as part of its text). Templates that put a newline after the
+    turn's end token (ChatML's ``<|im_end|>\\n``, Gemma's ``<end_of_turn>\\n``), or the EOS after the last turn's end
+    (Phi-3.5's ``<|end|>\\n<|endoftext|>``), would otherwise train tokens that sampling, stopped at the end token,
+    never produces, and that the RL stages' sampled responses never contain. Where the rendering
     puts no stop token after the answer (raw text, ``--chat-template none``, or a template without a turn end), the
     EOS is added: sampling stops on it, so the policy must learn it.
     """
@@ -814,7 +826,7 @@ def encode_answers(
         if full[: len(p)] == p and len(full) > len(p):
             rest = full[len(p) :]
             ends = [i for i, t in enumerate(rest) if t in stops]
-            answer_ids.append(rest[: ends[-1] + 1] if ends else rest + eos)
+            answer_ids.append(rest[: _answer_end(tokenizer, rest, ends, answer) + 1] if ends else rest + eos)
         else:
             fallbacks += 1
             (ids,) = encode_plain(tokenizer, [answer], allow_special_tokens)

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import ChatTemplateOptions, ControlTokenOptions, check_test_size, option
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.modeling import SAFE_WEIGHTS
 from rlhf_pipeline.training.loop import TrainOptions
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ class TrainRMConfig(ChatTemplateOptions, ControlTokenOptions, TrainOptions):
 
 
 def expand_pairs(row: dict[str, Any], row_index: int, source: str) -> list[tuple[Any, Any, Any]]:
-    """The (prompt, chosen, rejected) pairs of one row, in either supported format."""
+    """The (prompt, chosen, rejected) pairs of one row, in either supported format. The prompt is the ``prompt``
+    column, else ``messages`` (rlhf filter's pairs carry the prompt column the prompts had)."""
+    prompt = row.get("prompt", row.get("messages"))
     if "pos_answers" in row or "neg_answers" in row:
         pos, neg = row.get("pos_answers"), row.get("neg_answers")
         if not isinstance(pos, list) or not isinstance(neg, list) or len(pos) != len(neg) or not pos:
@@ -61,20 +64,20 @@ def expand_pairs(row: dict[str, Any], row_index: int, source: str) -> list[tuple
                 f"{source}: row {row_index}: 'pos_answers' and 'neg_answers' must be non-empty lists of the same "
                 "length (pos_answers[i] is preferred to neg_answers[i])"
             )
-        return [(row.get("prompt"), c, r) for c, r in zip(pos, neg)]
+        return [(prompt, c, r) for c, r in zip(pos, neg)]
     if row.get("chosen") is None or row.get("rejected") is None:
         raise PipelineError(
             f"{source}: row {row_index} has no 'chosen'/'rejected' (or 'pos_answers'/'neg_answers'); give preference "
             "pairs in one of those formats"
         )
-    return [(row.get("prompt"), row["chosen"], row["rejected"])]
+    return [(prompt, row["chosen"], row["rejected"])]
 
 
 def conversation(prompt: Any, response: Any, row_index: int, source: str) -> tuple[Any, str]:
     """(prompt as text or messages, response text) from a text response or a whole conversation."""
     if isinstance(response, str):
         if prompt is None:
-            raise PipelineError(f"{source}: row {row_index}: text responses need a 'prompt' column")
+            raise PipelineError(f"{source}: row {row_index}: text responses need a 'prompt' (or 'messages') column")
         return prompt, response
     if isinstance(response, list) and response and isinstance(response[-1], dict) \
             and response[-1].get("role") == "assistant":
@@ -82,7 +85,8 @@ def conversation(prompt: Any, response: Any, row_index: int, source: str) -> tup
         if context:  # a whole conversation (Anthropic HH style): it carries its own prompt
             return context, response[-1].get("content", "")
         if prompt is None:
-            raise PipelineError(f"{source}: row {row_index}: a lone assistant turn needs a 'prompt' column")
+            raise PipelineError(f"{source}: row {row_index}: a lone assistant turn needs a 'prompt' (or 'messages') "
+                                "column")
         return prompt, response[-1].get("content", "")
     raise PipelineError(
         f"{source}: row {row_index}: a response must be text or a list of messages ending with an assistant turn"
@@ -182,7 +186,8 @@ def load_reward_model_for_training(path: str, trust_remote_code: bool = False, *
     logger.addFilter(no_report)
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, trust_remote_code=trust_remote_code, output_loading_info=True, **kwargs)
+            path, num_labels=1, trust_remote_code=trust_remote_code, output_loading_info=True, **kwargs,
+            **SAFE_WEIGHTS)
     except Exception:
         logger.removeFilter(no_report)
         for record in no_report.held:  # "For details look at the above report!"
