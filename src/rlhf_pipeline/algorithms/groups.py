@@ -54,7 +54,7 @@ from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import GROUP_COLUMNS, SAMPLER_LOGPROBS, SCORED_KINDS, require_columns, require_types
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CRITIC, ROLLOUT_CACHE
-from rlhf_pipeline.modeling import enable_activation_checkpointing, peel
+from rlhf_pipeline.modeling import SAFE_WEIGHTS, enable_activation_checkpointing, peel
 
 log = logging.getLogger(__name__)
 
@@ -906,11 +906,13 @@ def train(config) -> Path:
         critic_path, critic_flag = _critic_source(config, ref) if config.algorithm.uses_critic else (None, None)
 
         def loader(path, trust_remote_code, **kwargs):
-            policy = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+            policy = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs,
+                                                          **SAFE_WEIGHTS)
             if critic_path is None:
                 return policy
             critic = AutoModelForSequenceClassification.from_pretrained(critic_path, num_labels=1,
-                                                                        trust_remote_code=trust_remote_code, **kwargs)
+                                                                        trust_remote_code=trust_remote_code, **kwargs,
+                                                                        **SAFE_WEIGHTS)
             check_critic(critic_flag, critic_path, critic, from_policy=critic_path == config.model)
             if critic.config.vocab_size < policy.config.vocab_size:
                 raise PipelineError(

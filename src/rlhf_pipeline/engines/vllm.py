@@ -185,6 +185,7 @@ def start_llm(model: str, *, dtype: str, trust_remote_code: bool, gpu_memory_uti
             # float16 on a GPU without bfloat16 (asking torch here would also initialise CUDA before vLLM forks).
             dtype=str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.") if on_cpu else dtype,
             trust_remote_code=trust_remote_code,
+            load_format="safetensors",  # never a pickle (modeling.SAFE_WEIGHTS)
             **engine_memory_args(gpu_memory_utilization, on_cpu, dict(os.environ)),
             **kwargs,
         )

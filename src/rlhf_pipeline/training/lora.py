@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Optional
 
 from rlhf_pipeline.config import option
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.modeling import is_peft, peel
+from rlhf_pipeline.modeling import SAFE_WEIGHTS, is_peft, peel
 
 ADAPTER_DIR = "adapter"
 ALL_LINEAR = "all-linear"  # peft resolves it per architecture: every nn.Linear but the output layer
@@ -248,6 +248,7 @@ def merge_by_reloading(model: Any, path: Path) -> None:
         base = peel(part)
         where = path / (CRITIC if prefix == "critic." else "")
         labels = {"num_labels": base.config.num_labels} if _is_classifier(base) else {}
-        fresh = type(base).from_pretrained(part.peft_config[_ADAPTER].base_model_name_or_path, dtype="auto", **labels)
+        fresh = type(base).from_pretrained(part.peft_config[_ADAPTER].base_model_name_or_path, dtype="auto", **labels,
+                                           **SAFE_WEIGHTS)
         merged = PeftModel.from_pretrained(fresh, str(where / ADAPTER_DIR)).merge_and_unload()
         merged.save_pretrained(str(where), safe_serialization=True)

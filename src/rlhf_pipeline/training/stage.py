@@ -39,7 +39,7 @@ from rlhf_pipeline.training.checkpoints import list_checkpoints, remove_checkpoi
 from rlhf_pipeline.distributed import COLLECTIVE_TIMEOUT, cpu_deepspeed_backend, finish_distributed, on_main_process
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
-from rlhf_pipeline.modeling import same_model
+from rlhf_pipeline.modeling import SAFE_WEIGHTS, same_model
 
 if TYPE_CHECKING:
     from rlhf_pipeline.datasets_io import HubTarget, StageOutput
@@ -404,4 +404,4 @@ def check_vocabulary(data: dict, model: Any, tokenizer: Any, source: str, model_
 def _causal_lm(path: str, trust_remote_code: bool = False, **kwargs):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs, **SAFE_WEIGHTS)
