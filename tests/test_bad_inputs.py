@@ -164,8 +164,8 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
         {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "chosen_token_ids": [7, 99999 if i == 2 else 8, 2],
          "rejected_token_ids": [9, 2], "chosen_reward": 1.0, "rejected_reward": 0.0} for i in range(6)])
     k["best_foreign_id"] = write_jsonl(d / "best_foreign_id.jsonl", [
-        {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "completion_token_ids": [7, 99999 if i == 2 else 8, 2]}
-        for i in range(6)])
+        {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i],
+         "completion_token_ids": [7, 99999 if i == 2 else 8, 2]} for i in range(6)])
     k["groups_nan_reward"] = write_jsonl(d / "groups_nan.jsonl", [
         {"prompt_id": f"p{i}", "prompt_token_ids": [1, 5, 6 + i], "response_token_ids": [[7, 2], [8, 9, 2]],
          "rewards": [1.0, float("nan") if i == 3 else 0.0]} for i in range(6)])

@@ -229,8 +229,9 @@ def test_sft_answers_end_at_the_turn_end_sampling_stops_at():
     from rlhf_pipeline.chat import encode_answers
 
     tok = build_tokenizer(chat_format="chatml")
-    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-                         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    tok.chat_template = ("{% for m in messages %}"
+                         "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
                          "{% else %}{{ '<|endoftext|>' }}{% endif %}")
     end, text_end = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     _, (answer,), fallbacks = encode_answers(tok, ["q"], ["Hello."], [end, text_end])  # as Phi-3.5's stop ids

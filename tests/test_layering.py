@@ -3,8 +3,8 @@
 :data:`LEVELS` is the map of the package, bottom to top, one line per module or package (a package's line covers
 its submodules). A module may import a module of a lower line, or of its own line (a package's submodules among
 themselves); never one above it, nor a sibling on the same level: the stages do not import each other, and the
-stages that run others (``eval`` runs ``generate`` and ``score``, ``merge`` reads ``generate``'s options, ``iterate`` plans every stage, ``demo`` runs
-``iterate`` and ``report``) each have a level of their own above the ones they run.
+stages that run others (``eval`` runs ``generate`` and ``score``, ``merge`` reads ``generate``'s options, ``iterate``
+plans every stage, ``demo`` runs ``iterate`` and ``report``) each have a level of their own above the ones they run.
 
 An import is any ``import``/``from ... import`` anywhere in a file (function bodies and ``TYPE_CHECKING`` blocks
 included), relative or absolute, and any reference by string: a string literal that is exactly a module path

@@ -810,10 +810,10 @@ def encode_answers(
 
     The answer ends at the first stop token (``stop_ids``, the ids generation stops on, and the tokenizer's EOS) that
     follows its whole text, where sampling stops: the policy is trained on exactly the ids it will sample (an answer
-    that spells a stop token, with ``allow_special_tokens``, keeps it as part of its text). Templates that put a newline after the
-    turn's end token (ChatML's ``<|im_end|>\\n``, Gemma's ``<end_of_turn>\\n``), or the EOS after the last turn's end
-    (Phi-3.5's ``<|end|>\\n<|endoftext|>``), would otherwise train tokens that sampling, stopped at the end token,
-    never produces, and that the RL stages' sampled responses never contain. Where the rendering
+    that spells a stop token, with ``allow_special_tokens``, keeps it as part of its text). Templates that put a
+    newline after the turn's end token (ChatML's ``<|im_end|>\\n``, Gemma's ``<end_of_turn>\\n``), or the EOS after
+    the last turn's end (Phi-3.5's ``<|end|>\\n<|endoftext|>``), would otherwise train tokens that sampling, stopped
+    at the end token, never produces, and that the RL stages' sampled responses never contain. Where the rendering
     puts no stop token after the answer (raw text, ``--chat-template none``, or a template without a turn end), the
     EOS is added: sampling stops on it, so the policy must learn it.
     """

@@ -167,8 +167,8 @@ def _load_raw(ref: DatasetRef) -> Dataset | DatasetDict:
         except Exception as e:  # offline, not found, gated, a network error: many kinds
             raise PipelineError(
                 f"{ref}: no such file or directory here, and it did not load as a Hub dataset ({type(e).__name__}: "
-                f"{redact(first_line(e))}); check the path, or the dataset id, HF_TOKEN and the network (HF_HUB_OFFLINE "
-                "unset)") from e
+                f"{redact(first_line(e))}); check the path, or the dataset id, HF_TOKEN and the network "
+                "(HF_HUB_OFFLINE unset)") from e
     if ref.split is not None:
         if not isinstance(ds, datasets.DatasetDict) or ref.split not in ds:
             have = ", ".join(ds) if isinstance(ds, datasets.DatasetDict) else "none"

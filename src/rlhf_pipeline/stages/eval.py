@@ -144,7 +144,8 @@ class EvalConfig(ChatTemplateOptions, ControlTokenOptions, SamplingOptions, Outp
         "comma-separated, repeated or a YAML list. Results in OUTPUT/lm_eval/results.json and results.json."
     )
     lm_eval_backend: Optional[Literal["hf", "vllm"]] = option(
-        None, help="lm-eval's model backend (default: the --engine, auto meaning vllm when it imports and a GPU is present)."
+        None, help="lm-eval's model backend (default: the --engine, auto meaning vllm when it imports and a GPU is "
+        "present)."
     )
     lm_eval_limit: Optional[int] = option(None, help="lm-eval: evaluate only the first LIMIT rows of each task.")
     lm_eval_num_fewshot: Optional[int] = option(None, help="lm-eval: few-shot examples (default: each task's own).")

@@ -148,7 +148,8 @@ def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | 
         part = shard_indices(len(rows), i, n)
         if not part:
             raise PipelineError(f"{ref.name}: --shard {shard} gets no prompts: {n} shards of its {len(rows)} "
-                                f"prompts (rows {offset}..{end}) leave shard {i} empty; give at most {len(rows)} shards")
+                                f"prompts (rows {offset}..{end}) leave shard {i} empty; give at most {len(rows)} "
+                                "shards")
         rows = rows[part.start : part.stop]
     if rows != range(rows_total):  # a wrapped list of every row is in another order
         ds = ds.select(rows)
