@@ -262,7 +262,7 @@ CASES = [
          "prompts.jsonl: --shard 4/5 gets no prompts: 5 shards of its 4 prompts (rows 0..4) leave shard 4 empty; give "
          "at most 4 shards"),
     Case("generate-split-of-a-file", ["generate", "--model", "{policy}", "--prompts", "{prompts}:test"],
-         "is a file, which holds one split; drop ':test'"),
+         "is a file, which holds one split (train); drop ':test'"),
     Case("generate-prompts-neither-here-nor-on-the-hub", ["generate", "--model", "{policy}", "--prompts",
                                                           "no_such_runs/prompts"],
          "no_such_runs/prompts: no such file or directory here, and it did not load as a Hub dataset"),

@@ -98,6 +98,18 @@ def test_two_splits_of_one_source_are_different_data(tmp_path):
     assert _run(tmp_path, inputs=[parse_ref(f"{d}:train")]) is None
 
 
+def test_a_file_is_its_one_split():
+    """FILE:train names the file's one split (as datasets names it); another split of a file is refused, not
+    dropped without a word."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        f = write_jsonl(Path(d) / "p.jsonl", [{"prompt": "hi"}])
+        assert parse_ref(f"{f}:train") == parse_ref(f)
+        with pytest.raises(PipelineError, match="holds one split"):
+            parse_ref(f"{f}:test")
+
+
 def test_a_hub_revision_may_hold_slashes():
     ref = parse_ref("org/data:train@refs/pr/1")
     assert (ref.kind, ref.location, ref.split, ref.revision) == ("hub", "org/data", "train", "refs/pr/1")
@@ -242,6 +254,10 @@ def test_an_output_a_kill_left_half_replaced_is_put_back(tmp_path):
     assert _run(tmp_path) is None  # the run it holds, found again: nothing to do
     assert load_from_disk(str(tmp_path / "out"))["x"] == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    # an old version alone (killed after both renames, the output deleted by hand since) is not brought back
+    (tmp_path / "out").rename(tmp_path / ".out.old-1234")
+    clean_stale(tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_push_to_hub_uploads_data_and_manifest(tmp_path, monkeypatch):

@@ -358,6 +358,10 @@ def test_reward_model_trains_on_filter_pairs_of_conversation_prompts(tiny_policy
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     assert run("train-rm", "--model", tiny_policy, "--data", data, "--output", tmp_path / "rm", "--max-steps", 1,
                "--batch-size", 2, "--test-size", 0, "--report-to", "none") == 0
+    from rlhf_pipeline.stages.train_rm import expand_pairs
+
+    whole = messages + [{"role": "assistant", "content": "Lovely trees."}]  # a whole conversation is no prompt
+    assert expand_pairs({"messages": whole, "chosen": "a", "rejected": "b"}, 0, "p") == [(None, "a", "b")]
 
 
 def test_reals_format_trains_on_every_positional_pair(tiny_policy, tmp_path):

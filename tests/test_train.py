@@ -260,7 +260,7 @@ def test_a_run_whose_policy_was_trained_again_since_does_not_resume(pairs, tiny_
 
 def test_a_run_is_resumed_on_as_many_processes_as_it_ran_on(pairs, tiny_policy, tmp_path, monkeypatch, capsys):
     """Another process count would change the global batch (and a ZeRO checkpoint's shards would not load, each then
-    set aside as damaged): refused in one line before anything loads, the checkpoints left as they are."""
+    set aside as damaged): refused in one line before any checkpoint loads, the checkpoints left as they are."""
     common = ["--algo", "rebel", "--max-steps", 4, "--batch-size", 2, "--save-every", 2]
     crash_after_checkpoint(monkeypatch, 2)
     assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common)) == 130

@@ -810,7 +810,8 @@ def encode_answers(
 
     The answer ends at the first stop token (``stop_ids``, the ids generation stops on, and the tokenizer's EOS) that
     follows its whole text, where sampling stops: the policy is trained on exactly the ids it will sample (an answer
-    that spells a stop token, with ``allow_special_tokens``, keeps it as part of its text). Templates that put a
+    that spells a stop token, with ``allow_special_tokens``, keeps it as part of its text where the template writes a
+    turn end after it; where decoding does not give the text back, the last stop token). Templates that put a
     newline after the turn's end token (ChatML's ``<|im_end|>\\n``, Gemma's ``<end_of_turn>\\n``), or the EOS after
     the last turn's end (Phi-3.5's ``<|end|>\\n<|endoftext|>``), would otherwise train tokens that sampling, stopped
     at the end token, never produces, and that the RL stages' sampled responses never contain. Where the rendering

@@ -88,8 +88,8 @@ def parse_ref(text: str) -> DatasetRef:
     if path.is_dir():
         return DatasetRef("dir", str(path), split=split)
     if path.is_file():
-        if split is not None:
-            raise PipelineError(f"{text}: {path} is a file, which holds one split; drop ':{split}'")
+        if split not in (None, "train"):  # a file is one split, which datasets names train
+            raise PipelineError(f"{text}: {path} is a file, which holds one split (train); drop ':{split}'")
         if path.suffix not in FILE_SUFFIXES:
             raise PipelineError(
                 f"{text}: unsupported file type '{path.suffix}'; use .json, .jsonl, .parquet or a save_to_disk directory"
@@ -404,11 +404,14 @@ def clean_stale(path: Path, streams: bool = True) -> None:
     if not path.parent.exists():
         return
     name = glob.escape(path.name)  # an output named exp[1] or gen*: its own siblings, no one else's
-    old = sorted(path.parent.glob(f".{name}.old-*"), key=lambda p: p.stat().st_mtime)
-    if old and not path.exists():
-        log.warning("restoring %s from %s: an interrupted run was replacing it", path, old[-1].name)
-        os.rename(old.pop(), path)
-    for stale in [*path.parent.glob(f".{name}.tmp-*"), *old,
+    old = sorted(path.parent.glob(f".{name}.old-*"))
+    new = list(path.parent.glob(f".{name}.tmp-*"))
+    if old and new and not path.exists():  # the old one moved aside, the new one not yet in its place
+        with contextlib.suppress(OSError):  # every process of a launch may try: the first one puts it back
+            os.rename(old[-1], path)
+            log.warning("restored %s from %s: an interrupted run was replacing it", path, old[-1].name)
+        old = old[:-1]
+    for stale in [*new, *old,
                   *(path.parent.glob(f".{name}.stream-*") if streams else [])]:
         log.info("removing %s, left by an interrupted run", stale)
         shutil.rmtree(stale, ignore_errors=True)

@@ -56,7 +56,11 @@ class TrainRMConfig(ChatTemplateOptions, ControlTokenOptions, TrainOptions):
 def expand_pairs(row: dict[str, Any], row_index: int, source: str) -> list[tuple[Any, Any, Any]]:
     """The (prompt, chosen, rejected) pairs of one row, in either supported format. The prompt is the ``prompt``
     column, else ``messages`` (rlhf filter's pairs carry the prompt column the prompts had)."""
-    prompt = row.get("prompt", row.get("messages"))
+    prompt = row.get("prompt")
+    messages = row.get("messages")
+    if prompt is None and isinstance(messages, list) and not (messages and isinstance(messages[-1], dict)
+                                                               and messages[-1].get("role") == "assistant"):
+        prompt = messages  # a conversation up to the answer (a whole one, ending with its answer, is not a prompt)
     if "pos_answers" in row or "neg_answers" in row:
         pos, neg = row.get("pos_answers"), row.get("neg_answers")
         if not isinstance(pos, list) or not isinstance(neg, list) or len(pos) != len(neg) or not pos:
