@@ -396,7 +396,8 @@ CASES = [
     Case("filter-token-ids-null", ["filter", "--input", "{scored_null_ids}", "--tokenizer", "{policy}"],
          "scored_null_ids.jsonl: row 1: 'response_token_ids' is null"),
     Case("filter-token-id-negative", ["filter", "--input", "{scored_negative_id}", "--tokenizer", "{policy}"],
-         "scored_negative_id.jsonl: row 0 has token id -1, outside the tokenizer's"),
+         "scored_negative_id.jsonl: row 0: prompt_token_ids holds token id -1, outside the 1024 ids of the tokenizer "
+         "given"),
     Case("filter-tokenizer-not-found", ["filter", "--input", "{scored}", "--tokenizer", "nomodel"],
          "--tokenizer nomodel: not found locally; with HF_HUB_OFFLINE set, Hub ids are not fetched"),
     Case("filter-input-not-scored", ["filter", "--input", "{gen}", "--tokenizer", "{policy}"],

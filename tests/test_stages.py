@@ -270,7 +270,7 @@ def test_wrong_tokenizer_is_caught(capsys, pipeline, tmp_path):
     bare = tmp_path / "scored.jsonl"
     load_from_disk(str(pipeline / "scored_rm")).to_json(str(bare))
     _fails(capsys, "filter", "--input", bare, "--tokenizer", small, "--test-size", 5,
-           output=tmp_path / "out", expect=["row", "outside the tokenizer's", "--tokenizer"])
+           output=tmp_path / "out", expect=["row", "ids of the tokenizer given", "--tokenizer"])
 
 
 def test_the_same_vocabulary_cutting_text_otherwise_is_accepted(pipeline, tiny_policy, tmp_path):

@@ -111,10 +111,10 @@ def require_types(ds: Dataset, kinds: dict[str, str], source: str, hint: str) ->
                 raise PipelineError(f"{source}: column '{column}' holds {found}, not {expected}; {hint}")
 
 
-def require_token_ids(ds: Dataset, vocab_size: int, source: str, hint: str) -> None:
+def require_token_ids(ds: Dataset, vocab_size: int, source: str, hint: str, owner: str = "this model") -> None:
     """Raise a PipelineError naming ``source``, the row, the column and the id when a token id of ``ds`` (every column
-    whose name ends in ``token_ids``, nested lists included) is negative or not below ``vocab_size``: such an id
-    would index past the model's embedding, a traceback on a CPU and a device-side assert on a GPU. Read with
+    whose name ends in ``token_ids``, nested lists included) is negative or not below ``vocab_size``, the number of
+    ids of ``owner`` (a model, or a tokenizer): such an id would index past the model's embedding, a traceback on a CPU and a device-side assert on a GPU. Read with
     Arrow's min and max, so no row is decoded unless one is out of range."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -133,7 +133,7 @@ def require_token_ids(ds: Dataset, vocab_size: int, source: str, hint: str) -> N
             bad = next((t for t in flat if t is not None and not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise PipelineError(f"{source}: row {row}: {column} holds token id {bad}, outside the {vocab_size} "
-                                    f"ids of this model; {hint}")
+                                    f"ids of {owner}; {hint}")
 
 
 def feature_kind(feature) -> str:

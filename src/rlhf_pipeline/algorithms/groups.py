@@ -871,14 +871,14 @@ def train(config) -> Path:
     advantages; kept in OUTPUT/rollout), then :class:`GroupTask` over ``--epochs`` of minibatches."""
     import statistics
 
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     from rlhf_pipeline.algorithms.registry import logp_temperature
     from rlhf_pipeline.chat import load_tokenizer, pad_id
     from rlhf_pipeline.datasets_io import find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.distributed import on_main_process
     from rlhf_pipeline.modeling import check_critic, check_critic_model, check_model_ref
-    from rlhf_pipeline.training.stage import TrainingJob, run_training, training_record, training_summary
+    from rlhf_pipeline.training.stage import TrainingJob, causal_lm, run_training, training_record, training_summary
 
     check_model_ref("--model", config.model)
     if config.ref_model:
@@ -906,8 +906,7 @@ def train(config) -> Path:
         critic_path, critic_flag = _critic_source(config, ref) if config.algorithm.uses_critic else (None, None)
 
         def loader(path, trust_remote_code, **kwargs):
-            policy = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs,
-                                                          **SAFE_WEIGHTS)
+            policy = causal_lm(path, trust_remote_code, **kwargs)
             if critic_path is None:
                 return policy
             critic = AutoModelForSequenceClassification.from_pretrained(critic_path, num_labels=1,

@@ -39,6 +39,7 @@ from rlhf_pipeline.contracts import (
     UNPAIRED_COLUMNS,
     SCORED_KINDS,
     require_columns,
+    require_token_ids,
     require_types,
 )
 from rlhf_pipeline.errors import PipelineError
@@ -184,17 +185,6 @@ def _check_rows(batch: dict[str, list], indices: list[int], source: str) -> None
                                     "drop the row")
 
 
-def _check_vocab(batch: dict[str, list], indices: list[int], vocab_size: int, source: str) -> None:
-    for row, prompt_ids, responses in zip(indices, batch["prompt_token_ids"], batch["response_token_ids"]):
-        top = max([max(prompt_ids, default=0)] + [max(r, default=0) for r in responses])
-        low = min([min(prompt_ids, default=0)] + [min(r, default=0) for r in responses])
-        if top >= vocab_size or low < 0:
-            raise PipelineError(
-                f"{source}: row {row} has token id {top if top >= vocab_size else low}, outside the tokenizer's "
-                f"{vocab_size} ids; pass the tokenizer of the policy that generated the data as --tokenizer"
-            )
-
-
 # What best mode writes (rejection sampling / RAFT): each prompt's best response, SFT data on its sampled token ids
 # (the contract rlhf sft and rlhf train --algo raft read: prompt_token_ids + completion_token_ids).
 BEST_COLUMNS = ("completion", "completion_token_ids", "reward", "finish_reason")
@@ -232,7 +222,6 @@ def build_rows(
     if "response_token_ids" not in batch:
         batch = dict(batch)  # a copy: datasets would keep columns added to its own batch, with the input's length
         _tokenize_missing(batch, indices, source, tokenizer, prompt_column, stop_ids, allow_special_tokens)
-    _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
     sampler = batch.get(SAMPLER_LOGPROBS)
     carried = [c for c in batch if c not in PER_RESPONSE_COLUMNS and c not in ("prompt_token_ids", SAMPLER_LOGPROBS)]
@@ -372,6 +361,8 @@ def main(config: FilterConfig) -> Path:
         check_same_tokenizer((sampling or {}).get(TOKENIZER_PROBE_KEY), tokenizer, ref.name,
                              f"the tokenizer given (--tokenizer {config.tokenizer})",
                              f"pass the sampling model's tokenizer (--tokenizer {(sampling or {}).get('model')})")
+        require_token_ids(ds, len(tokenizer), ref.name, "pass the tokenizer of the policy that generated the data as "
+                          "--tokenizer", owner="the tokenizer given")
     template = _chat_template(config, tokenizer, ds, column, ref.name, sampling)
     limits = LengthLimits(config.max_prompt_tokens, config.max_response_tokens, config.drop_truncated)
     penalty = _overlong_penalty(config, sampling, ref.name)
@@ -465,7 +456,6 @@ def build_unpaired_rows(
     if "response_token_ids" not in batch:
         batch = dict(batch)  # a copy: datasets would keep columns added to its own batch, with the input's length
         _tokenize_missing(batch, indices, source, tokenizer, prompt_column, stop_ids, allow_special_tokens)
-    _check_vocab(batch, indices, len(tokenizer), source)
     finish = batch.get("finish_reasons")
     sampler = batch.get(SAMPLER_LOGPROBS)
     carried = [c for c in batch if c not in PER_RESPONSE_COLUMNS and c not in ("prompt_token_ids", SAMPLER_LOGPROBS)]

@@ -356,7 +356,7 @@ def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[
         job = read(run)
         if job.data is not None:
             check_tokenizer(job.tokenizer, config.data, config.model)  # before the model loads
-        model = load_trainable(config, job.loader or _causal_lm)
+        model = load_trainable(config, job.loader or causal_lm)
         if job.model_ready is not None:
             job.model_ready(model)
         if config.compile:
@@ -401,7 +401,8 @@ def check_vocabulary(data: dict, model: Any, tokenizer: Any, source: str, model_
                           f"the data was tokenized for another model: {data_fix(model_name)}")
 
 
-def _causal_lm(path: str, trust_remote_code: bool = False, **kwargs):
+def causal_lm(path: str, trust_remote_code: bool = False, **kwargs):
+    """The policy a training stage loads (``load_trainable``'s default loader): a causal LM from safetensors."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs, **SAFE_WEIGHTS)
