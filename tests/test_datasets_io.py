@@ -389,3 +389,38 @@ def test_a_hub_that_cannot_be_read_is_one_line_not_an_empty_repo(monkeypatch, er
     with pytest.raises(PipelineError, match=r"--push-to-hub org/run#iter1-score: could not read its "
                                             r"manifests/iter1-score\.json"):
         hub_manifest(HubTarget("org/run", "iter1-score"), model=False)
+
+
+def test_an_input_manifest_out_of_reach_is_a_warning_and_a_broken_hub_an_error(monkeypatch, tmp_path, caplog):
+    """A Hub input's manifest carries lineage (sampling settings, shard, row count): offline and not cached, the
+    checks it feeds are skipped with a warning, once, rather than without a word; any other failure is one line."""
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    import rlhf_pipeline.datasets_io as dio
+
+    failure: list[Exception] = []
+
+    def download(*args, **kw):
+        if failure:
+            raise failure[0]
+        (tmp_path / "m.json").write_text("{not json")
+        return str(tmp_path / "m.json")
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", download)
+    monkeypatch.setattr(dio, "_WARNED", set())
+    ref = parse_ref("org/data#iter1-generate")
+    failure[:] = [LocalEntryNotFoundError("outgoing traffic has been disabled")]
+    with caplog.at_level("WARNING", logger="rlhf_pipeline.datasets_io"):
+        assert read_manifest(ref) is None and read_manifest(ref) is None
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == ["org/data#iter1-generate: its manifests/iter1-generate.json is neither in the Hub cache "
+                      "nor reachable; what it records (sampling, shard, rows) is not checked"]
+    failure[:] = [EntryNotFoundError("404")]
+    assert read_manifest(ref) is None  # a dataset no stage wrote
+    failure[:] = [RuntimeError("500 Server Error\ntraceback")]
+    with pytest.raises(PipelineError, match=r"^org/data#iter1-generate: could not read its manifests/iter1-generate"
+                                            r"\.json \(RuntimeError: 500 Server Error\); check HF_TOKEN"):
+        read_manifest(ref)
+    failure.clear()
+    with pytest.raises(PipelineError, match=r"org/data#iter1-generate: its manifests/iter1-generate\.json is damaged"):
+        read_manifest(ref)

@@ -227,16 +227,44 @@ def read_manifest(ref: DatasetRef) -> dict[str, Any] | None:
         except ValueError as e:
             raise PipelineError(f"{path}: damaged ({type(e).__name__}: {e}); {REWRITE_HINT}") from e
     if ref.kind == "hub":
-        from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError
-
-        try:
-            local = hf_hub_download(ref.location, hub_manifest_file(ref.config), repo_type="dataset",
-                                    revision=ref.revision)
-        except EntryNotFoundError:
-            return None
-        return json.loads(Path(local).read_text())
+        path = hub_manifest_file(ref.config)
+        return _hub_json(ref.location, path, repo_type="dataset", revision=ref.revision, owner=str(ref),
+                         offline_ok=f"{ref}: its {path} is neither in the Hub cache nor reachable; what it "
+                                    "records (sampling, shard, rows) is not checked")
     return None
+
+
+_WARNED: set[str] = set()
+
+
+def _hub_json(repo_id: str, path: str, *, repo_type: str, revision: str | None, owner: str,
+              offline_ok: str | None = None) -> dict[str, Any] | None:
+    """A JSON file of a Hub repo, or None when there is none (no such repo, branch or file). Not reaching the Hub
+    (offline or unreachable, and not cached) is one line: an error, or, given ``offline_ok``, that warning (once per
+    process) and None. ``owner`` names the repo in messages."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    try:
+        local = hf_hub_download(repo_id, path, repo_type=repo_type, revision=revision)
+    except LocalEntryNotFoundError as e:  # offline (HF_HUB_OFFLINE) or unreachable, and not in the cache
+        if offline_ok is None:
+            raise PipelineError(f"{owner}: could not read its {path} ({redact(first_line(e))}); check the network "
+                                "and that HF_HUB_OFFLINE is not set") from None
+        if offline_ok not in _WARNED:
+            _WARNED.add(offline_ok)
+            log.warning(offline_ok)
+        return None
+    except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
+        return None
+    except Exception as e:  # the Hub's and the network's other errors
+        raise PipelineError(f"{owner}: could not read its {path} ({type(e).__name__}: {redact(first_line(e))}); "
+                            "check HF_TOKEN and the network") from None
+    try:
+        return json.loads(Path(local).read_text())
+    except ValueError as e:
+        raise PipelineError(f"{owner}: its {path} is damaged ({e}); {REWRITE_HINT}") from None
 
 
 def _sha256_file(path: Path) -> str:
@@ -723,25 +751,9 @@ def hub_manifest(hub: HubTarget, model: bool) -> dict[str, Any] | None:
     """The manifest that ``--push-to-hub`` uploaded to ``hub`` (a model repo's branch when ``model``), or None when
     there is none (no such repo, branch or file: nothing finished was pushed there). Not reaching the Hub is one
     line."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
-
     path, revision = hub.manifest_file(model)
-    try:
-        local = hf_hub_download(hub.repo_id, path, repo_type="model" if model else "dataset", revision=revision)
-    except LocalEntryNotFoundError as e:  # offline (HF_HUB_OFFLINE) or unreachable, and not in the cache
-        raise PipelineError(f"--push-to-hub {hub}: could not read its {path} ({redact(first_line(e))}); check the "
-                            "network and that HF_HUB_OFFLINE is not set") from None
-    except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
-        return None
-    except Exception as e:  # the Hub's and the network's other errors
-        raise PipelineError(f"--push-to-hub {hub}: could not read its {path} ({type(e).__name__}: "
-                            f"{redact(first_line(e))}); check HF_TOKEN and the network") from None
-    try:
-        return json.loads(Path(local).read_text())
-    except ValueError as e:
-        raise PipelineError(f"--push-to-hub {hub}: its {path} is damaged ({e}); push the stage again") from None
+    return _hub_json(hub.repo_id, path, repo_type="model" if model else "dataset", revision=revision,
+                     owner=f"--push-to-hub {hub}")
 
 
 def pull_output(hub: HubTarget, path: Path, manifest: dict[str, Any], model: bool) -> None:
