@@ -226,6 +226,28 @@ def test_failed_write_leaves_nothing_and_keeps_the_old_output(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_an_output_reaches_the_disk_before_the_rename_that_publishes_it(tmp_path, monkeypatch):
+    """Every file and directory of the new output is flushed before it is renamed into place, and the rename after:
+    after a power cut, a ``manifest.json`` in place means the data beside it was written whole."""
+    import os
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", f"{a} -> {b}")), real_rename(a, b))[1])
+    target = tmp_path / "out"
+    with atomic_directory(target) as tmp:
+        (tmp / "sub").mkdir()
+        for name in ("a.arrow", "sub/b.arrow", "manifest.json"):
+            (tmp / name).write_text(name)
+    renamed = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
+    assert len(renamed) == 1 and events[renamed[0]][1] == f"{tmp} -> {target}"
+    before = {path for kind, path in events[:renamed[0]] if kind == "fsync"}
+    assert before == {str(tmp), *(str(tmp / n) for n in ("a.arrow", "sub/b.arrow", "manifest.json", "sub"))}
+    assert events[renamed[0] + 1:] == [("fsync", str(tmp_path))]
+
+
 def test_stale_temporary_directory_of_a_killed_run_is_removed(tmp_path):
     stale = tmp_path / ".out.tmp-deadbeef"
     stale.mkdir()

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from rlhf_pipeline import __version__
 from rlhf_pipeline.config import semantic_dict, to_dict
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.files import first_line, reading, writing
+from rlhf_pipeline.files import first_line, flush_tree, reading, sync_dir, writing
 from rlhf_pipeline.layout import MANIFEST, RUN_RECORD
 
 if TYPE_CHECKING:
@@ -357,9 +357,11 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     try:
         tmp.mkdir()
         yield tmp
+        flush_tree(tmp)  # the rename below must not reach the disk before what it publishes
         if path.exists():
             os.rename(path, old)
         os.rename(tmp, path)
+        sync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not path.exists():

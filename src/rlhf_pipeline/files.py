@@ -178,18 +178,23 @@ def list_files(directory: Path) -> dict[str, int]:
 
 def seal(directory: Path) -> None:
     """Flush every file of a directory just written to the disk, and record their sizes in ``files.json``
-    (written last, itself flushed): a directory with that list was complete when it was written."""
+    (itself flushed): a directory with that list was complete when it was written."""
     directory = Path(directory)
-    files = list_files(directory)
-    for name in files:
-        _fsync(directory / name)
-    target = directory / FILE_LIST
-    with target.open("w") as f:
-        f.write(json.dumps({"files": files}, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    for d in sorted({directory, *((directory / n).parent for n in files)}):
-        _fsync_dir(d)
+    (directory / FILE_LIST).write_text(json.dumps({"files": list_files(directory)}, indent=1) + "\n")
+    flush_tree(directory)
+
+
+def flush_tree(directory: Path) -> None:
+    """Flush every file under ``directory``, and the directories holding them, to the disk: what is renamed into
+    place after this survives a power cut as written."""
+    directory = Path(directory)
+    dirs = {directory}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file():
+            _fsync(p)
+            dirs.add(p.parent)
+    for d in sorted(dirs):
+        sync_dir(d)
 
 
 def flush_files(directory: Path) -> None:
@@ -198,7 +203,7 @@ def flush_files(directory: Path) -> None:
     for p in sorted(directory.iterdir()):
         if p.is_file():
             _fsync(p)
-    _fsync_dir(directory)
+    sync_dir(directory)
 
 
 def verify(directory: Path) -> str | None:
@@ -230,7 +235,8 @@ def _fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def sync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename into it) to the disk, where the filesystem can."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
