@@ -65,9 +65,12 @@ def reward(prompts, responses, **columns):
 
 @pytest.fixture
 def fresh_accelerate_state():
-    """Each in-process training run builds its own Accelerator; accelerate keeps singletons between them."""
+    """Each in-process training run builds its own Accelerator; accelerate keeps singletons between them. Reset before
+    the test too: a module's fixtures (a ref-logps pass making the test data) may have built one with other settings."""
     from accelerate.state import AcceleratorState, GradientState
 
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

@@ -4,6 +4,7 @@ against the alpaca-eval package's own fit), fixed reference answers, and a pairw
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -143,9 +144,15 @@ def test_reward_comparisons_by_hand():
     assert model["win_rate"] == 0.5  # the outcomes: the same for both
     assert model["length_controlled"]["raw_win_rate"] == pytest.approx((sigmoid(2.0) + sigmoid(-1.0) + 1.0) / 4)
     assert model["length_controlled"]["preferences"] == "bradley-terry" and model["lc_win_rate"] is not None
+    # the standard error takes a prompt's comparisons together: that of the per-prompt rates 1, 0 and 1/2 (0.5 / √3),
+    # not of six independent outcomes (√(0.3) / √6)
+    clustered = reward_comparison([[2.0, 2.0], [0.0, 0.0], [2.0, 0.0]], [[1.0]] * 3, [[0, 0]] * 3, [[0]] * 3,
+                                  bradley_terry=False)
+    assert clustered["win_rate"] == 0.5 and clustered["win_rate_stderr"] == pytest.approx(0.5 / math.sqrt(3))
 
     judged = preference_comparison([1.0, 0.5, None, 0.25], [5, 0, 3, -2], [0, 0, 1, 1])
     assert judged["win_rate"] == pytest.approx((0.75 + 0.25) / 2)  # per-prompt means, then over prompts
+    assert judged["win_rate_stderr"] == pytest.approx(0.25)  # |0.75 - 0.25| / √2, over √2
     assert (judged["wins"], judged["ties"], judged["losses"]) == (1, 1, 1)
     assert judged["length_controlled"]["comparisons"] == 3
 

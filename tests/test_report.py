@@ -297,13 +297,14 @@ def test_length_controlled_reference_judge_and_pass_at_k(full_run, capsys):
         r = json.loads(path.read_text())
         s = r["scores"]["reward_fn"]
         if t:
-            s.update(lc_win_rate=0.5 + 0.05 * t, lc_stderr=0.02)
+            s.update(lc_win_rate=0.5 + 0.05 * t, lc_stderr=0.02, win_rate_stderr=0.05, gain=0.25, gain_stderr=0.015)
         s["reference"] = {"mean": 0.2, "stderr": 0.01, "win_rate": 0.3 + 0.1 * t, "wins": 1, "ties": 0, "losses": 1,
                           "lc_win_rate": 0.25 + 0.1 * t, "lc_stderr": 0.03}
         s["pass_at_k"] = {"1": {"mean": 0.1 * t, "stderr": 0.01}, "2": {"mean": 0.15 * t, "stderr": 0.02}}
         s["maj_at_k"] = {"2": {"mean": 0.12 * t, "stderr": 0.02}}
-        r["judge"] = {"model": "judge-m", "reference": {"win_rate": 0.4 + 0.1 * t, "lc_win_rate": 0.35 + 0.1 * t,
-                                                        "lc_stderr": 0.04, "consistency": 0.75}}
+        r["judge"] = {"model": "judge-m", "reference": {"win_rate": 0.4 + 0.1 * t, "win_rate_stderr": 0.06,
+                                                        "lc_win_rate": 0.35 + 0.1 * t, "lc_stderr": 0.04,
+                                                        "consistency": 0.75}}
         path.write_text(json.dumps(r))
     assert report_cli([str(full_run)]) == 0
     assert_png(full_run / "plots" / "judge_and_pass_at_k.png")
@@ -312,9 +313,11 @@ def test_length_controlled_reference_judge_and_pass_at_k(full_run, capsys):
     rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
     header = [c.strip() for c in rows["iter"].split("|")[1:-1]]
     cells = dict(zip(header, [c.strip() for c in rows["2"].split("|")[1:-1]]))
-    assert cells["reward_fn win rate (W/T/L), LC"] == "0.75 (6/0/2), LC 0.6 ± 0.02"
-    assert cells["reward_fn win rate vs references, LC"] == "0.5, LC 0.45 ± 0.03"
-    assert cells["judge vs reference: win rate, LC (consistency)"] == "0.6, LC 0.55 ± 0.04 (0.75)"
+    assert cells["reward_fn win rate ± stderr (W/T/L), LC"] == "0.75 ± 0.05 (6/0/2), LC 0.6 ± 0.02"
+    reward = cells["reward_fn reward (mean ± stderr; gain over the baseline ± paired stderr)"]
+    assert reward == "0.5678 ± 0.03456; gain +0.25 ± 0.015"
+    assert cells["reward_fn win rate vs references, LC"] == "0.5, LC 0.45 ± 0.03"  # an eval that has no stderr
+    assert cells["judge vs reference: win rate, LC (consistency)"] == "0.6 ± 0.06, LC 0.55 ± 0.04 (0.75)"
 
 
 def test_a_reward_models_win_rates_plot_the_preferences_its_length_control_is_fitted_on():

@@ -44,6 +44,7 @@ def test_ref_logps_use_the_sampling_temperature(pairs, tiny_policy):
 
     manifest = json.loads((pairs / "ref" / "manifest.json").read_text())
     assert manifest["ref_logps"]["temperature"] == 0.8  # read from the generate manifest, not retyped
+    assert manifest["ref_logps"]["dtype"] == "float32"  # auto, on a CPU
     dd = load_from_disk(str(pairs / "ref"))
     row = dd["test"][0]
     model, tok = load_causal_lm(tiny_policy), load_tokenizer(tiny_policy)
@@ -52,6 +53,28 @@ def test_ref_logps_use_the_sampling_temperature(pairs, tiny_policy):
         expected = sequence_logps(model, batch, temperature=0.8).item()
     assert row["chosen_ref_logp"] == pytest.approx(expected, abs=1e-4)
     assert all(v < 0 for v in dd["train"]["rejected_ref_logp"])
+
+
+def test_reference_columns_of_another_precision_are_refused(pairs, tiny_policy, tmp_path, capsys):
+    """At its first step the policy is the reference: columns computed in bfloat16 (rlhf ref-logps' default on a GPU)
+    against float32 log-probs of the policy (rlhf train's default) differ by rounding alone, which the loss would
+    train on. Either way round, one line saying both fixes."""
+    common = ["--algo", "dpo", "--max-steps", 1, "--temperature", 0.8]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "bf16", *common, "--bf16")) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {pairs / 'ref'}: its reference log-probs were computed in float32, but this run computes the "
+        "policy's in bfloat16: at the first step the two would differ by rounding alone, which the loss would train "
+        "on; remove --bf16, or recompute them with rlhf ref-logps --dtype bfloat16")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # the run above set up bf16 mixed precision in this process
+    assert run("ref-logps", "--model", tiny_policy, "--input", pairs / "pairs", "--output", tmp_path / "ref_bf16",
+               "--dtype", "bfloat16") == 0
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "fp32", *common, data=str(tmp_path / "ref_bf16"))) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "computed in bfloat16, but this run computes the policy's in float32: at the first step the two would differ "
+        "by rounding alone, which the loss would train on; add --bf16, or recompute them with rlhf ref-logps --dtype "
+        "float32")
 
 
 # REBEL on pairs with precomputed reference log-probs; DPO on pairs without, so train computes them itself.

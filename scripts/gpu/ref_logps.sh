@@ -23,7 +23,8 @@ OUT=${OUT:-$RUN/iter_$ITER/ref_logps}
 NUM_GPUS=${NUM_GPUS:-8}           # processes of the launch (1 = one process, no --multi_gpu)
 ACCELERATE_ARGS=${ACCELERATE_ARGS:-}  # more `accelerate launch` options, e.g. --main_process_port 29501
 BATCH_SIZE=${BATCH_SIZE:-8}       # pairs per forward (2 x 8 sequences); REBEL: 1 (rebel.py:172-173); speed only
-DTYPE=${DTYPE:-bfloat16}          # the policy's weights, as train.sh's --bf16
+BF16=${BF16:-1}                   # as train.sh's BF16: rlhf train takes the columns only at its own precision
+if [ "$BF16" = 1 ]; then DTYPE=${DTYPE:-bfloat16}; else DTYPE=${DTYPE:-float32}; fi  # the policy's weights
 PUSH_TO_HUB=${PUSH_TO_HUB:-}      # e.g. ORG/NAME-iter1-ref_logps; the token comes from HF_TOKEN
 
 command -v accelerate >/dev/null || { echo "accelerate not found: conda activate rlhf-train" >&2; exit 1; }

@@ -45,10 +45,10 @@ def reward_comparison(ours: Sequence[Sequence[float]], theirs: Sequence[Sequence
                       our_lengths: Sequence[Sequence[int]], their_lengths: Sequence[Sequence[int]],
                       bradley_terry: bool) -> dict:
     """Rewards of the evaluated responses against the other side's, per prompt (and the responses' lengths in
-    characters): the win rate (a win 1, a tie 1/2) with its counts, and the length-controlled win rate fitted on the
-    judge's preferences, which are the reward model's Bradley-Terry probabilities ``sigmoid(r_ours - r_theirs)``
-    when ``bradley_terry``, else the outcomes themselves (a python function's rewards say which is better, not by
-    how much on a probability scale)."""
+    characters): the win rate (a win 1, a tie 1/2) with its standard error over prompts and its counts, and the
+    length-controlled win rate fitted on the judge's preferences, which are the reward model's Bradley-Terry
+    probabilities ``sigmoid(r_ours - r_theirs)`` when ``bradley_terry``, else the outcomes themselves (a python
+    function's rewards say which is better, not by how much on a probability scale)."""
     pairs = pair_indices(ours, theirs)
     outcomes = [outcome(ours[i][j], theirs[i][k]) for i, j, k in pairs]
     if bradley_terry:
@@ -58,6 +58,7 @@ def reward_comparison(ours: Sequence[Sequence[float]], theirs: Sequence[Sequence
     total = len(outcomes)
     result = {
         "win_rate": sum(outcomes) / total if total else None,
+        "win_rate_stderr": _stderr_over_prompts(outcomes, [i for i, _, _ in pairs]),
         "wins": outcomes.count(1.0), "ties": outcomes.count(0.5), "losses": outcomes.count(0.0),
     }
     lengths = [our_lengths[i][j] - their_lengths[i][k] for i, j, k in pairs]
@@ -71,17 +72,30 @@ def preference_comparison(preferences: Sequence[float | None], length_difference
     differences (ours minus theirs, in characters) and the prompt of each: the win rate (the mean preference) with
     its standard error over prompts, the counts (a preference above, at or below 1/2), and the LC win rate."""
     kept = [(p, prompt) for p, prompt in zip(preferences, prompts) if p is not None]
-    by_prompt: dict[int, list[float]] = {}
-    for p, prompt in kept:
-        by_prompt.setdefault(prompt, []).append(p)
     values = [p for p, _ in kept]
-    win_rate, stderr = mean_and_stderr([sum(v) / len(v) for v in by_prompt.values()]) if kept else (None, None)
+    means = _prompt_means(values, [prompt for _, prompt in kept])
+    win_rate, stderr = mean_and_stderr(means) if kept else (None, None)
     result = {
-        "win_rate": win_rate, "stderr": stderr,
+        "win_rate": win_rate, "win_rate_stderr": stderr,
         "wins": sum(p > 0.5 for p in values), "ties": sum(p == 0.5 for p in values),
         "losses": sum(p < 0.5 for p in values),
     }
     return {**result, **_length_controlled(preferences, length_differences, prompts, "judge")}
+
+
+def _prompt_means(values: Sequence[float], prompts: Sequence[int]) -> list[float]:
+    """The mean of the values of each prompt (``prompts[m]`` is value m's), in the order the prompts first appear."""
+    by_prompt: dict[int, list[float]] = {}
+    for value, prompt in zip(values, prompts):
+        by_prompt.setdefault(prompt, []).append(value)
+    return [sum(v) / len(v) for v in by_prompt.values()]
+
+
+def _stderr_over_prompts(values: Sequence[float], prompts: Sequence[int]) -> float | None:
+    """The standard error of a mean over comparisons, with the comparisons of one prompt taken together (they share
+    its instruction and are not independent): that of the per-prompt means (equal to the cluster-robust one when
+    every prompt has as many comparisons)."""
+    return mean_and_stderr(_prompt_means(values, prompts))[1] if values else None
 
 
 def _length_controlled(preferences, length_differences, prompts, kind: str) -> dict:

@@ -122,7 +122,7 @@ def data_reference(config, algorithm: Any, dd, columns: Sequence[str], ref, samp
 def reference_columns(accelerator, model, dd, config, temperature: float, pad_id: int, record: dict | None,
                       output: Path, columns: Sequence[str], compute_ref_logps: Callable):
     """The splits with the reference columns ``columns``: from the data (whose ``ref_logps`` lineage ``record`` must
-    match ``temperature``), from ``output``'s cache, or computed now with ``compute_ref_logps(accelerator, model, ds,
+    match ``temperature`` and the run's precision), from ``output``'s cache, or computed now with ``compute_ref_logps(accelerator, model, ds,
     pad_id, temperature, batch_size, pack_ratio)`` and cached, ``model`` being ``--ref-model`` (loaded for the pass,
     then freed) when it is set, else the policy as loaded."""
     from rlhf_pipeline.training.stage import cached_splits
@@ -133,6 +133,15 @@ def reference_columns(accelerator, model, dd, config, temperature: float, pad_id
                 f"{config.data}: its reference log-probs were computed at temperature {record.get('temperature')}, "
                 f"but this run takes log-probs at {temperature}; pass --temperature {record.get('temperature')} or "
                 "recompute them with rlhf ref-logps --temperature"
+            )
+        precision = "bfloat16" if config.bf16 else "float32"
+        if record is not None and record.get("dtype", precision) != precision:  # older records have no dtype
+            fix = {"bfloat16": "add --bf16", "float32": "remove --bf16"}.get(record["dtype"])  # float16: no flag
+            raise PipelineError(
+                f"{config.data}: its reference log-probs were computed in {record['dtype']}, but this run computes "
+                f"the policy's in {precision}: at the first step the two would differ by rounding alone, which the "
+                f"loss would train on; {fix + ', or ' if fix else ''}recompute them with rlhf ref-logps --dtype "
+                f"{precision}"
             )
         return dd
 

@@ -190,7 +190,7 @@ def summarize(rewards: Sequence[Sequence[float]], baseline: Sequence[Sequence[fl
     mean, stderr = mean_and_stderr(means)
     result: dict[str, Any] = {"mean": mean, "stderr": stderr, "baseline_mean": None, "baseline_stderr": None,
                               "gain": None, "gain_stderr": None,
-                              "win_rate": None, "wins": None, "ties": None, "losses": None,
+                              "win_rate": None, "win_rate_stderr": None, "wins": None, "ties": None, "losses": None,
                               "lc_win_rate": None, "lc_stderr": None, "length_controlled": None}
     if baseline is not None:
         theirs = [sum(b) / len(b) for b in baseline]
@@ -762,7 +762,8 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     """What ``rlhf eval`` prints: per scorer the mean reward and the win rates, raw and length-controlled."""
 
     def rate(s: dict[str, Any]) -> str:
-        text = f"win rate {s['win_rate']:.3f}"
+        text = f"win rate {s['win_rate']:.3f}" + (f" ± {s['win_rate_stderr']:.3f}"
+                                                  if s.get("win_rate_stderr") is not None else "")
         fit = s.get("length_controlled")
         if fit is not None:
             # a reward model's LC is fitted on its Bradley-Terry probabilities: their mean is the raw figure beside it

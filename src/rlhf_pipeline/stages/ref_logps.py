@@ -8,8 +8,9 @@ policy, computed once per dataset.
 Adds ``chosen_ref_logp`` and ``rejected_ref_logp`` (sums over response tokens) to both splits, so training needs
 no second model in memory; on unpaired data (``rlhf filter --mode unpaired``, KTO) ``completion_ref_logp`` and
 ``kl_ref_logp``, the latter of each row's mismatched (prompt, response) pair. The temperature defaults to the one the data was sampled at (read from the generate
-stage's manifest through the inputs' lineage) and is recorded in this output's manifest; ``rlhf train`` checks
-that it computes the policy's log-probs at the same temperature. ``rlhf train`` runs this pass itself when the
+stage's manifest through the inputs' lineage) and is recorded in this output's manifest with the precision (the
+weights' dtype); ``rlhf train`` checks that it computes the policy's log-probs at the same temperature and precision
+(bfloat16 with ``--bf16``, else float32): at its first step policy and reference must give the same numbers. ``rlhf train`` runs this pass itself when the
 columns are missing. One batched pass, sequences sorted by length; under ``accelerate launch`` the batches are
 dealt out over the processes (each holds the whole model; DeepSpeed configs are refused), gathered in the original
 order, and the main process writes the output (its manifest records the number of processes, which does not change
@@ -46,7 +47,8 @@ class RefLogpsConfig(OutputOptions):
         semantic=False,
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
-        "auto", help="Model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."
+        "auto", help="Model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU. rlhf train takes the "
+        "columns only at its own precision: bfloat16 with --bf16, else float32."
     )
     attn_implementation: AttnImplementation = option(DEFAULT_ATTENTION, help=attn_help(), semantic=False)
     trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
@@ -129,7 +131,8 @@ def _ref_logps(config: RefLogpsConfig, accelerator) -> Path:
     on_main_process(accelerator, lambda: out.save(
         add_ref_columns(dd, values, data.REF_LOGP_COLUMNS),
         rows_in=sum(ds.num_rows for ds in dd.values()),
-        extra={"sampling": sampling, "ref_logps": {"model": config.model, "temperature": temperature},
+        extra={"sampling": sampling, "ref_logps": {"model": config.model, "temperature": temperature,
+                                                   "dtype": str(model.dtype).removeprefix("torch.")},
                TOKENIZER_PROBE_KEY: find_in_lineage([parse_ref(config.input)], TOKENIZER_PROBE_KEY),
                "processes": processes},
     ))

@@ -727,7 +727,8 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
     judged = [side for side in ("baseline", "reference") if any((ev.get("judge") or {}).get(side) for ev in evals)]
     header = ["iter"]
     for name in scorers:
-        header += [f"{name} reward (mean ± stderr)", f"{name} win rate (W/T/L), LC"]
+        header += [f"{name} reward (mean ± stderr; gain over the baseline ± paired stderr)",
+                   f"{name} win rate ± stderr (W/T/L), LC"]
         if name in with_reference:
             header.append(f"{name} win rate vs references, LC")
     header += [f"judge vs {side}: win rate, LC (consistency)" for side in judged]
@@ -743,7 +744,8 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
             if not s or s.get("mean") is None:
                 row += [MISSING, MISSING] + [MISSING] * (name in with_reference)
                 continue
-            row.append(f"{fmt(s['mean'])} ± {fmt(s.get('stderr'))}")
+            gain = "" if s.get("gain") is None else f"; gain {s['gain']:+.4g} ± {fmt(s.get('gain_stderr'))}"
+            row.append(f"{fmt(s['mean'])} ± {fmt(s.get('stderr'))}{gain}")
             row.append(_win_cell(s, counts=True))
             if name in with_reference:
                 row.append(_win_cell(s.get("reference") or {}))
@@ -778,12 +780,14 @@ def _lm_eval_table(iterations: list[dict[str, Any]]) -> list[str]:
 
 
 def _win_cell(s: dict[str, Any], counts: bool = False) -> str:
-    """``0.62 (W/T/L), LC 0.58 ± 0.03``: a raw win rate, its counts, and the length-controlled one (for a reward
-    model with, before it, the mean of the Bradley-Terry preferences it was fitted on)."""
+    """``0.62 ± 0.04 (W/T/L), LC 0.58 ± 0.03``: a raw win rate with its standard error, its counts, and the
+    length-controlled one (for a reward model with, before it, the mean of the Bradley-Terry preferences it was
+    fitted on)."""
     if s.get("win_rate") is None:
         return MISSING
     wtl = [s.get(k) for k in ("wins", "ties", "losses")]
-    text = fmt(s["win_rate"]) + (f" ({'/'.join(map(str, wtl))})" if counts and None not in wtl else "")
+    text = fmt(s["win_rate"]) + (f" ± {fmt(s['win_rate_stderr'])}" if s.get("win_rate_stderr") is not None else "")
+    text += f" ({'/'.join(map(str, wtl))})" if counts and None not in wtl else ""
     fit = s.get("length_controlled") or {}
     if fit.get("preferences") == "bradley-terry":  # the LC fit's own raw figure: the mean of its preferences
         text += f", mean pref. {fmt(fit['raw_win_rate'])}"
