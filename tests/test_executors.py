@@ -2,8 +2,9 @@
 write, and with --batch-size 1 (each prompt sampled from its own seed) what one local engine writes; a replica that
 dies is retried once, one that keeps failing fails the stage with one line and no output.
 
-One in-process Ray of 2 CPUs serves the module (the stage uses a Ray this process already started, and leaves it
-running). Its workers start with a setup hook that can make the hf engine fail, by a marker file: ``die-once``
+One in-process Ray serves the module (the stage uses a Ray this process already started, and leaves it running).
+It declares 4 CPUs and 4 GPUs it does not have, so that replicas of several GPUs get their placement groups on this
+machine (their tasks are plain functions, which use none). Its workers start with a setup hook that can make the hf engine fail, by a marker file: ``die-once``
 (the first replica to sample exits its process, as a lost node would) or ``raise`` (every attempt raises)."""
 
 import json
@@ -113,7 +114,7 @@ def local_ray(tmp_path_factory):
 
         hf.HFEngine.generate = generate
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
+    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, logging_level="WARNING",
              runtime_env={"worker_process_setup_hook": inject_faults})
     yield faults
     ray.shutdown()
@@ -168,11 +169,69 @@ def test_a_replica_that_fails_twice_fails_the_stage(local_ray, tiny_policy, bund
 def test_gpus_per_replica_without_gpus(local_ray, tiny_policy, bundled_prompts, tmp_path, capsys):
     capsys.readouterr()
     assert run("generate", "--model", tiny_policy, "--prompts", bundled_prompts, "--executor", "ray",
-               "--gpus-per-replica", 1, "--output", tmp_path / "out") == 1
+               "--gpus-per-replica", 8, "--output", tmp_path / "out") == 1
     err = capsys.readouterr().err.strip()
-    assert err == ("error: --gpus-per-replica 1: no node of this machine has that many GPUs (the most is 0); join GPU "
+    assert err == ("error: --gpus-per-replica 8: no node of this machine has that many GPUs (the most is 4); join GPU "
                    "nodes to the cluster, or pass --gpus-per-replica 0 for CPU replicas"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_replicas_of_several_gpus_run_in_their_placement_groups_and_free_them(local_ray, monkeypatch):
+    """--gpus-per-replica K > 1 (vLLM's tensor parallelism): each replica's task runs in a placement group of K GPUs
+    packed on one node, which the task can be scheduled in (it takes a bundle's CPU), and every group is removed
+    after, also when reserving one failed. More replicas than the node holds at once are refused, not left waiting."""
+    import ray
+    from ray.util import placement_group_table
+
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.executors import run_on_ray
+
+    def live_groups():
+        return [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+
+    assert run_on_ray(json.dumps, [([1],), ({"a": 2},)], gpus_per_replica=2) == ["[1]", '{"a": 2}']
+    assert live_groups() == []
+    with pytest.raises(PipelineError, match=r"^--replicas 3 x --gpus-per-replica 2: each replica needs 2 GPUs and as "
+                                            r"many CPUs on one node, and the nodes of this machine \(4 GPUs and 4 "
+                                            r"CPUs\) hold 2 at once; pass at most --replicas 2$"):
+        run_on_ray(json.dumps, [(1,), (2,), (3,)], gpus_per_replica=2)
+    real, made = ray.util.placement_group, []
+
+    def second_fails(*args, **kwargs):
+        if made:
+            raise ValueError("bundles invalid\nmore")
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(ray.util, "placement_group", second_fails)
+    with pytest.raises(PipelineError, match=r"^--executor ray: could not reserve 2 GPUs on one node for replica 1 "
+                                            r"\(ValueError: bundles invalid\)$"):
+        run_on_ray(json.dumps, [(1,), (2,)], gpus_per_replica=2)
+    assert made and live_groups() == []
+
+
+def test_a_failed_replicas_reason_is_shown_without_the_hub_token(monkeypatch):
+    """A replica's error can quote a request with the token (a worker inherits HF_TOKEN): redacted in the one line."""
+    from types import SimpleNamespace
+
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.executors import _gather
+
+    token = "hf_" + "A1b2C3d4" * 4
+    monkeypatch.setenv("HF_TOKEN", token)
+
+    class RayError(Exception):
+        cause = RuntimeError(f"401 Client Error (Authorization: Bearer {token})")
+
+    def get(ref):
+        raise RayError("task failed")
+
+    ray = SimpleNamespace(wait=lambda pending, num_returns: (pending[:1], pending[1:]), get=get,
+                          cancel=lambda ref, force: None, exceptions=SimpleNamespace(RayError=RayError))
+    with pytest.raises(PipelineError) as info:
+        _gather(ray, ["a"], lambda i: f"replica {i}", "replicas", 0.0)
+    assert str(info.value) == ("--executor ray: replica 0 failed twice (once retried): RuntimeError: 401 Client Error "
+                               "(Authorization: Bearer ***); nothing was written")
 
 
 def test_eval_samples_on_replicas(local_ray, tiny_policy, bundled_prompts, tmp_path):

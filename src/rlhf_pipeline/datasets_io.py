@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from rlhf_pipeline import __version__
 from rlhf_pipeline.config import semantic_dict, to_dict
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import PipelineError, redact
 from rlhf_pipeline.files import first_line, flush_tree, reading, sync_dir, writing
 from rlhf_pipeline.layout import MANIFEST, RUN_RECORD
 
@@ -777,15 +777,6 @@ def pull_output(hub: HubTarget, path: Path, manifest: dict[str, Any], model: boo
                 data = next(iter(data.values()))
             data.save_to_disk(str(tmp))
         write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
-
-
-def redact(text: str) -> str:
-    """``text`` without the Hub token (an error message can quote a request's headers)."""
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
-        token = os.environ.get(name)
-        if token and len(token) >= 4:
-            text = text.replace(token, "***")
-    return re.sub(r"\bhf_[A-Za-z0-9]{20,}\b", "hf_***", text)
 
 
 def _main_process() -> bool:

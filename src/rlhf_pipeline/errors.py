@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from pathlib import Path
 
@@ -70,3 +71,13 @@ def one_line(exc: BaseException, *, first_line_only: bool = False) -> str:
         return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def redact(text: str) -> str:
+    """``text`` without the Hub token: an error message can quote a request's headers, or a remote worker's
+    environment."""
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        token = os.environ.get(name)
+        if token and len(token) >= 4:
+            text = text.replace(token, "***")
+    return re.sub(r"\bhf_[A-Za-z0-9]{20,}\b", "hf_***", text)

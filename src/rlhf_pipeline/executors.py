@@ -16,8 +16,9 @@ Each task is retried once, whether its function raised (``retry_exceptions``) or
 that ran ``rlhf``) is the only writer: nothing reaches the output directory until every replica has returned.
 
 Each replica reserves one CPU and ``--gpus-per-replica`` K GPUs. With K > 1 (vLLM tensor parallelism) the task
-reserves none itself and runs in a placement group of K one-GPU bundles on one node, which vLLM's Ray backend then
-uses for its K workers (vLLM's own ``offline_inference_distributed`` example does the same).
+reserves no GPU itself and runs in a placement group of K bundles of one GPU and one CPU, packed on one node, which
+vLLM's Ray backend then uses for its K workers (the shape of vLLM's own ``offline_inference_distributed`` example);
+the task takes one bundle's CPU. A local Ray is started with K CPUs a replica to hold them.
 
 The replicas import this package and read the model from the same path, so on a cluster every node needs the
 package installed (``pip install 'rlhf-pipeline[ray]'``) and the model on a shared filesystem (or a Hub id);
@@ -34,7 +35,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from rlhf_pipeline.errors import PipelineError, one_line
+from rlhf_pipeline.errors import PipelineError, one_line, redact
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def ray_session(address: str | None, num_cpus: int) -> Iterator[Any]:
         where = f"--ray-address {address}" if address else "--executor ray"
         fix = ("start one with `ray start --head` (see docs/full-size.md, Several nodes) or drop --ray-address for a "
                "local Ray") if address else "check `ray start --head` works on this machine, or use --executor local"
-        reason = one_line(e, first_line_only=True)
+        reason = redact(one_line(e, first_line_only=True))
         raise PipelineError(f"{where}: could not connect to Ray ({reason}); {fix}") from None
     log.info("ray: %s in %.1f s", f"connected to {address}" if address else "local Ray started",
              time.perf_counter() - started)
@@ -106,43 +107,54 @@ def _check_gpus(ray: Any, gpus_per_replica: int, replicas: int, address: str | N
     """A replica needs its K GPUs on one node; a cluster with fewer would leave it pending for ever."""
     if gpus_per_replica == 0:
         return
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    most = max((int(n.get("Resources", {}).get("GPU", 0)) for n in nodes), default=0)
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    gpus = [int(n.get("GPU", 0)) for n in nodes]
+    most = max(gpus, default=0)
     where = f"the Ray cluster at {address}" if address else "this machine"
     if most < gpus_per_replica:
         raise PipelineError(
             f"--gpus-per-replica {gpus_per_replica}: no node of {where} has that many GPUs (the most is {most}); "
             "join GPU nodes to the cluster, or pass --gpus-per-replica 0 for CPU replicas"
         )
-    total = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in nodes)
-    if total < gpus_per_replica * replicas:
-        if gpus_per_replica > 1:
-            # each replica's placement group is reserved up front and held until every replica is done, so groups
-            # that do not fit would never be placed: refuse rather than wait for ever
+    if gpus_per_replica > 1:
+        # each replica's placement group (K GPUs and K CPUs on one node) is reserved up front and held until every
+        # replica is done, so groups that do not fit would never be placed: refuse rather than wait for ever
+        places = sum(min(int(n.get("GPU", 0)), int(n.get("CPU", 0))) // gpus_per_replica for n in nodes)
+        if places < replicas:
+            shown = ", ".join(f"{int(n.get('GPU', 0))} GPUs and {int(n.get('CPU', 0))} CPUs" for n in nodes)
+            fix = f"pass at most --replicas {places}" if places else \
+                f"start the GPU nodes with at least {gpus_per_replica} CPUs (ray start --num-cpus)"
             raise PipelineError(
-                f"--replicas {replicas} x --gpus-per-replica {gpus_per_replica}: {where} has {total} GPUs; pass at "
-                f"most --replicas {max(1, total // gpus_per_replica)}"
+                f"--replicas {replicas} x --gpus-per-replica {gpus_per_replica}: each replica needs "
+                f"{gpus_per_replica} GPUs and as many CPUs on one node, and the nodes of {where} ({shown}) hold "
+                f"{places} at once; {fix}"
             )
+        return
+    if sum(gpus) < gpus_per_replica * replicas:
         log.warning("ray: %d replicas x %d GPUs > the %d GPUs of %s; replicas will wait for each other",
-                    replicas, gpus_per_replica, total, where)
+                    replicas, gpus_per_replica, sum(gpus), where)
 
 
-def _remote_options(ray: Any, gpus_per_replica: int) -> dict[str, Any]:
-    retry = {"max_retries": 1, "retry_exceptions": True}  # once, whether the function raised or its worker died
-    if gpus_per_replica <= 1:
-        return {"num_cpus": 1, "num_gpus": gpus_per_replica, **retry}
+RETRY = {"max_retries": 1, "retry_exceptions": True}  # once, whether the function raised or its worker died
+
+
+def _placement_group(ray: Any, gpus_per_replica: int, replica: str) -> Any:
+    """A replica's K bundles of one GPU and one CPU, packed on one node: vLLM with tensor_parallel_size K inside the
+    task starts its K workers there (they take a GPU each and no CPU), and the task takes one bundle's CPU (a task
+    asking for a resource no bundle has could never be scheduled in the group)."""
+    try:
+        return ray.util.placement_group([{"GPU": 1, "CPU": 1}] * gpus_per_replica, strategy="STRICT_PACK")
+    except Exception as e:  # Ray's checks of the request
+        raise PipelineError(f"--executor ray: could not reserve {gpus_per_replica} GPUs on one node for {replica} "
+                            f"({redact(one_line(e, first_line_only=True))})") from None
+
+
+def _in_group(group: Any) -> dict[str, Any]:
+    """Task options that run it in ``group`` (no GPU of its own), its child tasks and actors captured there too."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    # vLLM with tensor_parallel_size K inside a task: the task holds no GPU, vLLM's Ray backend starts its K workers
-    # in the task's placement group (captured by child tasks), one GPU bundle each, packed on one node.
-    # (the bundles hold no CPU: the task's own CPU is the replica's, so a local Ray of one CPU per replica fits)
-    group = ray.util.placement_group([{"GPU": 1}] * gpus_per_replica, strategy="STRICT_PACK")
-    return {
-        "num_cpus": 1,
-        "num_gpus": 0,
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True),
-        **retry,
-    }
+    return {"num_cpus": 1, "num_gpus": 0, **RETRY,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True)}
 
 
 def run_on_ray(
@@ -159,18 +171,23 @@ def run_on_ray(
     A task that fails twice (its function raised, or its worker or node died, then again on the retry) cancels the
     others and raises a one-line PipelineError naming ``describe(i)`` and the cause; above it, Ray prints each
     failed attempt with the end of its traceback. ``fn`` must be importable by the workers (a module-level function of this package)."""
-    with ray_session(address, num_cpus=len(jobs)) as ray:
+    with ray_session(address, num_cpus=len(jobs) * max(1, gpus_per_replica)) as ray:
         _check_gpus(ray, gpus_per_replica, len(jobs), address)
         started = time.perf_counter()
         task = ray.remote(fn)
-        options = [_remote_options(ray, gpus_per_replica) for _ in jobs]  # a placement group each when K > 1
+        groups: list[Any] = []  # a placement group a replica when K > 1, all removed on the way out
         try:
+            if gpus_per_replica > 1:
+                for i in range(len(jobs)):
+                    groups.append(_placement_group(ray, gpus_per_replica, describe(i)))
+                options = [_in_group(group) for group in groups]
+            else:
+                options = [{"num_cpus": 1, "num_gpus": gpus_per_replica, **RETRY}] * len(jobs)
             return _gather(ray, [task.options(**o).remote(*job) for o, job in zip(options, jobs)], describe, desc,
                            started)
         finally:
-            for o in options:
-                if "scheduling_strategy" in o:
-                    ray.util.remove_placement_group(o["scheduling_strategy"].placement_group)
+            for group in groups:
+                ray.util.remove_placement_group(group)
 
 
 def _gather(ray: Any, refs: list, describe: Callable[[int], str], desc: str, started: float) -> list[Any]:
@@ -189,7 +206,7 @@ def _gather(ray: Any, refs: list, describe: Callable[[int], str], desc: str, sta
                     ray.cancel(ref, force=True)
                 cause = getattr(e, "cause", None)
                 # the first line only: a RayTaskError's message goes on with the remote traceback
-                reason = one_line(cause if isinstance(cause, BaseException) else e, first_line_only=True)
+                reason = redact(one_line(cause if isinstance(cause, BaseException) else e, first_line_only=True))
                 raise PipelineError(
                     f"--executor ray: {describe(i)} failed twice (once retried): {reason}; nothing was written"
                 ) from None
