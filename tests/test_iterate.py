@@ -63,6 +63,17 @@ def test_a_finished_eval_with_reference_answers_is_found_finished(tmp_path):
     assert is_complete(step)
 
 
+def test_a_launcher_is_a_command_line_or_a_list_of_words(tmp_path):
+    """A YAML list is a natural way to write a command: it is taken word for word (a string is split as a shell
+    would), and ``seed: null`` takes the seed away (0), as null does to every option."""
+    steps = plan(config(tmp_path, launchers={"train": ["accelerate", "launch", "--config_file", "my cfg.yaml"],
+                                             "score": "accelerate launch --config_file 'my cfg.yaml'"},
+                        generate={"seed": None}))
+    train, score, generate = (next(s for s in steps if s.stage == stage) for stage in ("train", "score", "generate"))
+    assert train.launcher == score.launcher == ["accelerate", "launch", "--config_file", "my cfg.yaml"]
+    assert generate.args[generate.args.index("--seed") + 1] == "0"
+
+
 def test_plan_chains_policies_prompts_and_seeds(tmp_path):
     steps = plan(config(tmp_path, prompts_per_iteration=300, eval_prompts="e.jsonl", generate={"seed": 5, "n": 2},
                         launchers={"train": "accelerate launch --config_file z.yaml"}), num_prompts=640)

@@ -84,7 +84,7 @@ INPUT_FIELDS = {"generate": ("prompts",), "score": ("input",), "filter": ("input
                 "eval": ("prompts", "reference"), "sft": ("data",), "train-rm": ("data",), "ref-logps": ("input",)}
 # Options that iterate sets itself; a stage section may not set them.
 RESERVED = {
-    "generate": {"model", "prompts", "output", "offset", "limit", "wrap"},
+    "generate": {"model", "prompts", "output", "offset", "limit", "wrap", "shard"},
     "score": {"input", "output", "reward_model", "reward_fn"},
     "filter": {"input", "output", "tokenizer"},
     "train": {"model", "data", "output", "algo", "resume"},
@@ -205,6 +205,17 @@ class IterateConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
         if unknown:
             raise ValueError(f"lane_env: unknown side(s) {', '.join(map(str, unknown))}; the sides are "
                              f"{', '.join(LANES)}")
+        for lane, env in self.lane_env.items():
+            if not isinstance(env, dict) or not all(isinstance(v, (str, int, float)) for v in env.values()):
+                raise ValueError(f"lane_env: {lane} is {env!r}; give each side a mapping of variables to values, "
+                                 f"e.g. {{{lane}: {{CUDA_VISIBLE_DEVICES: '0,1'}}}}")
+        for stage, spec in self.launchers.items():
+            if not (isinstance(spec, str) or isinstance(spec, list) and all(isinstance(w, str) for w in spec)):
+                raise ValueError(f"launchers: {stage} is {spec!r}; give a command, as a string or a list of words, "
+                                 "e.g. {train: accelerate launch --num_processes 8}")
+        if not self.eval_prompts and (self.eval or "eval" in self.launchers):
+            raise ValueError("the eval section and launchers.eval set up every iteration's rlhf eval, which runs only "
+                             "with eval_prompts: set eval_prompts too, or remove them")
         reason = get(self.algo).refuses_stale_sampler if self.overlap else ""
         if reason:
             raise ValueError(f"overlap 1: --algo {self.algo} needs samples of the policy it trains ({reason}); "
@@ -273,7 +284,9 @@ def _section(options: dict[str, Any], stage: str, allowed_extra: set[str] = froz
 
 def _launcher(config: IterateConfig, stage: str) -> list[str]:
     spec = config.launchers.get(stage)
-    return shlex.split(spec) if spec else [sys.executable]
+    if not spec:
+        return [sys.executable]
+    return list(spec) if isinstance(spec, list) else shlex.split(spec)
 
 
 def hub_config_name(name: str) -> str:
@@ -396,7 +409,15 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
         if getattr(config, key) not in (None, False):
             for stage in ("generate", "score", "filter"):
                 sections[stage].setdefault(key, getattr(config, key))
-    base_seed = int(sections["generate"].pop("seed", 0))
+    base_seed = sections["generate"].pop("seed", None) or 0  # iteration t samples with base_seed + t - 1
+    if isinstance(base_seed, bool) or not isinstance(base_seed, int):
+        raise PipelineError(f"run config: generate seed {base_seed!r}: give a whole number (iteration t samples with "
+                            "seed + t - 1)")
+    if config.prompts_per_iteration is not None and num_prompts is not None and \
+            config.prompts_per_iteration > num_prompts:
+        raise PipelineError(f"prompts_per_iteration {config.prompts_per_iteration} is more than the {num_prompts} "
+                            f"prompts of {config.prompts}; give at most {num_prompts}, or leave it out to take all of "
+                            "them every iteration")
     algorithm = get(config.algo)
     if algorithm.data != PAIRS:  # groups, unpaired (KTO): the filter mode is the algorithm's kind of data
         sections["filter"]["mode"] = algorithm.data
