@@ -1,5 +1,6 @@
 """rlhf iterate and rlhf demo: the plan of stage runs, option checks before launch, and resume after Ctrl-C."""
 
+import contextlib
 import json
 import os
 import signal
@@ -290,6 +291,147 @@ def test_a_closed_terminal_stops_the_running_stage(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         if stage_pid is not None and _alive(stage_pid):
             os.kill(stage_pid, signal.SIGKILL)
+
+
+# Each script below takes SIGINT as Python does by default: started from a shell's background job (as a test may be),
+# Python leaves SIGINT ignored.
+SIGINT_DEFAULT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+# A stage that, as every stage does in run_stage, dies with its parent when rlhf iterate launched it (unless
+# ORPHAN=1: as a process that is not a stage, a vLLM engine's, say); on SIGINT it takes CLEANUP seconds, then marks
+# that it finished cleaning up.
+STAGE_DYING_WITH_THE_RUN = SIGINT_DEFAULT + (
+    "import os, sys, time\n"
+    "from rlhf_pipeline.machine import die_with_the_run\n"
+    "if os.environ.get('ORPHAN') != '1':\n"
+    "    die_with_the_run()\n"
+    "open(sys.argv[-1], 'w').write(str(os.getpid()))\n"
+    "try:\n"
+    "    time.sleep(300)\n"
+    "except KeyboardInterrupt:\n"
+    "    time.sleep(float(os.environ.get('CLEANUP', '0')))\n"
+    "    open(sys.argv[-1] + '.cleaned', 'w').close()\n")
+# A launcher that passes nothing on and exits at once on SIGINT or SIGTERM (as accelerate launch of one process).
+PLAIN_LAUNCHER = SIGINT_DEFAULT + (
+    "import subprocess, sys\n"
+    "stage = subprocess.Popen([sys.executable, *sys.argv[1:]])\n"
+    "try:\n"
+    "    sys.exit(stage.wait())\n"
+    "except KeyboardInterrupt:\n"
+    "    sys.exit(130)\n")
+RUN_STAGE_FILE = SIGINT_DEFAULT + (
+    "import os, sys\n"
+    "from pathlib import Path\n"
+    "import rlhf_pipeline.stages.iterate as iterate\n"
+    "iterate.STOP_GRACE_SECONDS = float(os.environ.get('GRACE', '3'))\n"
+    "run, launcher, stage, pid_file = Path(sys.argv[1]), *sys.argv[2:5]\n"
+    "step = iterate.Step('iter_1/train', 'train', [pid_file], run / 'iter_1' / 'train',\n"
+    "                    launcher=[sys.executable, launcher, stage])\n"
+    "try:\n"
+    "    iterate.run_steps([step], run)\n"
+    "except iterate.RunStopped as e:\n"
+    "    print(e, flush=True)\n"
+    "    sys.exit(e.exit_status)\n")
+
+
+def _start_run(tmp_path: Path, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """rlhf iterate's run_steps with one step, a stage under a plain launcher, in a session of its own; returns the
+    process and the stage's pid file once the stage has written it."""
+    launcher, stage, pid_file = tmp_path / "launcher.py", tmp_path / "stage.py", tmp_path / "stage.pid"
+    launcher.write_text(PLAIN_LAUNCHER)
+    stage.write_text(STAGE_DYING_WITH_THE_RUN)
+    proc = subprocess.Popen([sys.executable, "-c", RUN_STAGE_FILE, str(tmp_path / "run"), str(launcher), str(stage),
+                             str(pid_file)], start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, **(env or {})))
+    deadline = time.time() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    return proc, pid_file
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's prctl")
+def test_a_killed_iterate_takes_the_stage_under_its_launcher_with_it(tmp_path):
+    """SIGKILL to iterate runs none of its code: the launcher, its child, dies of the parent-death signal iterate set,
+    and the stage under the launcher, which passes nothing on, of the one it set itself (run_stage does) from the
+    RLHF_ITERATE_PID iterate gave it."""
+    proc, pid_file = _start_run(tmp_path)
+    stage_pid = int(pid_file.read_text())
+    try:
+        proc.kill()
+        proc.wait()
+        assert _gone_within(stage_pid, 20), "the stage under the launcher outlived the killed rlhf iterate"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_ctrl_c_waits_for_a_process_still_cleaning_up_after_its_launcher_exited(tmp_path):
+    """Ctrl-C from a terminal reaches every process: the launcher exits at once, and iterate waited for the launcher
+    alone, so a rerun could start beside a process of the stage still cleaning up (a stage itself dies with its
+    launcher; a process under it need not). It now waits for the whole tree, and exits with 130 as an interrupted
+    process does."""
+    proc, pid_file = _start_run(tmp_path, env={"CLEANUP": "2", "ORPHAN": "1", "GRACE": "120"})
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+        assert (Path(f"{pid_file}.cleaned")).exists(), output  # iterate returned after the stage had cleaned up
+        assert proc.returncode == 130 and "interrupted during iter_1/train; run the same command again" in output
+        assert "still running" not in output, output
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_sigint_to_iterate_alone_stops_the_stage_after_the_grace(tmp_path):
+    """``kill -INT`` or a notebook's interrupt reaches iterate alone: it waited for the stage to finish by itself
+    (hours, for a training run). Now what still runs after the grace is stopped as SIGTERM stops it."""
+    proc, pid_file = _start_run(tmp_path)
+    stage_pid = int(pid_file.read_text())
+    try:
+        started = time.time()
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and time.time() - started < 30, output
+        assert "iter_1/train still running 3 s after the interrupt: stopping it" in output, output
+        assert not _alive(stage_pid)
+        assert json.loads((tmp_path / "run" / "steps.jsonl").read_text())["rc"] == "interrupted"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_second_run_of_the_same_stages_is_refused_while_the_first_runs(tmp_path):
+    """Two rlhf iterate on one run (a scheduler's requeue beside the first) would launch the same stages beside
+    each other, two writers in one output."""
+    import re
+
+    from rlhf_pipeline.stages.iterate import run_lock, run_steps
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with run_lock(run, "iterate"):
+        with pytest.raises(PipelineError, match=rf"^iterate: another process is running the stages of "
+                                                rf"{re.escape(str(run))} \(pid {os.getpid()}\); wait for it to finish"):
+            run_steps([], run)
+    assert run_steps([], run) == []  # the lock went with its holder
+
+
+def test_a_stage_killed_by_a_signal_is_named_as_such(tmp_path):
+    """A stage the kernel's out-of-memory killer ends prints nothing: the failure said "its error is above"."""
+    from rlhf_pipeline.stages.iterate import Step, run_steps
+
+    suicide = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    step = Step("iter_1/train", "train", [], tmp_path / "out", launcher=[sys.executable, "-c", suicide])
+    with pytest.raises(PipelineError, match=r"^iter_1/train failed \(killed by SIGKILL, so nothing above says why, "
+                                            r"often the kernel's out-of-memory killer \(see dmesg\)\)\. Fix the cause"):
+        run_steps([step], tmp_path / "run")
 
 
 DEMO_SMALL = ["--iterations", "1", "--prompts-per-iteration", "48", "--n", "2", "--max-new-tokens", "12",

@@ -36,7 +36,7 @@ LEVELS: list[tuple[int, str, str]] = [
     (1, "data.modeling_tiny_armo", "the tiny kit's remote-code reward model (a file of data/ it copies into a model)"),
     (1, "evalstats", "pure statistics of an evaluation: win rates, length control, pass@k"),
     (1, "judge", "the pairwise judge's prompt, verdicts and both orders, as pure functions"),
-    (1, "machine", "what this process may use of the machine: its CPU cores, whether it sees a GPU"),
+    (1, "machine", "what this process may use of the machine (CPU cores, a GPU), and that a stage dies with its run"),
     (2, "tiny", "the offline tiny tokenizer and models (their families' templates: chat_templates)"),
     (2, "files", "whole files: damaged-file checks, sealed directories, a full disk as one line"),
     (2, "losses", "pure loss functions of tensors (they share advantages' masked mean)"),

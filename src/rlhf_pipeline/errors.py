@@ -13,6 +13,8 @@ _PACKAGE = str(Path(__file__).resolve().parent)
 class PipelineError(Exception):
     """A problem with the user's input or setup. The message names the file, the row and the fix."""
 
+    exit_status = 1  # of the stage's process, after its one error line
+
 
 class UserCodeError(PipelineError):
     """The user's own code (a ``--reward-fn`` function or its module) raised.

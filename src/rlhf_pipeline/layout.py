@@ -4,6 +4,7 @@ A run directory (``rlhf iterate``, ``rlhf demo``)::
 
     RUN/iterate.json            the resolved config of the latest invocation
     RUN/steps.jsonl             one line per launched stage: name, command, exit status, wall time
+    RUN/.lock                   held while rlhf iterate runs stages (a second one on the run is refused)
     RUN/iter_0/eval/            the starting policy evaluated (when there are eval prompts)
     RUN/iter_<t>/<stage>/       t = 1..T, stage in ITERATION_STAGES
     RUN/sft/, RUN/reward_model/ (rlhf demo) the warm start and the reward model
@@ -27,6 +28,7 @@ from pathlib import Path
 
 ITERATE_CONFIG = "iterate.json"
 STEPS_LOG = "steps.jsonl"
+RUN_LOCK = ".lock"
 SUMMARY = "summary.json"
 REPORT = "report.md"
 PLOTS_DIR = "plots"

@@ -16,12 +16,14 @@ from typing import Any, Callable, Sequence, TypeVar
 from rlhf_pipeline.config import parse_config
 from rlhf_pipeline.errors import FailedElsewhere, PipelineError, UserCodeError
 from rlhf_pipeline.files import writing
+from rlhf_pipeline.machine import die_with_the_run
 
 C = TypeVar("C")
 
 
 def run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv: Sequence[str] | None = None) -> int:
-    """Parse the stage's config, run it, and turn a PipelineError into a one-line message (exit status 1).
+    """Parse the stage's config, run it, and turn a PipelineError into a one-line message (exit status 1, or the
+    error's own).
 
     A UserCodeError (the user's reward function raised) prints the user's traceback first, then the one line, which
     names the stage. ``RLHF_DEBUG=1`` lets either propagate with the pipeline's whole traceback. A process of a
@@ -48,6 +50,7 @@ def _end_launched(code: int) -> int:
 
 
 def _run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv: Sequence[str] | None) -> int:
+    die_with_the_run()
     logging.basicConfig(
         level=os.environ.get("RLHF_LOG_LEVEL", "WARNING").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -71,7 +74,7 @@ def _run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv
         if os.environ.get("RLHF_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_status
     except KeyboardInterrupt:  # outputs are written atomically or resumably: a rerun continues where this stopped
         print("interrupted; run the same command again to continue", file=sys.stderr)
         return 130

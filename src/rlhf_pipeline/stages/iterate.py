@@ -68,8 +68,8 @@ from rlhf_pipeline.algorithms import GROUPS, PAIRS, AlgoName, get, help_text
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation
 from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.errors import PipelineError, one_line
-from rlhf_pipeline.layout import CRITIC, ITERATE_CONFIG, ITERATION_STAGES, STEPS_LOG, iteration_dir, step_name
-from rlhf_pipeline.machine import gpus_visible
+from rlhf_pipeline.layout import CRITIC, ITERATE_CONFIG, ITERATION_STAGES, RUN_LOCK, STEPS_LOG, iteration_dir, step_name
+from rlhf_pipeline.machine import RUN_PID, die_with_parent, gpus_visible
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.stages.score import as_list, one_or_list
 from rlhf_pipeline.training.checkpoints import remove_leftover_checkpoints
@@ -631,15 +631,6 @@ def _log(run: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _die_with_parent() -> None:
-    """In a launched stage, before it starts: on Linux, have it sent SIGTERM when this process dies (SIGKILL from a
-    scheduler included), so that a killed run leaves no stage still writing beside the rerun that resumes it."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Stopped(BaseException):
     """SIGTERM or SIGHUP reached ``rlhf iterate`` while its steps ran (a scheduler, ``kill``, a closed terminal). A
     BaseException, as KeyboardInterrupt is: no ``except Exception`` on its way (around a step's launch) may take it
@@ -647,6 +638,31 @@ class Stopped(BaseException):
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class RunStopped(PipelineError):
+    """The run was stopped (Ctrl-C, SIGTERM, SIGHUP), its running stages with it: one line, and the exit status of
+    a process ended by that signal (130, 143, 129), so that a scheduler tells a stop from a failure."""
+
+    def __init__(self, message: str, exit_status: int):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def _wait_then_stop(procs: Sequence[subprocess.Popen], label: str, names: str) -> None:
+    """After Ctrl-C: wait up to STOP_GRACE_SECONDS for every process of the running steps, listed now, to exit, then
+    stop what is left (:func:`stop_processes`). From a terminal they all got the same SIGINT; a launcher that exits
+    first leaves its stage cleaning up, which is waited for too. SIGINT sent to this process alone (``kill -INT``, a
+    notebook's interrupt) reached none of them, and they are stopped once the grace is over. A second Ctrl-C leaves
+    them to finish by themselves."""
+    import psutil
+
+    grace = STOP_GRACE_SECONDS
+    _, alive = psutil.wait_procs(process_tree(procs), timeout=grace)
+    if alive:
+        print(f"[{label}] {names} still running {grace:g} s after the interrupt: stopping it", flush=True)
+        stop_processes(procs, known=alive)
 
 
 # Seconds a step's processes get to exit after the SIGTERM rlhf iterate passes on, before they are killed.
@@ -704,20 +720,37 @@ class StopSignals:
                 signal.signal(signal.SIGINT, interrupt)
 
 
-def stop_processes(procs: Sequence[subprocess.Popen], grace: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM to each of ``procs`` and every process under it, then SIGKILL to those still there after ``grace``
-    seconds. The whole tree: a launcher (``accelerate launch`` of one process, ``conda run``) exits on SIGTERM without
-    passing it on, and the stage under it would go on writing beside the rerun (vLLM holding its GPUs). The tree is
-    frozen (SIGSTOP) and listed again before it is signalled, so that a process it starts meanwhile is in it too."""
+def process_tree(procs: Sequence[subprocess.Popen], known: Sequence[Any] = ()) -> list[Any]:
+    """``procs`` and every process under them, as ``psutil`` processes, with ``known`` ones (and theirs) still
+    running: a tree listed earlier, whose launcher may have exited since and left its stage without a parent."""
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    tops = [*known]
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tops.append(psutil.Process(proc.pid))
+    for top in tops:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if top.is_running():
+                for process in (top, *top.children(recursive=True)):
+                    found.setdefault(process.pid, process)
+    return list(found.values())
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], grace: Optional[float] = None,
+                   known: Sequence[Any] = ()) -> None:
+    """SIGTERM to each of ``procs`` and every process under it (and to ``known`` ones, as :func:`process_tree`), then
+    SIGKILL to those still there after ``grace`` seconds (default STOP_GRACE_SECONDS). The whole tree: a launcher
+    (``accelerate launch`` of one process, ``conda run``) exits on SIGTERM without passing it on, and the stage under it
+    would go on writing beside the rerun (vLLM holding its GPUs). The tree is frozen (SIGSTOP) and listed again before
+    it is signalled, so that a process it starts meanwhile is in it too."""
     import psutil
 
     def tree() -> list[psutil.Process]:
-        found: list[psutil.Process] = []
-        for proc in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                top = psutil.Process(proc.pid)
-                found += [top, *top.children(recursive=True)]
-        return found
+        return process_tree(procs, known)
+
+    grace = STOP_GRACE_SECONDS if grace is None else grace
 
     frozen: dict[int, psutil.Process] = {}
     for _ in range(3):  # a process forking as it was frozen shows up in the next listing
@@ -742,17 +775,54 @@ def stop_processes(procs: Sequence[subprocess.Popen], grace: float = STOP_GRACE_
         proc.wait()
 
 
+@contextlib.contextmanager
+def run_lock(run: Path, label: str) -> Iterator[None]:
+    """Hold ``RUN/.lock`` while this process runs the run's stages: a second ``rlhf iterate`` on the same run (a
+    scheduler's requeue beside the first, a command run twice) would launch the same stages beside them, two writers
+    in one output. The lock goes with the process, however it ends (an advisory ``flock``, Linux and macOS)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock
+        yield
+        return
+    path = run / RUN_LOCK
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise PipelineError(f"{label}: another process is running the stages of {run} (pid {holder}); wait for "
+                                "it to finish, or stop it, then run this command again") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: bool = False,
               on_hub: dict[Path, OnHub] | None = None) -> list[str]:
+    """:func:`_run_steps` holding the run's lock (:func:`run_lock`)."""
+    run.mkdir(parents=True, exist_ok=True)
+    with run_lock(run, label):
+        return _run_steps(steps, run, label, hub, on_hub)
+
+
+def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool,
+               on_hub: dict[Path, OnHub] | None) -> list[str]:
     """Run the steps, skipping finished ones, here or with ``hub`` on the Hub (those are recorded in ``on_hub`` and
     pulled when a launched step reads them): each once the steps it comes ``after`` have finished, at most one at a
     time per lane (a sequential plan: one after the other). Returns the names of the steps that were launched.
 
     A failed step stops new launches; a step still running on the other lane is let finish (its work is kept), then
-    the failure is raised. Ctrl-C reaches the running stages too (one process group) and is waited out. SIGTERM or
-    SIGHUP to this process alone (``kill``, a container's stop) is passed on to every process of the running steps
-    (:func:`stop_processes`), which are waited for, then the run stops; the same command resumes it."""
-    run.mkdir(parents=True, exist_ok=True)
+    the failure is raised. Ctrl-C reaches the running stages too (one process group), whose processes are waited for
+    (:func:`_wait_then_stop`). SIGTERM or SIGHUP to this process alone (``kill``, a container's stop) is passed on to
+    every process of the running steps (:func:`stop_processes`), which are waited for, then the run stops; the same
+    command resumes it, and the stopped run's exit status is the signal's (130 for Ctrl-C)."""
     on_hub = {} if on_hub is None else on_hub
     steps = list(steps)
     index = {step.name: i for i, step in enumerate(steps, 1)}
@@ -779,10 +849,12 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
             return None
         pull_inputs(step, on_hub)
         print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: {shlex.join(step.command)}", flush=True)
-        env = {**os.environ, **step.env} if step.env else None
+        # the stage's processes die with this one, a SIGKILL included (machine.die_with_the_run), launchers between
+        # them too: a killed run leaves no stage writing beside the rerun that resumes it
+        env = {**os.environ, **step.env, RUN_PID: str(os.getpid())}
         with stops.held():  # a stop signal now would miss the process: it waits until it is recorded as running
             proc = subprocess.Popen(step.command, env=env,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                    preexec_fn=die_with_parent if sys.platform == "linux" else None)
             running[step.lane] = (step, proc, time.time())
         return proc
 
@@ -827,9 +899,8 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
                 rc = proc.returncode
                 finish(step, rc, started)
                 if rc != 0:
-                    failure = failure or (
-                        f"{step.name} failed (exit status {rc}; its error is above). Fix the cause and run the same "
-                        "command again: finished stages are kept")
+                    failure = failure or (f"{step.name} failed ({_exit_reason(rc)}). Fix the cause and run the same "
+                                          "command again: finished stages are kept")
                     if running:
                         print(f"[{label}] {step.name} failed; waiting for "
                               f"{', '.join(s.name for s, _, _ in running.values())} to finish", flush=True)
@@ -839,23 +910,36 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
                     finished.add(step.name)
     except (KeyboardInterrupt, Stopped) as e:
         names = ", ".join(step.name for step, _, _ in running.values()) or "the run"
+        procs = [proc for _, proc, _ in running.values()]
         with stops.stopping(ignore_interrupts=isinstance(e, Stopped)):
             if isinstance(e, Stopped):  # sent to this process alone: pass it on to the steps' processes
                 with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot be written to
                     print(f"[{label}] {e}: stopping {names}", flush=True)
-                stop_processes([proc for _, proc, _ in running.values()])
+                stop_processes(procs)
+            else:
+                _wait_then_stop(procs, label, names)
             for step, proc, started in running.values():
-                proc.wait()  # Ctrl-C: the children got the same one; let them clean up
+                proc.wait()
                 finish(step, "interrupted", started)
         what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {e}"
-        raise PipelineError(
-            f"{what} during {names}; run the same command again to resume there (finished stages are kept)"
+        raise RunStopped(
+            f"{what} during {names}; run the same command again to resume there (finished stages are kept)",
+            exit_status=130 if isinstance(e, KeyboardInterrupt) else 128 + e.signum,
         ) from None
     finally:
         stops.restore()
     if failure:
         raise PipelineError(failure)
     return launched
+
+
+def _exit_reason(rc: int) -> str:
+    """Why a step's process ended with ``rc``: a stage that failed says why above; one killed by a signal cannot."""
+    if rc >= 0:
+        return f"exit status {rc}; its error is above"
+    name = signal.Signals(-rc).name if -rc in signal.valid_signals() else f"signal {-rc}"
+    oom = ", often the kernel's out-of-memory killer (see dmesg)" if -rc == signal.SIGKILL else ""
+    return f"killed by {name}, so nothing above says why{oom}"
 
 
 def _wait_any(running: dict[str, tuple[Step, subprocess.Popen, float]]) -> set[str]:
