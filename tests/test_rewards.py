@@ -75,6 +75,14 @@ def test_load_reward_fn_from_file_and_module(tmp_path):
         load_reward_fn("no_such_module_xyz:fn")
 
 
+def test_a_column_named_as_the_functions_own_argument_is_one_line_not_the_users_traceback():
+    """A prompts file with a ``prompts`` column made every call raise TypeError ("got multiple values for argument"),
+    which was reported as the user's function raising, with its traceback."""
+    with pytest.raises(PipelineError, match=r"^the reward function lengths: the data has a column named 'prompts', "
+                                            r"the name of the function's own argument; rename that column"):
+        call_reward_fn(lambda prompts, responses, **c: [1.0], ["a"], ["x"], {"prompts": ["b"]}, name="lengths")
+
+
 def test_reward_fn_wrong_length_is_an_error():
     with pytest.raises(PipelineError, match="returned 1 rewards for 2 responses"):
         call_reward_fn(lambda p, r, **c: [1.0], ["a", "b"], ["x", "y"], {})

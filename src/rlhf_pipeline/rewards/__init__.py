@@ -101,6 +101,10 @@ def call_reward_fn(
     """
     label = f"the reward function {name or getattr(fn, '__qualname__', fn)}"
     at = f" on {where}" if where else ""
+    clash = sorted({"prompts", "responses"} & set(columns))
+    if clash:  # the call would raise TypeError ("multiple values"), which reads as the function's own mistake
+        raise PipelineError(f"{label}: the data has a column named {clash[0]!r}, the name of the function's own "
+                            f"argument; rename that column of the prompts (it is passed on as a keyword)")
     try:
         values = fn(prompts, responses, **columns)
         if isinstance(values, Iterator):  # a generator's body runs as it is read: here, where its errors are its own
