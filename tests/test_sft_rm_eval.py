@@ -377,6 +377,23 @@ def test_reals_format_trains_on_every_positional_pair(tiny_policy, tmp_path):
     assert manifest(tmp_path / "rm")["training"]["pairs"] == {"train": 6, "test": 1}
 
 
+def test_pairs_without_a_preference_are_dropped_and_counted(tiny_policy, tmp_path):
+    """A pair whose chosen and rejected conversations are the same tokens teaches nothing (loss log 2, no gradient)
+    and counted as a wrong answer in the eval accuracy: dropped, per split, in the manifest."""
+    from datasets import Dataset, DatasetDict
+
+    train = [{"prompt": f"Review place {i}.", "chosen": "Lovely.", "rejected": "Lovely." if i < 2 else "Dull."}
+             for i in range(5)]
+    test = [{"prompt": "Review it.", "chosen": "Superb.", "rejected": "Bad."},
+            {"prompt": "Review that.", "chosen": "Fine.", "rejected": "Fine."}]
+    DatasetDict({"train": Dataset.from_list(train), "test": Dataset.from_list(test)}).save_to_disk(str(tmp_path / "d"))
+    assert run("train-rm", "--model", tiny_policy, "--data", tmp_path / "d", "--output", tmp_path / "rm",
+               "--batch-size", 2, "--max-steps", 1, "--report-to", "none") == 0
+    m = manifest(tmp_path / "rm")
+    assert m["training"]["pairs"] == {"train": 3, "test": 1}
+    assert m["dropped"] == {"train:identical": 2, "test:identical": 1}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Reward model: the stage
 

@@ -16,7 +16,8 @@ carries it) and read exactly as ``rlhf score`` reads them (right-padded, the rew
 and the result is saved with ``save_pretrained`` so that ``AutoModelForSequenceClassification.from_pretrained`` and
 ``rlhf score --reward-model`` load it. The evaluation
 reports the loss and the accuracy (the share of held-out pairs where the chosen response scores higher), before
-the first update and at the end. Pairs longer than ``--max-length`` tokens are dropped and counted.
+the first update and at the end. Pairs longer than ``--max-length`` tokens are dropped and counted, and so are pairs
+whose chosen and rejected conversations are the same tokens (no preference to learn).
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def conversation(prompt: Any, response: Any, row_index: int, source: str) -> tup
 
 
 def tokenize(dd, tokenizer, max_length: int, source: str, allow_special_tokens: bool = False):
-    """Each split as ``chosen_input_ids`` / ``rejected_input_ids`` conversations; over-long pairs dropped."""
+    """Each split as ``chosen_input_ids`` / ``rejected_input_ids`` conversations; over-long pairs dropped, and pairs
+    whose two conversations are the same tokens (``{split}:identical``): they carry no preference (their loss is log 2
+    whatever the model, with no gradient), and each would count as a wrong answer in the eval accuracy."""
     from rlhf_pipeline.chat import ChatTemplateRefused, encode_conversations, raw_conversation_error
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
@@ -124,7 +127,14 @@ def tokenize(dd, tokenizer, max_length: int, source: str, allow_special_tokens: 
 
     from rlhf_pipeline.training.stage import encode_splits
 
-    return encode_splits(dd, encode, max_length)
+    out, dropped = encode_splits(dd, encode, max_length)
+    for split, ds in out.items():
+        kept = ds.filter(lambda c, r: c != r, input_columns=["chosen_input_ids", "rejected_input_ids"],
+                         desc=f"identical pairs of {split}")
+        if kept.num_rows < ds.num_rows:
+            dropped[f"{split}:identical"] = ds.num_rows - kept.num_rows
+            out[split] = kept
+    return out, dropped
 
 
 class RewardTask:
@@ -228,6 +238,8 @@ def main(config: TrainRMConfig) -> Path:
         data, dropped = tokenize(dd, tokenizer, config.max_length, str(ref),
                                  config.allow_special_tokens_in_text)
         if data["train"].num_rows == 0:
+            if dropped.get("train:identical") and not dropped.get("train:too_long"):
+                raise PipelineError(f"{ref}: every training pair has the same chosen and rejected conversation")
             raise PipelineError(f"{ref}: no training pair fits in --max-length {config.max_length}; raise it")
         pad = pad_id(tokenizer)
         reward_task = RewardTask(pad)
