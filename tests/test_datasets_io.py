@@ -436,7 +436,8 @@ def test_an_input_manifest_out_of_reach_is_a_warning_and_a_broken_hub_an_error(m
         assert read_manifest(ref) is None and read_manifest(ref) is None
     warned = [r.getMessage() for r in caplog.records]
     assert warned == ["org/data#iter1-generate: its manifests/iter1-generate.json is neither in the Hub cache "
-                      "nor reachable; what it records (sampling, shard, rows) is not checked"]
+                      "nor reachable; what it records (sampling, shard, rows) is not checked (unset HF_HUB_OFFLINE to "
+                      "check it)"]
     failure[:] = [EntryNotFoundError("404")]
     assert read_manifest(ref) is None  # a dataset no stage wrote
     failure[:] = [RuntimeError("500 Server Error\ntraceback")]

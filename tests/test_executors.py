@@ -2,10 +2,11 @@
 write, and with --batch-size 1 (each prompt sampled from its own seed) what one local engine writes; a replica that
 dies is retried once, one that keeps failing fails the stage with one line and no output.
 
-One in-process Ray serves the module (the stage uses a Ray this process already started, and leaves it running).
-It declares 4 CPUs and 4 GPUs it does not have, so that replicas of several GPUs get their placement groups on this
-machine (their tasks are plain functions, which use none). Its workers start with a setup hook that can make the hf engine fail, by a marker file: ``die-once``
-(the first replica to sample exits its process, as a lost node would) or ``raise`` (every attempt raises)."""
+One in-process Ray serves the module (the stage uses a Ray this process already started, and leaves it running). It
+declares 4 CPUs and 4 GPUs it does not have, so that replicas of several GPUs get their placement groups on this machine
+(their tasks are plain functions, which use none). Its workers start with a setup hook that can make the hf engine fail,
+by a marker file: ``die-once`` (the first replica to sample exits its process, as a lost node would) or ``raise`` (every
+attempt raises)."""
 
 import json
 import sys

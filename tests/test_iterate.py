@@ -296,16 +296,14 @@ def test_a_closed_terminal_stops_the_running_stage(tmp_path):
 # Each script below takes SIGINT as Python does by default: started from a shell's background job (as a test may be),
 # Python leaves SIGINT ignored.
 SIGINT_DEFAULT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-# A stage that, as every stage does in run_stage, dies with its parent when rlhf iterate launched it (unless
-# ORPHAN=1: as a process that is not a stage, a vLLM engine's, say); on SIGINT it takes CLEANUP seconds, then marks
-# that it finished cleaning up.
+# A stage that, as every stage does in run_stage, dies with the rlhf iterate that launched it; on SIGINT it takes
+# CLEANUP seconds, then marks that it finished cleaning up.
 STAGE_DYING_WITH_THE_RUN = SIGINT_DEFAULT + (
     "import os, sys, time\n"
     "from rlhf_pipeline.machine import die_with_the_run\n"
-    "if os.environ.get('ORPHAN') != '1':\n"
-    "    die_with_the_run()\n"
-    "open(sys.argv[-1], 'w').write(str(os.getpid()))\n"
-    "try:\n"
+    "die_with_the_run()\n"
+    "try:  # the pid is written inside: the test sends SIGINT once it is there\n"
+    "    open(sys.argv[-1], 'w').write(str(os.getpid()))\n"
     "    time.sleep(300)\n"
     "except KeyboardInterrupt:\n"
     "    time.sleep(float(os.environ.get('CLEANUP', '0')))\n"
@@ -335,18 +333,24 @@ RUN_STAGE_FILE = SIGINT_DEFAULT + (
 
 def _start_run(tmp_path: Path, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
     """rlhf iterate's run_steps with one step, a stage under a plain launcher, in a session of its own; returns the
-    process and the stage's pid file once the stage has written it."""
+    process and the stage's pid file once the stage has written it. The output goes to a file (``_output``), not a
+    pipe: waiting for the end of a pipe would wait for every process holding it, the stage included."""
     launcher, stage, pid_file = tmp_path / "launcher.py", tmp_path / "stage.py", tmp_path / "stage.pid"
     launcher.write_text(PLAIN_LAUNCHER)
     stage.write_text(STAGE_DYING_WITH_THE_RUN)
-    proc = subprocess.Popen([sys.executable, "-c", RUN_STAGE_FILE, str(tmp_path / "run"), str(launcher), str(stage),
-                             str(pid_file)], start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, **(env or {})))
+    with open(tmp_path / "output.txt", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", RUN_STAGE_FILE, str(tmp_path / "run"), str(launcher),
+                                 str(stage), str(pid_file)], start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **(env or {})))
     deadline = time.time() + 60
     while not (pid_file.exists() and pid_file.read_text()):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        assert proc.poll() is None and time.time() < deadline, _output(tmp_path)
         time.sleep(0.1)
     return proc, pid_file
+
+
+def _output(tmp_path: Path) -> str:
+    return (tmp_path / "output.txt").read_text()
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
@@ -372,15 +376,16 @@ def test_a_killed_iterate_takes_the_stage_under_its_launcher_with_it(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_ctrl_c_waits_for_a_process_still_cleaning_up_after_its_launcher_exited(tmp_path):
+def test_ctrl_c_waits_for_a_stage_still_cleaning_up_after_its_launcher_exited(tmp_path):
     """Ctrl-C from a terminal reaches every process: the launcher exits at once, and iterate waited for the launcher
-    alone, so a rerun could start beside a process of the stage still cleaning up (a stage itself dies with its
-    launcher; a process under it need not). It now waits for the whole tree, and exits with 130 as an interrupted
-    process does."""
-    proc, pid_file = _start_run(tmp_path, env={"CLEANUP": "2", "ORPHAN": "1", "GRACE": "120"})
+    alone, so a rerun could start beside the stage still cleaning up. Iterate now adopts the stage when its launcher
+    exits and waits for it (the stage watches iterate, not its launcher, so it is not cut short either), and exits
+    with 130 as an interrupted process does."""
+    proc, pid_file = _start_run(tmp_path, env={"CLEANUP": "2", "GRACE": "120"})
     try:
         os.killpg(proc.pid, signal.SIGINT)
-        output, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        output = _output(tmp_path)
         assert (Path(f"{pid_file}.cleaned")).exists(), output  # iterate returned after the stage had cleaned up
         assert proc.returncode == 130 and "interrupted during iter_1/train; run the same command again" in output
         assert "still running" not in output, output
@@ -397,7 +402,8 @@ def test_sigint_to_iterate_alone_stops_the_stage_after_the_grace(tmp_path):
     try:
         started = time.time()
         proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        output = _output(tmp_path)
         assert proc.returncode == 130 and time.time() - started < 30, output
         assert "iter_1/train still running 3 s after the interrupt: stopping it" in output, output
         assert not _alive(stage_pid)
@@ -407,20 +413,50 @@ def test_sigint_to_iterate_alone_stops_the_stage_after_the_grace(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc and pidfd_open are Linux's")
+def test_a_stage_watches_only_an_iterate_of_its_own_machine_and_namespace(tmp_path):
+    """RLHF_ITERATE_PID names where iterate runs: a launcher that carries the environment to another node (srun)
+    must not make the stage there stop itself because no process has that pid on its node; on iterate's own machine
+    an iterate already gone stops the stage at once."""
+    from rlhf_pipeline.machine import run_identity
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no process has now
+    here = run_identity().rpartition(":")[0]
+    stage = "from rlhf_pipeline.machine import die_with_the_run; die_with_the_run(); print('ran')"
+    for value, survives in ((f"another-boot:1:{gone.pid}", True), (f"{here}:{gone.pid}", False), ("12", True)):
+        done = subprocess.run([sys.executable, "-c", stage], env=dict(os.environ, RLHF_ITERATE_PID=value),
+                              capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout.strip()) == ((0, "ran") if survives else (-signal.SIGTERM, "")), value
+
+
 def test_a_second_run_of_the_same_stages_is_refused_while_the_first_runs(tmp_path):
     """Two rlhf iterate on one run (a scheduler's requeue beside the first) would launch the same stages beside
-    each other, two writers in one output."""
+    each other, two writers in one output: the second is refused before it writes anything, iterate.json included."""
     import re
 
-    from rlhf_pipeline.stages.iterate import run_lock, run_steps
+    from rlhf_pipeline.stages.iterate import run_iterations, run_lock, run_steps
 
     run = tmp_path / "run"
     run.mkdir()
-    with run_lock(run, "iterate"):
-        with pytest.raises(PipelineError, match=rf"^iterate: another process is running the stages of "
-                                                rf"{re.escape(str(run))} \(pid {os.getpid()}\); wait for it to finish"):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path\n"
+                               "from rlhf_pipeline.stages.iterate import run_lock\n"
+                               "with run_lock(Path(sys.argv[1]), 'iterate'):\n"
+                               "    print('held', flush=True); time.sleep(60)\n", str(run)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        refused = rf"^iterate: another process is running the stages of {re.escape(str(run))} \(pid {holder.pid}\); "
+        with pytest.raises(PipelineError, match=refused + "wait for it to finish"):
+            run_iterations(config(tmp_path, iterations=1))
+        assert not (run / "iterate.json").exists()
+        with pytest.raises(PipelineError, match=refused):
             run_steps([], run)
-    assert run_steps([], run) == []  # the lock went with its holder
+    finally:
+        holder.kill()
+        holder.wait()
+    with run_lock(run, "iterate"):  # free again, and the process that holds it may take it again
+        assert run_steps([], run) == []
 
 
 def test_a_stage_killed_by_a_signal_is_named_as_such(tmp_path):
@@ -777,6 +813,13 @@ def test_the_demo_plans_each_task_with_its_own_reward(tmp_path):
     at = gdpo.index("--reward-fn")
     assert gdpo[at + 1 : at + 3] == ["rlhf_pipeline.demo.topics:gold_reward",
                                     "rlhf_pipeline.demo.topics:list_format_reward"]
+    # more prompts an iteration than the task has: said with the demo's flag, not iterate's key
+    run = tmp_path / "topics" / "many"
+    data = TASKS["topics"].write_data(run / "data", seed=0)
+    count = sum(1 for _ in open(data["prompts"]))
+    with pytest.raises(PipelineError, match=rf"^--prompts-per-iteration {count + 1}: the topics task has {count} "
+                                            rf"training prompts; give at most {count}$"):
+        demo_plan(DemoConfig(output=str(run), task="topics", prompts_per_iteration=count + 1), run, data)
 
 
 def test_the_demo_passes_options_to_sft_and_train_rm_and_places_its_stages(tmp_path, monkeypatch):

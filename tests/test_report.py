@@ -292,6 +292,7 @@ def test_length_controlled_reference_judge_and_pass_at_k(full_run, capsys):
     beside the raw figure, and the judge/pass@k plot is drawn (a run without them leaves it out)."""
     assert report_cli([str(full_run)]) == 0
     assert "judge_and_pass_at_k" not in (full_run / "report.md").read_text()
+    assert "| reward_fn reward (mean ± stderr) |" in (full_run / "report.md").read_text()  # no gain in these evals
     for t in (0, 1, 2):
         path = full_run / f"iter_{t}" / "eval" / "results.json"
         r = json.loads(path.read_text())

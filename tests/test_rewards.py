@@ -81,6 +81,11 @@ def test_a_column_named_as_the_functions_own_argument_is_one_line_not_the_users_
     with pytest.raises(PipelineError, match=r"^the reward function lengths: the data has a column named 'prompts', "
                                             r"the name of the function's own argument; rename that column"):
         call_reward_fn(lambda prompts, responses, **c: [1.0], ["a"], ["x"], {"prompts": ["b"]}, name="lengths")
+    # the names the function gives its arguments count, not the documented ones
+    assert call_reward_fn(lambda texts, outs, **c: [2.0], ["a"], ["x"], {"prompts": ["b"]}) == [2.0]
+    with pytest.raises(PipelineError, match=r"a column named 'outs', the name of the function's own argument"):
+        call_reward_fn(lambda texts, outs, **c: [2.0], ["a"], ["x"], {"outs": ["b"]})
+    assert call_reward_fn(lambda *args, **c: [3.0], ["a"], ["x"], {"prompts": ["b"]}) == [3.0]
 
 
 def test_reward_fn_wrong_length_is_an_error():

@@ -229,8 +229,8 @@ def read_manifest(ref: DatasetRef) -> dict[str, Any] | None:
     if ref.kind == "hub":
         path = hub_manifest_file(ref.config)
         return _hub_json(ref.location, path, repo_type="dataset", revision=ref.revision, owner=str(ref),
-                         offline_ok=f"{ref}: its {path} is neither in the Hub cache nor reachable; what it "
-                                    "records (sampling, shard, rows) is not checked")
+                         offline_ok=f"{ref}: its {path} is neither in the Hub cache nor reachable; what it records "
+                                    "(sampling, shard, rows) is not checked (unset HF_HUB_OFFLINE to check it)")
     return None
 
 
@@ -238,10 +238,10 @@ _WARNED: set[str] = set()
 
 
 def _hub_json(repo_id: str, path: str, *, repo_type: str, revision: str | None, owner: str,
-              offline_ok: str | None = None) -> dict[str, Any] | None:
+              offline_ok: str | None = None, rewrite: str = REWRITE_HINT) -> dict[str, Any] | None:
     """A JSON file of a Hub repo, or None when there is none (no such repo, branch or file). Not reaching the Hub
     (offline or unreachable, and not cached) is one line: an error, or, given ``offline_ok``, that warning (once per
-    process) and None. ``owner`` names the repo in messages."""
+    process) and None. ``owner`` names the repo in messages, ``rewrite`` the fix of a damaged file."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
@@ -264,7 +264,7 @@ def _hub_json(repo_id: str, path: str, *, repo_type: str, revision: str | None, 
     try:
         return json.loads(Path(local).read_text())
     except ValueError as e:
-        raise PipelineError(f"{owner}: its {path} is damaged ({e}); {REWRITE_HINT}") from None
+        raise PipelineError(f"{owner}: its {path} is damaged ({e}); {rewrite}") from None
 
 
 def _sha256_file(path: Path) -> str:
@@ -755,7 +755,7 @@ def hub_manifest(hub: HubTarget, model: bool) -> dict[str, Any] | None:
     line."""
     path, revision = hub.manifest_file(model)
     return _hub_json(hub.repo_id, path, repo_type="model" if model else "dataset", revision=revision,
-                     owner=f"--push-to-hub {hub}")
+                     owner=f"--push-to-hub {hub}", rewrite="push the stage again")
 
 
 def pull_output(hub: HubTarget, path: Path, manifest: dict[str, Any], model: bool) -> None:

@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-# Set by rlhf iterate in each stage's environment: its own pid (see die_with_the_run)
+# Set by rlhf iterate in each stage's environment: where it runs and its pid (run_identity, die_with_the_run)
 RUN_PID = "RLHF_ITERATE_PID"
 
 
@@ -30,27 +30,79 @@ def gpus_visible() -> bool:
     return gpus.is_dir() and any(gpus.iterdir())
 
 
-def die_with_parent() -> None:
-    """On Linux, have this process sent SIGTERM when its parent dies (a SIGKILL of the parent included)."""
+def _prctl(option: int, value: int) -> None:
     import ctypes
 
+    ctypes.CDLL(None, use_errno=True).prctl(option, value)
+
+
+def die_with_parent() -> None:
+    """On Linux, have this process sent SIGTERM when its parent dies (a SIGKILL of the parent included)."""
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def adopt_orphans(on: bool) -> None:
+    """On Linux, make this process the one that the orphans among its descendants are given to (a child subreaper),
+    or no longer: a stage whose launcher exits before it (``accelerate launch`` on Ctrl-C) stays in reach."""
+    PR_SET_CHILD_SUBREAPER = 36
+    if sys.platform == "linux":
+        _prctl(PR_SET_CHILD_SUBREAPER, int(on))
+
+
+def _here() -> str:
+    """This machine's boot and this process's pid namespace: where a pid names the same process."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}:{namespace}"
+
+
+def run_identity() -> str:
+    """What ``rlhf iterate`` puts in ``RLHF_ITERATE_PID`` for its stages: where it runs, and its pid."""
+    return f"{_here()}:{os.getpid()}"
 
 
 def die_with_the_run() -> None:
-    """In a process of a stage that ``rlhf iterate`` launched (``RLHF_ITERATE_PID`` in its environment): SIGTERM to it
-    when its parent dies. Iterate's own child gets that from iterate; a launcher between them (``accelerate launch``
-    of one process, ``conda run``) exits on it without passing it on, and the stage under it would go on writing
-    beside the rerun that resumes the run. With every process of the chain dying with its parent, a killed iterate
-    takes them all. An iterate already gone (killed before this line) stops this process now."""
-    pid = os.environ.get(RUN_PID)
-    if not pid or sys.platform != "linux":
+    """In a process of a stage that ``rlhf iterate`` launched (``RLHF_ITERATE_PID`` in its environment), on the same
+    machine and in its pid namespace: a thread that sends this process SIGTERM once iterate has ended, a SIGKILL
+    included. Iterate's own child dies with it (the parent-death signal iterate sets); a launcher between them
+    (``accelerate launch`` of one process, ``conda run``) exits without passing anything on, and the stage under it
+    would go on writing beside the rerun that resumes the run. The stage watches iterate itself, not its parent, so a
+    launcher that exits first on Ctrl-C does not cut the stage's clean-up short (iterate waits for it). An iterate
+    already gone stops this process now. A launcher that carries the environment to another machine or namespace
+    (``srun``) leaves the stage alone."""
+    value = os.environ.get(RUN_PID, "")
+    where, _, pid = value.rpartition(":")
+    if sys.platform != "linux" or not pid.isdigit() or not where or where != _here():
         return
-    die_with_parent()
     try:
-        os.kill(int(pid), 0)
+        handle: int | None = os.pidfd_open(int(pid))
     except ProcessLookupError:
         os.kill(os.getpid(), signal.SIGTERM)
-    except (OSError, ValueError):  # another user's process by that pid, or not a pid: nothing to tell
-        pass
+        return
+    except OSError:  # a kernel before 5.3: look every second instead
+        handle = None
+
+    def watch() -> None:
+        import select
+        import time
+
+        if handle is not None:
+            select.select([handle], [], [])  # readable once the process has ended
+        else:
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(int(pid), 0)
+                except ProcessLookupError:
+                    break
+                except OSError:  # another user's process by now: iterate is gone
+                    break
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    import threading
+
+    threading.Thread(target=watch, name="die-with-the-run", daemon=True).start()

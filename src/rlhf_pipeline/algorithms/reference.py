@@ -122,9 +122,9 @@ def data_reference(config, algorithm: Any, dd, columns: Sequence[str], ref, samp
 def reference_columns(accelerator, model, dd, config, temperature: float, pad_id: int, record: dict | None,
                       output: Path, columns: Sequence[str], compute_ref_logps: Callable):
     """The splits with the reference columns ``columns``: from the data (whose ``ref_logps`` lineage ``record`` must
-    match ``temperature`` and the run's precision), from ``output``'s cache, or computed now with ``compute_ref_logps(accelerator, model, ds,
-    pad_id, temperature, batch_size, pack_ratio)`` and cached, ``model`` being ``--ref-model`` (loaded for the pass,
-    then freed) when it is set, else the policy as loaded."""
+    match ``temperature`` and the run's precision), from ``output``'s cache, or computed now with
+    ``compute_ref_logps(accelerator, model, ds, pad_id, temperature, batch_size, pack_ratio)`` and cached, ``model``
+    being ``--ref-model`` (loaded for the pass, then freed) when it is set, else the policy as loaded."""
     from rlhf_pipeline.training.stage import cached_splits
 
     if has_columns(dd, columns):

@@ -25,6 +25,7 @@ normalise the sum per group as they would a single reward).
 from __future__ import annotations
 
 import importlib
+import inspect
 import importlib.util
 import logging
 import math
@@ -101,9 +102,9 @@ def call_reward_fn(
     """
     label = f"the reward function {name or getattr(fn, '__qualname__', fn)}"
     at = f" on {where}" if where else ""
-    clash = sorted({"prompts", "responses"} & set(columns))
+    clash = _argument_columns(fn, columns)
     if clash:  # the call would raise TypeError ("multiple values"), which reads as the function's own mistake
-        raise PipelineError(f"{label}: the data has a column named {clash[0]!r}, the name of the function's own "
+        raise PipelineError(f"{label}: the data has a column named {clash!r}, the name of the function's own "
                             f"argument; rename that column of the prompts (it is passed on as a keyword)")
     try:
         values = fn(prompts, responses, **columns)
@@ -130,6 +131,19 @@ def call_reward_fn(
             f"{label} returned {len(values)} rewards for {len(responses)} responses{at}; return one per response"
         )
     return values
+
+
+def _argument_columns(fn: Callable, columns: dict[str, Any]) -> str | None:
+    """The column that the call would pass a second time, by keyword, to the parameter that takes the prompts or
+    the responses by position (``prompts``, whatever a function names it), or None."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())[:2]
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call says what it says
+        return None
+    for parameter in parameters:
+        if parameter.kind == parameter.POSITIONAL_OR_KEYWORD and parameter.name in columns:
+            return parameter.name
+    return None
 
 
 def first_non_finite(values: Sequence[float]) -> int | None:

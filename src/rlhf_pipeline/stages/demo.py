@@ -144,7 +144,11 @@ def plan(config: DemoConfig, run: Path, data: dict[str, Path]):
               "limit": config.eval_prompts, "temperature": 0.8, "top_p": 1.0, "max_new_tokens": config.max_new_tokens,
               "engine": "hf", "seed": config.seed + 1000, "batch_size": 64, "score_batch_size": 64},
     )
-    steps = [sft, *([rm] if rm is not None else []), *iterate_plan(loop, count_prompts(loop))]
+    count = count_prompts(loop)
+    if config.prompts_per_iteration > count:  # said here with the demo's flag (iterate's key is another)
+        raise PipelineError(f"--prompts-per-iteration {config.prompts_per_iteration}: the {config.task} task has "
+                            f"{count} training prompts; give at most {count}")
+    steps = [sft, *([rm] if rm is not None else []), *iterate_plan(loop, count)]
     return with_dependencies(steps, lanes) if config.overlap else steps
 
 
@@ -212,7 +216,7 @@ def main(config: DemoConfig) -> Path:
     import time
 
     from rlhf_pipeline.datasets_io import atomic_directory, clean_stale, write_text_atomic
-    from rlhf_pipeline.stages.iterate import check, run_steps
+    from rlhf_pipeline.stages.iterate import check, run_lock, run_steps
     from rlhf_pipeline.stages.report import write_report
     from rlhf_pipeline.tiny import save_tiny_model
 
@@ -220,19 +224,20 @@ def main(config: DemoConfig) -> Path:
     place_stages(config)
     run = Path(config.output).expanduser()
     run.mkdir(parents=True, exist_ok=True)
-    data = TASKS[config.task].write_data(run / "data", seed=config.seed)  # the same bytes every time: safe to redo
-    base = run / "base_policy"
-    clean_stale(base)
-    if not base.exists():
-        with atomic_directory(base) as tmp:
-            save_tiny_model(tmp, kind="policy", seed=config.seed, hidden_size=config.hidden_size,
-                            num_layers=config.num_layers)
-    steps = plan(config, run, data)
-    check(steps)
-    run_steps(steps, run, label="demo")
-    result = summary(run, config.iterations)
-    write_text_atomic(run / SUMMARY, json.dumps(result, indent=2) + "\n")
-    report = write_report(run, run)
+    with run_lock(run, "demo"):  # before anything is written: a second demo on the run is refused first
+        data = TASKS[config.task].write_data(run / "data", seed=config.seed)  # the same bytes every time
+        base = run / "base_policy"
+        clean_stale(base)
+        if not base.exists():
+            with atomic_directory(base) as tmp:
+                save_tiny_model(tmp, kind="policy", seed=config.seed, hidden_size=config.hidden_size,
+                                num_layers=config.num_layers)
+        steps = plan(config, run, data)
+        check(steps)
+        run_steps(steps, run, label="demo")
+        result = summary(run, config.iterations)
+        write_text_atomic(run / SUMMARY, json.dumps(result, indent=2) + "\n")
+        report = write_report(run, run)
     print(f"[demo] finished in {time.time() - started:.0f}s; report: {report}")
     judge = "rm" if TASKS[config.task].reward_model else "gold"  # whose win rate against the SFT policy to show
     print(f"[demo] {config.task}: {'iteration':>9} {'gold reward':>18} {'RM reward':>10} "

@@ -69,7 +69,7 @@ from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation
 from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.errors import PipelineError, one_line
 from rlhf_pipeline.layout import CRITIC, ITERATE_CONFIG, ITERATION_STAGES, RUN_LOCK, STEPS_LOG, iteration_dir, step_name
-from rlhf_pipeline.machine import RUN_PID, die_with_parent, gpus_visible
+from rlhf_pipeline.machine import RUN_PID, adopt_orphans, die_with_parent, gpus_visible, run_identity
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.stages.score import as_list, one_or_list
 from rlhf_pipeline.training.checkpoints import remove_leftover_checkpoints
@@ -650,19 +650,53 @@ class RunStopped(PipelineError):
         self.exit_status = exit_status
 
 
-def _wait_then_stop(procs: Sequence[subprocess.Popen], label: str, names: str) -> None:
-    """After Ctrl-C: wait up to STOP_GRACE_SECONDS for every process of the running steps, listed now, to exit, then
-    stop what is left (:func:`stop_processes`). From a terminal they all got the same SIGINT; a launcher that exits
-    first leaves its stage cleaning up, which is waited for too. SIGINT sent to this process alone (``kill -INT``, a
-    notebook's interrupt) reached none of them, and they are stopped once the grace is over. A second Ctrl-C leaves
-    them to finish by themselves."""
+def _wait_then_stop(procs: Sequence[subprocess.Popen], label: str, names: str, others: frozenset[int]) -> None:
+    """After Ctrl-C: wait up to STOP_GRACE_SECONDS for every process of the running steps to exit, then stop what is
+    left (:func:`stop_processes`). From a terminal they all got the same SIGINT; a launcher that exits first leaves
+    its stage cleaning up, adopted by this process (:func:`adopting_orphans`), which is waited for too. SIGINT sent
+    to this process alone (``kill -INT``, a notebook's interrupt) reached none of them, and they are stopped once the
+    grace is over. A second Ctrl-C leaves them to finish by themselves."""
     import psutil
 
     grace = STOP_GRACE_SECONDS
-    _, alive = psutil.wait_procs(process_tree(procs), timeout=grace)
-    if alive:
+    deadline = time.monotonic() + grace
+    while True:  # listed again after each wait: a stage adopted meanwhile is waited for too
+        tree = _descendants(others)
+        left = deadline - time.monotonic()
+        if not tree or left <= 0:
+            break
+        psutil.wait_procs(tree, timeout=left)
+    if tree:
         print(f"[{label}] {names} still running {grace:g} s after the interrupt: stopping it", flush=True)
-        stop_processes(procs, known=alive)
+        stop_processes(procs, known=tree)
+
+
+def _descendants(others: frozenset[int]) -> list[Any]:
+    """The processes under this one that have not ended, but for ``others`` (children it had before the steps) and
+    theirs: the running steps' processes, and those it adopted. One listing of the process table, so a stage whose
+    launcher is exiting is found under the launcher or under this process, whichever it is under by then."""
+    import psutil
+
+    excluded = set(others)
+    tree = psutil.Process().children(recursive=True)
+    parents = {}
+    for process in tree:
+        with contextlib.suppress(psutil.Error):
+            parents[process.pid] = process.ppid()
+    for process in tree:  # a descendant of a child from before the steps (a Ray the process had started) is not ours
+        pid, seen = process.pid, set()
+        while pid in parents and pid not in seen:
+            seen.add(pid)
+            if pid in excluded:
+                excluded.add(process.pid)
+                break
+            pid = parents[pid]
+    found = []
+    for process in tree:
+        with contextlib.suppress(psutil.Error):
+            if process.pid not in excluded and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
 
 
 # Seconds a step's processes get to exit after the SIGTERM rlhf iterate passes on, before they are killed.
@@ -775,17 +809,24 @@ def stop_processes(procs: Sequence[subprocess.Popen], grace: Optional[float] = N
         proc.wait()
 
 
+_LOCKED: set[Path] = set()  # the run locks this process holds
+
+
 @contextlib.contextmanager
 def run_lock(run: Path, label: str) -> Iterator[None]:
     """Hold ``RUN/.lock`` while this process runs the run's stages: a second ``rlhf iterate`` on the same run (a
     scheduler's requeue beside the first, a command run twice) would launch the same stages beside them, two writers
-    in one output. The lock goes with the process, however it ends (an advisory ``flock``, Linux and macOS)."""
+    in one output. The lock goes with the process, however it ends (an advisory ``flock``, Linux and macOS); taken
+    again by the process that holds it, it is the same lock. ``run`` must exist."""
     try:
         import fcntl
     except ImportError:  # Windows: no lock
         yield
         return
     path = run / RUN_LOCK
+    if path in _LOCKED:  # this process holds it already (rlhf iterate or demo, around run_steps)
+        yield
+        return
     with open(path, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -798,9 +839,11 @@ def run_lock(run: Path, label: str) -> Iterator[None]:
         f.truncate()
         f.write(f"{os.getpid()}\n")
         f.flush()
+        _LOCKED.add(path)
         try:
             yield
         finally:
+            _LOCKED.discard(path)
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
@@ -808,12 +851,34 @@ def run_steps(steps: Sequence[Step], run: Path, label: str = "iterate", hub: boo
               on_hub: dict[Path, OnHub] | None = None) -> list[str]:
     """:func:`_run_steps` holding the run's lock (:func:`run_lock`)."""
     run.mkdir(parents=True, exist_ok=True)
-    with run_lock(run, label):
-        return _run_steps(steps, run, label, hub, on_hub)
+    with run_lock(run, label), adopting_orphans() as others:
+        return _run_steps(steps, run, label, hub, on_hub, others)
 
 
-def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool,
-               on_hub: dict[Path, OnHub] | None) -> list[str]:
+@contextlib.contextmanager
+def adopting_orphans() -> Iterator[frozenset[int]]:
+    """While the steps run, the stage processes whose launcher exits before them (``accelerate launch`` on Ctrl-C)
+    become this process's children (:func:`machine.adopt_orphans`), so that :func:`_wait_then_stop` finds them;
+    those that have ended are reaped on the way out. Yields the pids of the children this process had before (not
+    the steps')."""
+    import psutil
+
+    me = psutil.Process()
+    before = {child.pid for child in me.children()}
+    adopt_orphans(True)
+    try:
+        yield frozenset(before)
+    finally:
+        adopt_orphans(False)
+        for child in me.children():
+            if child.pid not in before:
+                with contextlib.suppress(psutil.Error, ChildProcessError):
+                    if child.status() == psutil.STATUS_ZOMBIE:
+                        os.waitpid(child.pid, 0)
+
+
+def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool, on_hub: dict[Path, OnHub] | None,
+               others: frozenset[int]) -> list[str]:
     """Run the steps, skipping finished ones, here or with ``hub`` on the Hub (those are recorded in ``on_hub`` and
     pulled when a launched step reads them): each once the steps it comes ``after`` have finished, at most one at a
     time per lane (a sequential plan: one after the other). Returns the names of the steps that were launched.
@@ -851,7 +916,7 @@ def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool,
         print(f"[{label}] ({index[step.name]}/{len(steps)}) {step.name}: {shlex.join(step.command)}", flush=True)
         # the stage's processes die with this one, a SIGKILL included (machine.die_with_the_run), launchers between
         # them too: a killed run leaves no stage writing beside the rerun that resumes it
-        env = {**os.environ, **step.env, RUN_PID: str(os.getpid())}
+        env = {**os.environ, **step.env, RUN_PID: run_identity()}
         with stops.held():  # a stop signal now would miss the process: it waits until it is recorded as running
             proc = subprocess.Popen(step.command, env=env,
                                     preexec_fn=die_with_parent if sys.platform == "linux" else None)
@@ -917,7 +982,7 @@ def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool,
                     print(f"[{label}] {e}: stopping {names}", flush=True)
                 stop_processes(procs)
             else:
-                _wait_then_stop(procs, label, names)
+                _wait_then_stop(procs, label, names, others)
             for step, proc, started in running.values():
                 proc.wait()
                 finish(step, "interrupted", started)
@@ -984,9 +1049,10 @@ def run_iterations(config: IterateConfig) -> Path:
     steps = plan(config, count_prompts(config))
     check(steps)
     run.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(run / ITERATE_CONFIG, json.dumps(to_dict(config), indent=2, default=str) + "\n")
     on_hub: dict[Path, OnHub] = {}
-    run_steps(steps, run, hub=config.resume, on_hub=on_hub)
+    with run_lock(run, "iterate"):  # before iterate.json: a refused second run does not rewrite the first's
+        write_text_atomic(run / ITERATE_CONFIG, json.dumps(to_dict(config), indent=2, default=str) + "\n")
+        run_steps(steps, run, hub=config.resume, on_hub=on_hub)
     last = last_policy(config)
     where = f"on the Hub: {on_hub[last].hub.repo_id}, branch {on_hub[last].hub.config}" if last in on_hub else last
     print(f"[iterate] {config.iterations} iteration(s) complete; the last policy is {where}")

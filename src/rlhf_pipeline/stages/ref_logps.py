@@ -5,16 +5,17 @@ policy, computed once per dataset.
     accelerate launch --multi_gpu --num_processes 8 -m rlhf_pipeline.stages.ref_logps \\
         --model runs/iter_0/policy --input runs/iter_0/filter --output runs/iter_0/ref_logps
 
-Adds ``chosen_ref_logp`` and ``rejected_ref_logp`` (sums over response tokens) to both splits, so training needs
-no second model in memory; on unpaired data (``rlhf filter --mode unpaired``, KTO) ``completion_ref_logp`` and
-``kl_ref_logp``, the latter of each row's mismatched (prompt, response) pair. The temperature defaults to the one the data was sampled at (read from the generate
-stage's manifest through the inputs' lineage) and is recorded in this output's manifest with the precision (the
-weights' dtype); ``rlhf train`` checks that it computes the policy's log-probs at the same temperature and precision
-(bfloat16 with ``--bf16``, else float32): at its first step policy and reference must give the same numbers. ``rlhf train`` runs this pass itself when the
-columns are missing. One batched pass, sequences sorted by length; under ``accelerate launch`` the batches are
-dealt out over the processes (each holds the whole model; DeepSpeed configs are refused), gathered in the original
-order, and the main process writes the output (its manifest records the number of processes, which does not change
-the log-probs beyond float rounding: a rerun with another number reuses the output).
+Adds ``chosen_ref_logp`` and ``rejected_ref_logp`` (sums over response tokens) to both splits, so training needs no
+second model in memory; on unpaired data (``rlhf filter --mode unpaired``, KTO) ``completion_ref_logp`` and
+``kl_ref_logp``, the latter of each row's mismatched (prompt, response) pair. The temperature defaults to the one the
+data was sampled at (read from the generate stage's manifest through the inputs' lineage) and is recorded in this
+output's manifest with the precision (the weights' dtype); ``rlhf train`` checks that it computes the policy's log-probs
+at the same temperature and precision (bfloat16 with ``--bf16``, else float32): at its first step policy and reference
+must give the same numbers. ``rlhf train`` runs this pass itself when the columns are missing. One batched pass,
+sequences sorted by length; under ``accelerate launch`` the batches are dealt out over the processes (each holds the
+whole model; DeepSpeed configs are refused), gathered in the original order, and the main process writes the output (its
+manifest records the number of processes, which does not change the log-probs beyond float rounding: a rerun with
+another number reuses the output).
 """
 
 from __future__ import annotations

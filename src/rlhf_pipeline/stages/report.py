@@ -725,9 +725,10 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
     evals = [it["eval"] or {} for it in iterations]
     with_reference = [n for n in scorers if any((ev.get("scores") or {}).get(n, {}).get("reference") for ev in evals)]
     judged = [side for side in ("baseline", "reference") if any((ev.get("judge") or {}).get(side) for ev in evals)]
+    gains = any(s.get("gain") is not None for ev in evals for s in (ev.get("scores") or {}).values())
     header = ["iter"]
     for name in scorers:
-        header += [f"{name} reward (mean ± stderr; gain over the baseline ± paired stderr)",
+        header += [f"{name} reward (mean ± stderr" + ("; gain over the baseline ± paired stderr)" if gains else ")"),
                    f"{name} win rate ± stderr (W/T/L), LC"]
         if name in with_reference:
             header.append(f"{name} win rate vs references, LC")

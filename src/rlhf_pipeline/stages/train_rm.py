@@ -239,7 +239,8 @@ def main(config: TrainRMConfig) -> Path:
                                  config.allow_special_tokens_in_text)
         if data["train"].num_rows == 0:
             if dropped.get("train:identical") and not dropped.get("train:too_long"):
-                raise PipelineError(f"{ref}: every training pair has the same chosen and rejected conversation")
+                raise PipelineError(f"{ref}: every training pair has the same chosen and rejected conversation; "
+                                    "check which columns hold them (chosen, rejected)")
             raise PipelineError(f"{ref}: no training pair fits in --max-length {config.max_length}; raise it")
         pad = pad_id(tokenizer)
         reward_task = RewardTask(pad)
