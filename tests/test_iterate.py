@@ -422,12 +422,46 @@ def test_a_stage_watches_only_an_iterate_of_its_own_machine_and_namespace(tmp_pa
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that no process has now
-    here = run_identity().rpartition(":")[0]
+    here, started, me = run_identity().rsplit(":", 2)
     stage = "from rlhf_pipeline.machine import die_with_the_run; die_with_the_run(); print('ran')"
-    for value, survives in ((f"another-boot:1:{gone.pid}", True), (f"{here}:{gone.pid}", False), ("12", True)):
+    for value, survives in ((f"another-boot:1:{started}:{gone.pid}", True),  # srun's node
+                            (f"{here}:{started}:{gone.pid}", False),  # ended
+                            (f"{here}:{int(started) + 1}:{me}", False),  # its pid now another process's
+                            (f"{here}:{started}:{me}", True), ("12", True)):
         done = subprocess.run([sys.executable, "-c", stage], env=dict(os.environ, RLHF_ITERATE_PID=value),
                               capture_output=True, text=True, timeout=60)
         assert (done.returncode, done.stdout.strip()) == ((0, "ran") if survives else (-signal.SIGTERM, "")), value
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a child subreaper is Linux's prctl")
+def test_processes_adopted_during_a_run_are_collected_when_they_end(tmp_path):
+    """A stage's helper that outlives it (its multiprocessing resource tracker) is adopted by iterate, and ended it
+    would stay a zombie until the run ends, hundreds of steps later: collected after each step instead."""
+    import psutil
+
+    from rlhf_pipeline.machine import adopt_orphans
+    from rlhf_pipeline.stages.iterate import _reap_adopted
+
+    me = psutil.Process()
+    before = frozenset(c.pid for c in me.children())
+    orphan_pid, leaver = tmp_path / "orphan.pid", tmp_path / "leaver.py"
+    leaver.write_text("import os, subprocess, sys\n"  # leaves a child that ends once its parent has
+                      "waits = 'import os, sys, time\\nwhile os.getppid() == int(sys.argv[1]): time.sleep(0.01)'\n"
+                      "child = subprocess.Popen([sys.executable, '-c', waits, str(os.getpid())])\n"
+                      "open(sys.argv[1], 'w').write(str(child.pid))\n")
+    adopt_orphans(True)
+    try:
+        subprocess.run([sys.executable, str(leaver), str(orphan_pid)], check=True, timeout=60)
+        pid = int(orphan_pid.read_text())
+        deadline = time.time() + 30
+        while not (psutil.pid_exists(pid) and psutil.Process(pid).status() == psutil.STATUS_ZOMBIE):
+            assert time.time() < deadline, "the orphan was not adopted, or did not end"
+            time.sleep(0.05)
+        assert psutil.Process(pid).ppid() == os.getpid()
+        _reap_adopted(before, set())
+        assert not psutil.pid_exists(pid)
+    finally:
+        adopt_orphans(False)
 
 
 def test_a_second_run_of_the_same_stages_is_refused_while_the_first_runs(tmp_path):

@@ -60,9 +60,20 @@ def _here() -> str:
     return f"{boot}:{namespace}"
 
 
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat``'s 22nd field): with the pid, it
+    names one process, where a pid alone may be given to another once its process has ended."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2:].split()[19]  # the fields after the command's name start at the 3rd
+
+
 def run_identity() -> str:
-    """What ``rlhf iterate`` puts in ``RLHF_ITERATE_PID`` for its stages: where it runs, and its pid."""
-    return f"{_here()}:{os.getpid()}"
+    """What ``rlhf iterate`` puts in ``RLHF_ITERATE_PID`` for its stages: where it runs, when it started and its
+    pid."""
+    return f"{_here()}:{_start_time(os.getpid())}:{os.getpid()}"
 
 
 def die_with_the_run() -> None:
@@ -74,17 +85,21 @@ def die_with_the_run() -> None:
     launcher that exits first on Ctrl-C does not cut the stage's clean-up short (iterate waits for it). An iterate
     already gone stops this process now. A launcher that carries the environment to another machine or namespace
     (``srun``) leaves the stage alone."""
-    value = os.environ.get(RUN_PID, "")
-    where, _, pid = value.rpartition(":")
-    if sys.platform != "linux" or not pid.isdigit() or not where or where != _here():
+    parts = os.environ.get(RUN_PID, "").rsplit(":", 2)  # BOOT:NAMESPACE, START, PID
+    if sys.platform != "linux" or len(parts) != 3 or not parts[2].isdigit() or not parts[0] or parts[0] != _here():
         return
+    started, pid = parts[1], int(parts[2])
+    alive = True
     try:
-        handle: int | None = os.pidfd_open(int(pid))
+        handle: int | None = os.pidfd_open(pid)
     except ProcessLookupError:
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
+        handle, alive = None, False
     except OSError:  # a kernel before 5.3: look every second instead
         handle = None
+    # gone, or its pid another process's now (the start time is read once the pid is held: it cannot change after)
+    if not alive or _start_time(pid) != started:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
 
     def watch() -> None:
         import select
@@ -96,7 +111,7 @@ def die_with_the_run() -> None:
             while True:
                 time.sleep(1.0)
                 try:
-                    os.kill(int(pid), 0)
+                    os.kill(pid, 0)
                 except ProcessLookupError:
                     break
                 except OSError:  # another user's process by now: iterate is gone

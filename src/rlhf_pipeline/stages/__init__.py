@@ -8,6 +8,7 @@ its own (``train``, ``eval``); what two stages share lives below them in the lib
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -67,15 +68,21 @@ def _run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv
     except UserCodeError as e:
         if os.environ.get("RLHF_DEBUG"):
             raise
-        print(e.user_traceback(), end="", file=sys.stderr)
-        print(f"error: {prog}: {e}", file=sys.stderr)
+        _say(e.user_traceback() + f"error: {prog}: {e}")
         return 1
     except PipelineError as e:
         if os.environ.get("RLHF_DEBUG"):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
         return e.exit_status
     except KeyboardInterrupt:  # outputs are written atomically or resumably: a rerun continues where this stopped
-        print("interrupted; run the same command again to continue", file=sys.stderr)
+        _say("interrupted; run the same command again to continue")
         return 130
     return 0
+
+
+def _say(text: str) -> None:
+    """``text`` on stderr, unless it cannot be written (a terminal closed under a stopped run): the exit status
+    still says how the stage ended."""
+    with contextlib.suppress(OSError):
+        print(text, file=sys.stderr)

@@ -655,7 +655,8 @@ def _wait_then_stop(procs: Sequence[subprocess.Popen], label: str, names: str, o
     left (:func:`stop_processes`). From a terminal they all got the same SIGINT; a launcher that exits first leaves
     its stage cleaning up, adopted by this process (:func:`adopting_orphans`), which is waited for too. SIGINT sent
     to this process alone (``kill -INT``, a notebook's interrupt) reached none of them, and they are stopped once the
-    grace is over. A second Ctrl-C leaves them to finish by themselves."""
+    grace is over. A second Ctrl-C stops the wait: iterate exits, and its stages, which die with it, are stopped
+    where they are."""
     import psutil
 
     grace = STOP_GRACE_SECONDS
@@ -744,7 +745,7 @@ class StopSignals:
     def stopping(self, ignore_interrupts: bool) -> Iterator[None]:
         """Within, the run is being stopped: a further stop signal, or with ``ignore_interrupts`` Ctrl-C, does not cut
         that short (the stop of a run stopped by a signal is bounded by its grace; one stopped by Ctrl-C waits for
-        its stages, and a second Ctrl-C leaves them)."""
+        its stages, and a second Ctrl-C ends the wait)."""
         self.holding = True
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if self.main and ignore_interrupts else None
         try:
@@ -762,10 +763,11 @@ def process_tree(procs: Sequence[subprocess.Popen], known: Sequence[Any] = ()) -
     found: dict[int, psutil.Process] = {}
     tops = [*known]
     for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            tops.append(psutil.Process(proc.pid))
+        if proc.poll() is None:  # an exited child may have been reaped already, and its pid given to another process
+            with contextlib.suppress(psutil.Error):
+                tops.append(psutil.Process(proc.pid))
     for top in tops:
-        with contextlib.suppress(psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.Error):
             if top.is_running():
                 for process in (top, *top.children(recursive=True)):
                     found.setdefault(process.pid, process)
@@ -792,17 +794,17 @@ def stop_processes(procs: Sequence[subprocess.Popen], grace: Optional[float] = N
         if not new:
             break
         for process in new:
-            with contextlib.suppress(psutil.NoSuchProcess):
+            with contextlib.suppress(psutil.Error):
                 process.suspend()
             frozen[process.pid] = process
     processes = list(frozen.values())
     for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.Error):
             process.terminate()
             process.resume()  # a stopped process acts on SIGTERM once continued
     _, alive = psutil.wait_procs(processes, timeout=grace)
     for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.Error):
             process.kill()
     psutil.wait_procs(alive, timeout=grace)
     for proc in procs:
@@ -870,11 +872,20 @@ def adopting_orphans() -> Iterator[frozenset[int]]:
         yield frozenset(before)
     finally:
         adopt_orphans(False)
-        for child in me.children():
-            if child.pid not in before:
-                with contextlib.suppress(psutil.Error, ChildProcessError):
-                    if child.status() == psutil.STATUS_ZOMBIE:
-                        os.waitpid(child.pid, 0)
+        _reap_adopted(frozenset(before), set())
+
+
+def _reap_adopted(others: frozenset[int], launched: set[int]) -> None:
+    """Collect the adopted processes that have ended (a stage's helper, its ``multiprocessing`` resource tracker,
+    outliving it), which would stay zombies until the run ends: not ``others`` (children from before the steps)
+    nor ``launched`` (the running steps' own, which their ``Popen`` waits for)."""
+    import psutil
+
+    for child in psutil.Process().children():
+        if child.pid not in others and child.pid not in launched:
+            with contextlib.suppress(psutil.Error, ChildProcessError):
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, os.WNOHANG)
 
 
 def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool, on_hub: dict[Path, OnHub] | None,
@@ -957,6 +968,7 @@ def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool, on_hub: 
                     raise PipelineError(f"{label}: {pending[0].name} waits for a step that is not in the plan")
                 break
             done = _wait_any(running)
+            _reap_adopted(others, {proc.pid for _, proc, _ in running.values()})
             for lane, (step, proc, started) in list(running.items()):
                 if lane not in done:
                     continue
@@ -980,7 +992,7 @@ def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool, on_hub: 
             if isinstance(e, Stopped):  # sent to this process alone: pass it on to the steps' processes
                 with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) cannot be written to
                     print(f"[{label}] {e}: stopping {names}", flush=True)
-                stop_processes(procs)
+                stop_processes(procs, known=_descendants(others))
             else:
                 _wait_then_stop(procs, label, names, others)
             for step, proc, started in running.values():
