@@ -200,7 +200,6 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
         "iterate_seed": ITERATE_YAML.format(**k) + "generate: {seed: abc}\n",
         "iterate_launcher": ITERATE_YAML.format(**k) + "launchers: {train: {accelerate: launch}}\n",
         "iterate_lane_env": ITERATE_YAML.format(**k) + "overlap: 1\nlane_env: {sample: CUDA_VISIBLE_DEVICES=0}\n",
-        "iterate_eval_alone": ITERATE_YAML.format(**k) + "eval: {n: 2}\n",
         "yaml_weights": f"reward_fn: [{k['rewards']}:good, {k['rewards']}:nan]\nreward_weights: [1, 2, 3]\n",
     }
     for name, text in yamls.items():
@@ -548,8 +547,6 @@ CASES = [
          "launchers: train is {{'accelerate': 'launch'}}; give a command, as a string or a list of words"),
     Case("iterate-lane-env-not-a-mapping", ["iterate", "--config", "{iterate_lane_env}"],
          "lane_env: sample is 'CUDA_VISIBLE_DEVICES=0'; give each side a mapping of variables to values"),
-    Case("iterate-eval-section-without-eval-prompts", ["iterate", "--config", "{iterate_eval_alone}"],
-         "runs only with eval_prompts: set eval_prompts too"),
     Case("iterate-model-not-found", ["iterate", "--config", "{iterate_reserved}", "--model", "nomodel"],
          "--model nomodel: not found locally"),
     Case("iterate-causal-lm-as-reward-model", ["iterate", "--config", "{iterate_reserved}", "--reward-model",

@@ -64,6 +64,16 @@ def test_a_finished_eval_with_reference_answers_is_found_finished(tmp_path):
     assert is_complete(step)
 
 
+def test_an_eval_section_without_eval_prompts_is_said_to_be_unused(tmp_path, caplog):
+    """A recipe may carry its eval section for when eval_prompts is set (scripts/gpu/rebel_ultrafeedback.yaml):
+    without them it runs nothing, which is said rather than left to be found out."""
+    with caplog.at_level("WARNING", logger="rlhf_pipeline.stages.iterate"):
+        steps = plan(config(tmp_path, eval={"n": 2}))
+    assert not [s for s in steps if s.stage == "eval"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "the eval section and launchers.eval are not used: every iteration's rlhf eval runs only with eval_prompts"]
+
+
 def test_a_launcher_is_a_command_line_or_a_list_of_words(tmp_path):
     """A YAML list is a natural way to write a command: it is taken word for word (a string is split as a shell
     would), and ``seed: null`` takes the seed away (0), as null does to every option."""

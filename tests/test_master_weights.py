@@ -188,7 +188,9 @@ def pairs(tmp_path_factory, tiny_policy, bundled_prompts) -> Path:
 
 
 def train_args(pairs: Path, policy: str, out: Path, *extra) -> list:
-    return ["train", "--algo", "dpo", "--model", policy, "--data", pairs / "ref", "--output", out, "--report-to",
+    """bfloat16 runs on pairs without reference columns (made in float32 on a CPU, which a bfloat16 run refuses):
+    each run computes its reference at its own precision."""
+    return ["train", "--algo", "dpo", "--model", policy, "--data", pairs / "pairs", "--output", out, "--report-to",
             "none", "--temperature", 0.8, "--max-steps", 4, "--batch-size", 4, "--learning-rate", 1e-3, "--bf16",
             *extra]
 

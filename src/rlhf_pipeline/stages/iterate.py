@@ -213,9 +213,6 @@ class IterateConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
             if not (isinstance(spec, str) or isinstance(spec, list) and all(isinstance(w, str) for w in spec)):
                 raise ValueError(f"launchers: {stage} is {spec!r}; give a command, as a string or a list of words, "
                                  "e.g. {train: accelerate launch --num_processes 8}")
-        if not self.eval_prompts and (self.eval or "eval" in self.launchers):
-            raise ValueError("the eval section and launchers.eval set up every iteration's rlhf eval, which runs only "
-                             "with eval_prompts: set eval_prompts too, or remove them")
         reason = get(self.algo).refuses_stale_sampler if self.overlap else ""
         if reason:
             raise ValueError(f"overlap 1: --algo {self.algo} needs samples of the policy it trains ({reason}); "
@@ -396,6 +393,9 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
     sections = {s: _section(getattr(config, s), s) for s in ("generate", "score", "filter", "train")}
     check_plan(config, sections)
     _section(config.eval, "eval", allowed_extra={"reward_model", "reward_fn"})
+    if not config.eval_prompts and (config.eval or "eval" in config.launchers):  # a recipe's, for when it is set
+        log.warning("the eval section and launchers.eval are not used: every iteration's rlhf eval runs only with "
+                    "eval_prompts")
     unknown = sorted(set(config.launchers) - set(STAGE_SECTIONS))
     if unknown:
         raise PipelineError(f"run config: launchers for unknown stage(s) {', '.join(unknown)}; "
