@@ -74,6 +74,12 @@ def check_reference(config, algorithm: Any, sampling: dict | None, record: dict 
     return reference
 
 
+def precision(config) -> str:
+    """The dtype a run takes its reference log-probs in, and must find in cached ones: bfloat16 with ``--bf16``, else
+    float32."""
+    return "bfloat16" if config.bf16 else "float32"
+
+
 def load_reference(config, accelerator):
     """``--ref-model`` for inference beside the policy (same dtype, on this process's device), or None when it is
     the policy as loaded (unset, or ``--model`` itself). Whole on every process under ZeRO-3 too (a full copy on
@@ -84,7 +90,7 @@ def load_reference(config, accelerator):
     if not config.ref_model or same_model(config.ref_model, config.model):
         return None
     with outside_zero3_init(accelerator):
-        return load_causal_lm(config.ref_model, dtype="float32" if not config.bf16 else "bfloat16",
+        return load_causal_lm(config.ref_model, dtype=precision(config),
                               trust_remote_code=config.trust_remote_code, device=accelerator.device,
                               attn_implementation=config.attn_implementation)
 
@@ -134,14 +140,14 @@ def reference_columns(accelerator, model, dd, config, temperature: float, pad_id
                 f"but this run takes log-probs at {temperature}; pass --temperature {record.get('temperature')} or "
                 "recompute them with rlhf ref-logps --temperature"
             )
-        precision = "bfloat16" if config.bf16 else "float32"
-        if record is not None and record.get("dtype", precision) != precision:  # older records have no dtype
+        run_dtype = precision(config)
+        if record is not None and record.get("dtype", run_dtype) != run_dtype:  # older records have no dtype
             fix = {"bfloat16": "add --bf16", "float32": "remove --bf16"}.get(record["dtype"])  # float16: no flag
             raise PipelineError(
                 f"{config.data}: its reference log-probs were computed in {record['dtype']}, but this run computes "
-                f"the policy's in {precision}: at the first step the two would differ by rounding alone, which the "
+                f"the policy's in {run_dtype}: at the first step the two would differ by rounding alone, which the "
                 f"loss would train on; {fix + ', or ' if fix else ''}recompute them with rlhf ref-logps --dtype "
-                f"{precision}"
+                f"{run_dtype}"
             )
         return dd
 
