@@ -144,7 +144,7 @@ def test_collect_offsets_and_stats(full_run):
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_each_iterations_samples_are_placed_at_the_policy_that_sampled_them(tmp_path, overlap, monkeypatch):
     """An overlapped run's iteration t samples with policy t-2 (policy 0 for t <= 2): the report said t-1 for every
-    run, in its text and in the response-length plot's positions. A resumed training run's wall time is marked."""
+    run, in its text and in the response-length plot's positions. A resumed run's wall time is marked."""
     from rlhf_pipeline.stages.report import _length_points, _markdown
 
     run = tmp_path / "run"
@@ -156,6 +156,8 @@ def test_each_iterations_samples_are_placed_at_the_policy_that_sampled_them(tmp_
         save_generations(run / f"iter_{t}" / "generate", [[t, t]], [["stop", "stop"]])
         train = {**manifest("train", 9.5), "training": {"resumed_from_step": 4 if t == 2 else 0}}
         write_json(run / f"iter_{t}" / "train" / "manifest.json", train)
+        write_json(run / f"iter_{t}" / "eval" / "manifest.json",  # an evaluation that continued an unfinished one
+                   {**manifest("eval", 2.0), **({"resumed": True} if t == 3 else {})})
     data = collect(run)
     expected = [0, 1, 2] if overlap == 0 else [0, 0, 1]
     assert [it["sampler"] for it in data["iterations"]] == expected
@@ -172,7 +174,7 @@ def test_each_iterations_samples_are_placed_at_the_policy_that_sampled_them(tmp_
     else:
         assert "generate sampled from policy t−1," in text
     walls = [line.split("|")[-2].strip() for line in text.splitlines() if line.startswith("| ") and "wall" not in line]
-    assert [w.split(" / ")[3] for w in walls] == ["9.5", "9.5+", "9.5"]
+    assert [w.split(" / ")[3:] for w in walls] == [["9.5", "2"], ["9.5+", "2"], ["9.5", "2+"]]
 
 
 def test_a_starting_policy_from_another_run_is_placed_at_policy_0(tmp_path):

@@ -689,6 +689,20 @@ def test_an_unfinished_eval_whose_parts_differ_is_redone_with_overwrite(eval_sel
     assert json.loads((out / "results.json").read_text()) == json.loads((eval_self / "results.json").read_text())
 
 
+def test_an_unfinished_eval_continues_with_its_parts_and_says_it_resumed(eval_self, tiny_policy, task, tmp_path):
+    """Rerun with the same options, an evaluation killed after its parts were written finishes from them, and its
+    manifest says ``"resumed": true``: its wall time is that attempt's alone (the report marks it ``+``)."""
+    import shutil
+
+    out = Path(shutil.copytree(eval_self, tmp_path / "eval"))
+    (out / "manifest.json").unlink()
+    (out / "results.json").unlink()
+    assert "resumed" not in manifest(eval_self)
+    assert run(*eval_args(tiny_policy, task["eval_prompts"], out, "--reward-fn", GOLD, "--baseline", tiny_policy)) == 0
+    assert manifest(out)["resumed"] is True
+    assert json.loads((out / "results.json").read_text()) == json.loads((eval_self / "results.json").read_text())
+
+
 def test_eval_refuses_a_baseline_eval_sampled_with_other_settings_before_sampling(eval_self, tiny_policy, task,
                                                                                   tmp_path, capsys):
     """With another --n, response j would be compared with only some of the baseline's responses; refused, and

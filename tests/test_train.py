@@ -256,6 +256,8 @@ def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_pa
     assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *other, "--resume")) == 1
     assert "started with another config or inputs (learning_rate 0.001 -> 0.0005)" in capsys.readouterr().err
     assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common, "--resume")) == 0
+    resumed, whole = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("cut", "full"))
+    assert resumed["resumed"] is True and resumed["training"]["resumed_from_step"] == 4 and "resumed" not in whole
 
     assert logged(tmp_path / "cut") == pytest.approx(logged(tmp_path / "full"), abs=1e-6)
     assert max_weight_diff(tmp_path / "cut", tmp_path / "full") < 1e-6
@@ -442,7 +444,6 @@ def test_two_process_zero3_with_every_weight_partitioned_calls_the_head_alike_on
     0; the tiny kit's weights are otherwise below DeepSpeed's default and never gathered) and a chunk is 4 rows:
     gloo failed with "Is there a distributed collective mismatch" before every process made as many calls."""
     import subprocess
-    import sys
 
     from conftest import free_port, launch_failure
 

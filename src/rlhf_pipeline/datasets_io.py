@@ -467,6 +467,7 @@ class StageOutput:
         self.inputs = inputs
         self.path = Path(config.output).expanduser()
         self.started = time.time()
+        self.resumed = False  # done() found an unfinished run of this config and this run continues it
         self.input_records = [input_record(r) for r in inputs]
         self.used_outputs = used_outputs(config)
 
@@ -499,12 +500,14 @@ class StageOutput:
         ``--resume``; None means the stage cannot resume. A run continued so is held to the outputs of other stages it
         named when it started (a policy retrained into its ``--model`` since), unless ``parts_check_themselves``
         (rlhf eval, whose finished parts are outputs that check what they use). Afterwards ``self.replace`` says
-        whether an existing output must be removed before the run starts (``--overwrite``).
+        whether an existing output must be removed before the run starts (``--overwrite``), and ``self.resumed``
+        whether this run continues an unfinished one (its manifest then says ``"resumed": true``: its wall time is
+        this attempt's alone).
 
         A finished output whose ``--push-to-hub`` upload is still pending is uploaded now (``push``; by the main
         process), without recomputing anything.
         """
-        self.replace = False
+        self.replace = self.resumed = False
         clean_stale(self.path)
         if not self.path.exists():
             return False
@@ -529,6 +532,7 @@ class StageOutput:
             if resume:
                 diffs = self.differences(json.loads(started.read_text()), used=not parts_check_themselves)
                 if not diffs:
+                    self.resumed = True
                     return False
                 if not self.config.overwrite:
                     raise PipelineError(
@@ -639,9 +643,12 @@ class StageOutput:
         }
 
     def write_manifest(self, manifest: dict[str, Any], directory: Path | None = None) -> None:
-        """Stamp the wall time and write ``manifest.json`` into ``directory`` (default: the output, for outputs
-        filled in place such as a training run, where it marks the run complete)."""
+        """Stamp the wall time (this attempt's: ``"resumed": true`` when it continued an unfinished run) and write
+        ``manifest.json`` into ``directory`` (default: the output, for outputs filled in place such as a training run,
+        where it marks the run complete)."""
         manifest["wall_time_s"] = round(time.time() - self.started, 3)
+        if self.resumed:
+            manifest["resumed"] = True
         directory = self.path if directory is None else directory
         write_text_atomic(directory / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
 

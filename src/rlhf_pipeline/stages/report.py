@@ -706,9 +706,11 @@ OPTIONAL_PLOTS = {"judge_and_pass_at_k.png", "lm_eval.png", "schedule.png"}
 
 
 def _wall(manifest: Optional[dict[str, Any]]) -> str:
-    """The stage's wall time; marked ``+`` for a resumed training run, whose manifest has its last attempt's."""
-    resumed = ((manifest or {}).get("training") or {}).get("resumed_from_step")
-    return fmt((manifest or {}).get("wall_time_s")) + ("+" if resumed else "")
+    """The stage's wall time; marked ``+`` for a resumed run (a training run or an evaluation that continued an
+    unfinished one), whose manifest has its last attempt's."""
+    manifest = manifest or {}
+    resumed = manifest.get("resumed") or (manifest.get("training") or {}).get("resumed_from_step")
+    return fmt(manifest.get("wall_time_s")) + ("+" if resumed else "")
 
 
 def _sampled_from(iterations: list[dict[str, Any]]) -> str:
