@@ -422,6 +422,7 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock, bf
     from rlhf_pipeline.training.lora import LoraOptions
     from rlhf_pipeline.algorithms.pairs import pair_logps
     from rlhf_pipeline.algorithms.pairs import PairTask
+    from rlhf_pipeline.modeling import SAFE_WEIGHTS
     from rlhf_pipeline.distributed import sharded_batches
     from rlhf_pipeline.training.compilation import compile_decoder_layers
     from rlhf_pipeline.training.loop import add_to_sums, load_trainable, micro_batch_weight, warmup_cosine
@@ -451,7 +452,8 @@ def run_ours(spec: dict, mode: dict, pairs: list[dict], device, clock: Clock, bf
                           attn_implementation=spec["attn"])
     options.check_lora()
     # in float32: load_trainable asks for it, whatever the checkpoint holds
-    model = load_trainable(options, lambda path, **kw: AutoModelForCausalLM.from_pretrained(path, **kw)).to(device)
+    model = load_trainable(options, lambda path, **kw: AutoModelForCausalLM.from_pretrained(path, **kw, **SAFE_WEIGHTS))
+    model = model.to(device)
     # rlhf train --bf16-weights: the model in bf16, the optimizer on float32 masters (training.master_weights)
     masters = MasterWeights(model) if bf16_weights else None
     trainable = masters.masters if masters else [p for p in model.parameters() if p.requires_grad]

@@ -96,6 +96,7 @@ def measure(size: str, args, workdir: Path) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf_pipeline.bench.common import alternate
+    from rlhf_pipeline.modeling import SAFE_WEIGHTS
     from rlhf_pipeline.rewards import RewardModelScorer
 
     path = workdir / size
@@ -108,7 +109,8 @@ def measure(size: str, args, workdir: Path) -> dict:
     scorer = RewardModelScorer(str(path), dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
                                batch_size=args.batch_size)
     scorer.model.to(device)
-    peer_model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    peer_model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype, **SAFE_WEIGHTS)
+    peer_model = peer_model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     prompts, responses = conversations(args.prompts, args.n)
 

@@ -79,11 +79,12 @@ def time_steps(policy: str, data: Path, rounds: int, steps: int) -> dict:
 
     torch.manual_seed(0)
     from rlhf_pipeline.chat import load_tokenizer
+    from rlhf_pipeline.modeling import SAFE_WEIGHTS
 
     ds = load_from_disk(str(data))["train"]
     pad_id = load_tokenizer(policy).pad_token_id
-    model = AutoModelForCausalLM.from_pretrained(policy)
-    reference = AutoModelForCausalLM.from_pretrained(policy).eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(policy, **SAFE_WEIGHTS)
+    reference = AutoModelForCausalLM.from_pretrained(policy, **SAFE_WEIGHTS).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     params = PairLossParams(beta=0.1)
     batches = global_batches(ds.num_rows, 8, seed=0, epoch=0)

@@ -206,3 +206,30 @@ def test_report_shows_the_lm_eval_metrics_per_iteration(tmp_path):
     md = write_report(run_dir).read_text()
     assert "lm-eval" not in md and "lm_eval.png" not in md
     assert not (run_dir / "plots" / "lm_eval.png").exists()
+
+
+def test_the_vllm_backend_loads_weights_from_safetensors_only(monkeypatch, tiny_policy):
+    """lm-eval hands its vllm model's extra arguments on to vLLM's ``LLM()``: ``load_format="safetensors"`` keeps it
+    from loading a pickle (pytorch_model.bin), as the project's own engines. (The real-vLLM run is
+    tests/vllm_env/test_vllm_lm_eval.py, where lm-eval is installed.)"""
+    pytest.importorskip("lm_eval")
+    import lm_eval.api.registry as registry
+
+    from rlhf_pipeline import harness
+
+    class Built(Exception):
+        pass
+
+    class FakeVLLM:
+        @classmethod
+        def create_from_arg_obj(cls, args, additional):
+            raise Built(args)
+
+    monkeypatch.setattr(harness, "check_tasks", lambda tasks, backend: list(tasks))
+    monkeypatch.setattr(registry, "get_model", lambda name: FakeVLLM if name == "vllm" else None)
+    with pytest.raises(Built) as built:
+        harness.run_harness(tiny_policy, ["rlhf_arith"], backend="vllm",
+                            vllm_options={"max_model_len": 256, "tensor_parallel_size": None})
+    args = built.value.args[0]
+    assert args["load_format"] == "safetensors" and args["pretrained"] == tiny_policy
+    assert args["max_model_len"] == 256 and "tensor_parallel_size" not in args

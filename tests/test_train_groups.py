@@ -9,7 +9,6 @@ resume and a 2-process ZeRO-3 run against an uninterrupted 1-process run.
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import pytest

@@ -228,8 +228,9 @@ def run_harness(model: str, tasks: Sequence[str], *, backend: Backend = "hf", dt
 
         from rlhf_pipeline.engines.vllm import shutdown
 
+        # load_format goes on to vLLM's LLM(): weights from safetensors, never a pickle (as engines.vllm loads them)
         args = {"pretrained": model, "dtype": dtype, "trust_remote_code": trust_remote_code, "seed": seed,
-                **{k: v for k, v in (vllm_options or {}).items() if v is not None}}
+                "load_format": "safetensors", **{k: v for k, v in (vllm_options or {}).items() if v is not None}}
         # an int batch size, not "auto": with "auto" lm-eval asks vLLM for its progress bar, whose speed line divides
         # by zero under TQDM_DISABLE=1 (vLLM 0.32)
         lm = get_model("vllm").create_from_arg_obj(args, {"batch_size": batch_size})

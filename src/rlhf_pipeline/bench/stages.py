@@ -426,11 +426,11 @@ def rebel_rank(
     from datasets import load_from_disk
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlhf_pipeline.modeling import default_device, resolve_dtype
+    from rlhf_pipeline.modeling import SAFE_WEIGHTS, default_device, resolve_dtype
 
     device = default_device()
     model = AutoModelForSequenceClassification.from_pretrained(
-        str(reward_model), dtype=resolve_dtype("auto", device)
+        str(reward_model), dtype=resolve_dtype("auto", device), **SAFE_WEIGHTS
     ).to(device)
     tokenizer = AutoTokenizer.from_pretrained(str(reward_model), use_fast=True)
 

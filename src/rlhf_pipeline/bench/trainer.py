@@ -226,10 +226,11 @@ def loss_agreement(model_path: Path, data: Path, rows: int = 8, dtype: str = "fl
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM
 
-    from rlhf_pipeline.losses import PairLossParams
     from rlhf_pipeline.algorithms.pairs import PairTask, pair_logps
+    from rlhf_pipeline.losses import PairLossParams
+    from rlhf_pipeline.modeling import SAFE_WEIGHTS
 
-    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), **SAFE_WEIGHTS).eval()
     reference = copy.deepcopy(policy)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
