@@ -45,3 +45,12 @@ def test_the_module_map_of_development_md_lists_every_module_at_its_level():
     levels = {name: level for level, name, _ in LEVELS}
     wrong = {m: (shown, levels.get(m)) for m, shown in listed.items() if shown is not None and levels.get(m) != shown}
     assert not wrong, f"docs/development.md shows these at other levels than LEVELS (shown, LEVELS): {wrong}"
+
+
+def test_algorithms_md_names_every_registered_algorithm():
+    """docs/algorithms.md describes each ``--algo`` choice by its name (in backticks), as the registry lists them."""
+    from rlhf_pipeline.algorithms import names
+
+    text = (ROOT / "docs" / "algorithms.md").read_text()
+    missing = [name for name in names() if f"`{name}`" not in text]
+    assert not missing, f"docs/algorithms.md does not name these registered algorithms: {missing}"

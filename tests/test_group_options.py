@@ -205,6 +205,36 @@ def test_registry_defaults_fill_the_options_left_unset():
     assert config("dr_grpo").rl_params(None, lambda: 17).max_tokens == 17  # no lineage: the longest response
 
 
+def test_every_registry_default_reaches_its_params_and_each_flags_default_is_the_params_own():
+    """An algorithm's registry defaults are what its loss gets when no flag is given. A flag with a default of its
+    own (not None) is always passed on, so a registry default for it would be silently lost, and its default must be
+    the params' (``RLParams``, ``losses.PairLossParams``) or the two drift apart."""
+    import dataclasses
+
+    from rlhf_pipeline.algorithms import GROUPS, PAIRS, names
+    from rlhf_pipeline.algorithms.groups import GroupOptions
+    from rlhf_pipeline.algorithms.pairs import PairOptions
+    from rlhf_pipeline.losses import PairLossParams
+
+    for name in names(GROUPS):
+        params = config(name).rl_params({"max_new_tokens": 8})
+        assert {k: getattr(params, k) for k in params_defaults(name)} == params_defaults(name), name
+    for name in names(PAIRS):
+        params = config(name).loss_params()[1]
+        assert {k: getattr(params, k) for k in params_defaults(name)} == params_defaults(name), name
+    renamed = {"discount": "gamma", "importance_level": "importance"}  # GroupOptions' flag -> RLParams' field
+    for options, params_type in ((GroupOptions, RLParams), (PairOptions, PairLossParams)):
+        own = {f.name: f.default for f in dataclasses.fields(params_type)}
+        for f in dataclasses.fields(options):
+            key = renamed.get(f.name, f.name) if options is GroupOptions else f.name
+            if f.default is not None and key in own:
+                assert f.default == own[key], (options.__name__, f.name, f.default, own[key])
+
+
+def params_defaults(name):
+    return algorithms.get(name).defaults
+
+
 def test_given_options_win_and_clip_sets_both_sides():
     p = config("dapo", clip=0.1).rl_params()
     assert (p.clip, p.clip_high) == (0.1, 0.1)  # an explicit --clip is symmetric, over DAPO's 0.28

@@ -38,6 +38,12 @@ from rlhf_pipeline.errors import PipelineError
 if TYPE_CHECKING:
     from datasets import Dataset
 
+# The kinds of training data rlhf filter makes (its --mode choices), which the algorithm families train on
+# (algorithms.registry): preference pairs, groups of all n responses, unpaired labelled responses (KTO) and each
+# prompt's best response (rejection sampling).
+PAIRS, GROUPS, UNPAIRED, BEST = "pairs", "groups", "unpaired", "best"
+TRAINING_DATA_KINDS = (PAIRS, GROUPS, UNPAIRED, BEST)
+
 # Prompts: a ``prompt`` string or a ``messages`` list of {role, content}; ``prompt`` wins when both are present.
 PROMPT_COLUMNS = ("prompt", "messages")
 
@@ -59,8 +65,8 @@ PER_RESPONSE_COLUMNS = ("responses", "response_token_ids", "rewards", "finish_re
 # ``sampling`` says which), one list per response; rlhf generate writes it, score keeps it, filter carries it to
 # each response it keeps under the names below. Optional: data without it trains, without rollout correction.
 SAMPLER_LOGPROBS = "response_logprobs"
-SAMPLER_LOGPROBS_OUT = {"pairs": ("chosen_logprobs", "rejected_logprobs"), "unpaired": ("completion_logprobs",),
-                        "best": ("completion_logprobs",), "groups": (SAMPLER_LOGPROBS,)}
+SAMPLER_LOGPROBS_OUT = {PAIRS: ("chosen_logprobs", "rejected_logprobs"), UNPAIRED: ("completion_logprobs",),
+                        BEST: ("completion_logprobs",), GROUPS: (SAMPLER_LOGPROBS,)}
 
 # The chosen and rejected response of each pair as rlhf filter --mode pairs writes them: text, token ids, reward.
 CHOSEN_REJECTED_COLUMNS = (

@@ -31,9 +31,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-PAIRS, GROUPS = "pairs", "groups"
-UNPAIRED = "unpaired"  # single responses labelled desirable / undesirable (KTO)
-BEST = "best"  # each prompt's best response, as SFT data (rejection sampling)
+# The kinds of data a family trains on, as rlhf filter --mode makes them (contracts.TRAINING_DATA_KINDS)
+from rlhf_pipeline.contracts import BEST, GROUPS, PAIRS, TRAINING_DATA_KINDS, UNPAIRED  # noqa: F401  (families' data)
 
 
 def resolve(fn: Callable | str) -> Callable:
@@ -66,6 +65,9 @@ ALGORITHMS: dict[str, Any] = {}
 
 def register_family(family: Family) -> Family:
     """Add a family (once per kind of data)."""
+    if family.data not in TRAINING_DATA_KINDS:
+        raise ValueError(f"a family for {family.data!r} data: rlhf filter makes none (contracts.TRAINING_DATA_KINDS: "
+                         f"{', '.join(TRAINING_DATA_KINDS)}); add the kind there and its --mode to rlhf filter")
     if family.data in FAMILIES:
         raise ValueError(f"a family for {family.data!r} data is already registered")
     FAMILIES[family.data] = family

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
-from rlhf_pipeline.algorithms.registry import (UNPAIRED, Family, register, register_family, resolve, takes_beta,
-                                               with_defaults)
+from rlhf_pipeline.algorithms.registry import UNPAIRED, Family, register, register_family, resolve, with_defaults
 from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import (
     UNPAIRED_REF_LOGP_COLUMNS,
@@ -265,12 +264,10 @@ class UnpairedTask:
 
 @dataclass(kw_only=True)
 class UnpairedOptions:
-    """``rlhf train`` options of KTO."""
+    """``rlhf train`` options of KTO (its ``--beta`` is the DPO family's, ``PairOptions.beta``)."""
 
     options_group: ClassVar[str] = "unpaired options (KTO)"
 
-    beta: Optional[float] = option(None, help="DPO/cDPO/IPO/SimPO/KTO strength (default 0.1; 2.0 for SimPO).",
-                                   reads=takes_beta)
     desirable_weight: Optional[float] = option(
         None, help="KTO: weight lambda_D of the desirable responses' losses (default 1.0).",
         reads=lambda algorithm: algorithm.data == UNPAIRED,

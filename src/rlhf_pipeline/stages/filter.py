@@ -31,13 +31,18 @@ from rlhf_pipeline.config import (
     DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, check_test_size, option,
 )
 from rlhf_pipeline.contracts import (
+    BEST,
     CHOSEN_REJECTED_COLUMNS,
+    GROUPS,
+    PAIRS,
     PER_RESPONSE_COLUMNS,
     SAMPLER_LOGPROBS,
     SAMPLER_LOGPROBS_OUT,
     SCORED_COLUMNS,
     UNPAIRED_COLUMNS,
     SCORED_KINDS,
+    TRAINING_DATA_KINDS,
+    UNPAIRED,
     require_columns,
     require_token_ids,
     require_types,
@@ -54,8 +59,8 @@ class FilterConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
 
     input: str = option(help=f"Scored dataset (the output of rlhf score): {DATASET_REF}.", semantic=False)
     tokenizer: str = option(help="The policy's tokenizer (checks token ids; tokenizes data that has none).")
-    mode: Literal["pairs", "groups", "unpaired", "best"] = option(
-        "pairs", help="pairs: best vs worst response; groups: all n; unpaired (KTO): one row per response, desirable "
+    mode: Literal[TRAINING_DATA_KINDS] = option(  # type: ignore[valid-type]
+        PAIRS, help="pairs: best vs worst response; groups: all n; unpaired (KTO): one row per response, desirable "
         "above its prompt's mean reward, undesirable below it (--test-size then counts prompts); best (rejection "
         "sampling, RAFT): each prompt's best response, as SFT data on its sampled token ids."
     )
@@ -83,7 +88,7 @@ class FilterConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
         check_test_size(self.test_size)
         if self.num_proc < 0:
             raise ValueError("--num-proc must be >= 0 (0 = one per CPU core for large inputs)")
-        if self.drop_uniform_groups and self.mode != "groups":
+        if self.drop_uniform_groups and self.mode != GROUPS:
             raise ValueError("--drop-uniform-groups is for --mode groups (pairs mode already drops prompts whose "
                              "rewards are all equal)")
         if self.overlong_buffer < 0:
@@ -196,7 +201,7 @@ _WORK_COLUMNS = ("_drop", "_response_too_long", "_response_truncated", "_penalis
 def rename_clashes(ds, mode: str):
     """Input columns that carry an output column's name (UltraFeedback's own ``chosen``/``rejected``, say) are kept
     as ``source_<name>``. Returns the dataset and the renames."""
-    taken = set({"pairs": CHOSEN_REJECTED_COLUMNS, "unpaired": UNPAIRED_OUTPUT, "best": BEST_COLUMNS}.get(mode, ()))
+    taken = set({PAIRS: CHOSEN_REJECTED_COLUMNS, UNPAIRED: UNPAIRED_OUTPUT, BEST: BEST_COLUMNS}.get(mode, ()))
     taken |= set(_WORK_COLUMNS)
     renames = {c: f"source_{c}" for c in ds.column_names if c in taken}
     return (ds.rename_columns(renames) if renames else ds), renames
@@ -227,8 +232,8 @@ def build_rows(
     carried = [c for c in batch if c not in PER_RESPONSE_COLUMNS and c not in ("prompt_token_ids", SAMPLER_LOGPROBS)]
     out: dict[str, list] = {c: [] for c in carried}
     out.update({"prompt_token_ids": [], **{c: [] for c in _WORK_COLUMNS}})
-    if mode in ("pairs", "best"):
-        for key in CHOSEN_REJECTED_COLUMNS if mode == "pairs" else BEST_COLUMNS:  # replace the per-response columns
+    if mode in (PAIRS, BEST):
+        for key in CHOSEN_REJECTED_COLUMNS if mode == PAIRS else BEST_COLUMNS:  # replace the per-response columns
             out[key] = []
     else:
         for key in PER_RESPONSE_COLUMNS:
@@ -248,7 +253,7 @@ def build_rows(
         for c in carried:
             out[c].append(batch[c][k])
         out["prompt_token_ids"].append(batch["prompt_token_ids"][k])
-        if mode in ("pairs", "best"):
+        if mode in (PAIRS, BEST):
             # best mode keeps the pair's chosen response: the same choice, and the same prompts dropped (no response
             # better than another: nothing to select)
             decision = decide_pair(prompt_length, ids, rewards, fr, limits)
@@ -259,7 +264,7 @@ def build_rows(
             if sampler is not None:
                 for key, j in zip(SAMPLER_LOGPROBS_OUT[mode], (best, worst)):
                     out[key].append(sampler[k][j])
-            if mode == "best":
+            if mode == BEST:
                 out["completion"].append(batch["responses"][k][best])
                 out["completion_token_ids"].append(ids[best])
                 out["reward"].append(float(rewards[best]))
@@ -308,7 +313,7 @@ def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -
         (missing,) = {"prompt_token_ids", "response_token_ids"} - set(ids)
         raise PipelineError(f"{source}: has {ids[0]} but no {missing}; give both (as rlhf generate writes them), or "
                             "neither, and filter tokenizes the text with --tokenizer")
-    if config.mode in ("pairs", "unpaired", "best"):
+    if config.mode in (PAIRS, UNPAIRED, BEST):
         needs = f"{source}: --mode {config.mode} needs at least 2 responses per prompt"
         if sampling and sampling["n"] < 2:
             raise PipelineError(f"{needs}, but the data was generated with --n {sampling['n']}; regenerate with --n 2 "
@@ -367,7 +372,7 @@ def main(config: FilterConfig) -> Path:
     limits = LengthLimits(config.max_prompt_tokens, config.max_response_tokens, config.drop_truncated)
     penalty = _overlong_penalty(config, sampling, ref.name)
     num_proc = config.num_proc or (min(os.cpu_count() or 1, 8) if ds.num_rows >= 20_000 else None)
-    if config.mode == "unpaired":  # KTO: one row per labelled response, split by prompt (filter_unpaired)
+    if config.mode == UNPAIRED:  # KTO: one row per labelled response, split by prompt (filter_unpaired)
         return filter_unpaired(out, ds, config, ref.name, column, tokenizer, limits, penalty, num_proc, sampling,
                                renamed, find_in_lineage([ref], "reward"), template.record())
 
@@ -398,8 +403,8 @@ def main(config: FilterConfig) -> Path:
         "response_truncated": sum(built["_response_truncated"]),
     }
     kept = built.select([i for i, r in enumerate(reasons) if not r]).remove_columns(list(_WORK_COLUMNS))
-    token_columns = ["prompt_token_ids"] + {"pairs": ["chosen_token_ids", "rejected_token_ids"],
-                                            "best": ["completion_token_ids"]}.get(config.mode, ["response_token_ids"])
+    token_columns = ["prompt_token_ids"] + {PAIRS: ["chosen_token_ids", "rejected_token_ids"],
+                                            BEST: ["completion_token_ids"]}.get(config.mode, ["response_token_ids"])
     for name in token_columns:
         feature = List(Value("int32")) if name != "response_token_ids" else List(List(Value("int32")))
         kept = kept.cast_column(name, feature)
@@ -417,7 +422,7 @@ def main(config: FilterConfig) -> Path:
     extra: dict[str, Any] = {"mode": config.mode, "sampling": sampling, "renamed_columns": renamed,
                              "reward": find_in_lineage([ref], "reward"),  # how it was scored (PPO's critic reads it)
                              "chat_template": template.record(), TOKENIZER_PROBE_KEY: tokenizer_probe(tokenizer)}
-    if config.mode in ("pairs", "best"):
+    if config.mode in (PAIRS, BEST):
         extra["responses_left_out"] = responses_left_out
     if penalty is not None:
         extra["reward_shaping"] = {"overlong_penalty": {**dataclasses.asdict(penalty),
@@ -557,11 +562,11 @@ def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tok
         counts[split] = {"prompts": len(chosen), "desirable": desirable, "undesirable": part.num_rows - desirable}
         result[split] = part
     extra: dict[str, Any] = {
-        "mode": "unpaired", "sampling": sampling, "renamed_columns": renamed, "reward": reward,
+        "mode": UNPAIRED, "sampling": sampling, "renamed_columns": renamed, "reward": reward,
         "chat_template": chat_template, TOKENIZER_PROBE_KEY: tokenizer_probe(tokenizer),
         "responses_left_out": {"response_too_long": sum(built["_response_too_long"]),
                                "response_truncated": sum(built["_response_truncated"])},
-        "unpaired": {"rule": "desirable above the prompt's mean reward, undesirable below it, at it left out",
+        UNPAIRED: {"rule": "desirable above the prompt's mean reward, undesirable below it, at it left out",
                      **counts},
     }
     if penalty is not None:

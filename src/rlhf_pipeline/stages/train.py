@@ -1,6 +1,6 @@
-"""Train a policy with any registered algorithm: REBEL and the DPO family (DPO, cDPO, IPO, SimPO) on preference
-pairs, KTO on unpaired desirable/undesirable responses, the PPO family (PPO with a critic and GAE, GRPO, RLOO,
-REINFORCE++, DAPO, Dr. GRPO, GSPO) on groups of n responses per prompt, and RAFT on each prompt's best response.
+"""Train a policy with any registered algorithm (``rlhf_pipeline.algorithms``; ``--algo``'s help lists them, and
+docs/algorithms.md): REBEL and the DPO family on preference pairs, KTO on unpaired desirable/undesirable responses,
+the PPO family on groups of n responses per prompt, and RAFT on each prompt's best response.
 
     rlhf train --algo rebel --model runs/iter_0/policy --data runs/iter_0/filter --output runs/iter_0/train
     rlhf train --algo grpo --model runs/iter_0/policy --data runs/iter_0/groups --output runs/iter_0/train
