@@ -51,7 +51,7 @@ Sides, each in a fresh subprocess (so peak memory is its own)
   loss and gradient norm against ``ours_bf16`` (``ours_compile_vs_ours_bf16``) check that it computes the same step.
 * TRL's sides use ``--trl-attn`` (sdpa by default) with cuDNN's SDPA backend off (``--trl-cudnn-sdpa off``, as our
   log-prob passes run sdpa on a GPU, ``rlhf_pipeline.attention.sdpa_backends``; ``on`` is PyTorch's default, which
-  plans on the host for every new shape and halved TRL's speed on an H100).
+  plans on the host for every new shape: docs/benchmarks.md has what that cost TRL on an H100).
 * ``trl``: TRL's ``DPOTrainer`` with its default reference model (a second model loaded from the same directory and
   run every step).
 * ``trl_precomputed``: TRL with ``precompute_ref_log_probs=True`` (its pass runs in the trainer's constructor, with

@@ -107,9 +107,9 @@ def sdpa_backends(model, device):
     bounds are sdpa's), every backend of PyTorch's ``scaled_dot_product_attention`` but cuDNN's, elsewhere nothing.
 
     Why: the log-prob passes give every forward new shapes (each micro-batch's lengths), and cuDNN's SDPA plans
-    anew for each shape on the host. In a profile of the trainer on an H100 (torch 2.11, docs/benchmarks.md) every
-    attention call spent 12-15 ms of host time in ``_cudnn_attention_forward``/``_backward`` and the GPU sat idle
-    most of each step; flash or memory-efficient attention, which PyTorch picks without cuDNN, plan nothing."""
+    anew for each shape on the host, which in a profile of the trainer on an H100 left the GPU idle most of each step
+    (docs/benchmarks.md, "The trainer on one H100: the profile"); flash or memory-efficient attention, which PyTorch
+    picks without cuDNN, plan nothing."""
     import contextlib
 
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)

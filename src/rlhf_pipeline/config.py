@@ -42,6 +42,10 @@ from rlhf_pipeline.errors import PipelineError
 
 C = TypeVar("C")
 
+# A model's --dtype: auto (modeling.resolve_dtype: bfloat16 on a GPU that supports it, float32 elsewhere) or a dtype
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DtypeName = Literal[DTYPES]  # type: ignore[valid-type]
+
 
 def option(default: Any = MISSING, help: str | Callable[[], str] = "", semantic: bool = True, reads: Any = None,
            **kwargs: Any) -> Any:

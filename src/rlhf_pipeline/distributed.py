@@ -112,6 +112,16 @@ def unwrap(model: Any) -> Any:
     return getattr(model, "module", model)
 
 
+def anywhere(accelerator, flag: bool) -> bool:
+    """Whether ``flag`` holds on any process of the run (every process gets the same answer)."""
+    if accelerator.num_processes == 1:
+        return flag
+    import torch
+
+    value = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+    return float(accelerator.reduce(value, reduction="sum").item()) > 0
+
+
 def reduce_sums(accelerator, sums: dict[str, Any]) -> dict[str, float]:
     """Sum each value (a number, or a one-element tensor, on the device or not) over all processes, in float64.
     The tensors come to the host in one read, so values summed on the device over many forwards make it wait for
@@ -223,10 +233,6 @@ def inference_accelerator(prog: str):
 def world_and_rank(accelerator) -> tuple[int, int]:
     """(number of processes, this process's index); (1, 0) without an accelerator."""
     return (1, 0) if accelerator is None else (accelerator.num_processes, accelerator.process_index)
-
-
-def is_main(accelerator) -> bool:
-    return accelerator is None or accelerator.is_main_process
 
 
 def _failure(error: BaseException, rank: int, world: int) -> tuple[str, str]:

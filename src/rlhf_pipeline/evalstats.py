@@ -35,12 +35,6 @@ def outcome(x: float, y: float) -> float:
     return 1.0 if x > y else 0.5 if x == y else 0.0
 
 
-def win_counts(ours: Sequence[Sequence[float]], theirs: Sequence[Sequence[float]]) -> tuple[int, int, int]:
-    """(wins, ties, losses) of each response against its counterpart (:func:`pair_indices`), over prompts."""
-    outcomes = [outcome(ours[i][j], theirs[i][k]) for i, j, k in pair_indices(ours, theirs)]
-    return outcomes.count(1.0), outcomes.count(0.5), outcomes.count(0.0)
-
-
 def reward_comparison(ours: Sequence[Sequence[float]], theirs: Sequence[Sequence[float]],
                       our_lengths: Sequence[Sequence[int]], their_lengths: Sequence[Sequence[int]],
                       bradley_terry: bool) -> dict:

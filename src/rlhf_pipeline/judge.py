@@ -34,7 +34,6 @@ says nothing about their quality, and a longer answer is not a better one for be
 Give your reason in one or two sentences. Then write your verdict on the last line: [[A]] if answer A is better, \
 [[B]] if answer B is better, or [[C]] if they are equally good."""
 
-VERDICTS = ("A", "B", "C")
 _MARKER = re.compile(r"\[\[\s*([ABC])\s*\]\]")
 # The evaluated response's score for a verdict, by the position it was shown in (0: as A, 1: as B).
 _SCORE = {0: {"A": 1.0, "B": 0.0, "C": 0.5}, 1: {"A": 0.0, "B": 1.0, "C": 0.5}}

@@ -20,8 +20,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
 MODEL_CONFIG = "config.json"
 # Any one of these makes a directory loadable with AutoTokenizer (fast, sentencepiece, BPE and WordPiece layouts).
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",

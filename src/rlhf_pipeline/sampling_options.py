@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, check_engine
-from rlhf_pipeline.config import option
+from rlhf_pipeline.config import DtypeName, option
+
+
+# vLLM's memory defaults (engines.vllm.engine_memory_args): the fraction of a GPU it takes, and on its CPU backend a
+# fixed KV cache in GiB instead (VLLM_CPU_KVCACHE_SPACE, when set, wins)
+GPU_MEMORY_UTILIZATION = 0.9
+CPU_KV_CACHE_GIB = 4
 
 
 @dataclass(kw_only=True)
@@ -33,7 +39,7 @@ class SamplingOptions:
     )
     limit: Optional[int] = option(None, help="Use only the first LIMIT prompts.")
     batch_size: int = option(16, help="hf engine: prompts per generate call (each expands to n sequences).")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+    dtype: DtypeName = option(
         "auto", help="Model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."
     )
     attn_implementation: AttnImplementation = option(
@@ -42,9 +48,9 @@ class SamplingOptions:
     tensor_parallel_size: int = option(1, help="vllm engine: GPUs per model (tensor parallelism).")
     gpu_memory_utilization: Optional[float] = option(
         None,
-        help="vllm engine: fraction of GPU memory vLLM may use (default 0.9). On vLLM's CPU backend it is the "
-        "fraction of the machine's memory to reserve, so there the default is a fixed KV cache instead "
-        "(VLLM_CPU_KVCACHE_SPACE GiB, 4 if unset).",
+        help=f"vllm engine: fraction of GPU memory vLLM may use (default {GPU_MEMORY_UTILIZATION}). On vLLM's CPU "
+        "backend it is the fraction of the machine's memory to reserve, so there the default is a fixed KV cache "
+        f"instead (VLLM_CPU_KVCACHE_SPACE GiB, {CPU_KV_CACHE_GIB} if unset).",
         semantic=False,
     )
     max_model_len: Optional[int] = option(

@@ -38,7 +38,7 @@ ITERATIONS = 4
 TARGET = 1.3
 # Prompts per iteration, responses per prompt, new tokens, training epochs, the policy's width and depth; quick /
 # full. Chosen so that the two phases take about the same time on 2 CPU cores: sampling is mostly vLLM's start-up
-# (40-80 s whatever the prompts), so the training side is made as long by a wider policy (512 x 4 layers, 13M
+# (the same whatever the prompts), so the training side is made as long by a wider policy (512 x 4 layers, 13M
 # parameters) and epochs, not by more prompts (which lengthen both). The full setting doubles the prompts and
 # halves the epochs: the same training work on more samples.
 SIZES = {True: {"prompts": 96, "n": 4, "max_new_tokens": 32, "epochs": 10, "hidden_size": 512, "num_layers": 4},

@@ -49,13 +49,12 @@ if TYPE_CHECKING:
 BENCH_TORCH_THREADS = 1
 FILTER_TARGET = 10.0
 SCORE_TARGET = 5.0  # on GPUs, where the forwards are cheap; a CPU's ceiling is below it (see bench_score)
-# The least fraction of the forward-only ceiling `rlhf score` must reach. Set from measurement on 2-core CPUs
-# (docs/benchmarks.md): the stage must also render, encode and load, CPU-bound work the ceiling leaves out, so it
-# reaches at most about F / (F + 60 ms) for forwards of F seconds (0.84-0.89 measured in `rlhf bench --quick`, single
-# runs down to 0.80 in a noisy hour); before the encoding was chunked over threads it reached 0.71-0.73, and e247cda's
-# stage 0.68-0.77 on the same machine, which this target marks as missed.
+# The least fraction of the forward-only ceiling `rlhf score` must reach, set from measurement on 2-core CPUs: the
+# stage must also render, encode and load, CPU-bound work the ceiling leaves out, so it reaches at most about
+# F / (F + 60 ms) for forwards of F seconds. The runs it was set from, and the code before that it marks as missed,
+# are in docs/benchmarks.md ("The score stage against its ceiling").
 SCORE_CEILING_TARGET = 0.77
-SCORE_MIN_ROUNDS = 9  # unless --rounds says otherwise: the entry is cheap (about 3 s a round), the fraction steadier
+SCORE_MIN_ROUNDS = 9  # unless --rounds says otherwise: the entry is cheap, and the fraction steadier over more rounds
 GENERATE_TARGET = 2.0
 
 # Length limits of the filter comparison, scaled to the synthetic data as REBEL's 1024/2048 are to UltraFeedback:

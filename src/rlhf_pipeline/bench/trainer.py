@@ -361,8 +361,9 @@ def run(config, workdir: Path) -> tuple[list[Entry], list[dict]]:
 LARGE_VOCAB = 128_256  # Llama-3's vocabulary
 LARGE_MODEL = {"vocab": LARGE_VOCAB, "hidden": 64, "layers": 2}
 LARGE_PROMPTS, LARGE_RESPONSES = (16, 128), (768, 1024)  # token counts, inclusive
-# TRL default only: with a 64-wide model its reference model is 33 MiB, and precompute_ref_log_probs=True peaked 2%
-# lower in a probe (2,712 against 2,772 MiB), not worth a third side's minutes.
+# TRL default only: with a 64-wide model its reference model is 33 MiB, so precompute_ref_log_probs=True would peak
+# about as high (docs/benchmarks.md, "Measurements quoted in the code's design notes"), not worth a third side's
+# minutes.
 LARGE_SIDES = ("ours", "trl")
 # float32 sums of ~1,000 log-probs near -log(128,256) = -11.8 are ~12,000 in size, where float32 ids are 2^-10
 # apart: each sequence log-prob can round by ~1e-3 and the step-0 DPO loss moves by beta * sigmoid(0) = 0.05 per unit

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from rlhf_pipeline.engines.base import Completion, SamplingSettings
 from rlhf_pipeline.errors import PipelineError, one_line
+from rlhf_pipeline.sampling_options import CPU_KV_CACHE_GIB, GPU_MEMORY_UTILIZATION
 from rlhf_pipeline.progress import bars_disabled
 
 if TYPE_CHECKING:
@@ -90,9 +91,8 @@ def completion_from_outputs(
 # and refuses to start when that much is not free (``vllm/v1/worker/cpu_worker.py``): 0.9 fails on any machine doing
 # something else. There the engine gets a fixed KV cache instead, 4 GiB as vLLM's own CPU default long was, unless
 # the user sets --gpu-memory-utilization or vLLM's VLLM_CPU_KVCACHE_SPACE (GiB). A fixed size also skips the
-# profiling warm-up, which cuts ~10 s from a start on 2 cores.
-CPU_KV_CACHE_GIB = 4
-GPU_MEMORY_UTILIZATION = 0.9
+# profiling warm-up (docs/benchmarks.md, "Measurements quoted in the code's design notes"). The two defaults are
+# declared with the option (sampling_options).
 
 
 def engine_memory_args(gpu_memory_utilization: float | None, on_cpu: bool, environ: dict[str, str]) -> dict[str, Any]:

@@ -277,9 +277,9 @@ class RewardModelScorer:
     How a batch is scored (the same rewards as the model's own ``forward``; checked once per model, see below):
 
     * Sequences are sorted by length, longest first, so a batch of ``batch_size`` holds similar lengths and little
-      padding (on generated responses about 2% of the positions; packing several sequences into a row, as
-      :func:`rlhf_pipeline.logprobs.build_batch` does for training, would need an explicit block-diagonal mask, which
-      costs more attention than that padding saves).
+      padding (how little: docs/benchmarks.md, "Measurements quoted in the code's design notes"); packing several
+      sequences into a row, as :func:`rlhf_pipeline.logprobs.build_batch` does for training, would need an explicit
+      block-diagonal mask, which costs more attention than that padding saves.
     * Fast path, for a one-label classifier with a ``score`` head on a transformer body (``base_model_prefix``; every
       ``AutoModelForSequenceClassification`` built on a decoder): the body runs on right-padded ids *without* an
       attention mask. With right padding every real token sees only earlier real tokens under the causal mask alone,

@@ -81,7 +81,7 @@ from rlhf_pipeline.config import (
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.evalstats import mean_and_stderr, pair_indices, preference_comparison, reward_comparison
 from rlhf_pipeline.judge import TEMPLATE_VERSION
-from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES, LM_EVAL_DIR
+from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES, LM_EVAL_DIR, MANIFEST
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.stages.score import RewardSource, check_reward_options, one_or_list, reward_sources
 
@@ -446,7 +446,7 @@ def _aligned_texts(ours: Path, theirs: Path, label: str):
 def _earlier_eval(path: str) -> Path | None:
     """The directory of a finished ``rlhf eval`` output, or None when ``path`` is not one (then it is a model)."""
     p = Path(path).expanduser()
-    manifest = p / "manifest.json"
+    manifest = p / MANIFEST
     if not manifest.is_file():
         return None
     stage = json.loads(manifest.read_text()).get("stage")
@@ -499,7 +499,7 @@ def _check_inputs(config: EvalConfig, ref, prompts_fingerprint: str) -> Path | N
     if earlier is None:
         check_model_ref("--baseline", config.baseline, hint="a model, or the output directory of a finished rlhf eval")
         return None
-    previous = json.loads((earlier / "manifest.json").read_text())  # _earlier_eval checked it
+    previous = json.loads((earlier / MANIFEST).read_text())  # _earlier_eval checked it
     previous_config = previous["config"]
     previous_prompts = (previous.get("inputs") or [{}])[0]
     earlier_ref = parse_ref(previous_prompts["ref"]) if "ref" in previous_prompts else None
@@ -520,7 +520,7 @@ def _check_inputs(config: EvalConfig, ref, prompts_fingerprint: str) -> Path | N
         )
     for source in _scorers(config):
         scored = earlier / f"score_{source.key}"
-        previous = json.loads((scored / "manifest.json").read_text()) if (scored / "manifest.json").exists() else None
+        previous = json.loads((scored / MANIFEST).read_text()) if (scored / MANIFEST).exists() else None
         if previous is None or previous["config"].get(source.kind) != source.spec:
             raise PipelineError(
                 f"--baseline {config.baseline}: that evaluation was not scored with {source.flag} {source.spec}; "
@@ -548,7 +548,7 @@ def _baseline_scores(config: EvalConfig, earlier: Path | None, out_dir: Path, ac
         return None, "the evaluated model itself"
     if earlier is None:
         return _sample_and_score(config, config.baseline, out_dir / "baseline", accelerator), config.baseline
-    previous_model = json.loads((earlier / "manifest.json").read_text())["config"]["model"]
+    previous_model = json.loads((earlier / MANIFEST).read_text())["config"]["model"]
     return ({"generate": earlier / "generate", **{s.key: earlier / f"score_{s.key}" for s in _scorers(config)}},
             f"{previous_model} (samples of {earlier})")
 

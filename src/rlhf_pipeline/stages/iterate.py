@@ -68,7 +68,8 @@ from rlhf_pipeline.algorithms import GROUPS, PAIRS, AlgoName, get, help_text
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation
 from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.errors import PipelineError, one_line
-from rlhf_pipeline.layout import CRITIC, ITERATE_CONFIG, ITERATION_STAGES, RUN_LOCK, STEPS_LOG, iteration_dir, step_name
+from rlhf_pipeline.layout import (CRITIC, ITERATE_CONFIG, ITERATION_STAGES, MANIFEST, RUN_LOCK, STEPS_LOG,
+                                  iteration_dir, step_name)
 from rlhf_pipeline.machine import RUN_PID, adopt_orphans, die_with_parent, gpus_visible, run_identity
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.stages.score import as_list, one_or_list
@@ -300,15 +301,18 @@ def _common(config: IterateConfig, name: str) -> list[str]:
     return args
 
 
-# The engine a stage uses when its section names none; the run's attn_implementation goes only to the hf engine.
-DEFAULT_ENGINE = {"generate": "auto", "eval": "auto", "score": "hf", "train": "hf"}
+def default_engine(stage: str) -> str:
+    """The engine a stage uses when its section names none: its config's default (hf for a stage without one, which
+    loads its models with transformers)."""
+    engine = {f.name: f for f in dataclasses.fields(stage_configs()[stage])}.get("engine")
+    return "hf" if engine is None else engine.default
 
 
 def _attention(config: IterateConfig, stage: str, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` with the run's ``attn_implementation`` where it applies: a stage that loads its model with
     transformers (the hf engine), and whose section does not set its own."""
     if (config.attn_implementation == DEFAULT_ATTENTION or "attn_implementation" in options
-            or options.get("engine", DEFAULT_ENGINE[stage]) != "hf"):
+            or options.get("engine", default_engine(stage)) != "hf"):
         return options
     return {**options, "attn_implementation": config.attn_implementation}
 
@@ -564,7 +568,7 @@ def is_complete(step: Step, on_hub: dict[Path, OnHub] | None = None) -> bool:
     """Whether ``step.output`` holds this exact run (the stage's own reuse check, made without launching it), its
     ``--push-to-hub`` upload included. Raises when it holds a run with another config (and --overwrite was not
     given)."""
-    if not (step.output / "manifest.json").exists():
+    if not (step.output / MANIFEST).exists():
         return False
     out = _stage_output(step, _stage_config(step), on_hub or {})
     resume = True if step.stage in TRAINING_STAGES or step.stage == "eval" else None
@@ -981,7 +985,7 @@ def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool, on_hub: 
                     if running:
                         print(f"[{label}] {step.name} failed; waiting for "
                               f"{', '.join(s.name for s, _, _ in running.values())} to finish", flush=True)
-                elif not (step.output / "manifest.json").exists():
+                elif not (step.output / MANIFEST).exists():
                     failure = failure or f"{step.name} exited without writing {step.output / 'manifest.json'}"
                 else:
                     finished.add(step.name)

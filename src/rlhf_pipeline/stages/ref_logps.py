@@ -23,11 +23,11 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import DATASET_REF, OutputOptions, option
+from rlhf_pipeline.config import DATASET_REF, DtypeName, OutputOptions, option
 
 @dataclass(kw_only=True)
 class RefLogpsConfig(OutputOptions):
@@ -47,7 +47,7 @@ class RefLogpsConfig(OutputOptions):
         2.0, help="Pack sequences into rows of up to this many times the longest one (0 = pad each to the longest).",
         semantic=False,
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+    dtype: DtypeName = option(
         "auto", help="Model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU. rlhf train takes the "
         "columns only at its own precision: bfloat16 with --bf16, else float32."
     )

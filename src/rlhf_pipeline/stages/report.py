@@ -49,8 +49,8 @@ from typing import Any, Callable, Optional, Sequence
 from rlhf_pipeline.config import option
 from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.layout import (EVAL_RESULTS, ITER_DIR, ITERATE_CONFIG, ITERATION_STAGES, METRICS, PLOTS_DIR, REPORT,
-                                  STEPS_LOG, SUMMARY)
+from rlhf_pipeline.layout import (EVAL_RESULTS, ITER_DIR, ITERATE_CONFIG, ITERATION_STAGES, MANIFEST, METRICS,
+                                  PLOTS_DIR, REPORT, STEPS_LOG, SUMMARY)
 from rlhf_pipeline.stages import run_stage
 
 log = logging.getLogger(__name__)
@@ -204,11 +204,11 @@ def collect(run_dir: Path) -> dict[str, Any]:
         max_step = max((r["step"] for r in metrics), default=0)
         iterations.append({
             "iteration": t,
-            "sampler": sampler_index(t, _read_json(path / "generate" / "manifest.json"),
-                                     _read_json(path / "train" / "manifest.json"), run_dir, start),
+            "sampler": sampler_index(t, _read_json(path / "generate" / MANIFEST),
+                                     _read_json(path / "train" / MANIFEST), run_dir, start),
             "path": str(path),
             "eval": _read_json(path / "eval" / EVAL_RESULTS),
-            "manifests": {stage: _read_json(path / stage / "manifest.json") for stage in ITERATION_STAGES},
+            "manifests": {stage: _read_json(path / stage / MANIFEST) for stage in ITERATION_STAGES},
             "metrics": metrics,
             "max_step": max_step,
             "step_offset": offset,
@@ -217,7 +217,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         offset += max_step
     runs = {}
     for name in TRAINING_RUNS:
-        entry = {"manifest": _read_json(run_dir / name / "manifest.json"),
+        entry = {"manifest": _read_json(run_dir / name / MANIFEST),
                  "metrics": _read_metrics(run_dir / name / METRICS)}
         runs[name] = entry if _has_data(entry) else None
     data = {"run_dir": str(run_dir), "iterations": iterations, **runs,

@@ -52,7 +52,9 @@ from typing import Any, Literal, NamedTuple, Optional, Sequence
 from tqdm.auto import tqdm
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, check_engine
-from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
+from rlhf_pipeline.config import (
+    DATASET_REF, ChatTemplateOptions, ControlTokenOptions, DtypeName, OutputOptions, option,
+)
 from rlhf_pipeline.contracts import (
     GENERATED_COLUMNS,
     GENERATIONS_COLUMNS,
@@ -179,14 +181,14 @@ class ScoreConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
     )
     batch_size: int = option(16, help="Sequences per reward-model forward; responses per reward-function call.")
     max_length: int = option(4096, help="Reward model: conversations longer than this keep their first tokens.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+    dtype: DtypeName = option(
         "auto", help="Reward model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."
     )
     engine: Literal["hf", "vllm"] = option(
         "hf",
         help="Reward model engine: hf (transformers, length-sorted batches) or vllm (vLLM's pooling runner; needs "
         "the vLLM environment and a model vLLM supports as a sequence classifier).",
-        semantic=False,  # the same rewards either way (measured within 1e-7): a scored output is reused across engines
+        semantic=False,  # the same rewards either way (tests/vllm_env): a scored output is reused across engines
     )
     attn_implementation: AttnImplementation = option(
         DEFAULT_ATTENTION, help=attn_help("hf engine: the reward model's", "vLLM picks its own."),

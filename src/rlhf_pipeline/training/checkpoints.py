@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.training import lora
-from rlhf_pipeline.distributed import on_main_process, stop_everywhere, unwrap
+from rlhf_pipeline.distributed import anywhere, on_main_process, stop_everywhere, unwrap
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import first_line, flush_files, seal, verify, writing
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST
@@ -163,7 +163,7 @@ def resume_checkpoint(accelerator, model, output: Path,
                 state = load_checkpoint(accelerator, model, checkpoint, masters)
             except Exception as e:  # torch, safetensors and DeepSpeed each raise their own kinds
                 problem = f"loading it failed ({type(e).__name__}: {first_line(e)})"
-        if _everywhere(accelerator, problem is None):
+        if not anywhere(accelerator, problem is not None):
             return checkpoint, state
         problem = problem or "loading it failed on another process"
         problems.append(problem)
@@ -211,16 +211,6 @@ def _size(directory: Path | None) -> int | None:
     if directory is None:
         return None
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
-
-
-def _everywhere(accelerator, ok: bool) -> bool:
-    """Whether ``ok`` holds on every process of the run."""
-    if accelerator.num_processes == 1:
-        return ok
-    import torch
-
-    flag = torch.tensor([0.0 if ok else 1.0], device=accelerator.device)
-    return float(accelerator.reduce(flag, reduction="sum").item()) == 0.0
 
 
 def _unused(path: Path) -> Path:

@@ -49,7 +49,7 @@ from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_
 from rlhf_pipeline.training.checkpoints import resume_checkpoint, save_checkpoint, save_model
 from rlhf_pipeline.config import DATASET_REF, OutputOptions, option
 from rlhf_pipeline.datasets_io import write_text_atomic
-from rlhf_pipeline.distributed import quiet, reduce_sums, sharded_batches, stop_everywhere
+from rlhf_pipeline.distributed import anywhere, quiet, reduce_sums, sharded_batches, stop_everywhere
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import METRICS
@@ -402,16 +402,6 @@ class DivergenceWatch:
         self.warned = True
         return (f"step {step}: {'; '.join(grew)}: the run may be diverging; lower --learning-rate (for REBEL, raise "
                 "--eta or pass --reward-gap-scale rms)")
-
-
-def anywhere(accelerator, flag: bool) -> bool:
-    """Whether ``flag`` holds on any process of the run (every process gets the same answer)."""
-    if accelerator.num_processes == 1:
-        return flag
-    import torch
-
-    value = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
-    return float(accelerator.reduce(value, reduction="sum").item()) > 0
 
 
 def weights_finite(accelerator, model) -> bool:
