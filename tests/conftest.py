@@ -305,6 +305,9 @@ def armo_scores(model_dir, prompts: list[str], responses: list[str]) -> list[flo
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from rlhf_pipeline.compat import allow_legacy_remote_code
+
+    allow_legacy_remote_code()  # its code imports a name of transformers 4, as ArmoRM's does
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)  # a plain tokenizer: no code of its own
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, trust_remote_code=True,
                                                                dtype=torch.float32).eval()

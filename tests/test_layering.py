@@ -37,6 +37,7 @@ LEVELS: list[tuple[int, str, str]] = [
     (1, "evalstats", "pure statistics of an evaluation: win rates, length control, pass@k"),
     (1, "judge", "the pairwise judge's prompt, verdicts and both orders, as pure functions"),
     (1, "machine", "what this process may use of the machine (CPU cores, a GPU), and that a stage dies with its run"),
+    (1, "compat", "names transformers 5 removed that model code written for transformers 4 imports"),
     (2, "tiny", "the offline tiny tokenizer and models (their families' templates: chat_templates)"),
     (2, "files", "whole files: damaged-file checks, sealed directories, a full disk as one line"),
     (2, "losses", "pure loss functions of tensors (they share advantages' masked mean)"),

@@ -18,6 +18,7 @@ import pytest
 from datasets import load_from_disk
 
 from conftest import armo_scores, run
+from rlhf_pipeline.compat import allow_legacy_remote_code
 
 REMOTE_CLASS = "modeling_tiny_armo.TinyArmoForRewardModel"
 
@@ -51,6 +52,7 @@ def test_the_tiny_armo_model_ships_its_own_code_and_armorms_output(armo):
         AutoConfig.from_pretrained(armo, trust_remote_code=False)
 
     tok = AutoTokenizer.from_pretrained(armo, trust_remote_code=False)
+    allow_legacy_remote_code()
     model = AutoModelForSequenceClassification.from_pretrained(armo, trust_remote_code=True).eval()
     conversations = [[{"role": "user", "content": "Review the phone Nova."}, {"role": "assistant", "content": a}]
                      for a in ("Great battery.", "The screen cracked and the battery died.")]
@@ -66,6 +68,22 @@ def test_the_tiny_armo_model_ships_its_own_code_and_armorms_output(armo):
     # padded and batched, each conversation scores as it does alone
     assert out.score.tolist() == pytest.approx(
         armo_scores(armo, ["Review the phone Nova."] * 2, [c[1]["content"] for c in conversations]), abs=1e-5)
+
+
+def test_its_code_imports_what_transformers_5_removed_as_armorms_does_and_the_stages_load_it(armo):
+    """ArmoRM's code imports ``LLAMA_INPUTS_DOCSTRING``, which transformers 5 no longer has, so transformers alone
+    cannot load it; the tiny model's code does the same, and loads once ``compat.allow_legacy_remote_code`` (which
+    every stage given --trust-remote-code calls) has given the name back. In a fresh process: this one has it."""
+    import subprocess
+    import sys
+
+    load = ("from transformers import AutoModelForSequenceClassification as A\n"
+            f"A.from_pretrained({str(armo)!r}, trust_remote_code=True)\n")
+    alone = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True)
+    assert alone.returncode != 0 and "LLAMA_INPUTS_DOCSTRING" in alone.stderr
+    shimmed = subprocess.run([sys.executable, "-c", "from rlhf_pipeline.compat import allow_legacy_remote_code\n"
+                              "allow_legacy_remote_code()\n" + load], capture_output=True, text=True)
+    assert shimmed.returncode == 0, shimmed.stderr[-2000:]
 
 
 def test_score_with_trust_remote_code_gives_each_response_the_models_score(armo, gens, tmp_path):

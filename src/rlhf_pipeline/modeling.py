@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, from_pretrained_kwargs
+from rlhf_pipeline.compat import allow_legacy_remote_code
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import MANIFEST, RUN_RECORD
@@ -298,6 +299,8 @@ def load_causal_lm(path: str, dtype: str = "auto", trust_remote_code: bool = Fal
 
     device = device or default_device()
     attention = from_pretrained_kwargs(attn_implementation)
+    if trust_remote_code:
+        allow_legacy_remote_code()
     with reading("model", path, MODEL_HINT, only_damaged=True):
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code, **attention, **SAFE_WEIGHTS
@@ -312,6 +315,8 @@ def load_reward_model(path: str, dtype: str = "auto", trust_remote_code: bool = 
 
     device = device or default_device()
     attention = from_pretrained_kwargs(attn_implementation)
+    if trust_remote_code:
+        allow_legacy_remote_code()
     with reading("model", path, MODEL_HINT, only_damaged=True):
         model = AutoModelForSequenceClassification.from_pretrained(
             path, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code, **attention, **SAFE_WEIGHTS

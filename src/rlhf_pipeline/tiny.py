@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional
 
 from rlhf_pipeline.chat_templates import CHATML, LLAMA3
+from rlhf_pipeline.compat import allow_legacy_remote_code
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -284,6 +285,7 @@ def _build_armo(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_size: 
 
     import torch
 
+    allow_legacy_remote_code()  # the file imports a name of transformers 4, as ArmoRM's code does
     spec = importlib.util.spec_from_file_location("rlhf_tiny_armo", bundled_path(ARMO_CODE))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -9,7 +9,8 @@ The model: a Llama body; a regression layer from the last real token's hidden st
 a gating network over the hidden state of the token that opens the answer (the last ``gating_token_id``, the
 assistant role token, where ArmoRM finds the end of the prompt) giving softmax weights over the objectives; and
 ``score``, shape (B,), the weighted sum of the rewards. Its output has ``rewards``, ``gating_output`` and ``score``
-and no ``logits``, so a reader of ``logits`` fails on it.
+and no ``logits``, so a reader of ``logits`` fails on it. It imports ``LLAMA_INPUTS_DOCSTRING`` as ArmoRM's code
+does, a name transformers 5 no longer has (``rlhf_pipeline.compat`` gives it back).
 """
 
 from dataclasses import dataclass
@@ -18,7 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel, LlamaPreTrainedModel
-from transformers.utils import ModelOutput
+from transformers.models.llama.modeling_llama import LLAMA_INPUTS_DOCSTRING  # as ArmoRM's code imports it
+from transformers.utils import ModelOutput, add_start_docstrings_to_model_forward
 
 
 class TinyArmoConfig(LlamaConfig):
@@ -52,6 +54,7 @@ class TinyArmoForRewardModel(LlamaPreTrainedModel):
         self.gating = nn.Sequential(nn.Linear(config.hidden_size, width), nn.ReLU(), nn.Linear(width, objectives))
         self.post_init()
 
+    @add_start_docstrings_to_model_forward(LLAMA_INPUTS_DOCSTRING)
     def forward(self, input_ids=None, attention_mask=None, **kwargs) -> TinyArmoOutput:
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence, TypeVar
 
+from rlhf_pipeline.compat import allow_legacy_remote_code
 from rlhf_pipeline.config import parse_config
 from rlhf_pipeline.errors import FailedElsewhere, PipelineError, UserCodeError
 from rlhf_pipeline.files import writing
@@ -58,6 +59,8 @@ def _run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv
     )
     try:
         config = parse_config(config_cls, argv, prog)
+        if getattr(config, "trust_remote_code", False):  # a model's own code may run: let older code import
+            allow_legacy_remote_code()
         again = "run the same command again" + (" with --resume" if hasattr(config, "resume") else "")
         with writing(getattr(config, "output", None) or os.getcwd(), again=again):
             main_fn(config)
