@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.training import lora
-from rlhf_pipeline.distributed import anywhere, on_main_process, stop_everywhere, unwrap
+from rlhf_pipeline.distributed import anywhere, on_main_process, outside_zero3_init, stop_everywhere, unwrap
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import first_line, flush_files, seal, verify, writing
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST
@@ -55,7 +55,10 @@ def save_model(accelerator, model, tokenizer, path: Path, masters: MasterWeights
             inner.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(path)
 
-    on_main_process(accelerator, write)
+    # QLoRA's merge loads the starting model again, on the main process alone: whole, not inside ZeRO-3's
+    # partitioning, whose collectives the other processes would never join
+    with outside_zero3_init(accelerator):
+        on_main_process(accelerator, write)
 
 
 def save_checkpoint(accelerator, model, tokenizer, output: Path, state: dict[str, Any],

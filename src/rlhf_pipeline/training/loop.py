@@ -405,11 +405,15 @@ class DivergenceWatch:
 
 
 def weights_finite(accelerator, model) -> bool:
-    """Whether every weight of the model is finite, on every process (under ZeRO-3 each checks its partitions)."""
+    """Whether every trained weight of the model is finite, on every process (under ZeRO-3 each checks its
+    partitions). Frozen weights never change, and QLoRA's under DeepSpeed are 4-bit codes packed into float storage,
+    where some byte patterns read as NaN: only those that train are checked."""
     import torch
 
     ok = True
     for p in model.parameters():
+        if not p.requires_grad:
+            continue
         local = getattr(p, "ds_tensor", None)
         data = local if local is not None else p.data
         if data.numel() and not bool(torch.isfinite(data).all()):
