@@ -63,6 +63,17 @@ def install(setattr_, root: str | Path) -> None:
             data = path_or_fileobj if isinstance(path_or_fileobj, bytes) else Path(path_or_fileobj).read_bytes()
             target.write_bytes(data)
 
+        def file_exists(self, repo_id, filename, repo_type=None, revision=None, **kw):
+            path = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main") / filename
+            return path.is_file()
+
+        def delete_file(self, path_in_repo, repo_id, repo_type=None, revision=None, **kw):
+            check(revision)
+            path = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main") / path_in_repo
+            if not path.is_file():
+                raise EntryNotFoundError(f"{repo_id}: no {path_in_repo} at {revision or 'main'}")
+            path.unlink()
+
         def list_repo_files(self, repo_id, repo_type=None, revision=None, **kw):
             files = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main")
             return sorted(str(f.relative_to(files)) for f in files.rglob("*") if f.is_file())

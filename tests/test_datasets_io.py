@@ -287,6 +287,9 @@ def test_push_to_hub_uploads_data_and_manifest(tmp_path, monkeypatch):
     monkeypatch.setattr(Dataset, "push_to_hub", lambda self, repo, **kw: calls.append(("data", repo)))
 
     class FakeApi:
+        def file_exists(self, repo_id, filename, **kw):
+            return False  # a new repo: no earlier manifest to delete
+
         def upload_file(self, **kw):
             calls.append(("file", kw["repo_id"], kw["path_in_repo"], json.loads(kw["path_or_fileobj"])))
 
@@ -356,6 +359,52 @@ def test_outputs_pushed_to_configurations_of_one_private_repo_load_back_with_the
     assert load_dataset_ref(parse_ref(str(tmp_path / "pulled" / "score")))["x"] == [1, 2]
     assert sorted(load_dataset_dict(parse_ref(str(tmp_path / "pulled" / "filter")))) == ["test", "train"]
     assert hub_manifest(HubTarget("org/run", "iter2-score"), model=False) is None  # nothing pushed there
+
+
+def test_a_dataset_push_cut_before_its_manifest_leaves_no_earlier_manifest_beside_the_new_data(tmp_path,
+                                                                                                monkeypatch):
+    """A configuration pushed again (a rerun, --overwrite) whose manifest upload fails after its data went up: the
+    earlier run's manifest is gone, so the configuration reads as not pushed (iterate --resume runs the stage again)
+    instead of as the earlier run with this run's rows."""
+    hub = tmp_path / "hub"
+    fake_hub.install(monkeypatch.setattr, hub)
+    from huggingface_hub import HfApi  # the fake's
+    target = HubTarget("org/run", "iter1-score")
+    first = StageOutput("score", Cfg(output=str(tmp_path / "a"), push_to_hub="org/run", hub_config="iter1-score"), [])
+    first.save(Dataset.from_dict({"x": [1, 2]}), rows_in=2)
+    assert hub_manifest(target, model=False)["rows_out"] == 2
+
+    def manifest_upload_fails(self, path_or_fileobj, path_in_repo, repo_id, **kw):
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(HfApi, "upload_file", manifest_upload_fails)
+    second = StageOutput("score", Cfg(output=str(tmp_path / "b"), push_to_hub="org/run", hub_config="iter1-score"),
+                         [])
+    with pytest.raises(PipelineError, match="the upload failed"):
+        second.save(Dataset.from_dict({"x": [7, 8, 9]}), rows_in=3)
+    assert load_dataset_ref(parse_ref("org/run#iter1-score"))["x"] == [7, 8, 9]  # the data went up
+    assert hub_manifest(target, model=False) is None
+
+
+@pytest.mark.parametrize("model", [False, True])
+def test_a_pull_the_network_cuts_is_one_line_without_the_token_and_leaves_nothing(tmp_path, monkeypatch, model):
+    """iterate --resume pulls finished outputs from the Hub: a connection lost midway was a raw traceback (or, with
+    a stage running beside it, its message unredacted); it is one line, and nothing is left at the path."""
+    import requests
+
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnopqrstuvwxyz0123")
+
+    def cut(*args, **kwargs):
+        raise requests.ConnectionError("Connection reset by peer (token hf_abcdefghijklmnopqrstuvwxyz0123)")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download" if model else "datasets.load_dataset", cut)
+    target = tmp_path / "iter1" / "score"
+    with pytest.raises(PipelineError) as error:
+        pull_output(HubTarget("org/run", "iter1-score"), target, {"rows_out": 2}, model=model)
+    message = str(error.value)
+    assert message.startswith("--push-to-hub org/run#iter1-score: pulling the finished score") and "\n" not in message
+    assert "ConnectionError" in message and "hf_abcdefghijklmnopqrstuvwxyz0123" not in message
+    assert not target.exists() and not list(target.parent.glob("*"))
 
 
 @pytest.mark.parametrize("branch", [None, "iter1-train"])

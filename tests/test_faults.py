@@ -503,6 +503,11 @@ def failing_hub(monkeypatch, calls: list, fail: bool):
         def list_repo_files(self, repo_id, **kw):
             return []  # a new repo
 
+        def file_exists(self, repo_id, filename, **kw):
+            if fail:
+                raise OSError("cannot reach the Hub")
+            return False
+
         def upload_folder(self, **kw):
             calls.append(("folder", kw["repo_id"]))
 

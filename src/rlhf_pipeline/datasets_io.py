@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from rlhf_pipeline import __version__
 from rlhf_pipeline.config import semantic_dict, to_dict
 from rlhf_pipeline.errors import PipelineError, redact
-from rlhf_pipeline.files import first_line, flush_tree, reading, sync_dir, writing
+from rlhf_pipeline.files import first_line, flush_tree, is_disk_full, reading, sync_dir, writing
 from rlhf_pipeline.layout import MANIFEST, RUN_RECORD
 
 if TYPE_CHECKING:
@@ -737,16 +737,23 @@ Pusher = Callable[[Path, HubTarget, bytes], None]  # (output directory, target, 
 
 def push_dataset_dir(path: Path, hub: HubTarget, manifest: bytes) -> None:
     """Upload a finished dataset output and its manifest to a Hub dataset repo, as the configuration
-    ``hub.config`` (if any). The token is read from the environment (HF_TOKEN) by huggingface_hub."""
+    ``hub.config`` (if any). The token is read from the environment (HF_TOKEN) by huggingface_hub.
+
+    The configuration's earlier manifest is deleted first and the new one uploaded last, as for a model
+    (``training.stage.push_model_to_hub``): a push cut short between the data and the manifest leaves the
+    configuration without one, which reads as not pushed, never an earlier run's manifest beside new data."""
     import datasets
     from huggingface_hub import HfApi
 
     log.info("pushing %s to the Hub dataset repo %s", path, hub)
+    api, manifest_path = HfApi(), hub.manifest_file(model=False)[0]
+    if api.file_exists(hub.repo_id, manifest_path, repo_type="dataset"):
+        api.delete_file(manifest_path, hub.repo_id, repo_type="dataset",
+                        commit_message=f"rlhf: replacing the {hub.config or 'default'} configuration")
     datasets.load_from_disk(str(path)).push_to_hub(
         hub.repo_id, **({"config_name": hub.config} if hub.config else {}), private=hub.private or None
     )
-    HfApi().upload_file(path_or_fileobj=manifest, path_in_repo=hub.manifest_file(model=False)[0],
-                        repo_id=hub.repo_id, repo_type="dataset")
+    api.upload_file(path_or_fileobj=manifest, path_in_repo=manifest_path, repo_id=hub.repo_id, repo_type="dataset")
 
 
 push_dataset_dir.hub_kind = "datasets/"  # type: ignore[attr-defined]
@@ -771,18 +778,27 @@ def pull_output(hub: HubTarget, path: Path, manifest: dict[str, Any], model: boo
     a stage writes its output."""
     print(f"pulling {path} from the Hub ({hub})", flush=True)
     with atomic_directory(path) as tmp:
-        if model:
-            from huggingface_hub import snapshot_download
+        try:
+            if model:
+                from huggingface_hub import snapshot_download
 
-            snapshot_download(hub.repo_id, repo_type="model", revision=hub.config, local_dir=str(tmp))
-            shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's download records
-        else:
-            import datasets
+                snapshot_download(hub.repo_id, repo_type="model", revision=hub.config, local_dir=str(tmp))
+                shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's download records
+            else:
+                import datasets
 
-            data = datasets.load_dataset(hub.repo_id, name=hub.config)
-            if not isinstance(manifest.get("rows_out"), dict):  # a single dataset, pushed as the split "train"
-                data = next(iter(data.values()))
-            data.save_to_disk(str(tmp))
+                data = datasets.load_dataset(hub.repo_id, name=hub.config)
+                if not isinstance(manifest.get("rows_out"), dict):  # a single dataset, pushed as the split "train"
+                    data = next(iter(data.values()))
+                data.save_to_disk(str(tmp))
+        except Exception as e:  # the Hub's and the network's errors are many kinds
+            if is_disk_full(e):  # the local disk: one line of its own (files.writing)
+                raise
+            raise PipelineError(
+                f"--push-to-hub {hub}: pulling the finished {path.name} to {path} failed ({type(e).__name__}: "
+                f"{redact(first_line(e))}); nothing was written there: check HF_TOKEN and the network, then run the "
+                "same command again"
+            ) from None
         write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
 
 

@@ -67,7 +67,7 @@ from typing import Any, Iterator, Optional, Sequence
 from rlhf_pipeline.algorithms import GROUPS, PAIRS, AlgoName, get, help_text
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation
 from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
-from rlhf_pipeline.errors import PipelineError, one_line
+from rlhf_pipeline.errors import PipelineError, one_line, redact
 from rlhf_pipeline.layout import (CRITIC, ITERATE_CONFIG, ITERATION_STAGES, MANIFEST, RUN_LOCK, STEPS_LOG,
                                   iteration_dir, step_name)
 from rlhf_pipeline.machine import RUN_PID, adopt_orphans, die_with_parent, gpus_visible, run_identity
@@ -959,7 +959,7 @@ def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool, on_hub: 
                     except Exception as e:  # noqa: BLE001 - with the other side running, its stage is let finish
                         if not running:
                             raise
-                        failure = one_line(e)
+                        failure = redact(one_line(e))
                         print(f"[{label}] {step.name} could not start ({failure}); waiting for "
                               f"{', '.join(s.name for s, _, _ in running.values())} to finish", flush=True)
                         break
