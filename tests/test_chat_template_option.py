@@ -1,8 +1,8 @@
 """--chat-template FILE|NAME|none on every stage that renders conversations (config.ChatTemplateOptions,
 chat.use_chat_template): the option wins over the tokenizer's own template, a tokenizer with none is an error naming
 the model and the fix, `none` renders raw text on purpose (and refuses 'messages' rows, naming the row), the
-manifest records what was really used, filter renders as the sampler did or refuses, and sft / train-rm save the
-template they trained with into the output tokenizer.
+manifest records what was really used, filter renders as the sampler did or refuses, sft / train-rm save the
+template they trained with into the output tokenizer, and train the template its data was rendered with.
 
 The base model is the tiny kit's ``--chat-format base``: its tokens, no chat template (as a pretrained-only
 checkpoint ships)."""
@@ -129,9 +129,11 @@ def test_none_samples_the_raw_prompt_and_says_so(tiny_policy, small_prompts, tmp
     assert "row 0 is a 'messages' conversation" in line and "--chat-template none" in line and FIX in line
 
 
-def test_filter_renders_as_the_sampler_did_or_refuses(base_policy, small_prompts, tmp_path, capsys):
+def test_filter_renders_as_the_sampler_did_or_refuses_and_train_saves_that_template(base_policy, small_prompts,
+                                                                                   tmp_path, capsys):
     """filter reads the sampler's template from the generate manifest (its --tokenizer has none here), and refuses
-    another one."""
+    another one; train saves the policy with the template its data was rendered with, so that the next generate (or
+    a server) renders as it was trained, not with --model's own (none here)."""
     fn = tmp_path / "reward.py"
     fn.write_text(REWARD)
     assert generate(base_policy, small_prompts, tmp_path / "gen", "--chat-template", "chatml") == 0
@@ -147,6 +149,9 @@ def test_filter_renders_as_the_sampler_did_or_refuses(base_policy, small_prompts
     assert f"rendered with the chat template built-in chatml (sha256 {sha(CHATML)})" in line
     assert f"built-in zephyr (sha256 {sha(ZEPHYR)})" in line and "pass --chat-template chatml" in line
     assert not (tmp_path / "other").exists()
+    assert run("train", "--algo", "dpo", "--model", base_policy, "--data", tmp_path / "filter", "--output",
+               tmp_path / "train", "--max-steps", 1, "--batch-size", 1, "--report-to", "none") == 0
+    assert tokenizer(tmp_path / "train").chat_template == CHATML and tokenizer(base_policy).chat_template is None
 
 
 def test_score_renders_a_template_less_reward_model_only_when_told(base_rm, small_prompts, tiny_policy, tmp_path,

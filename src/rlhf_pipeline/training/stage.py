@@ -356,6 +356,8 @@ def run_training(stage: str, config: TrainOptions, inputs: list, read: Callable[
         job = read(run)
         if job.data is not None:
             check_tokenizer(job.tokenizer, config.data, config.model)  # before the model loads
+            if stage == "train":  # sft and train-rm set the template they render with themselves (--chat-template)
+                adopt_data_template(job.tokenizer, config.data, config.model)
         model = load_trainable(config, job.loader or causal_lm)
         if job.model_ready is not None:
             job.model_ready(model)
@@ -386,6 +388,20 @@ def check_tokenizer(tokenizer: Any, source: str, model_name: str) -> None:
 
     check_same_tokenizer(find_in_lineage([parse_ref(source)], TOKENIZER_PROBE_KEY), tokenizer, source,
                          f"{model_name}'s tokenizer", data_fix(model_name))
+
+
+def adopt_data_template(tokenizer: Any, source: str, model_name: str) -> None:
+    """``rlhf train``: the trained policy's tokenizer renders as its data was rendered. A chat template the sampling
+    chose by name (``--chat-template`` zephyr, a file, none: the lineage's ``sampling.chat_template``) is set on the
+    tokenizer that is saved with the model, so the next ``rlhf generate`` or a server renders with it, not with
+    ``--model``'s own. Data rendered with the sampling tokenizer's own template needs nothing."""
+    from rlhf_pipeline.chat import recorded_chat_template, use_chat_template
+    from rlhf_pipeline.datasets_io import find_in_lineage, parse_ref
+
+    sampling = find_in_lineage([parse_ref(source)], "sampling") or {}
+    value = recorded_chat_template(sampling.get("chat_template"))
+    if value is not None:
+        use_chat_template(tokenizer, value, model_name, required=False)
 
 
 def check_vocabulary(data: dict, model: Any, tokenizer: Any, source: str, model_name: str) -> None:
