@@ -59,6 +59,23 @@ def prompt_column(ds: Dataset, source: str) -> str:
     )
 
 
+# A message's role as chat templates write it into their markup (``<|im_start|>ROLE``): a name. Contents may hold
+# anything (special-token strings in them are read as text: ControlTokens), but a role holding markup would forge turns.
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]*")
+
+
+def check_roles(messages: Sequence[Any], where: str) -> None:
+    """Raise a PipelineError naming ``where`` (the file and row) when a message's role is not a plain name."""
+    for turn in messages:
+        role = turn.get("role") if isinstance(turn, dict) else None
+        if isinstance(role, str) and not _ROLE.fullmatch(role):
+            raise PipelineError(
+                f"{where}: a turn's role {role[:60]!r} is not a plain name (a letter, then letters, digits, '_', '-' "
+                "or '.'): the chat template writes roles into its markup, where this one could forge turns; use "
+                "user, assistant or system"
+            )
+
+
 def check_prompt(value: Any, column: str, row: int, source: str) -> None:
     """Raise a PipelineError naming the row if a prompt value is empty or malformed."""
     where = f"{source}: row {row}"
@@ -76,6 +93,7 @@ def check_prompt(value: Any, column: str, row: int, source: str) -> None:
     for turn in value:
         if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
             raise PipelineError(f"{where}: every turn in 'messages' needs a 'role' and a text 'content'")
+    check_roles(value, where)
     if value[-1]["role"] == "assistant":
         raise PipelineError(
             f"{where}: 'messages' ends with an assistant turn; end it with the user turn to answer "

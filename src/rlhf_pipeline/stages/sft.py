@@ -33,6 +33,7 @@ from typing import Any, Iterable, Sequence
 
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import ChatTemplateOptions, ControlTokenOptions, check_test_size, option
+from rlhf_pipeline.chat import check_roles
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.algorithms.supervised import SFTTask, has_token_ids, sampled_rows
 from rlhf_pipeline.training.loop import TrainOptions
@@ -70,6 +71,7 @@ def split_conversation(row: dict[str, Any], row_index: int, source: str) -> tupl
                 f"{source}: row {row_index}: 'messages' must end with a non-empty assistant turn (the answer "
                 "the loss is on); fix or drop the row"
             )
+        check_roles(messages, f"{source}: row {row_index}")
         return list(messages[:-1]), last["content"]
     raise PipelineError(
         f"{source}: row {row_index} has neither 'prompt' and 'answer' nor 'messages' (at least a user and an "

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import ChatTemplateOptions, ControlTokenOptions, check_test_size, option
+from rlhf_pipeline.chat import check_roles
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.modeling import SAFE_WEIGHTS
 from rlhf_pipeline.training.loop import TrainOptions
@@ -80,6 +81,9 @@ def expand_pairs(row: dict[str, Any], row_index: int, source: str) -> list[tuple
 
 def conversation(prompt: Any, response: Any, row_index: int, source: str) -> tuple[Any, str]:
     """(prompt as text or messages, response text) from a text response or a whole conversation."""
+    for turns in (prompt, response):
+        if isinstance(turns, list):
+            check_roles(turns, f"{source}: row {row_index}")
     if isinstance(response, str):
         if prompt is None:
             raise PipelineError(f"{source}: row {row_index}: text responses need a 'prompt' (or 'messages') column")
