@@ -335,3 +335,17 @@ def test_every_option_reaches_tensorboard_in_a_form_it_takes():
     tracked = tracker_config(config)
     assert tracked["lora_target_modules"] == '["q_proj", "v_proj"]' and tracked["lora_rank"] == 4
     hparams(tracked, {})  # raised ValueError on the list before
+
+
+def test_a_tracker_that_is_not_installed_is_refused_before_the_run(monkeypatch, capsys):
+    """accelerate drops a --report-to tracker whose package is missing with a warning, and an 8B run would log to
+    nowhere but metrics.jsonl: refused when the options are read, with both ways out."""
+    import importlib.util
+
+    from conftest import run
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert run("train", "--model", "m", "--data", "d", "--output", "o", "--report-to", "wandb") == 1
+    err = capsys.readouterr().err
+    assert "--report-to wandb: wandb is not installed here (pip install wandb); or pass --report-to none" in err

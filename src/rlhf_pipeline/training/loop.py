@@ -36,6 +36,7 @@ What a run writes (the final model, metrics.jsonl, checkpoints/) is described in
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -151,6 +152,11 @@ class TrainOptions(OutputOptions, LoraOptions):
 
     def __post_init__(self) -> None:
         self.check_lora()
+        # accelerate drops a tracker whose package is missing with a warning, and the run logs nowhere but
+        # metrics.jsonl: say so before it starts
+        if self.report_to != "none" and importlib.util.find_spec(self.report_to) is None:
+            raise ValueError(f"--report-to {self.report_to}: {self.report_to} is not installed here (pip install "
+                             f"{self.report_to}); or pass --report-to none: OUTPUT/metrics.jsonl is written either way")
         for name in ("epochs", "batch_size", "gradient_accumulation_steps", "eval_batch_size", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
