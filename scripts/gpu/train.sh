@@ -48,7 +48,7 @@ KEEP_CHECKPOINTS=${KEEP_CHECKPOINTS:-0}  # 1 = keep checkpoints/ after the run f
 BF16=${BF16:-1}                          # bf16 mixed precision; 0 = float32 (launched with --mixed_precision no)
 GRADIENT_CHECKPOINTING=${GRADIENT_CHECKPOINTING:-1}
 SEED=${SEED:-0}
-REPORT_TO=${REPORT_TO:-tensorboard}      # or wandb (REBEL's default, track=True, rebel.py:50; pip install wandb into rlhf-train) or none
+REPORT_TO=${REPORT_TO:-tensorboard}      # or wandb (REBEL's default, rebel.py:50; pip install wandb first) or none
 PUSH_TO_HUB=${PUSH_TO_HUB:-}             # e.g. ORG/NAME-iter1-train (a model repo); the token comes from HF_TOKEN
 
 command -v accelerate >/dev/null || { echo "accelerate not found: conda activate rlhf-train" >&2; exit 1; }
