@@ -392,6 +392,24 @@ def test_input_columns_named_like_pair_columns_are_kept_renamed(tmp_path, tiny_p
                                                                "rejected": "source_rejected"}
 
 
+def test_a_prompt_too_long_in_a_later_chunk_stops_generate_before_the_engine_loads(tiny_policy, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """Prompts are encoded a chunk at a time; one that fills the context in the third chunk stopped the run only
+    when its chunk came, with everything sampled before it lost. Every chunk is checked before the engine starts."""
+    from rlhf_pipeline.stages import generate
+
+    rows = [{"prompt": f"Say something about the number {i}."} for i in range(12)]
+    rows[11] = {"prompt": "word " * 200}
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    monkeypatch.setattr(generate, "CHUNK_PROMPTS", 5)
+    monkeypatch.setattr(generate, "open_engine", lambda *a: pytest.fail("the engine was started"))
+    capsys.readouterr()
+    assert run("generate", "--model", tiny_policy, "--prompts", prompts, "--engine", "hf", "--max-model-len", 64,
+               "--output", tmp_path / "out") == 1
+    assert "prompts.jsonl: row 11: the prompt is" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_generate_samples_and_writes_a_chunk_of_prompts_at_a_time(tiny_policy, small_prompts, tmp_path, monkeypatch):
     """Chunks of 5 prompts, written one after another, give the output of one chunk (at --batch-size 1 every prompt
     is sampled from its own seed, so chunking changes nothing), with nothing left beside the output; the rows a

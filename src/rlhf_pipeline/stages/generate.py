@@ -330,7 +330,12 @@ def main(config: GenerateConfig) -> Path:
             timing["sampling_s"] = time.perf_counter() - started  # the replicas' start-up included
             writer.write(columns(part, prompt_ids, completions))
         else:
-            first = encoded(0, CHUNK_PROMPTS)  # a prompt the template refuses stops the run before the engine loads
+            # Every prompt the template refuses, or too long for the context, stops the run before the engine
+            # loads, not hours into sampling: the chunks after the first are encoded once here to check them (their
+            # ids are not kept, which at 8B-recipe sizes would be gigabytes) and again when their turn comes.
+            first = encoded(0, CHUNK_PROMPTS)
+            for start in range(CHUNK_PROMPTS, ds.num_rows, CHUNK_PROMPTS):
+                encoded(start, start + CHUNK_PROMPTS)
             started = time.perf_counter()
             engine = open_engine(config, tokenizer)
             engine_name = engine.name
