@@ -47,7 +47,7 @@ from conftest import LENGTH_REWARD, max_weight_diff
 
 from rlhf_pipeline.training.checkpoints import list_checkpoints
 from rlhf_pipeline.config import OutputOptions, option
-from rlhf_pipeline.layout import REF_LOGPS_CACHE
+from rlhf_pipeline.layout import PARTS_DIR, REF_LOGPS_CACHE, RUN_RECORD
 
 ENV = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 MANIFEST = "manifest.json"
@@ -356,13 +356,16 @@ def overlapped_iterate_ref(kit, tiny_policy, tmp_path_factory) -> Reference:
 def test_killed_single_write_stage_reruns_to_the_uninterrupted_result(stage, request, tmp_path):
     ref: Reference = request.getfixturevalue(stage.replace("-", "_") + "_ref")
     out = kill_at_random_point(ref, tmp_path)
-    # "Finished work" of these stages is their whole output: they compute in memory and StageOutput.save writes the
-    # dataset and its manifest into a hidden temporary sibling renamed into place at the end. There is nothing
-    # partial to keep, so what the kill may leave is nothing under the output's name, or the complete output.
+    # "Finished work" of these stages is their whole output: StageOutput.save writes the dataset and its manifest
+    # into a hidden temporary sibling renamed into place at the end. So what the kill may leave is nothing under the
+    # output's name, or the complete output; or, for generate, which keeps each chunk of prompts as it finishes (one
+    # chunk here), its run record and its finished chunks, which the rerun reuses.
     finished = (out / MANIFEST).exists()
     if finished:
         assert_same_data(out, ref.output)
         before = output_id(out)
+    elif stage == "generate" and out.exists():
+        assert sorted(p.name for p in out.iterdir()) == [PARTS_DIR, RUN_RECORD]
     else:
         assert not out.exists(), sorted(p.name for p in out.iterdir())
 

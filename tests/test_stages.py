@@ -410,10 +410,27 @@ def test_a_prompt_too_long_in_a_later_chunk_stops_generate_before_the_engine_loa
     assert not (tmp_path / "out").exists()
 
 
+def generate_once_with(monkeypatch, fail_at: int):
+    """Make the hf engine's ``generate`` raise ZeroDivisionError on its ``fail_at``-th call (from now on); return the
+    real one."""
+    from rlhf_pipeline.engines.hf import HFEngine
+
+    real, seen = HFEngine.generate, []
+
+    def failing(self, *a, **kw):
+        seen.append(1)
+        if len(seen) == fail_at:
+            raise ZeroDivisionError("the machine went away")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(HFEngine, "generate", failing)
+    return real
+
+
 def test_generate_samples_and_writes_a_chunk_of_prompts_at_a_time(tiny_policy, small_prompts, tmp_path, monkeypatch):
     """Chunks of 5 prompts, written one after another, give the output of one chunk (at --batch-size 1 every prompt
-    is sampled from its own seed, so chunking changes nothing), with nothing left beside the output; the rows a
-    failed run was writing are removed."""
+    is sampled from its own seed, so chunking changes nothing), with nothing left beside the output; a run that
+    failed keeps the chunks it finished, and its rerun samples only the others."""
     from datasets import load_from_disk
 
     from rlhf_pipeline.stages import generate
@@ -437,7 +454,21 @@ def test_generate_samples_and_writes_a_chunk_of_prompts_at_a_time(tiny_policy, s
     whole, chunked = load_from_disk(str(tmp_path / "whole")), load_from_disk(str(tmp_path / "chunked"))
     assert whole.features == chunked.features and whole.to_dict() == chunked.to_dict()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chunked", "prompts.jsonl", "whole"]
-    monkeypatch.setattr("rlhf_pipeline.engines.hf.HFEngine.generate", lambda *a, **kw: 1 / 0)
+
+    # A run that fails in its third chunk keeps the two it finished (and is not taken for finished); run again, it
+    # samples the third alone and writes what the uninterrupted run wrote, saying it resumed.
+    real_generate, calls[:] = generate_once_with(monkeypatch, fail_at=3), []
     with pytest.raises(ZeroDivisionError):
-        run("generate", *args, "--output", tmp_path / "failed")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chunked", "prompts.jsonl", "whole"]
+        run("generate", *args, "--output", tmp_path / "cut")
+    assert not (tmp_path / "cut" / "manifest.json").exists()
+    assert sorted(p.name for p in (tmp_path / "cut" / "parts").glob("*.arrow")) == [
+        "rows-000000000-000000005.arrow", "rows-000000005-000000010.arrow"]
+    monkeypatch.setattr("rlhf_pipeline.engines.hf.HFEngine.generate", real_generate)
+    assert run("generate", *args, "--output", tmp_path / "cut") == 0
+    assert calls == [5, 5, 2, 2]  # the cut run's three calls, then the rerun's one
+    cut = load_from_disk(str(tmp_path / "cut"))
+    assert cut.features == whole.features and cut.to_dict() == whole.to_dict()
+    assert json.loads((tmp_path / "cut" / "manifest.json").read_text())["resumed"] is True
+    assert not (tmp_path / "cut" / "parts").exists()
+    assert json.loads((tmp_path / "cut" / "manifest.json").read_text())["responses"] == \
+        json.loads((tmp_path / "whole" / "manifest.json").read_text())["responses"]

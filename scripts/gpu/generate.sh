@@ -18,7 +18,8 @@
 #       an 8B model (no all-reduce per layer); a prompt's samples do not depend on the sharding (per-prompt seeds).
 #       scripts/iterate.sh does not take this merged output as its own generate step (another config): continue
 #       such an iteration with the scripts.
-# Rerunning with the same settings skips finished outputs (shards included), so a crash resumes where it stopped.
+# Rerunning with the same settings skips finished outputs (shards included) and, in an unfinished one, the chunks of
+# 4,096 prompts it finished: a crash loses at most the chunk it was sampling.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # repo root: relative paths below resolve from here
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from rlhf_pipeline import __version__
 from rlhf_pipeline.config import semantic_dict, to_dict
 from rlhf_pipeline.errors import PipelineError, redact
-from rlhf_pipeline.files import first_line, flush_tree, is_disk_full, reading, sync_dir, writing
+from rlhf_pipeline.files import first_line, flush_files, flush_tree, is_disk_full, reading, sync_dir, writing
 from rlhf_pipeline.layout import MANIFEST, RUN_RECORD
 
 if TYPE_CHECKING:
@@ -391,6 +391,51 @@ class ScratchWriter:
         self.writer.finalize()
         self.writer.close()
         return Dataset.from_file(str(self.file))
+
+
+class Parts:
+    """The finished pieces of an output that a stage fills in place (``OUTPUT/parts/``, :data:`layout.PARTS_DIR`),
+    each kept as it completes so that a rerun of an interrupted run reuses it: ``KEY.arrow`` (the rows, an Arrow file
+    read back memory-mapped) and ``KEY.json`` (what the stage notes about how it was made). A piece is written under a
+    temporary name and renamed into place once flushed, so a kill leaves it whole or absent. The stage's final save
+    replaces the directory, and the pieces with it."""
+
+    def __init__(self, directory: Path, features):
+        self.directory, self.features = Path(directory), features
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for cut in self.directory.glob(".*.tmp-*"):  # a piece a kill cut short while it was written
+            cut.unlink(missing_ok=True)
+
+    def get(self, key: str) -> tuple[Dataset, dict[str, Any]] | None:
+        """A finished piece and its notes, or None (never written, or unreadable: it is made again)."""
+        from datasets import Dataset
+
+        rows, notes = self.directory / f"{key}.arrow", self.directory / f"{key}.json"
+        if not rows.is_file() or not notes.is_file():
+            return None
+        try:
+            return Dataset.from_file(str(rows)), json.loads(notes.read_text())
+        except Exception as e:  # damaged on the disk since: made again rather than trusted
+            log.warning("%s: unreadable (%s); making it again", rows, first_line(e))
+            rows.unlink(missing_ok=True)
+            return None
+
+    def write(self, key: str, columns: dict[str, list], notes: dict[str, Any]) -> Dataset:
+        """Keep a finished piece (its rows as ``columns``), and return it as a dataset."""
+        from datasets import Dataset
+        from datasets.arrow_writer import ArrowWriter
+
+        final = self.directory / f"{key}.arrow"
+        tmp = self.directory / f".{key}.arrow.tmp-{os.getpid()}"
+        writer = ArrowWriter(features=self.features, path=str(tmp))
+        writer.write_batch(columns)
+        writer.finalize()
+        writer.close()
+        write_text_atomic(self.directory / f"{key}.json", json.dumps(notes) + "\n")
+        flush_files(self.directory)
+        os.replace(tmp, final)  # the rows last: a piece is finished when its .arrow is there
+        sync_dir(self.directory)
+        return Dataset.from_file(str(final))
 
 
 @contextlib.contextmanager

@@ -28,14 +28,16 @@ import dataclasses
 import hashlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.contracts import GENERATED_COLUMNS, SAMPLER_LOGPROBS
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.layout import PARTS_DIR
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.sharding import parse_shard, request_seed, shard_indices
 from rlhf_pipeline.stages import run_stage
@@ -250,7 +252,7 @@ def main(config: GenerateConfig) -> Path:
                                     raw_conversation_error, tokenizer_probe)
     from rlhf_pipeline.chat import stop_token_ids
     from rlhf_pipeline.chat import use_chat_template
-    from rlhf_pipeline.datasets_io import StageOutput, parse_ref, scratch_writer
+    from rlhf_pipeline.datasets_io import Parts, StageOutput, parse_ref
     from rlhf_pipeline.engines import SamplingSettings, resolve_engine_name
     from rlhf_pipeline.modeling import check_model_ref
 
@@ -264,7 +266,7 @@ def main(config: GenerateConfig) -> Path:
         check_engine(config.attn_implementation, resolve_engine_name(config.engine))
     ref = parse_ref(config.prompts)
     out = StageOutput("generate", config, inputs=[ref])
-    if out.done():
+    if out.done(resume=True):  # an interrupted run with these options goes on from its finished chunks
         return out.path
     ds, column, rows, rows_total = select_prompts(ref, config.offset, config.limit, config.shard, config.wrap)
 
@@ -321,70 +323,107 @@ def main(config: GenerateConfig) -> Path:
                 "drop the row")
         return part, ids
 
-    with scratch_writer(out.path, Features(features)) as writer:
-        if config.executor == "ray":  # the replicas take their shards of every prompt at once
-            part, prompt_ids = encoded(0, ds.num_rows)
-            seeds = [request_seed(config.seed, r) for r in rows]
+    # Every prompt the template refuses, or too long for the context, stops the run before an engine loads, not
+    # hours into sampling: the chunks after the first are encoded once here to check them (their ids are not kept,
+    # which at the 8B recipe's size would be gigabytes) and again when their turn comes.
+    chunk = ds.num_rows if config.executor == "ray" else CHUNK_PROMPTS  # Ray's replicas take their shards at once
+    first = encoded(0, chunk)
+    for start in range(chunk, ds.num_rows, chunk):
+        encoded(start, start + chunk)
+    # Each chunk is kept in OUTPUT/parts/ as it finishes: a rerun of a run that stopped (a crash, a kill, a lost
+    # node) samples only the chunks it had not finished. Every prompt has its own seed (the hf engine's batches
+    # start at a chunk's start), so the rows are those one uninterrupted run writes. The output directory is made
+    # when the first chunk is done: a run that fails before (a damaged model, an engine that does not start) leaves
+    # nothing.
+    if out.replace:
+        shutil.rmtree(out.path)
+    parts = Parts(out.path / PARTS_DIR, Features(features)) if out.resumed else None
+
+    def keep(key: str, columns: dict[str, list], notes: dict[str, Any]):
+        nonlocal parts
+        if parts is None:
+            out.record_start()
+            parts = Parts(out.path / PARTS_DIR, Features(features))
+        return parts.write(key, columns, notes)
+
+    this_engine = resolve_engine_name(config.engine) if config.executor == "local" else None
+    pieces, engine, engine_names, reused_tokens = [], None, set(), 0
+    try:
+        for start in range(0, ds.num_rows, chunk):
+            stop = min(start + chunk, ds.num_rows)
+            key = f"rows-{start:09d}-{stop:09d}"
+            found = parts.get(key) if parts is not None else None
+            if found is not None and this_engine not in (None, found[1]["engine"]):
+                raise PipelineError(
+                    f"--output {out.path}: its finished chunks were sampled with the {found[1]['engine']} engine, "
+                    f"and --engine {config.engine} is {this_engine} here; pass --engine {found[1]['engine']} to "
+                    "finish the run with it, or --overwrite to sample it all again")
+            if found is not None:
+                piece = found[0]
+                for reasons in piece["finish_reasons"]:
+                    for reason in reasons:
+                        counts[reason] = counts.get(reason, 0) + 1
+                reused_tokens += sum(len(t) for ts in piece["response_token_ids"] for t in ts)
+                engine_names.add(found[1]["engine"])
+                pieces.append(piece)
+                continue
+            part, prompt_ids = first if start == 0 else encoded(start, stop)
+            seeds = [request_seed(config.seed, r) for r in rows[start:stop]]
             started = time.perf_counter()
-            engine_name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
-            timing["sampling_s"] = time.perf_counter() - started  # the replicas' start-up included
-            writer.write(columns(part, prompt_ids, completions))
-        else:
-            # Every prompt the template refuses, or too long for the context, stops the run before the engine
-            # loads, not hours into sampling: the chunks after the first are encoded once here to check them (their
-            # ids are not kept, which at 8B-recipe sizes would be gigabytes) and again when their turn comes.
-            first = encoded(0, CHUNK_PROMPTS)
-            for start in range(CHUNK_PROMPTS, ds.num_rows, CHUNK_PROMPTS):
-                encoded(start, start + CHUNK_PROMPTS)
-            started = time.perf_counter()
-            engine = open_engine(config, tokenizer)
-            engine_name = engine.name
-            timing["engine_start_s"] = time.perf_counter() - started
-            started = time.perf_counter()
-            try:
-                for start in range(0, ds.num_rows, CHUNK_PROMPTS):
-                    part, prompt_ids = first if start == 0 else encoded(start, start + CHUNK_PROMPTS)
-                    seeds = [request_seed(config.seed, r) for r in rows[start : start + CHUNK_PROMPTS]]
-                    completions = engine.generate(prompt_ids, seeds, sampling, logprobs=config.logprobs)
-                    writer.write(columns(part, prompt_ids, completions))
-                timing["sampling_s"] = time.perf_counter() - started
-            finally:
-                engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
-        generated = writer.finish()
-        if "prompt_id" in ds.column_names:
-            ds = ds.remove_columns("prompt_id")
-        result = concatenate_datasets([generated.select_columns(["prompt_id"]), ds,
-                                       generated.remove_columns("prompt_id")], axis=1)
-        stopped = counts["stop"]
-        out.save(
-            result,
-            rows_in=len(rows),
-            extra={
-                "sampling": {
-                    **dataclasses.asdict(sampling),
-                    "stop_token_ids": list(sampling.stop_token_ids),
-                    "model": config.model,
-                    "engine": engine_name,
-                    "use_chat_template": template.text is not None,  # what manifests before chat_template say
-                    "chat_template": template.record(),
-                    TOKENIZER_PROBE_KEY: tokenizer_probe(tokenizer),  # what made the token ids (chat.py)
-                },
-                "shard": {"spec": config.shard, "rows": row_spans(rows), "rows_total": rows_total},
-                "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),
-                             "gpus_per_replica": config.gpus_per_replica, "ray_address": config.ray_address},
-                "responses": {"total": stopped + counts["length"], "stopped": stopped},
-                # what the engine took, apart from the process's start and the stage's reading and writing (the
-                # manifest's wall_time_s): loading the model and starting the engine, then sampling
-                "timing": {**{k: round(v, 3) for k, v in timing.items() if k != "new_tokens"},
-                           "new_tokens": int(timing["new_tokens"]),
-                           "new_tokens_per_s": round(timing["new_tokens"] / max(timing["sampling_s"], 1e-9), 1)},
-                "sampler_logprobs": {
-                    "column": SAMPLER_LOGPROBS, "engine": engine_name, "dtype": "float32",
-                    "computed": "each sampled token's log-prob under the distribution it was drawn from: log_softmax "
-                                "of the logits / temperature, renormalised over what top-k and top-p kept",
-                } if config.logprobs else None,
+            if config.executor == "ray":
+                name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
+            else:
+                if engine is None:
+                    engine = open_engine(config, tokenizer)
+                    timing["engine_start_s"] = time.perf_counter() - started
+                    started = time.perf_counter()
+                name, completions = engine.name, engine.generate(prompt_ids, seeds, sampling,
+                                                                 logprobs=config.logprobs)
+            # Ray's: the replicas' start-up included
+            timing["sampling_s"] = timing.get("sampling_s", 0.0) + time.perf_counter() - started
+            engine_names.add(name)
+            pieces.append(keep(key, columns(part, prompt_ids, completions), {"engine": name}))
+    finally:
+        if engine is not None:
+            engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
+    (engine_name,) = engine_names
+    generated = concatenate_datasets(pieces)
+    if "prompt_id" in ds.column_names:
+        ds = ds.remove_columns("prompt_id")
+    result = concatenate_datasets([generated.select_columns(["prompt_id"]), ds,
+                                   generated.remove_columns("prompt_id")], axis=1)
+    stopped = counts["stop"]
+    out.save(
+        result,
+        rows_in=len(rows),
+        extra={
+            "sampling": {
+                **dataclasses.asdict(sampling),
+                "stop_token_ids": list(sampling.stop_token_ids),
+                "model": config.model,
+                "engine": engine_name,
+                "use_chat_template": template.text is not None,  # what manifests before chat_template say
+                "chat_template": template.record(),
+                TOKENIZER_PROBE_KEY: tokenizer_probe(tokenizer),  # what made the token ids (chat.py)
             },
-        )
+            "shard": {"spec": config.shard, "rows": row_spans(rows), "rows_total": rows_total},
+            "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),
+                         "gpus_per_replica": config.gpus_per_replica, "ray_address": config.ray_address},
+            "responses": {"total": stopped + counts["length"], "stopped": stopped},
+            # what the engine took, apart from the process's start and the stage's reading and writing (the
+            # manifest's wall_time_s): loading the model and starting the engine, then sampling, in this run; the
+            # chunks an interrupted one finished are in new_tokens, not in the rate, which is this run's
+            "timing": {**{k: round(v, 3) for k, v in timing.items() if k != "new_tokens"},
+                       "new_tokens": int(timing["new_tokens"]) + reused_tokens,
+                       "new_tokens_per_s": round(timing["new_tokens"] / timing["sampling_s"], 1)
+                       if timing.get("sampling_s") else None},
+            "sampler_logprobs": {
+                "column": SAMPLER_LOGPROBS, "engine": engine_name, "dtype": "float32",
+                "computed": "each sampled token's log-prob under the distribution it was drawn from: log_softmax "
+                            "of the logits / temperature, renormalised over what top-k and top-p kept",
+            } if config.logprobs else None,
+        },
+    )
     return out.path
 
 
