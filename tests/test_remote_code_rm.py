@@ -253,3 +253,18 @@ def test_data_scored_by_a_model_with_its_own_head_code_start_the_ppo_critic_from
     said = [r.getMessage() for r in caplog.records if "has a reward head of its own code" in r.getMessage()]
     assert len(said) == 1 and str(armo) in said[0] and REMOTE_CLASS in said[0], said
     assert AutoModelForSequenceClassification.from_pretrained(out / "critic").score.weight.shape[0] == 1
+
+
+def test_lora_on_a_reward_model_with_its_own_head_code_is_one_line(armo, tmp_path, capsys):
+    """peft adapts a causal LM or a standard classifier; ArmoRM's layout (a regression layer and a gating network of
+    its own code) failed inside peft with a traceback. Now one line, before anything is written."""
+    pytest.importorskip("peft")
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Review the park number {i}.", "chosen": "Lovely trees.",
+                                        "rejected": "Awful."}) + "\n" for i in range(4)))
+    capsys.readouterr()
+    assert run("train-rm", "--model", armo, "--trust-remote-code", "--data", data, "--output", tmp_path / "rm",
+               "--test-size", 0, "--max-steps", 1, "--report-to", "none", "--lora-rank", 4) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--lora-rank: TinyArmoForRewardModel is neither a causal LM nor a standard sequence classifier" in line
+    assert not (tmp_path / "rm").exists()

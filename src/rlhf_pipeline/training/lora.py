@@ -147,6 +147,12 @@ def add_adapters(model: Any, options: LoraOptions) -> Any:
             # dequantizes at each call instead. GPUs are not affected.
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
+    if not _is_classifier(model) and not hasattr(model, "prepare_inputs_for_generation"):
+        # peft adapts a causal LM or a standard sequence classifier (its `score` head trained whole); a model with
+        # a head of its own code (ArmoRM's regression and gating layers) would fail inside peft with a traceback
+        raise PipelineError(f"--lora-rank: {type(model).__name__} is neither a causal LM nor a standard sequence "
+                            "classifier (a reward head of its own code, as ArmoRM's): LoRA cannot adapt it here; "
+                            "train it whole (drop --lora-rank), or start from a standard model")
     targets = options.lora_target_modules or ALL_LINEAR
     config = peft.LoraConfig(
         r=options.lora_rank, lora_alpha=options.lora_rank * options.lora_scale, lora_dropout=options.lora_dropout,
