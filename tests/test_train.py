@@ -423,18 +423,21 @@ def test_two_process_zero3_equals_one_process(pairs, tiny_policy, tmp_path):
 def test_two_process_zero3_with_a_separate_reference_equals_one_process(pairs, tiny_policy, tmp_path):
     """--ref-model under ZeRO-3: the reference is loaded whole on each process, outside deepspeed.zero.Init, which
     accelerate's stage-3 plugin turns on for every from_pretrained (each weight a 0-element share: the reference
-    pass failed with "'weight' must be 2-D"). Its log-probs, and so the losses, are the single process's."""
+    pass failed with "'weight' must be 2-D"). Its log-probs, and so the losses, are the single process's. Without
+    clipping (--max-grad-norm 0, the GPU recipe's) the gradient norm is logged all the same, DeepSpeed's as ours."""
     from rlhf_pipeline.tiny import save_tiny_model
 
     reference = save_tiny_model(tmp_path / "reference", seed=3)
     common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 2, "--learning-rate", 1e-3, "--ref-model",
-              reference, "--batch-size", 2]
+              reference, "--batch-size", 2, "--max-grad-norm", 0]
     assert run(*train_args(pairs, tiny_policy, tmp_path / "single", *common, "--gradient-accumulation-steps", 2,
                            data="pairs")) == 0
     launch_cpu_zero3(train_args(pairs, tiny_policy, tmp_path / "zero3", *common, data="pairs"))
     losses = logged(tmp_path / "zero3")
     assert losses == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
     assert abs(losses[0] - math.log(2)) > 1e-3  # the reference is not the policy: the first loss is not log 2
+    norms = logged(tmp_path / "single", "grad_norm")
+    assert len(norms) == 2 and logged(tmp_path / "zero3", "grad_norm") == pytest.approx(norms, rel=1e-4)
 
 
 def test_two_process_zero3_with_every_weight_partitioned_calls_the_head_alike_on_both(pairs, tiny_policy, tmp_path):

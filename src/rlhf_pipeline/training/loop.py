@@ -694,8 +694,9 @@ def train(
                 # DeepSpeed skips a step itself when the norm it computes is not finite (every process alike):
                 # counted as skipped too
                 bad = not engine.was_step_applied()
-                grad_norm = engine.get_global_grad_norm()  # before clipping, as DeepSpeed computed it
-                if config.max_grad_norm > 0 and grad_norm is not None and not bad:
+                # before clipping, as DeepSpeed computed it (clipping or not): the run's first divergence signal
+                grad_norm = engine.get_global_grad_norm()
+                if grad_norm is not None and not bad:
                     totals["grad_norm"] = float(grad_norm)
         else:
             grad_norm = accelerator.clip_grad_norm_(setup.trained_parameters(), config.max_grad_norm or math.inf)
@@ -708,8 +709,6 @@ def train(
                 if setup.masters is not None:
                     setup.masters.write_back()
             optimizer.zero_grad()
-            if config.max_grad_norm <= 0:
-                totals.pop("grad_norm", None)
         # The rate this step's update used: after scheduler.step() get_last_lr() is already the next step's.
         step_lr = scheduler.get_last_lr()[0]
         if engine is not None and step == first_step:
