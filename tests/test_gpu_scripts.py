@@ -176,3 +176,20 @@ def test_the_iterate_config_runs_what_the_scripts_run(chain):
         for key in keys:
             assert planned[key] == ran[key], f"{stage} {key}: the config plans {planned[key]!r}, " \
                                              f"scripts/gpu/{stage}.sh ran {ran[key]!r}"
+
+
+def test_generate_refuses_more_shards_times_tp_than_the_machine_has_gpus(tmp_path):
+    """SHARDS=8 with the default TP=8 gave shards 1-7 CUDA_VISIBLE_DEVICES of GPUs that do not exist: they failed
+    while shard 0 ran an 8-GPU engine. One line before anything starts (nvidia-smi here is a stand-in for 8 GPUs)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: NVIDIA H100 80GB HBM3\"; done\n")
+    smi.chmod(0o755)
+    (tmp_path / "prompts").mkdir()
+    env = {**os.environ, "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]]),
+           "ENGINE": "hf", "SHARDS": "8", "RUN": str(tmp_path / "run"), "PROMPTS": str(tmp_path / "prompts")}
+    res = subprocess.run(["bash", str(GPU / "generate.sh")], capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 1
+    assert "SHARDS=8 x TP=8 needs 64 GPUs, and this machine has 8: set TP=1 with SHARDS=8" in res.stderr
+    assert not (tmp_path / "run").exists()

@@ -65,7 +65,16 @@ if [ "$SHARDS" -le 1 ]; then
   exit 0
 fi
 
-# Sharded: shard i runs on GPUs [i*TP, (i+1)*TP), in the background; then the shards are joined.
+# Sharded: shard i runs on GPUs [i*TP, (i+1)*TP), in the background; then the shards are joined. Every shard needs
+# its own TP GPUs: SHARDS=8 with the default TP=8 would give shards 1-7 GPUs that do not exist.
+if command -v nvidia-smi >/dev/null; then
+  gpus_here=$(nvidia-smi -L | grep -c '^GPU')
+  if [ $((SHARDS * TP)) -gt "$gpus_here" ]; then
+    echo "SHARDS=$SHARDS x TP=$TP needs $((SHARDS * TP)) GPUs, and this machine has $gpus_here: set TP=1 with" \
+      "SHARDS=$gpus_here (one engine per GPU), or fewer shards" >&2
+    exit 1
+  fi
+fi
 mkdir -p "$RUN/iter_$ITER"
 pids=(); shard_dirs=()
 for ((i = 0; i < SHARDS; i++)); do
