@@ -154,6 +154,29 @@ def test_filter_renders_as_the_sampler_did_or_refuses_and_train_saves_that_templ
     assert tokenizer(tmp_path / "train").chat_template == CHATML and tokenizer(base_policy).chat_template is None
 
 
+def test_train_keeps_a_template_file_only_as_it_was_when_the_data_was_sampled(base_policy, small_prompts, tmp_path,
+                                                                             caplog):
+    """A template file named by the sampling is saved with the trained policy only while it still reads as it did
+    (its recorded sha256): edited since, the policy keeps --model's own, with a warning that says why."""
+    template = tmp_path / "tpl.jinja"
+    template.write_text(CHATML)
+    fn = tmp_path / "reward.py"
+    fn.write_text(REWARD)
+    assert generate(base_policy, small_prompts, tmp_path / "gen", "--chat-template", template) == 0
+    assert run("score", "--input", tmp_path / "gen", "--output", tmp_path / "score", "--reward-fn",
+               f"{fn}:reward") == 0
+    assert run("filter", "--input", tmp_path / "score", "--tokenizer", base_policy, "--test-size", 0, "--output",
+               tmp_path / "filter") == 0
+    train = ["train", "--algo", "dpo", "--model", base_policy, "--data", tmp_path / "filter", "--max-steps", 1,
+             "--batch-size", 1, "--report-to", "none"]
+    assert run(*train, "--output", tmp_path / "same") == 0
+    assert tokenizer(tmp_path / "same").chat_template == CHATML
+    template.write_text(ZEPHYR)  # edited after the sampling
+    assert run(*train, "--output", tmp_path / "edited") == 0
+    assert tokenizer(tmp_path / "edited").chat_template is None
+    assert "which reads otherwise now" in caplog.text
+
+
 def test_score_renders_a_template_less_reward_model_only_when_told(base_rm, small_prompts, tiny_policy, tmp_path,
                                                                    capsys):
     assert generate(tiny_policy, small_prompts, tmp_path / "gen") == 0

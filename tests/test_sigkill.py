@@ -364,8 +364,8 @@ def test_killed_single_write_stage_reruns_to_the_uninterrupted_result(stage, req
     if finished:
         assert_same_data(out, ref.output)
         before = output_id(out)
-    elif stage == "generate" and out.exists():
-        assert sorted(p.name for p in out.iterdir()) == [PARTS_DIR, RUN_RECORD]
+    elif stage == "generate" and out.exists():  # killed after it made its output directory: nothing else there
+        assert {p.name for p in out.iterdir() if not p.name.startswith(".")} <= {PARTS_DIR, RUN_RECORD}
     else:
         assert not out.exists(), sorted(p.name for p in out.iterdir())
 
@@ -571,6 +571,8 @@ from rlhf_pipeline.training.checkpoints import save_checkpoint
 
 class Accelerator:  # one process: what save_checkpoint asks of accelerate's
     is_main_process, num_processes = True, 1
+    class state:  # no DeepSpeed plugin
+        deepspeed_plugin = None
     def wait_for_everyone(self): pass
     def get_state_dict(self, model): return {}
     def save_state(self, path): Path(path).mkdir(); (Path(path) / "optimizer.bin").write_bytes(bytes(64))

@@ -392,6 +392,55 @@ def test_input_columns_named_like_pair_columns_are_kept_renamed(tmp_path, tiny_p
                                                                "rejected": "source_rejected"}
 
 
+def test_generate_finished_chunks_of_another_engine_and_a_failed_overwrite(tiny_policy, small_prompts, tmp_path,
+                                                                            monkeypatch, capsys):
+    """Finished chunks that --engine auto sampled with another engine than it picks now are refused with a fix that
+    works (--overwrite samples them all again); and a finished output that --overwrite replaces is kept whole when
+    the new run fails before it is saved."""
+    import dataclasses
+
+    from datasets import load_from_disk
+
+    import rlhf_pipeline.engines as engines
+    from rlhf_pipeline.stages import generate
+
+    args = ["generate", "--model", tiny_policy, "--prompts", small_prompts, "--n", 2, "--max-new-tokens", 6,
+            "--batch-size", 1, "--output", tmp_path / "out"]
+    assert run(*args, "--engine", "hf", "--output", tmp_path / "whole") == 0
+    monkeypatch.setattr(generate, "CHUNK_PROMPTS", 5)
+    real_generate = generate_once_with(monkeypatch, fail_at=2)
+    with pytest.raises(ZeroDivisionError):
+        run(*args)  # --engine auto: hf here; one chunk finished
+    monkeypatch.setattr("rlhf_pipeline.engines.hf.HFEngine.generate", real_generate)
+    monkeypatch.setattr(engines, "resolve_engine_name", lambda name: "vllm" if name == "auto" else name)  # vLLM here
+    capsys.readouterr()
+    assert run(*args) == 1
+    err = capsys.readouterr().err
+    assert "its finished chunks were sampled with the hf engine, and --engine auto is vllm here" in err
+    assert "pass --overwrite to sample every chunk with vllm" in err
+    calls = []
+    real_open = generate.open_engine
+
+    def hf_engine(config, tokenizer):  # the "vllm" this test has is the hf engine
+        engine = real_open(dataclasses.replace(config, engine="hf"), tokenizer)
+        inner = engine.generate
+        monkeypatch.setattr(engine, "generate", lambda *a, **kw: calls.append(len(a[0])) or inner(*a, **kw))
+        return engine
+
+    monkeypatch.setattr(generate, "open_engine", hf_engine)
+    assert run(*args, "--overwrite") == 0
+    assert calls == [5, 5, 2]  # every chunk again
+    assert load_from_disk(str(tmp_path / "out")).to_dict() == load_from_disk(str(tmp_path / "whole")).to_dict()
+
+    before = sorted(p.name for p in (tmp_path / "out").iterdir())
+    monkeypatch.setattr(generate, "open_engine", lambda *a: 1 / 0)  # the replacing run fails
+    with pytest.raises(ZeroDivisionError):
+        run(*args, "--seed", 7, "--overwrite")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
+    assert load_from_disk(str(tmp_path / "out")).to_dict() == load_from_disk(str(tmp_path / "whole")).to_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "prompts.jsonl", "whole"]
+
+
 def test_a_prompt_too_long_in_a_later_chunk_stops_generate_before_the_engine_loads(tiny_policy, tmp_path,
                                                                                      monkeypatch, capsys):
     """Prompts are encoded a chunk at a time; one that fills the context in the third chunk stopped the run only

@@ -67,8 +67,9 @@ fi
 
 # Sharded: shard i runs on GPUs [i*TP, (i+1)*TP), in the background; then the shards are joined. Every shard needs
 # its own TP GPUs: SHARDS=8 with the default TP=8 would give shards 1-7 GPUs that do not exist.
-if command -v nvidia-smi >/dev/null; then
-  gpus_here=$(nvidia-smi -L | grep -c '^GPU')
+gpus_here=0
+command -v nvidia-smi >/dev/null && gpus_here=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${gpus_here:-0}" -gt 0 ]; then  # where nvidia-smi lists none (no driver here), the shards say why themselves
   if [ $((SHARDS * TP)) -gt "$gpus_here" ]; then
     echo "SHARDS=$SHARDS x TP=$TP needs $((SHARDS * TP)) GPUs, and this machine has $gpus_here: set TP=1 with" \
       "SHARDS=$gpus_here (one engine per GPU), or fewer shards" >&2

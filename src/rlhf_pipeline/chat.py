@@ -76,6 +76,21 @@ def check_roles(messages: Sequence[Any], where: str) -> None:
             )
 
 
+def check_message_roles(ds: Dataset, column: str, source: str) -> None:
+    """:func:`check_roles` over a dataset's ``messages`` column (a stage that reads generations or data made
+    elsewhere): the distinct roles are read with Arrow, and only a bad one makes the rows be read, to name the first."""
+    if column != "messages":
+        return
+    import pyarrow.compute as pc
+
+    flat = pc.list_flatten(ds.with_format("arrow")[column])
+    roles = pc.unique(pc.struct_field(flat, "role")).to_pylist() if len(flat) else []
+    if all(role is None or _ROLE.fullmatch(role) for role in roles):
+        return
+    for row, messages in enumerate(ds[column]):
+        check_roles(messages or [], f"{source}: row {row}")
+
+
 def check_prompt(value: Any, column: str, row: int, source: str) -> None:
     """Raise a PipelineError naming the row if a prompt value is empty or malformed."""
     where = f"{source}: row {row}"

@@ -304,7 +304,7 @@ def _overlong_penalty(config: FilterConfig, sampling: dict | None, source: str) 
 
 
 def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -> str:
-    from rlhf_pipeline.chat import prompt_column
+    from rlhf_pipeline.chat import check_message_roles, prompt_column
 
     require_columns(ds, SCORED_COLUMNS, source, "filter takes the output of rlhf score")
     require_types(ds, SCORED_KINDS, source, "filter takes the output of rlhf score")
@@ -325,7 +325,9 @@ def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -
             if counts and min(counts) < 2:
                 row = counts.index(min(counts))
                 raise PipelineError(f"{needs}, but row {row} has {counts[row]}; drop such rows, or use --mode groups")
-    return prompt_column(ds, source)
+    column = prompt_column(ds, source)
+    check_message_roles(ds, column, source)
+    return column
 
 
 def _chat_template(config: FilterConfig, tokenizer, ds, column: str, source: str, sampling: dict | None):

@@ -30,6 +30,7 @@ import json
 import logging
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -37,7 +38,7 @@ from typing import Any, Optional, Sequence
 from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.contracts import GENERATED_COLUMNS, SAMPLER_LOGPROBS
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.layout import PARTS_DIR
+from rlhf_pipeline.layout import MANIFEST, PARTS_DIR
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.sharding import parse_shard, request_seed, shard_indices
 from rlhf_pipeline.stages import run_stage
@@ -334,30 +335,39 @@ def main(config: GenerateConfig) -> Path:
     # node) samples only the chunks it had not finished. Every prompt has its own seed (the hf engine's batches
     # start at a chunk's start), so the rows are those one uninterrupted run writes. The output directory is made
     # when the first chunk is done: a run that fails before (a damaged model, an engine that does not start) leaves
-    # nothing.
-    if out.replace:
+    # nothing. A finished output that --overwrite replaces stays whole until the new one is saved over it: this
+    # run's chunks then go to a hidden sibling (not resumable), removed whether it succeeds or fails.
+    replacing_finished = out.replace and (out.path / MANIFEST).exists()
+    if out.replace and not replacing_finished:  # an unfinished run of other options
         shutil.rmtree(out.path)
+    keys = [f"rows-{start:09d}-{min(start + chunk, ds.num_rows):09d}" for start in range(0, ds.num_rows, chunk)]
     parts = Parts(out.path / PARTS_DIR, Features(features)) if out.resumed else None
+    this_engine = resolve_engine_name(config.engine) if config.executor == "local" else None
+    if parts is not None and this_engine is not None:
+        other = {found[1]["engine"] for found in map(parts.get, keys) if found is not None} - {this_engine}
+        if other and not config.overwrite:
+            raise PipelineError(
+                f"--output {out.path}: its finished chunks were sampled with the {other.pop()} engine, and --engine "
+                f"{config.engine} is {this_engine} here; finish it where --engine {config.engine} is that engine "
+                f"again, or pass --overwrite to sample every chunk with {this_engine}")
+        if other:
+            shutil.rmtree(parts.directory)
+            parts = Parts(out.path / PARTS_DIR, Features(features))
+    scratch = out.path.parent / f".{out.path.name}.stream-{uuid.uuid4().hex[:8]}" if replacing_finished else None
 
     def keep(key: str, columns: dict[str, list], notes: dict[str, Any]):
         nonlocal parts
         if parts is None:
-            out.record_start()
-            parts = Parts(out.path / PARTS_DIR, Features(features))
+            if scratch is None:
+                out.record_start()
+            parts = Parts(scratch or out.path / PARTS_DIR, Features(features))
         return parts.write(key, columns, notes)
 
-    this_engine = resolve_engine_name(config.engine) if config.executor == "local" else None
     pieces, engine, engine_names, reused_tokens = [], None, set(), 0
     try:
-        for start in range(0, ds.num_rows, chunk):
+        for start, key in zip(range(0, ds.num_rows, chunk), keys):
             stop = min(start + chunk, ds.num_rows)
-            key = f"rows-{start:09d}-{stop:09d}"
             found = parts.get(key) if parts is not None else None
-            if found is not None and this_engine not in (None, found[1]["engine"]):
-                raise PipelineError(
-                    f"--output {out.path}: its finished chunks were sampled with the {found[1]['engine']} engine, "
-                    f"and --engine {config.engine} is {this_engine} here; pass --engine {found[1]['engine']} to "
-                    "finish the run with it, or --overwrite to sample it all again")
             if found is not None:
                 piece = found[0]
                 for reasons in piece["finish_reasons"]:
@@ -383,6 +393,10 @@ def main(config: GenerateConfig) -> Path:
             timing["sampling_s"] = timing.get("sampling_s", 0.0) + time.perf_counter() - started
             engine_names.add(name)
             pieces.append(keep(key, columns(part, prompt_ids, completions), {"engine": name}))
+    except BaseException:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
     finally:
         if engine is not None:
             engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
@@ -424,6 +438,8 @@ def main(config: GenerateConfig) -> Path:
             } if config.logprobs else None,
         },
     )
+    if scratch is not None:  # what replaced a finished output, saved over it now
+        shutil.rmtree(scratch, ignore_errors=True)
     return out.path
 
 

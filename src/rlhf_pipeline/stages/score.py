@@ -233,7 +233,7 @@ class ScoreConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
 
 
 def _check_generations(ds, source: str, sources: Sequence[RewardSource] = ()) -> str:
-    from rlhf_pipeline.chat import prompt_column
+    from rlhf_pipeline.chat import check_message_roles, prompt_column
 
     require_columns(ds, GENERATIONS_COLUMNS, source, "score takes the output of rlhf generate")
     require_types(ds, {"responses": "list of text"}, source, "score takes the output of rlhf generate")
@@ -245,7 +245,9 @@ def _check_generations(ds, source: str, sources: Sequence[RewardSource] = ()) ->
         if taken:
             raise PipelineError(f"{source}: already has a '{taken[0]}' column, where rlhf score would put the rewards "
                                 "of a source (already scored?); remove or rename that column")
-    return prompt_column(ds, source)
+    column = prompt_column(ds, source)
+    check_message_roles(ds, column, source)
+    return column
 
 
 def _check_responses(ds, source: str) -> None:

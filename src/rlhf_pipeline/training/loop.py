@@ -153,10 +153,15 @@ class TrainOptions(OutputOptions, LoraOptions):
     def __post_init__(self) -> None:
         self.check_lora()
         # accelerate drops a tracker whose package is missing with a warning, and the run logs nowhere but
-        # metrics.jsonl: say so before it starts
-        if self.report_to != "none" and importlib.util.find_spec(self.report_to) is None:
-            raise ValueError(f"--report-to {self.report_to}: {self.report_to} is not installed here (pip install "
-                             f"{self.report_to}); or pass --report-to none: OUTPUT/metrics.jsonl is written either way")
+        # metrics.jsonl: wandb, asked for by name, is refused before the run starts; TensorBoard, the default, is
+        # only said to be missing (tensorboardX serves accelerate too), as a plain install has neither
+        packages = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}.get(self.report_to, ())
+        if packages and not any(importlib.util.find_spec(p) for p in packages):
+            missing = (f"--report-to {self.report_to}: {self.report_to} is not installed here (pip install "
+                       f"{self.report_to}); or pass --report-to none: OUTPUT/metrics.jsonl is written either way")
+            if self.report_to == "wandb":
+                raise ValueError(missing)
+            log.warning(missing)
         for name in ("epochs", "batch_size", "gradient_accumulation_steps", "eval_batch_size", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")

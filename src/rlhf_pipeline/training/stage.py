@@ -30,6 +30,7 @@ or redone.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ from rlhf_pipeline.distributed import COLLECTIVE_TIMEOUT, cpu_deepspeed_backend,
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
 from rlhf_pipeline.modeling import SAFE_WEIGHTS, same_model
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from rlhf_pipeline.datasets_io import HubTarget, StageOutput
@@ -395,13 +398,20 @@ def adopt_data_template(tokenizer: Any, source: str, model_name: str) -> None:
     chose by name (``--chat-template`` zephyr, a file, none: the lineage's ``sampling.chat_template``) is set on the
     tokenizer that is saved with the model, so the next ``rlhf generate`` or a server renders with it, not with
     ``--model``'s own. Data rendered with the sampling tokenizer's own template needs nothing."""
-    from rlhf_pipeline.chat import recorded_chat_template, use_chat_template
+    from rlhf_pipeline.chat import read_chat_template, recorded_chat_template, use_chat_template
     from rlhf_pipeline.datasets_io import find_in_lineage, parse_ref
 
     sampling = find_in_lineage([parse_ref(source)], "sampling") or {}
-    value = recorded_chat_template(sampling.get("chat_template"))
-    if value is not None:
-        use_chat_template(tokenizer, value, model_name, required=False)
+    record = sampling.get("chat_template")
+    value = recorded_chat_template(record)
+    if value is None:
+        return
+    now = read_chat_template(value).sha
+    if now != record.get("sha256"):  # a template file edited since the sampling
+        log.warning("%s was rendered with the chat template %s (sha256 %s), which reads otherwise now (sha256 %s): "
+                    "the trained model keeps %s's template", source, value, record.get("sha256"), now, model_name)
+        return
+    use_chat_template(tokenizer, value, model_name, required=False)
 
 
 def check_vocabulary(data: dict, model: Any, tokenizer: Any, source: str, model_name: str) -> None:
