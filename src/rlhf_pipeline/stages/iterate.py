@@ -72,7 +72,7 @@ from rlhf_pipeline.layout import (CRITIC, ITERATE_CONFIG, ITERATION_STAGES, MANI
                                   iteration_dir, step_name)
 from rlhf_pipeline.machine import RUN_PID, adopt_orphans, die_with_parent, gpus_visible, run_identity
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.stages.score import as_list, one_or_list
+from rlhf_pipeline.stages.score import SOURCE_KINDS, as_list, one_or_list
 from rlhf_pipeline.training.checkpoints import remove_leftover_checkpoints
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ INPUT_FIELDS = {"generate": ("prompts",), "score": ("input",), "filter": ("input
 # Options that iterate sets itself; a stage section may not set them.
 RESERVED = {
     "generate": {"model", "prompts", "output", "offset", "limit", "wrap", "shard"},
-    "score": {"input", "output", "reward_model", "reward_fn"},
+    "score": {"input", "output", *SOURCE_KINDS},
     "filter": {"input", "output", "tokenizer"},
     "train": {"model", "data", "output", "algo", "resume"},
     "eval": {"model", "prompts", "output", "baseline"},
@@ -328,7 +328,7 @@ def count_prompts(config: IterateConfig) -> int | None:
 
 def eval_step(config: IterateConfig, run: Path, t: int, model: str) -> Step:
     """``rlhf eval`` of policy t against the starting policy's evaluation (iteration 0: against itself)."""
-    options = _section(config.eval, "eval", allowed_extra={"reward_model", "reward_fn"})
+    options = _section(config.eval, "eval", allowed_extra=set(SOURCE_KINDS))
     if "reward_model" not in options and "reward_fn" not in options:
         options.update(reward_model=config.reward_model, reward_fn=config.reward_fn)
         # the training reward, read as the score stage reads it (ArmoRM needs trust_remote_code; a verifiable
@@ -396,7 +396,7 @@ def plan(config: IterateConfig, num_prompts: int | None = None) -> list[Step]:
     run = Path(config.output).expanduser()
     sections = {s: _section(getattr(config, s), s) for s in ("generate", "score", "filter", "train")}
     check_plan(config, sections)
-    _section(config.eval, "eval", allowed_extra={"reward_model", "reward_fn"})
+    _section(config.eval, "eval", allowed_extra=set(SOURCE_KINDS))
     if not config.eval_prompts and (config.eval or "eval" in config.launchers):  # a recipe's, for when it is set
         log.warning("the eval section and launchers.eval are not used: every iteration's rlhf eval runs only with "
                     "eval_prompts")

@@ -70,7 +70,8 @@ log = logging.getLogger(__name__)
 
 # Columns of the generations contract that a reward function does not receive as extra columns.
 NOT_PASSED = ("prompt", *GENERATED_COLUMNS, "rewards")
-# The two kinds of reward source, as their options are named (--reward-model, --reward-fn).
+# The kinds of reward source, as their options are named (--reward-model, --reward-fn), in the order their sources
+# are combined (and --reward-weights given); the checks, the keys and rlhf iterate's reserved keys follow it.
 SOURCE_KINDS = ("reward_model", "reward_fn")
 
 
@@ -120,7 +121,7 @@ def reward_sources(reward_model: str | Sequence[str] | None, reward_fn: str | Se
     function give ``rewards_reward_model`` and ``rewards_reward_fn``, the columns ``rlhf eval`` has always written."""
     sources: list[RewardSource] = []
     taken: set[str] = set()
-    for kind, specs in (("reward_model", as_list(reward_model)), ("reward_fn", as_list(reward_fn))):
+    for kind, specs in zip(SOURCE_KINDS, (as_list(reward_model), as_list(reward_fn))):
         for spec in specs:
             key = kind if len(specs) == 1 else f"{kind}_{_source_name(kind, spec)}"
             base, k = key, 2
@@ -137,7 +138,8 @@ def check_reward_options(reward_model, reward_fn, reward_weights, *, exactly_one
     models, fns = as_list(reward_model), as_list(reward_fn)
     if not models and not fns:
         raise ValueError("give a reward source: --reward-model, --reward-fn, or several of them")
-    for flag, specs in (("--reward-model", models), ("--reward-fn", fns)):
+    for kind, specs in zip(SOURCE_KINDS, (models, fns)):
+        flag = "--" + kind.replace("_", "-")
         twice = sorted({s for s in specs if specs.count(s) > 1})
         if twice:
             raise ValueError(f"{flag} {twice[0]} is given twice; give each reward source once (weigh it with "
