@@ -68,6 +68,13 @@ def override(group: type, name: str, default: Any = MISSING, *, semantic: bool |
     return field(default=shared.default if default is MISSING else default, metadata=metadata)
 
 
+def default_of(group: type, name: str) -> Any:
+    """The default of ``group``'s field ``name``: for another stage's option that means the same under another name
+    (rlhf eval's ``--score-batch-size`` is rlhf score's ``--batch-size``)."""
+    (shared,) = [f for f in dataclasses.fields(group) if f.name == name]
+    return shared.default
+
+
 def options_of(config: Any, group: type) -> dict[str, Any]:
     """The values of ``group``'s fields in ``config`` (an instance of a config that inherits ``group``), to pass
     on to another stage's config: ``GenerateConfig(..., **options_of(eval_config, SamplingOptions))``."""

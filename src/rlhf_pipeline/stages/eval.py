@@ -76,13 +76,14 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence
 
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import (
-    DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option, options_of, override,
+    DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, default_of, option, options_of, override,
 )
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.evalstats import mean_and_stderr, pair_indices, preference_comparison, reward_comparison
 from rlhf_pipeline.judge import TEMPLATE_VERSION
 from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES, LM_EVAL_DIR, MANIFEST
 from rlhf_pipeline.sampling_options import SamplingOptions
+from rlhf_pipeline.stages import score as score_stage  # its ScoreConfig by the module: one *Config here (cli)
 from rlhf_pipeline.stages.score import RewardSource, check_reward_options, one_or_list, reward_sources
 
 if TYPE_CHECKING:
@@ -132,8 +133,9 @@ class EvalConfig(ChatTemplateOptions, ControlTokenOptions, SamplingOptions, Outp
     n: int = override(SamplingOptions, "n", 1)
     # Left out of eval's own reuse check; the generate step in OUTPUT/generate checks it against its manifest.
     batch_size: int = override(SamplingOptions, "batch_size", semantic=False)
-    score_batch_size: int = option(16, help="Sequences per reward-model forward.", semantic=False)
-    max_length: int = option(4096, help="Reward model: conversations longer than this keep their first tokens.")
+    score_batch_size: int = option(default_of(score_stage.ScoreConfig, "batch_size"),
+                                   help="Sequences per reward-model forward.", semantic=False)
+    max_length: int = override(score_stage.ScoreConfig, "max_length")  # rlhf score's, for the same scorers
     reference_column: Optional[str] = option(
         None, help="The prompts' column holding the ground truth, passed to reward functions as 'reference' (as rlhf "
         "score's --reference-column); default: a column named reference, answer, solution or ground_truth."
