@@ -515,7 +515,6 @@ def stage_configs() -> dict[str, type]:
 
 def _stage_config(step: Step):
     """The stage's parsed config (argparse errors become a PipelineError that names the step)."""
-    import contextlib
     import io
 
     from rlhf_pipeline.config import parse_config

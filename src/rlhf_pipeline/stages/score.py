@@ -485,7 +485,6 @@ def _sampled_sequences(tokenizer, ds, column: str, locations: Locations, allow_s
     prompts are rendered with the reward model's and must give the stored ids, and its template must render a
     prompt as the start of the conversation (Mistral's does not), else this is a PipelineError."""
     from rlhf_pipeline.chat import ChatTemplateRefused, encode_conversations, encode_prompts
-    from rlhf_pipeline.contracts import require_columns
 
     require_columns(ds, ("prompt_token_ids", "response_token_ids", "finish_reasons"), data,
                     "--sampled-ids reads the token ids rlhf generate stores")
