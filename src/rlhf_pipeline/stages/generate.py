@@ -295,12 +295,16 @@ def main(config: GenerateConfig) -> Path:
     counts = {"stop": 0, "length": 0}
     timing: dict[str, float] = {"new_tokens": 0}
 
+    def tally(finish_reasons: list[list[str]], token_ids: list[list[list[int]]]) -> int:
+        """Count a chunk's finish reasons into ``counts``; its new tokens."""
+        for reasons in finish_reasons:
+            for reason in reasons:
+                counts[reason] = counts.get(reason, 0) + 1
+        return sum(len(t) for ids in token_ids for t in ids)
+
     def columns(part: dict, prompt_ids: list[list[int]], completions) -> dict[str, list]:
         ids = ids_of_prompts(part, column)
-        for c in completions:
-            for reason in c.finish_reasons:
-                counts[reason] = counts.get(reason, 0) + 1
-            timing["new_tokens"] += sum(len(t) for t in c.token_ids)
+        timing["new_tokens"] += tally([c.finish_reasons for c in completions], [c.token_ids for c in completions])
         out = {"prompt_id": ids, "prompt_token_ids": prompt_ids, "responses": [c.texts for c in completions],
                "response_token_ids": [c.token_ids for c in completions],
                "finish_reasons": [c.finish_reasons for c in completions]}
@@ -342,9 +346,10 @@ def main(config: GenerateConfig) -> Path:
         shutil.rmtree(out.path)
     keys = [f"rows-{start:09d}-{min(start + chunk, ds.num_rows):09d}" for start in range(0, ds.num_rows, chunk)]
     parts = Parts(out.path / PARTS_DIR, Features(features)) if out.resumed else None
+    finished = {key: parts.get(key) for key in keys} if parts is not None else {}  # key -> (rows, notes) or None
     this_engine = resolve_engine_name(config.engine) if config.executor == "local" else None
-    if parts is not None and this_engine is not None:
-        other = {found[1]["engine"] for found in map(parts.get, keys) if found is not None} - {this_engine}
+    if this_engine is not None:
+        other = {found[1]["engine"] for found in finished.values() if found is not None} - {this_engine}
         if other and not config.overwrite:
             raise PipelineError(
                 f"--output {out.path}: its finished chunks were sampled with the {other.pop()} engine, and --engine "
@@ -352,7 +357,7 @@ def main(config: GenerateConfig) -> Path:
                 f"again, or pass --overwrite to sample every chunk with {this_engine}")
         if other:
             shutil.rmtree(parts.directory)
-            parts = Parts(out.path / PARTS_DIR, Features(features))
+            parts, finished = Parts(out.path / PARTS_DIR, Features(features)), {}
     scratch = out.path.parent / f".{out.path.name}.stream-{uuid.uuid4().hex[:8]}" if replacing_finished else None
 
     def keep(key: str, columns: dict[str, list], notes: dict[str, Any]):
@@ -367,13 +372,10 @@ def main(config: GenerateConfig) -> Path:
     try:
         for start, key in zip(range(0, ds.num_rows, chunk), keys):
             stop = min(start + chunk, ds.num_rows)
-            found = parts.get(key) if parts is not None else None
+            found = finished.get(key)
             if found is not None:
                 piece = found[0]
-                for reasons in piece["finish_reasons"]:
-                    for reason in reasons:
-                        counts[reason] = counts.get(reason, 0) + 1
-                reused_tokens += sum(len(t) for ts in piece["response_token_ids"] for t in ts)
+                reused_tokens += tally(piece["finish_reasons"], piece["response_token_ids"])
                 engine_names.add(found[1]["engine"])
                 pieces.append(piece)
                 continue

@@ -786,14 +786,11 @@ def stop_processes(procs: Sequence[subprocess.Popen], grace: Optional[float] = N
     it is signalled, so that a process it starts meanwhile is in it too."""
     import psutil
 
-    def tree() -> list[psutil.Process]:
-        return process_tree(procs, known)
-
     grace = STOP_GRACE_SECONDS if grace is None else grace
 
     frozen: dict[int, psutil.Process] = {}
     for _ in range(3):  # a process forking as it was frozen shows up in the next listing
-        new = [p for p in tree() if p.pid not in frozen]
+        new = [p for p in process_tree(procs, known) if p.pid not in frozen]
         if not new:
             break
         for process in new:
@@ -985,7 +982,7 @@ def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool, on_hub: 
                         print(f"[{label}] {step.name} failed; waiting for "
                               f"{', '.join(s.name for s, _, _ in running.values())} to finish", flush=True)
                 elif not (step.output / MANIFEST).exists():
-                    failure = failure or f"{step.name} exited without writing {step.output / 'manifest.json'}"
+                    failure = failure or f"{step.name} exited without writing {step.output / MANIFEST}"
                 else:
                     finished.add(step.name)
     except (KeyboardInterrupt, Stopped) as e:
