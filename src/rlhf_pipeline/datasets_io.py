@@ -36,7 +36,7 @@ from rlhf_pipeline import __version__
 from rlhf_pipeline.config import semantic_dict, to_dict
 from rlhf_pipeline.errors import PipelineError, redact
 from rlhf_pipeline.files import first_line, flush_files, flush_tree, is_disk_full, reading, sync_dir, writing
-from rlhf_pipeline.layout import MANIFEST, RUN_RECORD
+from rlhf_pipeline.layout import MANIFEST, PARTS_DIR, RUN_RECORD
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict
@@ -436,6 +436,55 @@ class Parts:
         os.replace(tmp, final)  # the rows last: a piece is finished when its .arrow is there
         sync_dir(self.directory)
         return Dataset.from_file(str(final))
+
+
+class OutputParts:
+    """The finished pieces of a stage output filled chunk by chunk (rlhf generate's chunks of prompts, rlhf score's
+    chunks of responses), for a stage whose :meth:`StageOutput.done` was called with ``resume=True``.
+
+    - A run that continues an unfinished one (``out.resumed``) finds that run's pieces in ``OUTPUT/parts/``
+      (:meth:`finished`) and makes only the others.
+    - The output directory, its run record and ``parts/`` are made when the first piece is kept (:meth:`keep`):
+      a run that fails before (a model that does not load) leaves nothing.
+    - ``--overwrite`` of an unfinished run of other options removes it at once. A finished output that it replaces
+      stays whole until the new one is saved over it: this run's pieces go to a hidden sibling
+      (``.NAME.stream-*``, not resumable), removed on leaving the ``with`` block whether the run succeeded or not.
+
+    Use it as a context manager around the stage's work and its ``out.save``."""
+
+    def __init__(self, out: StageOutput, features):
+        self.out, self.features = out, features
+        replacing_finished = out.replace and (out.path / MANIFEST).exists()
+        if out.replace and not replacing_finished:  # an unfinished run of other options
+            shutil.rmtree(out.path)
+        self.scratch = (out.path.parent / f".{out.path.name}.stream-{uuid.uuid4().hex[:8]}"
+                        if replacing_finished else None)
+        self.parts = Parts(out.path / PARTS_DIR, features) if out.resumed else None
+
+    def finished(self, keys: list[str]) -> dict[str, tuple[Dataset, dict[str, Any]] | None]:
+        """Each key's finished piece and its notes, None where there is none."""
+        return {key: self.parts.get(key) if self.parts is not None else None for key in keys}
+
+    def discard(self) -> None:
+        """Delete the finished pieces (made in a way this run does not reuse): every piece is made again."""
+        if self.parts is not None:
+            shutil.rmtree(self.parts.directory)
+            self.parts = None
+
+    def keep(self, key: str, columns: dict[str, list], notes: dict[str, Any]) -> Dataset:
+        """Keep a finished piece (:meth:`Parts.write`), making the output's directory and run record for the first."""
+        if self.parts is None:
+            if self.scratch is None:
+                self.out.record_start()
+            self.parts = Parts(self.scratch or self.out.path / PARTS_DIR, self.features)
+        return self.parts.write(key, columns, notes)
+
+    def __enter__(self) -> OutputParts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 @contextlib.contextmanager

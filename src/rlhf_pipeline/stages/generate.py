@@ -28,17 +28,14 @@ import dataclasses
 import hashlib
 import json
 import logging
-import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
 from rlhf_pipeline.contracts import GENERATED_COLUMNS, SAMPLER_LOGPROBS
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.layout import MANIFEST, PARTS_DIR
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.sharding import parse_shard, request_seed, shard_indices
 from rlhf_pipeline.stages import run_stage
@@ -253,7 +250,7 @@ def main(config: GenerateConfig) -> Path:
                                     raw_conversation_error, tokenizer_probe)
     from rlhf_pipeline.chat import stop_token_ids
     from rlhf_pipeline.chat import use_chat_template
-    from rlhf_pipeline.datasets_io import Parts, StageOutput, parse_ref
+    from rlhf_pipeline.datasets_io import OutputParts, StageOutput, parse_ref
     from rlhf_pipeline.engines import SamplingSettings, resolve_engine_name
     from rlhf_pipeline.modeling import check_model_ref
 
@@ -337,111 +334,90 @@ def main(config: GenerateConfig) -> Path:
         encoded(start, start + chunk)
     # Each chunk is kept in OUTPUT/parts/ as it finishes: a rerun of a run that stopped (a crash, a kill, a lost
     # node) samples only the chunks it had not finished. Every prompt has its own seed (the hf engine's batches
-    # start at a chunk's start), so the rows are those one uninterrupted run writes. The output directory is made
-    # when the first chunk is done: a run that fails before (a damaged model, an engine that does not start) leaves
-    # nothing. A finished output that --overwrite replaces stays whole until the new one is saved over it: this
-    # run's chunks then go to a hidden sibling (not resumable), removed whether it succeeds or fails.
-    replacing_finished = out.replace and (out.path / MANIFEST).exists()
-    if out.replace and not replacing_finished:  # an unfinished run of other options
-        shutil.rmtree(out.path)
+    # start at a chunk's start), so the rows are those one uninterrupted run writes. datasets_io.OutputParts says
+    # when the output directory is made and what --overwrite does to a finished output.
     keys = [f"rows-{start:09d}-{min(start + chunk, ds.num_rows):09d}" for start in range(0, ds.num_rows, chunk)]
-    parts = Parts(out.path / PARTS_DIR, Features(features)) if out.resumed else None
-    finished = {key: parts.get(key) for key in keys} if parts is not None else {}  # key -> (rows, notes) or None
-    this_engine = resolve_engine_name(config.engine) if config.executor == "local" else None
-    if this_engine is not None:
-        other = {found[1]["engine"] for found in finished.values() if found is not None} - {this_engine}
-        if other and not config.overwrite:
-            raise PipelineError(
-                f"--output {out.path}: its finished chunks were sampled with the {other.pop()} engine, and --engine "
-                f"{config.engine} is {this_engine} here; finish it where --engine {config.engine} is that engine "
-                f"again, or pass --overwrite to sample every chunk with {this_engine}")
-        if other:
-            shutil.rmtree(parts.directory)
-            parts, finished = Parts(out.path / PARTS_DIR, Features(features)), {}
-    scratch = out.path.parent / f".{out.path.name}.stream-{uuid.uuid4().hex[:8]}" if replacing_finished else None
-
-    def keep(key: str, columns: dict[str, list], notes: dict[str, Any]):
-        nonlocal parts
-        if parts is None:
-            if scratch is None:
-                out.record_start()
-            parts = Parts(scratch or out.path / PARTS_DIR, Features(features))
-        return parts.write(key, columns, notes)
-
-    pieces, engine, engine_names, reused_tokens = [], None, set(), 0
-    try:
-        for start, key in zip(range(0, ds.num_rows, chunk), keys):
-            stop = min(start + chunk, ds.num_rows)
-            found = finished.get(key)
-            if found is not None:
-                piece = found[0]
-                reused_tokens += tally(piece["finish_reasons"], piece["response_token_ids"])
-                engine_names.add(found[1]["engine"])
-                pieces.append(piece)
-                continue
-            part, prompt_ids = first if start == 0 else encoded(start, stop)
-            seeds = [request_seed(config.seed, r) for r in rows[start:stop]]
-            started = time.perf_counter()
-            if config.executor == "ray":
-                name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
-            else:
-                if engine is None:
-                    engine = open_engine(config, tokenizer)
-                    timing["engine_start_s"] = time.perf_counter() - started
-                    started = time.perf_counter()
-                name, completions = engine.name, engine.generate(prompt_ids, seeds, sampling,
-                                                                 logprobs=config.logprobs)
-            # Ray's: the replicas' start-up included
-            timing["sampling_s"] = timing.get("sampling_s", 0.0) + time.perf_counter() - started
-            engine_names.add(name)
-            pieces.append(keep(key, columns(part, prompt_ids, completions), {"engine": name}))
-    except BaseException:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    finally:
-        if engine is not None:
-            engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
-    (engine_name,) = engine_names
-    generated = concatenate_datasets(pieces)
-    if "prompt_id" in ds.column_names:
-        ds = ds.remove_columns("prompt_id")
-    result = concatenate_datasets([generated.select_columns(["prompt_id"]), ds,
-                                   generated.remove_columns("prompt_id")], axis=1)
-    stopped = counts["stop"]
-    out.save(
-        result,
-        rows_in=len(rows),
-        extra={
-            "sampling": {
-                **dataclasses.asdict(sampling),
-                "stop_token_ids": list(sampling.stop_token_ids),
-                "model": config.model,
-                "engine": engine_name,
-                "use_chat_template": template.text is not None,  # what manifests before chat_template say
-                "chat_template": template.record(),
-                TOKENIZER_PROBE_KEY: tokenizer_probe(tokenizer),  # what made the token ids (chat.py)
+    with OutputParts(out, Features(features)) as parts:
+        finished = parts.finished(keys)  # key -> (rows, notes) or None
+        this_engine = resolve_engine_name(config.engine) if config.executor == "local" else None
+        if this_engine is not None:
+            other = {found[1]["engine"] for found in finished.values() if found is not None} - {this_engine}
+            if other and not config.overwrite:
+                raise PipelineError(
+                    f"--output {out.path}: its finished chunks were sampled with the {other.pop()} engine, and "
+                    f"--engine {config.engine} is {this_engine} here; finish it where --engine {config.engine} is "
+                    f"that engine again, or pass --overwrite to sample every chunk with {this_engine}")
+            if other:
+                parts.discard()
+                finished = dict.fromkeys(keys)
+        pieces, engine, engine_names, reused_tokens = [], None, set(), 0
+        try:
+            for start, key in zip(range(0, ds.num_rows, chunk), keys):
+                stop = min(start + chunk, ds.num_rows)
+                found = finished[key]
+                if found is not None:
+                    piece = found[0]
+                    reused_tokens += tally(piece["finish_reasons"], piece["response_token_ids"])
+                    engine_names.add(found[1]["engine"])
+                    pieces.append(piece)
+                    continue
+                part, prompt_ids = first if start == 0 else encoded(start, stop)
+                seeds = [request_seed(config.seed, r) for r in rows[start:stop]]
+                started = time.perf_counter()
+                if config.executor == "ray":
+                    name, completions = sample_on_ray(config, prompt_ids, seeds, rows, sampling)
+                else:
+                    if engine is None:
+                        engine = open_engine(config, tokenizer)
+                        timing["engine_start_s"] = time.perf_counter() - started
+                        started = time.perf_counter()
+                    name, completions = engine.name, engine.generate(prompt_ids, seeds, sampling,
+                                                                     logprobs=config.logprobs)
+                # Ray's: the replicas' start-up included
+                timing["sampling_s"] = timing.get("sampling_s", 0.0) + time.perf_counter() - started
+                engine_names.add(name)
+                pieces.append(parts.keep(key, columns(part, prompt_ids, completions), {"engine": name}))
+        finally:
+            if engine is not None:
+                engine.close()  # eval goes on to score, or to sample a baseline with an engine of its own
+        (engine_name,) = engine_names
+        generated = concatenate_datasets(pieces)
+        if "prompt_id" in ds.column_names:
+            ds = ds.remove_columns("prompt_id")
+        result = concatenate_datasets([generated.select_columns(["prompt_id"]), ds,
+                                       generated.remove_columns("prompt_id")], axis=1)
+        stopped = counts["stop"]
+        out.save(
+            result,
+            rows_in=len(rows),
+            extra={
+                "sampling": {
+                    **dataclasses.asdict(sampling),
+                    "stop_token_ids": list(sampling.stop_token_ids),
+                    "model": config.model,
+                    "engine": engine_name,
+                    "use_chat_template": template.text is not None,  # what manifests before chat_template say
+                    "chat_template": template.record(),
+                    TOKENIZER_PROBE_KEY: tokenizer_probe(tokenizer),  # what made the token ids (chat.py)
+                },
+                "shard": {"spec": config.shard, "rows": row_spans(rows), "rows_total": rows_total},
+                "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),
+                             "gpus_per_replica": config.gpus_per_replica, "ray_address": config.ray_address},
+                "responses": {"total": stopped + counts["length"], "stopped": stopped},
+                # what the engine took, apart from the process's start and the stage's reading and writing (the
+                # manifest's wall_time_s): loading the model and starting the engine, then sampling, in this run;
+                # the chunks an interrupted one finished are in new_tokens, not in the rate, which is this run's
+                "timing": {**{k: round(v, 3) for k, v in timing.items() if k != "new_tokens"},
+                           "new_tokens": int(timing["new_tokens"]) + reused_tokens,
+                           "new_tokens_per_s": round(timing["new_tokens"] / timing["sampling_s"], 1)
+                           if timing.get("sampling_s") else None},
+                "sampler_logprobs": {
+                    "column": SAMPLER_LOGPROBS, "engine": engine_name, "dtype": "float32",
+                    "computed": "each sampled token's log-prob under the distribution it was drawn from: "
+                                "log_softmax of the logits / temperature, renormalised over what top-k and top-p kept",
+                } if config.logprobs else None,
             },
-            "shard": {"spec": config.shard, "rows": row_spans(rows), "rows_total": rows_total},
-            "executor": {"name": config.executor, "replicas": replicas_for(config, len(rows)),
-                         "gpus_per_replica": config.gpus_per_replica, "ray_address": config.ray_address},
-            "responses": {"total": stopped + counts["length"], "stopped": stopped},
-            # what the engine took, apart from the process's start and the stage's reading and writing (the
-            # manifest's wall_time_s): loading the model and starting the engine, then sampling, in this run; the
-            # chunks an interrupted one finished are in new_tokens, not in the rate, which is this run's
-            "timing": {**{k: round(v, 3) for k, v in timing.items() if k != "new_tokens"},
-                       "new_tokens": int(timing["new_tokens"]) + reused_tokens,
-                       "new_tokens_per_s": round(timing["new_tokens"] / timing["sampling_s"], 1)
-                       if timing.get("sampling_s") else None},
-            "sampler_logprobs": {
-                "column": SAMPLER_LOGPROBS, "engine": engine_name, "dtype": "float32",
-                "computed": "each sampled token's log-prob under the distribution it was drawn from: log_softmax "
-                            "of the logits / temperature, renormalised over what top-k and top-p kept",
-            } if config.logprobs else None,
-        },
-    )
-    if scratch is not None:  # what replaced a finished output, saved over it now
-        shutil.rmtree(scratch, ignore_errors=True)
+        )
     return out.path
 
 
