@@ -77,7 +77,7 @@ class Case(NamedTuple):
     expect: str  # a part of the error line
     user_code: str | None = None  # the user's file the traceback must show (a reward function that raised)
     subprocess: bool = False  # run as ``python -m rlhf_pipeline.cli``
-    kept: bool = False  # the output stays, unfinished and resumable (no manifest.json): see the eval case
+    kept: bool = False  # the output stays, unfinished and resumable (no manifest.json): its finished chunks or parts
 
 
 GEN_ROWS = [
@@ -408,9 +408,10 @@ CASES = [
     Case("score-source-column-taken", ["score", "--input", "{gen_with_source_column}", "--reward-fn",
                                        "{rewards}:good", "--reward-model", "{rm}"],
          "already has a 'rewards_reward_fn' column"),
+    # the first source's chunk stays, scored, for the rerun once the second is fixed
     Case("score-second-source-nan", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good",
                                      "--reward-fn", "{rewards}:nan"],
-         "row 0 (prompt_id p0), response 0: the reward function {rewards}:nan returned nan"),
+         "row 0 (prompt_id p0), response 0: the reward function {rewards}:nan returned nan", kept=True),
     Case("score-batch-size-zero", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:good", "--batch-size", "0"],
          "--batch-size must be at least 1"),
     # filter
@@ -627,7 +628,7 @@ def test_bad_input_is_one_error_line_and_leaves_nothing(case, kit, tmp_path, cap
         frames = [line for line in lines if line.startswith('  File "')]
         assert f'  File "{case.user_code.format(**kit)}"' in "\n".join(frames), err
         assert not [f for f in frames if "/rlhf_pipeline/" in f], err
-    if case.kept:  # an evaluation is filled in place and resumable: unfinished, never complete-looking
+    if case.kept:  # filled in place and resumable: unfinished, never complete-looking
         assert not (out / "manifest.json").exists() and not (out / "results.json").exists()
     else:
         assert not out.exists(), sorted(p.name for p in out.iterdir())

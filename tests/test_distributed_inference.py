@@ -36,12 +36,14 @@ def reward(prompts, responses, **columns):
 '''
 
 
-def launch(stage_module: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``accelerate launch --multi_gpu --num_processes 2 -m MODULE ARGS`` on CPUs (the stages use gloo there)."""
+def launch(stage_module: str, *args, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``accelerate launch --multi_gpu --num_processes 2 -m MODULE ARGS`` on CPUs (the stages use gloo there); a
+    ``stage_module`` ending in .py is a script, launched as it is."""
+    script = ["-m", stage_module] if not stage_module.endswith(".py") else [stage_module]
     cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-           "-m", stage_module, *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+           *script, *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -81,6 +83,60 @@ def test_score_on_two_processes_equals_one_process(shared, tiny_rm, tmp_path, ca
     capsys.readouterr()
     assert run("score", *args, "--output", tmp_path / "two") == 0
     assert "nothing to do" in capsys.readouterr().out
+
+
+# rlhf score with small chunks (a reward model's of 3 rows, a function's of 2 batches of 3 responses), and a reward
+# function that fails at its FAIL_AT-th call on each process when that is set.
+SMALL_CHUNKS = """
+import sys
+
+from rlhf_pipeline.stages import score
+
+score.CHUNK_ROWS, score.FN_CHUNK_RESPONSES = 3, 6
+sys.exit(score.cli())
+"""
+FAILS_AT = """
+import os
+
+CALLS = []
+
+def reward(prompts, responses, **columns):
+    CALLS.append(1)
+    if len(CALLS) == int(os.environ.get("FAIL_AT", 0)):
+        raise ZeroDivisionError("the machine went away")
+    mean = sum(map(len, responses)) / len(responses)
+    return [len(r) - mean for r in responses]
+"""
+
+
+def test_an_interrupted_two_process_score_keeps_its_chunks_and_resumes(shared, tiny_rm, tmp_path, monkeypatch):
+    """Each chunk's shares are gathered and kept by the main process as the chunk finishes: a 2-process run that
+    fails in the function's third chunk (one batch of it on each process) keeps the model's 4 chunks and the
+    function's first 2, and a 2-process rerun scores the rest and writes what one uninterrupted process writes."""
+    from rlhf_pipeline.stages import score
+
+    (tmp_path / "small_chunks.py").write_text(SMALL_CHUNKS)
+    (tmp_path / "fails_at.py").write_text(FAILS_AT)
+    args = ["--input", shared / "gen", "--reward-model", tiny_rm, "--reward-fn", f"{tmp_path}/fails_at.py:reward",
+            "--batch-size", 3]
+    monkeypatch.setattr(score, "CHUNK_ROWS", 3)
+    monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 6)
+    assert run("score", *args, "--output", tmp_path / "one") == 0
+
+    res = launch(str(tmp_path / "small_chunks.py"), *args, "--output", tmp_path / "two", env={"FAIL_AT": "3"})
+    assert res.returncode != 0 and "ZeroDivisionError: the machine went away" in res.stderr, launch_failure(res)
+    kept = sorted(p.stem for p in (tmp_path / "two" / "parts").glob("*.arrow"))
+    assert kept == ["reward_fn-0000000000-0000000006", "reward_fn-0000000006-0000000012",
+                    *(f"reward_model-{6 * k:010d}-{min(6 * k + 6, 22):010d}" for k in range(4))]
+
+    res = launch(str(tmp_path / "small_chunks.py"), *args, "--output", tmp_path / "two")
+    assert res.returncode == 0, launch_failure(res)
+    assert "reusing 6 of 8 chunks an interrupted run finished" in res.stdout, launch_failure(res)
+    assert column(tmp_path / "two", "rewards_reward_fn") == column(tmp_path / "one", "rewards_reward_fn")
+    for name in ("rewards_reward_model", "rewards"):
+        two, one = column(tmp_path / "two", name), column(tmp_path / "one", name)
+        assert [pytest.approx(r, abs=1e-6) for r in one] == two
+    assert json.loads((tmp_path / "two" / "manifest.json").read_text())["resumed"] is True
 
 
 def test_a_failure_on_one_process_is_one_error_from_the_main_process(shared, tmp_path):

@@ -29,6 +29,8 @@ import pytest
 
 from conftest import LENGTH_REWARD, crash_after_checkpoint, logged, max_weight_diff, run
 
+from rlhf_pipeline.layout import PARTS_DIR, RUN_RECORD
+
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
@@ -389,7 +391,11 @@ def test_simulated_enospc_in_a_dataset_stage_is_one_line(kit, tmp_path, monkeypa
     err = capsys.readouterr().err
     (line,) = [x for x in err.splitlines() if x.startswith("error:")]
     assert f"{out}: no space left on the device while writing the output" in line and "needed" in line, line
-    assert not out.exists() and not list(tmp_path.glob(".out*"))
+    # unfinished, not half-written: the run record and the chunk of rewards it finished, which the rerun reuses
+    assert sorted(p.name for p in out.iterdir()) == [PARTS_DIR, RUN_RECORD] and not list(tmp_path.glob(".out*"))
+    monkeypatch.undo()
+    assert run("score", "--input", kit["gen"], "--reward-fn", kit["reward"], "--output", out) == 0
+    assert "reusing 1 of 1 chunks an interrupted run finished" in capsys.readouterr().out
 
 
 def test_simulated_enospc_from_a_library_that_raises_its_own_type(kit, tmp_path, monkeypatch, capsys):

@@ -352,20 +352,27 @@ def overlapped_iterate_ref(kit, tiny_policy, tmp_path_factory) -> Reference:
 # The single-write stages
 
 
+def assert_only_finished_chunks(out: Path) -> None:
+    """An unfinished output of a stage that keeps its chunks (generate, score) holds its run record and the chunks
+    it finished, or is not there: killed before its first chunk was done."""
+    if out.exists():
+        assert {p.name for p in out.iterdir() if not p.name.startswith(".")} <= {PARTS_DIR, RUN_RECORD}, out
+
+
 @pytest.mark.parametrize("stage", ["generate", "score", "filter", "ref-logps"])
 def test_killed_single_write_stage_reruns_to_the_uninterrupted_result(stage, request, tmp_path):
     ref: Reference = request.getfixturevalue(stage.replace("-", "_") + "_ref")
     out = kill_at_random_point(ref, tmp_path)
     # "Finished work" of these stages is their whole output: StageOutput.save writes the dataset and its manifest
     # into a hidden temporary sibling renamed into place at the end. So what the kill may leave is nothing under the
-    # output's name, or the complete output; or, for generate, which keeps each chunk of prompts as it finishes (one
-    # chunk here), its run record and its finished chunks, which the rerun reuses.
+    # output's name, or the complete output; or, for generate and score, which keep each chunk as it finishes (one
+    # chunk here), the run record and the finished chunks, which the rerun reuses.
     finished = (out / MANIFEST).exists()
     if finished:
         assert_same_data(out, ref.output)
         before = output_id(out)
-    elif stage == "generate" and out.exists():  # killed after it made its output directory: nothing else there
-        assert {p.name for p in out.iterdir() if not p.name.startswith(".")} <= {PARTS_DIR, RUN_RECORD}
+    elif stage in ("generate", "score"):
+        assert_only_finished_chunks(out)
     else:
         assert not out.exists(), sorted(p.name for p in out.iterdir())
 
@@ -422,11 +429,11 @@ def test_killed_eval_keeps_its_finished_parts_and_reruns_to_the_uninterrupted_re
     out = kill_at_random_point(ref, tmp_path)
     finished = (out / MANIFEST).exists()
     parts = {name: output_id(out / name) for name in EVAL_PARTS if (out / name / MANIFEST).exists()}
-    for name in EVAL_PARTS:  # each part is a stage output of its own: complete, or not there
+    for name in EVAL_PARTS:  # each part is a stage output of its own: complete, or its finished chunks, or not there
         if name in parts:
             assert_same_data(out / name, ref.output / name)
         else:
-            assert not (out / name).exists(), name
+            assert_only_finished_chunks(out / name)
 
     print(f"[eval] finished parts at the kill: {sorted(parts)}")
 

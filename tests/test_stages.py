@@ -521,3 +521,102 @@ def test_generate_samples_and_writes_a_chunk_of_prompts_at_a_time(tiny_policy, s
     assert not (tmp_path / "cut" / "parts").exists()
     assert json.loads((tmp_path / "cut" / "manifest.json").read_text())["responses"] == \
         json.loads((tmp_path / "whole" / "manifest.json").read_text())["responses"]
+
+
+def count_calls(monkeypatch, owner, name: str, fail_at: int | None = None) -> list:
+    """Count the calls of ``owner.name`` (one entry each, from now on); the ``fail_at``-th raises
+    ZeroDivisionError."""
+    real, seen = getattr(owner, name), []
+
+    def counted(*a, **kw):
+        seen.append(1)
+        if len(seen) == fail_at:
+            raise ZeroDivisionError("the machine went away")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(owner, name, counted)
+    return seen
+
+
+def test_score_keeps_each_chunk_and_a_rerun_scores_only_the_unfinished_ones(pipeline, tiny_rm, tmp_path,
+                                                                             monkeypatch, capsys):
+    """A reward model's chunks of 7 rows and a function's of 3 batches of 8 responses (40 rows x 4 responses: 6 and
+    7 chunks). A run that fails in the function's third chunk keeps the model's six and the function's first two; run
+    again, it loads no model, calls the function on the other batches alone, and writes what one uninterrupted run
+    writes, its manifest included, saying it resumed."""
+    import rlhf_pipeline.rewards as rewards
+    from rlhf_pipeline.stages import score
+
+    monkeypatch.setattr(score, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 20)  # rounded up to whole batches: 24 responses
+    args = ["--input", pipeline / "gen", "--reward-model", tiny_rm, "--reward-fn", f"{pipeline}/rewards.py:reward",
+            "--batch-size", 8, "--max-length", 40]
+    assert run("score", *args, "--output", tmp_path / "whole") == 0
+    assert manifest(tmp_path / "whole")["reward"]["sources"][0]["truncated_sequences"] > 0  # summed over chunks
+
+    calls = count_calls(monkeypatch, rewards, "call_reward_fn", fail_at=7)  # the third chunk's first batch
+    with pytest.raises(ZeroDivisionError):
+        run("score", *args, "--output", tmp_path / "cut")
+    assert not (tmp_path / "cut" / "manifest.json").exists()
+    kept = sorted(p.stem for p in (tmp_path / "cut" / "parts").glob("*.arrow"))
+    assert kept == [f"reward_fn-{a:010d}-{b:010d}" for a, b in ((0, 24), (24, 48))] + [
+        f"reward_model-{7 * 4 * k:010d}-{min(7 * 4 * (k + 1), 160):010d}" for k in range(6)]
+
+    assert len(calls) == 7
+    monkeypatch.undo()
+    monkeypatch.setattr(score, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 20)
+    fn_calls = count_calls(monkeypatch, rewards, "call_reward_fn")
+    models = count_calls(monkeypatch, rewards, "RewardModelScorer")
+    capsys.readouterr()
+    assert run("score", *args, "--output", tmp_path / "cut") == 0
+    assert "reusing 8 of 13 chunks an interrupted run finished" in capsys.readouterr().out
+    assert (len(models), len(fn_calls)) == (0, 20 - 6)  # 160 responses in batches of 8; six were scored
+    whole, cut = load_from_disk(str(tmp_path / "whole")), load_from_disk(str(tmp_path / "cut"))
+    assert cut.features == whole.features and cut.to_dict() == whole.to_dict()
+    assert manifest(tmp_path / "cut")["reward"] == manifest(tmp_path / "whole")["reward"]
+    assert manifest(tmp_path / "cut")["resumed"] is True
+    assert not (tmp_path / "cut" / "parts").exists()
+
+    # --overwrite with other options, failing after the model's chunks were kept: the finished output stays whole
+    count_calls(monkeypatch, rewards, "call_reward_fn", fail_at=3)
+    with pytest.raises(ZeroDivisionError):
+        run("score", *args[:-2], "--max-length", 60, "--overwrite", "--output", tmp_path / "cut")
+    assert load_from_disk(str(tmp_path / "cut")).to_dict() == whole.to_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut", "whole"]  # no hidden scratch left
+
+
+SCALED_REWARD = """
+def reward(prompts, responses, **columns):
+    return [{scale} * len(r) for r in responses]
+"""
+
+
+def test_a_rerun_scores_again_the_chunks_of_a_reward_function_edited_since(pipeline, tmp_path, monkeypatch,
+                                                                             capsys):
+    """Chunks of a function whose file changed since are scored again, not reused; a rerun with other options is
+    refused, with the fix."""
+    import rlhf_pipeline.rewards as rewards
+    from rlhf_pipeline.stages import score
+
+    monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 16)  # 10 chunks of 2 batches
+    fn = tmp_path / "scaled.py"
+    fn.write_text(SCALED_REWARD.format(scale=1))
+    args = ["--input", pipeline / "gen", "--reward-fn", f"{fn}:reward", "--batch-size", 8, "--output", tmp_path / "out"]
+    calls = count_calls(monkeypatch, rewards, "call_reward_fn", fail_at=5)
+    with pytest.raises(ZeroDivisionError):
+        run("score", *args)
+    assert len(list((tmp_path / "out" / "parts").glob("*.arrow"))) == 2
+    assert run("score", *args[:-4], "--batch-size", 4, "--output", tmp_path / "out") == 1
+    assert "its unfinished run was started with another config or inputs (batch_size 8 -> 4)" in capsys.readouterr().err
+
+    fn.write_text(SCALED_REWARD.format(scale=2))
+    monkeypatch.undo()
+    monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 16)
+    again = count_calls(monkeypatch, rewards, "call_reward_fn")
+    assert run("score", *args) == 0
+    assert "reusing 0 of 10 chunks an interrupted run finished; 2 scored by an earlier version of a reward function " \
+           "are scored again" in capsys.readouterr().out
+    assert len(calls) == 5 and len(again) == 20  # every batch scored again
+    data = load_from_disk(str(tmp_path / "out"))
+    assert data["rewards"] == [[2.0 * len(r) for r in rs] for rs in data["responses"]]

@@ -37,7 +37,7 @@ ITER_DIR = re.compile(r"^iter_(\d+)$")
 
 MANIFEST = "manifest.json"  # in every stage output, written last: the output is complete
 RUN_RECORD = "run_started.json"  # an in-place output's config and inputs, written when it starts
-PARTS_DIR = "parts"  # an unfinished output's finished pieces (rlhf generate's chunks), kept for a rerun to reuse
+PARTS_DIR = "parts"  # an unfinished output's finished pieces (generate's and score's chunks), kept for a rerun
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 REF_LOGPS_CACHE = "ref_logps"

@@ -24,6 +24,7 @@ normalise the sum per group as they would a single reward).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import importlib.util
@@ -83,6 +84,21 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not callable(fn):
         raise PipelineError(f"--reward-fn {spec!r}: '{module_name}' has no function '{fn_name}'")
     return fn
+
+
+def code_digest(fn: RewardFn) -> str | None:
+    """The sha256 of the file that defines a reward function (of its class, for a callable object), or None where
+    there is none (a builtin): what each chunk of its rewards that ``rlhf score`` keeps records, so that a rerun
+    after the file was edited scores the chunk again rather than reusing the old function's rewards. A change in
+    another module the file imports goes unseen."""
+    for obj in (inspect.unwrap(fn), type(fn)):
+        try:
+            path = inspect.getsourcefile(obj)
+        except TypeError:
+            continue
+        if path and Path(path).is_file():
+            return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return None
 
 
 def call_reward_fn(

@@ -13,7 +13,9 @@ Adds ``rewards`` (one float per response) to the generations. A reward model rea
 conversation rendered with its own chat template (it is another model than the policy, trained on its own layout),
 or with ``--chat-template`` (``chat.use_chat_template``; a reward model without a template needs it); the manifest
 records the template of each reward model. A NaN or infinite reward stops the stage with an error naming the row;
-nothing is written then. See ``rlhf_pipeline.rewards`` for the truncation rule and the reward-function signature.
+the output is not written then. Each source's rewards are kept in ``OUTPUT/parts/`` a chunk at a time as they are
+made (:class:`_Results`), so the same command run again after a crash scores only the chunks it had not finished.
+See ``rlhf_pipeline.rewards`` for the truncation rule and the reward-function signature.
 
 Several reward sources (``--reward-model`` and ``--reward-fn`` each take one or more; repeat the flag, or give a
 YAML list) are combined by "normalise, then sum" (``rewards.combine_rewards``)::
@@ -309,101 +311,220 @@ def _rows_text(first: int, last: int) -> str:
     return f"row {first}" if first == last else f"rows {first}..{last}"
 
 
-def _score_source(source: RewardSource, fn, config: ScoreConfig, ds, locations: Locations, column: str,
-                  accelerator=None) -> tuple[tuple[array, array], dict[str, Any]]:
-    """One source's rewards of the responses this process scores (flattened as ``locations``: all of them, or its
-    share under ``accelerate launch``, see :func:`main`) as ``(indices, rewards)`` arrays, and what the manifest says
-    of the source. The texts are read from ``ds`` a slice at a time: a reward model's chunk of :data:`CHUNK_ROWS`
-    rows, a function's batch."""
-    from rlhf_pipeline.distributed import world_and_rank
+class _SourceScorer:
+    """One reward source's rewards on this process, a chunk of responses at a time (:func:`_chunks`): its share of
+    the chunk, or the whole chunk in one process (see :func:`score`). A reward model is loaded at the first chunk
+    this run scores, not before: a rerun whose chunks were all finished loads nothing. The texts are read from the
+    data a slice at a time."""
 
-    world, rank = world_and_rank(accelerator)
-    if source.kind == "reward_model":
+    def __init__(self, source: RewardSource, fn, config: ScoreConfig, work: _Work, todo: list[tuple[int, int]],
+                 accelerator=None):
+        from rlhf_pipeline.distributed import world_and_rank
+
+        self.source, self.fn, self.config, self.work = source, fn, config, work
+        self.world, self.rank = world_and_rank(accelerator)
+        self.device = None if accelerator is None else accelerator.device
+        self.todo = todo
+        self.scorer = self.bar = None
+        self.truncated = 0  # by the last chunk
+
+    def chunk(self, start: int, end: int) -> list[float | None]:
+        """The rewards of the responses ``start..end`` of ``work.locations``: None for those another process
+        scores."""
+        if self.source.kind == "reward_model":
+            return self._model_chunk(start, end)
+        return self._fn_chunk(start, end)
+
+    def note(self) -> dict[str, Any]:
+        """What a kept chunk records besides its rewards (:func:`_made_by` and the source's part of the manifest)."""
+        note = _made_by(self.source, self.fn)
+        if self.scorer is not None:
+            note.update(truncated=self.truncated, chat_template=self.scorer.chat_template.record())
+        return note
+
+    def close(self) -> None:
+        if self.scorer is not None:
+            self.scorer.close()  # before the next source loads its model
+        if self.bar is not None:
+            self.bar.close()
+
+    def _model_chunk(self, start: int, end: int) -> list[float | None]:
         from rlhf_pipeline.chat import ChatTemplateRefused
         from rlhf_pipeline.rewards import RewardModelScorer
 
-        scorer = RewardModelScorer(
-            source.spec,
-            dtype=config.dtype,
-            trust_remote_code=config.trust_remote_code,
-            batch_size=config.batch_size,
-            max_length=config.max_length,
-            engine=config.engine,
-            attn_implementation=config.attn_implementation,
-            device=None if accelerator is None else accelerator.device,
-            load_model=config.sampled_ids,  # else score() loads it while the conversations are encoded
-            allow_special_tokens=config.allow_special_tokens_in_text,
-            chat_template=config.chat_template,
-        )
-        mine = (array("q"), array("d"))
-        try:
-            if scorer.chat_template.text is None and column == "messages" and not config.sampled_ids:
+        config, work = self.config, self.work
+        if self.scorer is None:
+            self.scorer = RewardModelScorer(
+                self.source.spec,
+                dtype=config.dtype,
+                trust_remote_code=config.trust_remote_code,
+                batch_size=config.batch_size,
+                max_length=config.max_length,
+                engine=config.engine,
+                attn_implementation=config.attn_implementation,
+                device=self.device,
+                load_model=config.sampled_ids,  # else score() loads it while the conversations are encoded
+                allow_special_tokens=config.allow_special_tokens_in_text,
+                chat_template=config.chat_template,
+            )
+            if self.scorer.chat_template.text is None and work.column == "messages" and not config.sampled_ids:
                 from rlhf_pipeline.chat import raw_conversation_error
 
-                raise raw_conversation_error(config.input, locations[0][0])
-            for start, end in _row_chunks(locations, CHUNK_ROWS):
-                scorer.mode = None  # the fast path is checked on each chunk's first conversation
-                if config.sampled_ids:
-                    sequences = _sampled_sequences(scorer.tokenizer, ds, column, locations[start:end],
-                                                   config.allow_special_tokens_in_text, config.input, source.spec)
-                    values = scorer.score_ids(scorer.truncate(sequences), world, rank)
-                else:
-                    try:
-                        values = scorer.score(*_texts(ds, column, locations[start:end]), world, rank)
-                    except ChatTemplateRefused as e:  # its index counts the chunk's responses
-                        raise e.at(config.input, locations[start + e.index][0]) from None
-                for k, value in enumerate(values):
-                    if value is not None:  # another process's share: None here
-                        mine[0].append(start + k)
-                        mine[1].append(value)
-        finally:
-            scorer.close()  # before the next source loads its model
-        return mine, {"reward_model": source.spec, "engine": config.engine, "truncated_sequences": scorer.truncated,
-                      "chat_template": scorer.chat_template.record()}
+                raise raw_conversation_error(config.input, work.locations[0][0])
+        scorer, before = self.scorer, self.scorer.truncated
+        scorer.mode = None  # the fast path is checked on each chunk's first conversation
+        locations = work.locations[start:end]
+        if config.sampled_ids:
+            sequences = _sampled_sequences(scorer.tokenizer, work.ds, work.column, locations,
+                                           config.allow_special_tokens_in_text, config.input, self.source.spec)
+            values = scorer.score_ids(scorer.truncate(sequences), self.world, self.rank)
+        else:
+            try:
+                values = scorer.score(*_texts(work.ds, work.column, locations), self.world, self.rank)
+            except ChatTemplateRefused as e:  # its index counts the chunk's responses
+                raise e.at(config.input, work.locations[start + e.index][0]) from None
+        self.truncated = scorer.truncated - before  # every process encodes the whole chunk: the same count
+        return values
 
-    from rlhf_pipeline.chat import as_text
-    from rlhf_pipeline.progress import bars_disabled
-    from rlhf_pipeline.rewards import call_reward_fn
+    def _fn_chunk(self, start: int, end: int) -> list[float | None]:
+        from rlhf_pipeline.chat import as_text
+        from rlhf_pipeline.progress import bars_disabled
+        from rlhf_pipeline.rewards import call_reward_fn
 
-    passed = [c for c in ds.column_names if c not in NOT_PASSED]
-    reference = config.reference_column  # checked by _read: the dataset has it
-    read = [*passed, column, "responses", *(["finish_reasons"] if "finish_reasons" in ds.column_names else []),
-            *([reference] if reference else [])]
-    table = ds.select_columns(list(dict.fromkeys(read)))
-    mine = (array("q"), array("d"))
-    # The batches of one process, dealt out in turn over the processes: each call sees the responses it would see in
-    # one process, so a function of the whole batch gives the same rewards however many processes run.
-    starts = list(range(0, len(locations), config.batch_size))[rank::world]
-    for start in tqdm(starts, desc="score (fn)", unit="batch", disable=rank != 0 or bars_disabled()):
-        chunk = locations[start : start + config.batch_size]
-        batch = f"{_rows_text(chunk[0][0], chunk[-1][0])} (batch of {len(chunk)} response{'s' * (len(chunk) > 1)})"
-        first = chunk[0][0]
-        part = table[first : chunk[-1][0] + 1]  # this batch's rows only
-        columns = {c: [part[c][row - first] for row, _ in chunk] for c in passed}
-        if "finish_reasons" in part:
-            columns["finish_reasons"] = [part["finish_reasons"][row - first][j] for row, j in chunk]
-        if reference:  # the named column as "reference", in place of any column of that name
-            columns["reference"] = [part[reference][row - first] for row, _ in chunk]
-        values = call_reward_fn(
-            fn,
-            [as_text(part[column][row - first]) for row, _ in chunk],
-            [part["responses"][row - first][j] for row, j in chunk],
-            columns,
-            name=source.spec,
-            where=batch,
-        )
-        mine[0].extend(range(start, start + len(chunk)))
-        mine[1].extend(values)
-    return mine, {"reward_fn": source.spec}
+        config, ds, column, size = self.config, self.work.ds, self.work.column, self.config.batch_size
+        passed = [c for c in ds.column_names if c not in NOT_PASSED]
+        reference = config.reference_column  # checked by _read: the dataset has it
+        read = [*passed, column, "responses", *(["finish_reasons"] if "finish_reasons" in ds.column_names else []),
+                *([reference] if reference else [])]
+        table = ds.select_columns(list(dict.fromkeys(read)))
+        if self.bar is None:
+            batches = sum(len(range(s, e, size)[self.rank :: self.world]) for s, e in self.todo)
+            self.bar = tqdm(total=batches, desc="score (fn)", unit="batch",
+                            disable=self.rank != 0 or bars_disabled())
+        values: list[float | None] = [None] * (end - start)
+        # The chunk's batches dealt out in turn over the processes: a chunk holds whole batches (_chunks), so each
+        # call sees the responses it would see in one process, and a function of the whole batch gives the same
+        # rewards however many processes run.
+        for first_response in range(start, end, size)[self.rank :: self.world]:
+            batch_end = min(first_response + size, end)
+            chunk = self.work.locations[first_response:batch_end]
+            first, last = chunk[0][0], chunk[-1][0]
+            where = f"{_rows_text(first, last)} (batch of {len(chunk)} response{'s' * (len(chunk) > 1)})"
+            part = table[first : last + 1]  # this batch's rows only
+            columns = {c: [part[c][row - first] for row, _ in chunk] for c in passed}
+            if "finish_reasons" in part:
+                columns["finish_reasons"] = [part["finish_reasons"][row - first][j] for row, j in chunk]
+            if reference:  # the named column as "reference", in place of any column of that name
+                columns["reference"] = [part[reference][row - first] for row, _ in chunk]
+            values[first_response - start : batch_end - start] = call_reward_fn(
+                self.fn,
+                [as_text(part[column][row - first]) for row, _ in chunk],
+                [part["responses"][row - first][j] for row, j in chunk],
+                columns,
+                name=self.source.spec,
+                where=where,
+            )
+            self.bar.update()
+        return values
 
 
-def _merge_shares(shares: list[tuple[array, array]], count: int) -> array:
-    """The ``count`` rewards in their original order, from each process's ``(indices, rewards)`` arrays."""
-    merged = array("d", [math.nan]) * count
-    for indices, values in shares:
-        for i, value in zip(indices, values):
-            merged[i] = value
-    return merged
+def _made_by(source: RewardSource, fn) -> dict[str, Any]:
+    """What a kept chunk of ``source``'s rewards must record for a rerun to reuse it: the source, and a function's
+    file (:func:`rewards.code_digest`)."""
+    from rlhf_pipeline.rewards import code_digest
+
+    return {"spec": source.spec, **({"code": code_digest(fn)} if source.kind == "reward_fn" else {})}
+
+
+class _Results:
+    """The main process's side of a scoring run: each source's rewards, chunk by chunk as they are gathered from
+    the processes, each chunk checked and kept in ``OUTPUT/parts/`` (``datasets_io.OutputParts``) so that a rerun
+    of a run that stopped scores only the chunks it had not finished; then the output, written at the end."""
+
+    def __init__(self, config: ScoreConfig, work: _Work, chunks: list[list[tuple[int, int]]]):
+        from datasets import Features, Value
+
+        from rlhf_pipeline.datasets_io import OutputParts
+
+        self.config, self.work, self.sources = config, work, config.sources
+        self.rewards = [array("d", [math.nan]) * len(work.locations) for _ in self.sources]
+        self.notes: list[list[dict[str, Any]]] = [[] for _ in self.sources]
+        self.parts = OutputParts(work.out, Features({"rewards": Value("float64")}))
+        self.finished: set[str] = set()
+        stale = 0
+        for k, (source, bounds) in enumerate(zip(self.sources, chunks)):
+            keys = [_chunk_key(source, start, end) for start, end in bounds]
+            made_by = _made_by(source, work.fns.get(source.key))
+            for (start, end), (key, found) in zip(bounds, self.parts.finished(keys).items()):
+                if found is None:
+                    continue
+                values, note = found[0]["rewards"], found[1]
+                if len(values) != end - start or any(note.get(f) != v for f, v in made_by.items()):
+                    stale += 1  # a function's file edited since: scored again
+                    continue
+                self.rewards[k][start:end] = array("d", values)
+                self.notes[k].append(note)
+                self.finished.add(key)
+        if self.finished or stale:
+            total = sum(map(len, chunks))
+            print(f"[score] {work.out.path}: reusing {len(self.finished)} of {total} chunks an interrupted run "
+                  f"finished" + (f"; {stale} scored by an earlier version of a reward function are scored again"
+                                 if stale else ""))
+
+    def keep(self, k: int, start: int, end: int, shares: list[list[float | None]], note: dict[str, Any]) -> None:
+        """Source ``k``'s rewards of the responses ``start..end``, from each process's share: checked, kept."""
+        from rlhf_pipeline.rewards import first_non_finite
+
+        source, work = self.sources[k], self.work
+        merged = array("d", [math.nan]) * (end - start)
+        for share in shares:
+            for i, value in enumerate(share):
+                if value is not None:
+                    merged[i] = value
+        bad = first_non_finite(merged)
+        if bad is not None:
+            row, j = work.locations[start + bad]
+            what = "reward model" if source.kind == "reward_model" else "reward function"
+            raise PipelineError(
+                f"{work.ref.name}: row {row} (prompt_id {work.ds[row]['prompt_id']}), response {j}: the {what} "
+                f"{source.spec} returned {merged[bad]}; rewards must be finite numbers, so fix the reward (the "
+                "output was not written)"
+            )
+        self.parts.keep(_chunk_key(source, start, end), {"rewards": merged.tolist()}, note)
+        self.rewards[k][start:end] = merged
+        self.notes[k].append(note)
+
+    def write(self, processes: int) -> None:
+        records = []
+        for source, notes in zip(self.sources, self.notes):
+            if source.kind == "reward_model":
+                records.append({"reward_model": source.spec, "engine": self.config.engine,
+                                "truncated_sequences": sum(n["truncated"] for n in notes),
+                                "chat_template": notes[-1]["chat_template"] if notes else None})
+            else:
+                records.append({"reward_fn": source.spec})
+        _write(self.config, self.work, self.rewards, records, processes)
+
+    def close(self) -> None:
+        self.parts.__exit__(None, None, None)
+
+
+# A reward function's responses per kept chunk, rounded up to whole batches (a reward model's chunks are CHUNK_ROWS
+# rows of responses)
+FN_CHUNK_RESPONSES = 8192
+
+
+def _chunks(source: RewardSource, config: ScoreConfig, locations: Locations) -> list[tuple[int, int]]:
+    """[start, end) ranges of the flattened responses that ``source`` scores and keeps one at a time: a reward
+    model's of :data:`CHUNK_ROWS` rows (its batches are length-sorted within one), a function's of whole batches."""
+    if source.kind == "reward_model":
+        return _row_chunks(locations, CHUNK_ROWS)
+    size = config.batch_size * -(-FN_CHUNK_RESPONSES // config.batch_size)
+    return [(start, min(start + size, len(locations))) for start in range(0, len(locations), size)]
+
+
+def _chunk_key(source: RewardSource, start: int, end: int) -> str:
+    return f"{source.key}-{start:010d}-{end:010d}"
 
 
 def _per_row(flat: Sequence[float], locations: Locations, num_rows: int):
@@ -550,7 +671,7 @@ def _read(config: ScoreConfig, processes: int) -> _Work | None:
     if len(sources) > 1:
         _check_not_a_shard(ref)
     out = StageOutput("score", config, inputs=[ref])
-    if out.done():
+    if out.done(resume=True):  # an interrupted run with these options goes on from its finished chunks
         return None
     ds = load_dataset_ref(ref)
     column = _check_generations(ds, ref.name, sources)
@@ -578,11 +699,13 @@ def main(config: ScoreConfig) -> Path:
 
 def score(config: ScoreConfig, accelerator=None) -> Path:
     """Score and write the output. With an ``accelerator`` of several processes (``rlhf score`` under
-    ``accelerate launch``, or ``rlhf eval``'s scoring there) every process reads the input, scores its share of the
-    batches (length-sorted for a reward model, in order for a function; the same batches as one process makes),
-    the shares are gathered in the original order, and the main process checks and writes the output alone; a
-    failure on any process fails them all, with one error from the main process. The manifest records the number
-    of processes, which does not change the rewards (a rerun with another number reuses the output)."""
+    ``accelerate launch``, or ``rlhf eval``'s scoring there) every process reads the input and scores its share of
+    each chunk's batches (length-sorted for a reward model, in order for a function; the same batches as one
+    process makes); each chunk's shares are gathered in the original order, and the main process checks the chunk,
+    keeps it (``OUTPUT/parts/``: a rerun of a run that stopped scores only the chunks it had not finished) and at
+    the end writes the output alone. A failure on any process fails them all, with one error from the main process.
+    The manifest records the number of processes, which does not change the rewards (a rerun with another number
+    reuses the output, and an interrupted run's chunks)."""
     from rlhf_pipeline.distributed import gather_guarded, guarded, on_main_process, world_and_rank
 
     world, _ = world_and_rank(accelerator)
@@ -590,40 +713,48 @@ def score(config: ScoreConfig, accelerator=None) -> Path:
     if work is None:
         return Path(config.output).expanduser()
     sources = config.sources
+    chunks = [_chunks(source, config, work.locations) for source in sources]
+    main = accelerator is None or accelerator.is_main_process
+    results: _Results | None = None
 
-    def my_share() -> list[tuple[tuple[array, array], dict[str, Any]]]:
-        return [_score_source(source, work.fns.get(source.key), config, work.ds, work.locations, work.column,
-                              accelerator) for source in sources]
+    def open_results() -> list[str] | None:
+        nonlocal results
+        if main:
+            results = _Results(config, work, chunks)
+            return sorted(results.finished)
+        return None
 
-    shares = gather_guarded(accelerator, my_share)  # per process, per source: ((indices, rewards), record)
-
-    def write() -> None:
-        per_source = [_merge_shares([share[k][0] for share in shares], len(work.locations))
-                      for k in range(len(sources))]
-        _write(config, work, per_source, [record for _, record in shares[0]], world)
-
-    on_main_process(accelerator, write)  # the others wait, and fail with the main process if it fails
+    try:
+        finished = set(gather_guarded(accelerator, open_results)[0])  # the main process's, on every process
+        for k, source in enumerate(sources):
+            todo = [(start, end) for start, end in chunks[k] if _chunk_key(source, start, end) not in finished]
+            if not todo:
+                continue
+            scorer = _SourceScorer(source, work.fns.get(source.key), config, work, todo, accelerator)
+            try:
+                for start, end in todo:
+                    shares = gather_guarded(accelerator, lambda: scorer.chunk(start, end))
+                    on_main_process(accelerator, lambda: results.keep(k, start, end, shares, scorer.note()))
+            finally:
+                scorer.close()
+        # the others wait, and fail with the main process if it fails
+        on_main_process(accelerator, lambda: results.write(world))
+    finally:
+        if results is not None:
+            results.close()
     return work.out.path
 
 
 def _write(config: ScoreConfig, work: _Work, per_source: list[array], records: list[dict[str, Any]],
            processes: int) -> None:
-    """Check every reward, combine several sources, and write the scored dataset (the main process only)."""
+    """Combine several sources, and write the scored dataset (the main process only; every reward was checked as
+    its chunk was kept)."""
     from datasets import List, Value
 
     from rlhf_pipeline.datasets_io import find_in_lineage
-    from rlhf_pipeline.rewards import STANDARDIZE_EPS, combine_rewards, first_non_finite
+    from rlhf_pipeline.rewards import STANDARDIZE_EPS, combine_rewards
 
     sources, ds, ref, locations = config.sources, work.ds, work.ref, work.locations
-    for source, flat in zip(sources, per_source):
-        bad = first_non_finite(flat)
-        if bad is not None:
-            row, j = locations[bad]
-            what = "reward model" if source.kind == "reward_model" else "reward function"
-            raise PipelineError(
-                f"{ref.name}: row {row} (prompt_id {ds[row]['prompt_id']}), response {j}: the {what} {source.spec} "
-                f"returned {flat[bad]}; rewards must be finite numbers, so fix the reward (nothing was written)"
-            )
     # An explicit fingerprint (from the input's and the rewards' bytes): datasets would otherwise hash the whole
     # reward list with dill, which takes longer than writing it.
     digest = hashlib.sha256(f"{ds._fingerprint}:rewards:".encode())
