@@ -423,6 +423,28 @@ def test_sigint_to_iterate_alone_stops_the_stage_after_the_grace(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def test_a_second_ctrl_c_stops_the_wait_and_still_records_the_stage_as_interrupted(tmp_path):
+    """The second Ctrl-C ends iterate's wait for its stages at once (they die with it); it left steps.jsonl without
+    the running step's "interrupted" record, which the first one writes."""
+    proc, pid_file = _start_run(tmp_path, env={"CLEANUP": "120", "GRACE": "120"})
+    stage_pid = int(pid_file.read_text())
+    try:
+        os.killpg(proc.pid, signal.SIGINT)  # the stage starts its 120 s clean-up, iterate its 120 s wait
+        time.sleep(1.0)
+        started = time.time()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        output = _output(tmp_path)
+        assert proc.returncode == 130 and time.time() - started < 30, output
+        assert "interrupted during iter_1/train; run the same command again" in output, output
+        record = json.loads((tmp_path / "run" / "steps.jsonl").read_text())
+        assert record["step"] == "iter_1/train" and record["rc"] == "interrupted"
+        assert _gone_within(stage_pid, 20), "the stage outlived rlhf iterate"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc and pidfd_open are Linux's")
 def test_a_stage_watches_only_an_iterate_of_its_own_machine_and_namespace(tmp_path):
     """RLHF_ITERATE_PID names where iterate runs: a launcher that carries the environment to another node (srun)

@@ -658,8 +658,8 @@ def _wait_then_stop(procs: Sequence[subprocess.Popen], label: str, names: str, o
     left (:func:`stop_processes`). From a terminal they all got the same SIGINT; a launcher that exits first leaves
     its stage cleaning up, adopted by this process (:func:`adopting_orphans`), which is waited for too. SIGINT sent
     to this process alone (``kill -INT``, a notebook's interrupt) reached none of them, and they are stopped once the
-    grace is over. A second Ctrl-C stops the wait: iterate exits, and its stages, which die with it, are stopped
-    where they are."""
+    grace is over. A second Ctrl-C stops the wait (a KeyboardInterrupt out of here): iterate exits, and its stages,
+    which die with it, are stopped where they are."""
     import psutil
 
     grace = STOP_GRACE_SECONDS
@@ -994,9 +994,13 @@ def _run_steps(steps: Sequence[Step], run: Path, label: str, hub: bool, on_hub: 
                     print(f"[{label}] {e}: stopping {names}", flush=True)
                 stop_processes(procs, known=_descendants(others))
             else:
-                _wait_then_stop(procs, label, names, others)
+                try:
+                    _wait_then_stop(procs, label, names, others)
+                except KeyboardInterrupt:  # a second Ctrl-C: iterate exits now, its stages dying with it
+                    procs = []
             for step, proc, started in running.values():
-                proc.wait()
+                if proc in procs:
+                    proc.wait()
                 finish(step, "interrupted", started)
         what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {e}"
         raise RunStopped(
