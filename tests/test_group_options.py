@@ -274,3 +274,39 @@ def test_sppo_has_its_own_eta_and_rebel_keeps_one():
     assert config("rebel", eta=3.0).loss_params()[1].eta == 3.0
     with pytest.raises(ValueError, match="--eta must be > 0"):
         config("sppo", eta=0.0)
+
+
+def test_each_default_a_flags_help_names_is_one_an_algorithm_reading_it_gets():
+    """A flag left unset (None) takes each algorithm's own default (the registry's, else the params'). The help
+    writes those defaults out as text, so that ``--help`` does not import torch to derive them: each number it gives
+    as a default ("default 0.1", "(default 0.1; 2.0 for SimPO)") must be what some algorithm that reads the flag
+    gets, and the values the algorithms get must all be named, so that a default changed in one place shows here."""
+    import dataclasses
+    import re
+
+    from rlhf_pipeline.algorithms import ALGORITHMS, GROUPS, PAIRS, UNPAIRED
+    from rlhf_pipeline.algorithms.groups import GroupOptions
+    from rlhf_pipeline.algorithms.pairs import PairOptions
+    from rlhf_pipeline.algorithms.unpaired import UnpairedOptions, unpaired_loss_params
+
+    def params(algorithm):
+        if algorithm.data == PAIRS:
+            return config(algorithm.name).loss_params()[1]
+        if algorithm.data == GROUPS:
+            return config(algorithm.name).rl_params({"max_new_tokens": 8})
+        return unpaired_loss_params(algorithm)
+
+    checked = 0
+    for options in (PairOptions, GroupOptions, UnpairedOptions):
+        for f in dataclasses.fields(options):
+            text, reads = f.metadata.get("help", ""), f.metadata.get("reads")
+            # "default 0.1", and an algorithm's own after it: "(default 0.1; 2.0 for SimPO)"
+            found = re.findall(r"default (\d[\d.e+-]*)|; (\d[\d.e+-]*) for ", text if isinstance(text, str) else "")
+            named = {float(a or b) for a, b in found}
+            if f.default is not None or reads is None or not named:
+                continue
+            got = {float(getattr(params(a), f.name)) for a in ALGORITHMS.values()
+                   if a.data in (PAIRS, GROUPS, UNPAIRED) and reads(a)}
+            assert named == got, (f.name, sorted(named), sorted(got), text)
+            checked += 1
+    assert checked >= 6  # eta, beta, label_smoothing, sft_coef, KTO's two weights, SAPO's two temperatures
