@@ -496,3 +496,31 @@ def test_an_input_manifest_out_of_reach_is_a_warning_and_a_broken_hub_an_error(m
     failure.clear()
     with pytest.raises(PipelineError, match=r"org/data#iter1-generate: its manifests/iter1-generate\.json is damaged"):
         read_manifest(ref)
+
+
+def test_a_piece_made_again_is_absent_until_it_is_whole(tmp_path, monkeypatch):
+    """Parts.write of a key that has a piece already (a chunk made again, by another version of its source) removes
+    the old rows before it writes the new notes: a kill or a failure in between leaves no piece, never the old rows
+    under the new notes, which a rerun would take for the new ones."""
+    from datasets import Features, Value
+
+    import rlhf_pipeline.datasets_io as datasets_io
+    from rlhf_pipeline.datasets_io import Parts
+
+    parts = Parts(tmp_path / "parts", Features({"rewards": Value("float64")}))
+    parts.write("k", {"rewards": [1.0, 2.0]}, {"code": "old"})
+    assert parts.get("k")[0]["rewards"] == [1.0, 2.0]
+
+    def cut(*args):  # after the new notes are written, before the new rows take the old ones' place
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(datasets_io, "flush_files", cut)
+    with pytest.raises(OSError):
+        parts.write("k", {"rewards": [3.0, 4.0]}, {"code": "new"})
+    assert parts.get("k") is None
+    monkeypatch.undo()
+    again = Parts(tmp_path / "parts", Features({"rewards": Value("float64")}))  # a rerun: the cut file removed
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == ["k.json"]  # the new notes alone
+    again.write("k", {"rewards": [3.0, 4.0]}, {"code": "new"})
+    rows, notes = again.get("k")
+    assert (rows["rewards"], notes) == ([3.0, 4.0], {"code": "new"})

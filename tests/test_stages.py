@@ -592,31 +592,38 @@ def reward(prompts, responses, **columns):
 """
 
 
-def test_a_rerun_scores_again_the_chunks_of_a_reward_function_edited_since(pipeline, tmp_path, monkeypatch,
-                                                                             capsys):
-    """Chunks of a function whose file changed since are scored again, not reused; a rerun with other options is
-    refused, with the fix."""
+def test_a_rerun_scores_again_the_chunks_of_a_source_changed_since(pipeline, tiny_rm, tmp_path, monkeypatch, capsys):
+    """Chunks of a function whose file was edited since, or of a reward model directory written again, are scored
+    again, not reused; a rerun with other options is refused, with the fix."""
+    import os
+    import shutil
+
     import rlhf_pipeline.rewards as rewards
     from rlhf_pipeline.stages import score
 
-    monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 16)  # 10 chunks of 2 batches
-    fn = tmp_path / "scaled.py"
+    monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 16)  # the function's 10 chunks of 2 batches; the model's 1
+    fn, rm = tmp_path / "scaled.py", tmp_path / "rm"
     fn.write_text(SCALED_REWARD.format(scale=1))
-    args = ["--input", pipeline / "gen", "--reward-fn", f"{fn}:reward", "--batch-size", 8, "--output", tmp_path / "out"]
+    shutil.copytree(tiny_rm, rm)
+    args = ["--input", pipeline / "gen", "--reward-model", rm, "--reward-fn", f"{fn}:reward", "--batch-size", 8,
+            "--output", tmp_path / "out"]
     calls = count_calls(monkeypatch, rewards, "call_reward_fn", fail_at=5)
     with pytest.raises(ZeroDivisionError):
         run("score", *args)
-    assert len(list((tmp_path / "out" / "parts").glob("*.arrow"))) == 2
+    assert len(list((tmp_path / "out" / "parts").glob("*.arrow"))) == 3
     assert run("score", *args[:-4], "--batch-size", 4, "--output", tmp_path / "out") == 1
     assert "its unfinished run was started with another config or inputs (batch_size 8 -> 4)" in capsys.readouterr().err
 
     fn.write_text(SCALED_REWARD.format(scale=2))
+    later = os.stat(rm / "config.json").st_mtime_ns + 10**9
+    os.utime(rm / "config.json", ns=(later, later))  # written again
     monkeypatch.undo()
     monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 16)
     again = count_calls(monkeypatch, rewards, "call_reward_fn")
+    models = count_calls(monkeypatch, rewards, "RewardModelScorer")
     assert run("score", *args) == 0
-    assert "reusing 0 of 10 chunks an interrupted run finished; 2 scored by an earlier version of a reward function " \
+    assert "reusing 0 of 11 chunks an interrupted run finished; 3 made by an earlier version of a reward source " \
            "are scored again" in capsys.readouterr().out
-    assert len(calls) == 5 and len(again) == 20  # every batch scored again
+    assert len(calls) == 5 and len(again) == 20 and len(models) == 1  # everything scored again
     data = load_from_disk(str(tmp_path / "out"))
-    assert data["rewards"] == [[2.0 * len(r) for r in rs] for rs in data["responses"]]
+    assert data["rewards_reward_fn"] == [[2.0 * len(r) for r in rs] for rs in data["responses"]]

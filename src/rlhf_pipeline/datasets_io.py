@@ -427,12 +427,13 @@ class Parts:
 
         final = self.directory / f"{key}.arrow"
         tmp = self.directory / f".{key}.arrow.tmp-{os.getpid()}"
+        final.unlink(missing_ok=True)  # a piece made again is absent until whole: never old rows with new notes
         writer = ArrowWriter(features=self.features, path=str(tmp))
         writer.write_batch(columns)
         writer.finalize()
         writer.close()
         write_text_atomic(self.directory / f"{key}.json", json.dumps(notes) + "\n")
-        flush_files(self.directory)
+        flush_files(self.directory, [tmp.name, f"{key}.json"])  # this piece's files alone: not every piece again
         os.replace(tmp, final)  # the rows last: a piece is finished when its .arrow is there
         sync_dir(self.directory)
         return Dataset.from_file(str(final))

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from rlhf_pipeline.errors import PipelineError
 
@@ -197,13 +198,29 @@ def flush_tree(directory: Path) -> None:
         sync_dir(d)
 
 
-def flush_files(directory: Path) -> None:
-    """Flush the files directly in ``directory`` (not its subdirectories) and the directory itself to the disk."""
+def flush_files(directory: Path, names: Iterable[str] | None = None) -> None:
+    """Flush the files directly in ``directory`` (not its subdirectories), or only those ``names``, and the directory
+    itself to the disk."""
     directory = Path(directory)
-    for p in sorted(directory.iterdir()):
+    paths = sorted(directory.iterdir()) if names is None else [directory / name for name in names]
+    for p in paths:
         if p.is_file():
             _fsync(p)
     sync_dir(directory)
+
+
+def directory_signature(path: str | Path) -> str | None:
+    """A digest of the names, sizes and modification times of the files directly in a directory, or None for what is
+    not one (a Hub id): it changes when a model directory is written again or replaced, without reading a weight."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        return None
+    h = hashlib.sha256()
+    for p in sorted(directory.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
 
 
 def verify(directory: Path) -> str | None:

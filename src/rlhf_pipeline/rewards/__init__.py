@@ -30,6 +30,7 @@ import inspect
 import importlib.util
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -86,19 +87,19 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-def code_digest(fn: RewardFn) -> str | None:
-    """The sha256 of the file that defines a reward function (of its class, for a callable object), or None where
-    there is none (a builtin): what each chunk of its rewards that ``rlhf score`` keeps records, so that a rerun
-    after the file was edited scores the chunk again rather than reusing the old function's rewards. A change in
-    another module the file imports goes unseen."""
-    for obj in (inspect.unwrap(fn), type(fn)):
-        try:
-            path = inspect.getsourcefile(obj)
-        except TypeError:
-            continue
-        if path and Path(path).is_file():
-            return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    return None
+def code_digest(spec: str) -> str | None:
+    """The sha256 of the file a ``--reward-fn`` spec names: its FILE.py, or its module's file (imported by
+    :func:`load_reward_fn` first), or None where there is none. ``rlhf score`` takes it when it loads the function and
+    records it with each chunk of rewards it keeps, so that a rerun after the file was edited scores the chunk again
+    rather than reusing the old code's rewards. A change in another module the file imports goes unseen."""
+    module_name, _ = check_reward_fn_spec(spec)
+    if module_name.endswith(".py"):
+        path = Path(module_name).expanduser()
+    else:
+        path = getattr(sys.modules.get(module_name), "__file__", None)
+    if path is None or not Path(path).is_file():
+        return None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def call_reward_fn(

@@ -337,9 +337,10 @@ class _SourceScorer:
 
     def note(self) -> dict[str, Any]:
         """What a kept chunk records besides its rewards (:func:`_made_by` and the source's part of the manifest)."""
-        note = _made_by(self.source, self.fn)
+        note = dict(self.work.made_by[self.source.key])
         if self.scorer is not None:
-            note.update(truncated=self.truncated, chat_template=self.scorer.chat_template.record())
+            note.update(truncated=self.truncated, chat_template=self.scorer.chat_template.record(),
+                        engine=self.config.engine)
         return note
 
     def close(self) -> None:
@@ -428,12 +429,17 @@ class _SourceScorer:
         return values
 
 
-def _made_by(source: RewardSource, fn) -> dict[str, Any]:
-    """What a kept chunk of ``source``'s rewards must record for a rerun to reuse it: the source, and a function's
-    file (:func:`rewards.code_digest`)."""
+def _made_by(source: RewardSource) -> dict[str, Any]:
+    """What a kept chunk of ``source``'s rewards must record for a rerun to reuse it, taken as the run starts: the
+    source, a function's file (``rewards.code_digest``) and a local reward model's files
+    (``files.directory_signature``; a model an ``rlhf train-rm`` run wrote again is caught as ``used_outputs`` too).
+    A Hub model is its id alone."""
+    from rlhf_pipeline.files import directory_signature
     from rlhf_pipeline.rewards import code_digest
 
-    return {"spec": source.spec, **({"code": code_digest(fn)} if source.kind == "reward_fn" else {})}
+    if source.kind == "reward_fn":
+        return {"spec": source.spec, "code": code_digest(source.spec)}
+    return {"spec": source.spec, "model_files": directory_signature(source.spec)}
 
 
 class _Results:
@@ -454,13 +460,13 @@ class _Results:
         stale = 0
         for k, (source, bounds) in enumerate(zip(self.sources, chunks)):
             keys = [_chunk_key(source, start, end) for start, end in bounds]
-            made_by = _made_by(source, work.fns.get(source.key))
+            made_by = work.made_by[source.key]
             for (start, end), (key, found) in zip(bounds, self.parts.finished(keys).items()):
                 if found is None:
                     continue
                 values, note = found[0]["rewards"], found[1]
                 if len(values) != end - start or any(note.get(f) != v for f, v in made_by.items()):
-                    stale += 1  # a function's file edited since: scored again
+                    stale += 1  # a function's file edited since, a model directory replaced: scored again
                     continue
                 self.rewards[k][start:end] = array("d", values)
                 self.notes[k].append(note)
@@ -468,7 +474,7 @@ class _Results:
         if self.finished or stale:
             total = sum(map(len, chunks))
             print(f"[score] {work.out.path}: reusing {len(self.finished)} of {total} chunks an interrupted run "
-                  f"finished" + (f"; {stale} scored by an earlier version of a reward function are scored again"
+                  f"finished" + (f"; {stale} made by an earlier version of a reward source are scored again"
                                  if stale else ""))
 
     def keep(self, k: int, start: int, end: int, shares: list[list[float | None]], note: dict[str, Any]) -> None:
@@ -497,8 +503,9 @@ class _Results:
     def write(self, processes: int) -> None:
         records = []
         for source, notes in zip(self.sources, self.notes):
-            if source.kind == "reward_model":
-                records.append({"reward_model": source.spec, "engine": self.config.engine,
+            if source.kind == "reward_model":  # the engines of all chunks (rlhf score --engine: the same rewards)
+                engines = ", ".join(sorted({n.get("engine", self.config.engine) for n in notes}))
+                records.append({"reward_model": source.spec, "engine": engines or self.config.engine,
                                 "truncated_sequences": sum(n["truncated"] for n in notes),
                                 "chat_template": notes[-1]["chat_template"] if notes else None})
             else:
@@ -576,6 +583,7 @@ class _Work(NamedTuple):
     fns: dict[str, Any]
     locations: Locations
     column: str
+    made_by: dict[str, dict[str, Any]]  # each source's :func:`_made_by`, by key
 
 
 # Rows whose texts a reward model encodes and scores at a time: the stage's memory does not grow with the dataset
@@ -687,7 +695,7 @@ def _read(config: ScoreConfig, processes: int) -> _Work | None:
         counts = [n or 0 for n in pc.list_value_length(part["responses"]).to_pylist()]
         locations.extend(first, counts)
         first += len(counts)
-    return _Work(out, ref, ds, fns, locations, column)
+    return _Work(out, ref, ds, fns, locations, column, {source.key: _made_by(source) for source in sources})
 
 
 def main(config: ScoreConfig) -> Path:
