@@ -257,6 +257,15 @@ def test_given_options_win_and_clip_sets_both_sides():
     ("dapo", {"clip_low": 1.0}, "--clip-low must be below 1"),
     ("dpo", {"loss_aggregation": "token", "clip_high": 0.3}, "--clip-high is not read by --algo dpo"),
     ("kto", {"importance_level": "sequence"}, "--importance-level is not read by --algo kto"),
+    # options of the clipped surrogate that CISPO (its cap is --clip-high alone), SAPO (a gate) and SPPO (a
+    # regression) would take and silently ignore, or, for CISPO's --clip, turn into a cap of 1.2 instead of 5
+    ("cispo", {"clip": 0.2}, "--clip is not read by --algo cispo"),
+    ("cispo", {"importance_level": "sequence"}, "--importance-level is not read by --algo cispo"),
+    ("sapo", {"clip_low": 0.1}, "--clip-low is not read by --algo sapo"),
+    ("sapo", {"importance_level": "sequence"}, "--importance-level is not read by --algo sapo"),
+    ("sppo", {"clip_high": 0.3}, "--clip-high is not read by --algo sppo"),
+    ("sppo", {"loss_aggregation": "token"}, "--loss-aggregation is not read by --algo sppo"),
+    ("gdpo", {"normalize_rewards": True}, "--normalize-rewards is not read by --algo gdpo"),
     ("rloo", {"scale_rewards": "none"}, r"--scale-rewards is not read by --algo rloo \(it is read by grpo, dapo"),
     ("ppo", {"scale_rewards": "group"}, "--scale-rewards is not read by --algo ppo"),
 ])

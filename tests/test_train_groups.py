@@ -558,6 +558,24 @@ def test_ppo_takes_its_critic_from_the_reward_model_that_scored_the_data(data, t
     assert max_weight_diff(Path(tiny_policy), out) > 1e-4
 
 
+def test_a_kl_penalty_in_the_reward_without_a_reference_model_is_warned_of(data, tiny_policy, tmp_path, caplog):
+    """Without --ref-model the reference is --model, whose log-probs are also the old ones: a KL penalty in the
+    reward is then 0 on every token (the rollout shows it), and a warning says so; --kl-mode loss is not warned of."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="rlhf_pipeline.algorithms.groups"):
+        assert run(*train_args(data, tiny_policy, tmp_path / "rloo", "rloo", "--max-steps", 1, "--batch-size", 8,
+                               "--kl-coef", 0.1)) == 0
+    assert "--algo rloo: a KL penalty of 0.1 in the reward is 0 on every token here" in caplog.text
+    samples = load_from_disk(str(tmp_path / "rloo" / "rollout"))["test"].to_list()
+    assert all(s["old_logps"] == s["ref_logps"] for s in samples)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rlhf_pipeline.algorithms.groups"):
+        assert run(*train_args(data, tiny_policy, tmp_path / "loss", "rloo", "--max-steps", 1, "--batch-size", 8,
+                               "--kl-coef", 0.1, "--kl-mode", "loss")) == 0
+    assert "KL penalty" not in caplog.text
+
+
 def test_a_separate_reference_puts_its_k1_kl_into_reinforce_pp_rewards(data, tiny_policy, tmp_path):
     """With --ref-model the rollout's ref_logps are the reference's, and the advantages are the whitened
     returns-to-go of (reward on the last token − β·(old − ref) on every token), written out here with loops."""

@@ -170,7 +170,9 @@ def rloo(rewards: torch.Tensor) -> torch.Tensor:
     ``rewards`` (G, n) → advantages (G, n). The baseline ``(Σ_j r_j − r_i)/(n−1)`` excludes the sample itself, so
     it is independent of it and the estimator stays unbiased; equivalently ``n/(n−1)·(r_i − mean_j r_j)``.
     Same as OpenRLHF's ``rloo`` shaping and TRL's ``RLOOTrainer`` (with ``normalize_advantages=False``, its
-    default). Raises for n < 2, where there is no "other" sample.
+    default) without a KL penalty. With one in the reward, TRL subtracts the sequence's summed KL from its reward
+    before the baseline; here, as in OpenRLHF, the per-token penalty is added after it, as returns-to-go
+    (``rlhf_pipeline.algorithms.groups``). Raises for n < 2, where there is no "other" sample.
     """
     n = _groups(rewards)
     r = rewards.detach()

@@ -442,10 +442,10 @@ def sapo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
                      max_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft gate instead of the hard clip, per token
     ``−A · σ(τ(ρ − 1)) · 4/τ`` with ``τ = temperature_pos`` where A > 0, ``temperature_neg`` elsewhere. At ρ = 1 its
-    gradient is the plain policy gradient ``−A·∇logp``; away from 1 it fades smoothly (``4σ(1−σ)`` times it) instead
-    of dropping to 0. As TRL's ``loss_type="sapo"`` (``sapo_temperature_pos`` 1.0, ``sapo_temperature_neg`` 1.05).
-    Metrics: ``gate_mean`` (the mean of ``4σ(1−σ)``, the factor on each token's gradient: 1 on-policy),
-    ``approx_kl``, ``ratio_mean``."""
+    gradient is the plain policy gradient ``−A·∇logp``; away from 1 it fades smoothly (``4σ(1−σ)·ρ`` times it)
+    instead of dropping to 0. As TRL's ``loss_type="sapo"`` (``sapo_temperature_pos`` 1.0, ``sapo_temperature_neg``
+    1.05). Metrics: ``gate_mean`` (the mean of ``4σ(1−σ)``, the gate's factor on each token's gradient, which ρ
+    multiplies: 1 on-policy), ``approx_kl``, ``ratio_mean``."""
     _positive("temperature_pos", temperature_pos)
     _positive("temperature_neg", temperature_neg)
     m, adv, token_log_ratio, ratio = _token_ratios(logp, old_logp, advantages, mask)

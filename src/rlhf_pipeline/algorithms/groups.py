@@ -600,6 +600,27 @@ def _sapo_gate(algorithm) -> bool:
     return getattr(algorithm, "policy_loss", None) is _sapo
 
 
+def _clips_the_ratio(algorithm) -> bool:
+    """PPO's clipped surrogate (:func:`clipped_surrogate`): both sides of its clip and its importance level. CISPO
+    caps its weight with --clip-high alone; SAPO gates instead of clipping; SPPO regresses."""
+    return algorithm.data == GROUPS and getattr(algorithm, "policy_loss", None) is clipped_surrogate
+
+
+def _caps_the_ratio(algorithm) -> bool:
+    """The upper side of the clip: PPO's surrogate, and CISPO's cap on its weight, 1 + --clip-high."""
+    return _clips_the_ratio(algorithm) or getattr(algorithm, "policy_loss", None) is _cispo
+
+
+def _aggregates(algorithm) -> bool:
+    """The policy loss's aggregation over tokens: SPPO's is one squared error per response, no choice."""
+    return algorithm.data == GROUPS and getattr(algorithm, "policy_loss", None) is not _sppo
+
+
+def _one_reward(algorithm) -> bool:
+    """--normalize-rewards standardises the rewards column; GDPO normalises each source's column itself."""
+    return algorithm.data == GROUPS and not getattr(algorithm, "reward_sources", False)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The family's options and recipe
 
@@ -629,7 +650,7 @@ class GroupOptions:
 
     clip: Optional[float] = option(
         None, help=_defaults_help("clip", "PPO family: clip range epsilon of the ratio to the sampling policy, both "
-                                  "sides"), reads=_in_groups,
+                                  "sides"), reads=_clips_the_ratio,
     )
     kl_coef: Optional[float] = option(
         None, help=_defaults_help("kl_coef", "PPO family: weight beta of the KL to the reference model, 0 = none"),
@@ -643,7 +664,7 @@ class GroupOptions:
         None, help="PPO family: KL estimator (default k1 in the reward, k3 in the loss).", reads=_in_groups,
     )
     normalize_rewards: bool = option(False, help="PPO family: standardise the rewards over the dataset first.",
-                                     reads=_in_groups)
+                                     reads=_one_reward)
     discount: float = option(1.0, help="PPO / REINFORCE++: discount gamma of the token rewards (GRPO and RLOO "
                              "give every token the group-relative score undiscounted).", reads=_discounts)
     lam: float = option(0.95, help="PPO: GAE lambda.", reads=_uses_critic)
@@ -659,20 +680,21 @@ class GroupOptions:
     value_clip: Optional[float] = option(0.2, help="PPO: clip range of the values around the old values.",
                                          reads=_uses_critic)
     clip_low: Optional[float] = option(None, help="PPO family: epsilon below 1 only (default: --clip).",
-                                       reads=_in_groups)
+                                       reads=_clips_the_ratio)
     clip_high: Optional[float] = option(
-        None, help=_defaults_help("clip_high", "PPO family: epsilon above 1 only, DAPO's clip-higher", unset="--clip"),
-        reads=_in_groups,
+        None, help=_defaults_help("clip_high", "PPO family: epsilon above 1 only, DAPO's clip-higher; CISPO's weight "
+                                  "cap is 1 + it", unset="the clip's"),
+        reads=_caps_the_ratio,
     )
     importance_level: Optional[Literal["token", "sequence"]] = option(
         None, help="PPO family: one importance ratio per token (default) or per sequence, its tokens' mean log-ratio "
-        "(GSPO's default).", reads=_in_groups,
+        "(GSPO's default).", reads=_clips_the_ratio,
     )
     loss_aggregation: Optional[Literal["sequence", "token", "sequence_sum_norm"]] = option(
         None, help="PPO family: sequence = mean over each response's tokens, then over responses (default, the "
         "GRPO paper); token = mean over every token of the optimizer step (DAPO's default); sequence_sum_norm = each "
         "response's token sum over the generation's --max-new-tokens, mean over responses (Dr. GRPO's default).",
-        reads=_in_groups,
+        reads=_aggregates,
     )
     scale_rewards: Optional[Literal["group", "none"]] = option(
         None, help="GRPO-style group baseline: (r - group mean) divided by the group's std (group, default) or not "
@@ -894,6 +916,10 @@ def train(config) -> Path:
         sampling = find_in_lineage([ref], "sampling")
         params = config.rl_params(sampling, lambda: max(
             (len(r) for ds in dd.values() for rs in ds["response_token_ids"] for r in rs), default=1))
+        if params.kl_coef > 0 and params.kl_mode == "reward" and not config.ref_model:
+            log.warning("--algo %s: a KL penalty of %g in the reward is 0 on every token here: without --ref-model the "
+                        "reference is --model itself, whose log-probs are also the ratio's old ones; pass --ref-model "
+                        "(rlhf iterate passes the starting model) or --kl-mode loss", config.algo, params.kl_coef)
         source_columns = ()
         if config.algorithm.reward_sources:
             source_columns, params.reward_weights = _reward_sources(dd, ref)
