@@ -173,12 +173,15 @@ def test_both_orders_cancel_a_judge_that_prefers_a_position():
     assert combine_orders("B", "A") == 0.0
     assert combine_orders("A", "A") == 0.5  # always the first answer: no preference left
     assert combine_orders("C", "B") == 0.75
-    assert combine_orders(None, "B") == 1.0 and combine_orders(None, None) is None
+    # one order's verdict alone is that order's bias in full: no preference (a judge that always answers A, its
+    # second answer unreadable half the time, would have won 3 comparisons in 4)
+    assert combine_orders(None, "B") is None and combine_orders("A", None) is None
+    assert combine_orders(None, None) is None
     first, second = judge_prompts("Say hi.", "OURS-TEXT", "THEIRS-TEXT")
     assert first.index("OURS-TEXT") < first.index("THEIRS-TEXT")
     assert second.index("THEIRS-TEXT") < second.index("OURS-TEXT")
     s = judge_summary([("A", "B"), ("A", "A"), (None, "C"), (None, None)])
-    assert s == {"comparisons": 4, "verdicts": 8, "unreadable": 3, "no_verdict": 1, "consistency": 0.5,
+    assert s == {"comparisons": 4, "verdicts": 8, "unreadable": 3, "no_verdict": 1, "left_out": 2, "consistency": 0.5,
                  "first_position_rate": 0.75, "tie_rate": 0.2}
 
 
@@ -289,7 +292,7 @@ def test_a_judge_whose_answers_cannot_be_read_is_counted_not_crashed_on(setup, t
     j = json.loads((out / "results.json").read_text())["judge"]["reference"]
     assert j["unreadable"] == j["verdicts"] == 24 and j["no_verdict"] == 12
     assert j["win_rate"] is None and j["lc_win_rate"] is None and j["consistency"] is None
-    assert "no verdict could be read; 24 of 24 verdicts unreadable" in capsys.readouterr().out
+    assert "no comparison had both verdicts read; 24 of 24 verdicts unreadable" in capsys.readouterr().out
     assert len(load_from_disk(str(out / "judge_reference" / "generate"))) == 24
 
 
@@ -356,3 +359,27 @@ def test_reference_mistakes_are_one_line_and_leave_nothing(setup, tiny_policy, t
     capsys.readouterr()
     assert run(*eval_args(tiny_policy, setup, tmp_path / "out", "--judge", setup["judge"])) == 1
     assert "--judge compares two answers: give --baseline, --reference, or both" in capsys.readouterr().err
+
+
+def test_a_prompt_given_twice_is_two_rows_each_matched_with_its_own(setup, tiny_policy, tmp_path, monkeypatch):
+    """rlhf generate takes a prompt given twice and samples each row from its own seed. Eval matched the rows of both
+    sides by prompt_id, so each copy got the last copy's rewards (counted twice), and the judge's prompts of the two
+    copies shared ids and stopped the run after all its sampling. Now the k-th row of an id meets the other side's
+    k-th: every number is the rows' own."""
+    fake_judge(monkeypatch, setup["judge"], longer)
+    rows = setup["rows"]
+    prompts = write_jsonl(tmp_path / "twice.jsonl", [rows[0], rows[1], rows[0], rows[2]])
+    out = tmp_path / "eval"
+    args = ["eval", "--model", tiny_policy, "--prompts", prompts, "--output", out, "--n", 2, "--max-new-tokens", 10,
+            "--engine", "hf", "--reward-fn", GOLD, "--baseline", setup["baseline"], "--judge", setup["judge"]]
+    assert run(*args) == 0
+    samples = load_from_disk(str(out / "samples"))
+    assert samples["prompt_id"] == [rows[0]["id"], rows[1]["id"], rows[0]["id"], rows[2]["id"]]
+    assert samples["responses"][0] != samples["responses"][2]  # two rows, sampled apart
+    for side, generated in (("", samples), ("baseline_", load_from_disk(str(out / "baseline" / "generate")))):
+        assert samples[f"{side}rewards_reward_fn"] == [gold_reward([p] * len(rs), rs)
+                                                      for p, rs in zip(samples["prompt"], generated["responses"])]
+    results = json.loads((out / "results.json").read_text())
+    assert results["num_prompts"] == 4 and results["judge"]["baseline"]["verdicts"] == 16  # 4 rows x 2 x 2 orders
+    means = [np.mean(rs) for rs in samples["rewards_reward_fn"]]
+    assert results["scores"]["reward_fn"]["mean"] == pytest.approx(np.mean(means))

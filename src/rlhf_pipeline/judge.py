@@ -57,9 +57,11 @@ def parse_verdict(text: str) -> str | None:
 
 def combine_orders(first: str | None, second: str | None) -> float | None:
     """The evaluated response's preference from its verdicts when shown first (as A) and second (as B): the mean of
-    its scores over the verdicts that were read, None when neither was."""
-    scores = [_SCORE[order][v] for order, v in enumerate((first, second)) if v is not None]
-    return sum(scores) / len(scores) if scores else None
+    its two scores, None unless both were read. One order's verdict alone carries that order's position bias in full
+    (a judge that always answers A, whose second answer could not be read, would win every such comparison)."""
+    if first is None or second is None:
+        return None
+    return (_SCORE[0][first] + _SCORE[1][second]) / 2
 
 
 def judge_summary(verdicts: Sequence[tuple[str | None, str | None]]) -> dict:
@@ -74,6 +76,7 @@ def judge_summary(verdicts: Sequence[tuple[str | None, str | None]]) -> dict:
         "verdicts": 2 * len(verdicts),
         "unreadable": 2 * len(verdicts) - len(read),
         "no_verdict": sum(a is None and b is None for a, b in verdicts),
+        "left_out": len(verdicts) - len(both),  # without both verdicts: no preference (combine_orders)
         "consistency": agree / len(both) if both else None,
         "first_position_rate": sum(v == "A" for v in decided) / len(decided) if decided else None,
         "tie_rate": sum(v == "C" for v in read) / len(read) if read else None,

@@ -429,15 +429,34 @@ def _judge_id(prompt_id: str, ours: int, theirs: int, order: int) -> str:
     return f"{prompt_id}|{ours}|{theirs}|{order}"
 
 
+def _row_keys(prompt_ids) -> list[str]:
+    """Each row's key for matching it with the other side's row of the same prompt: its prompt_id, made unique. A
+    prompt given twice (rlhf generate takes it, and samples each row from its own seed) keeps its id on its first
+    row, and its k-th row is ``ID#k``: the k-th row of an id is matched with the other side's k-th row of that id,
+    rather than every row with the last one of its id (whose rewards were then counted twice, and whose judge
+    prompts clashed)."""
+    ids = [str(x) for x in prompt_ids]
+    taken, seen, keys = set(ids), {}, []
+    for i in ids:
+        seen[i] = seen.get(i, 0) + 1
+        key = i if seen[i] == 1 else f"{i}#{seen[i]}"
+        while key != i and key in taken:  # a prompt_id of the data that reads like one of these keys
+            key += "#"
+        taken.add(key)
+        keys.append(key)
+    return keys
+
+
 def _aligned_texts(ours: Path, theirs: Path, label: str):
-    """``(prompt ids, prompts, our responses, their responses)`` per prompt of ``ours``, theirs aligned by id."""
+    """``(row keys, prompts, our responses, their responses)`` per row of ``ours``, theirs aligned by
+    :func:`_row_keys`."""
     from datasets import load_from_disk
 
     mine = load_from_disk(str(ours))
     other = load_from_disk(str(theirs))
     column = next(c for c in ("prompt", "messages") if c in mine.column_names)
-    by_id = dict(zip(map(str, other["prompt_id"]), other["responses"]))
-    ids = [str(x) for x in mine["prompt_id"]]
+    by_id = dict(zip(_row_keys(other["prompt_id"]), other["responses"]))
+    ids = _row_keys(mine["prompt_id"])
     missing = [i for i in ids if i not in by_id]
     if missing:
         raise PipelineError(f"{label}: has no samples for {len(missing)} of the {len(ids)} prompts (e.g. prompt_id "
@@ -559,7 +578,7 @@ def _rewards_by_prompt(path: Path) -> tuple[list[str], dict[str, list[float]]]:
     from datasets import load_from_disk
 
     ds = load_from_disk(str(path))
-    ids = [str(x) for x in ds["prompt_id"]]
+    ids = _row_keys(ds["prompt_id"])
     return ids, dict(zip(ids, ds["rewards"]))
 
 
@@ -652,7 +671,7 @@ def _report(config: EvalConfig, out, own: dict[str, Path], others: dict[str, dic
     from datasets import load_from_disk
 
     generated = load_from_disk(str(own["generate"]))
-    ids = [str(x) for x in generated["prompt_id"]]
+    ids = _row_keys(generated["prompt_id"])
     texts = {"ours": generated["responses"]}
     for target, paths in others.items():
         texts[target] = _aligned_texts(own["generate"], paths["generate"], _flag(config, target))[3]
@@ -798,9 +817,11 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         if j is None:
             continue
         line = f"[eval] judge {judge['model']} against the {target}: "
-        line += rate(j) if j["win_rate"] is not None else "no verdict could be read"
+        line += rate(j) if j["win_rate"] is not None else "no comparison had both verdicts read"
         line += (f"; {j['unreadable']} of {j['verdicts']} verdicts unreadable, the two orders agree on "
                  + (f"{j['consistency']:.0%}" if j["consistency"] is not None else "none") + " of the comparisons")
+        if j.get("left_out"):
+            line += f" ({j['left_out']} of {j['comparisons']} without both verdicts, left out)"
         lines.append(line)
     return lines
 
