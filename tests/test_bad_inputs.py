@@ -148,6 +148,8 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     k["gen_with_source_column"] = write_jsonl(d / "gen_source_column.jsonl",
                                               [dict(r, rewards_reward_fn=[0.0, 0.0]) for r in GEN_ROWS])
     k["scored"] = write_jsonl(d / "scored.jsonl", [dict(r, rewards=[1.0, 0.0]) for r in GEN_ROWS])
+    k["scored_no_finish"] = write_jsonl(d / "scored_no_finish.jsonl", [
+        {c: v for c, v in dict(r, rewards=[1.0, 0.0]).items() if c != "finish_reasons"} for r in GEN_ROWS])
     k["scored_equal"] = write_jsonl(d / "scored_equal.jsonl", [dict(r, rewards=[0.0, 0.0]) for r in GEN_ROWS])
     k["scored_short_rewards"] = write_jsonl(d / "scored_short.jsonl", [dict(GEN_ROWS[0], rewards=[1.0, 0.0]),
                                                                        dict(GEN_ROWS[1], rewards=[1.0])])
@@ -436,6 +438,10 @@ CASES = [
                                                  "{policy}"], "row 1 has 2 responses but 1 entries in 'rewards'"),
     Case("filter-null-reward", ["filter", "--input", "{scored_null_reward}", "--tokenizer", "{policy}", "--mode",
                                 "groups"], "row 0 has a reward of None; score it again"),
+    # it kept every response of such data, as if none had hit the limit
+    Case("filter-drop-truncated-without-finish-reasons", ["filter", "--input", "{scored_no_finish}", "--tokenizer",
+                                                          "{policy}", "--drop-truncated"],
+         "scored_no_finish.jsonl: has no finish_reasons column, so --drop-truncated cannot tell"),
     Case("filter-test-size-negative", ["filter", "--input", "{scored}", "--tokenizer", "{policy}",
                                        "--test-size", "-1"], "--test-size must be >= 0"),
     Case("filter-max-response-tokens-zero", ["filter", "--input", "{scored}", "--tokenizer", "{policy}",

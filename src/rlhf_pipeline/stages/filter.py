@@ -325,6 +325,10 @@ def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -
             if counts and min(counts) < 2:
                 row = counts.index(min(counts))
                 raise PipelineError(f"{needs}, but row {row} has {counts[row]}; drop such rows, or use --mode groups")
+    if config.drop_truncated and "finish_reasons" not in ds.column_names:
+        raise PipelineError(f"{source}: has no finish_reasons column, so --drop-truncated cannot tell which responses "
+                            "hit the token limit (every one would be kept); give the column (as rlhf generate writes "
+                            "it: 'stop' or 'length' per response) or drop --drop-truncated")
     column = prompt_column(ds, source)
     check_message_roles(ds, column, source)
     return column

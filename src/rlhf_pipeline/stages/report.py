@@ -859,8 +859,9 @@ def _markdown(data: dict[str, Any], plots: list[tuple[str, str, Optional[str]]])
                  "Gen. tokens/stopped: the `generate/` dataset of iteration t (sampled from "
                  + ("policy t−1" if sampled == "policy t−1" else "the policy named above") + "); "
                  "stopped = fraction of responses that ended before the token limit.",
-                 "Wall time: each stage's manifest; `+` marks a training run resumed from a checkpoint, whose time "
-                 "is its last attempt's (`training.seconds` in its manifest: the training loop over all attempts).",
+                 "Wall time: each stage's manifest; `+` marks a stage that continued an unfinished run (a training "
+                 "run resumed from a checkpoint; generate, score or eval from their finished chunks or parts), whose "
+                 "time is its last attempt's (a training run's `training.seconds`: its loop over all attempts).",
                  f"{MISSING}: not in the run."]
         lines += [f"- {n}" for n in notes] + [""]
         lm_eval = _lm_eval_table(iterations)
