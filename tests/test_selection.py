@@ -14,6 +14,7 @@ from rlhf_pipeline.selection import (
     best_and_worst,
     decide_group,
     decide_pair,
+    split_by_prompt,
     split_indices,
 )
 
@@ -79,6 +80,35 @@ def test_split_is_seeded_disjoint_and_ordered():
     assert split_indices(100, 10, seed=1)[1] != test
     assert len(split_indices(100, 0.25, seed=0)[1]) == 25
     assert split_indices(5, 0, seed=0) == ([0, 1, 2, 3, 4], [])
+
+
+def test_the_filter_split_is_by_prompt_seeded_and_keeps_a_prompt_on_its_side_across_iterations():
+    """rlhf filter's split: a prompt given twice is on one side; the split is seeded; and as a run's iterations drop
+    other prompts, the held-out prompts stay held out (the permutation of surviving rows it replaced moved 6 of 10
+    test prompts into training when one prompt in 100 was dropped)."""
+    ids = [f"p{i}" for i in range(100)]
+    train, test = split_by_prompt(ids, 10, seed=0)
+    assert len(test) == 10 and sorted(train + test) == list(range(100)) and train == sorted(train)
+    assert split_by_prompt(ids, 10, seed=0) == (train, test) and split_by_prompt(ids, 10, seed=1)[1] != test
+    assert len(split_by_prompt(ids, 0.25, seed=0)[1]) == 25 and split_by_prompt(ids[:5], 0, seed=0)[1] == []
+    held_out = {ids[i] for i in test}
+
+    # the next iteration drops a prompt the last one trained on, then one it held out
+    trained = next(p for p in ids if p not in held_out)
+    later = [p for p in ids if p != trained]
+    assert {later[i] for i in split_by_prompt(later, 10, seed=0)[1]} == held_out
+    dropped = sorted(held_out)[0]
+    later = [p for p in ids if p != dropped]
+    moved = {later[i] for i in split_by_prompt(later, 10, seed=0)[1]} - held_out
+    assert len(moved) == 1  # the prompt ranked next takes the dropped one's place; no other moves
+
+    # a prompt given twice (rows 0 and 3): its rows on one side, whichever
+    twice = ["a", "b", "c", "a", "d", "e"]
+    for seed in range(20):
+        train, test = split_by_prompt(twice, 2, seed)
+        assert (0 in test) == (3 in test) and len({twice[i] for i in test}) == 2
+    with pytest.raises(ValueError, match="takes 5 of 5 prompts and leaves none to train on"):
+        split_by_prompt(twice, 5, seed=0)
 
 
 def test_split_refuses_a_test_split_that_leaves_nothing():

@@ -48,7 +48,7 @@ from rlhf_pipeline.contracts import (
     require_types,
 )
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.selection import LengthLimits, OverlongPenalty, decide_group, decide_pair, split_indices
+from rlhf_pipeline.selection import LengthLimits, OverlongPenalty, decide_group, decide_pair, split_by_prompt
 from rlhf_pipeline.selection import decide_unpaired, mismatched_partners
 
 
@@ -67,7 +67,8 @@ class FilterConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
     max_prompt_tokens: int = option(1024, help="Drop prompts longer than this many tokens.")
     max_response_tokens: int = option(2048, help="Leave out responses longer than this many tokens.")
     drop_truncated: bool = option(False, help="Leave out responses that hit the token limit (finish 'length').")
-    test_size: float = option(1000, help="Test split: a row count, or a fraction when below 1.")
+    test_size: float = option(1000, help="Test split: a count of prompts, or a fraction of them when below 1; a "
+                              "prompt's rows go to one side, chosen by a seeded hash of its prompt_id.")
     seed: int = option(0, help="Seed of the train/test split.")
     num_proc: int = option(0, help="Worker processes; 0 = one per CPU core for large inputs.", semantic=False)
     drop_uniform_groups: bool = option(
@@ -417,11 +418,11 @@ def main(config: FilterConfig) -> Path:
     if kept.num_rows == 0:
         raise nothing_left(ref.name, dropped)
     try:
-        train_rows, test_rows = split_indices(kept.num_rows, config.test_size, config.seed)
+        train_rows, test_rows = split_by_prompt(kept["prompt_id"], config.test_size, config.seed)
     except ValueError as e:
         raise PipelineError(
-            f"{ref.name}: {kept.num_rows} rows survive the filters, and --test-size {config.test_size:g} "
-            f"cannot be split from them ({e}); pass a smaller --test-size, e.g. 0.1 for 10%"
+            f"{ref.name}: {len(set(kept['prompt_id']))} prompts survive the filters, and --test-size "
+            f"{config.test_size:g} cannot be split from them ({e}); pass a smaller --test-size, e.g. 0.1 for 10%"
         ) from None
     # --test-size 0: no test split at all (datasets cannot read back a split saved with no rows)
     result = DatasetDict({"train": kept.select(train_rows), **({"test": kept.select(test_rows)} if test_rows else {})})
@@ -535,27 +536,27 @@ def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tok
     kept = built.select([i for i, r in enumerate(reasons) if not r])
     if kept.num_rows == 0:
         raise nothing_left(source, dropped)
-    prompts = list(dict.fromkeys(kept["_prompt_row"]))
-    try:
-        train_prompts, test_prompts = split_indices(len(prompts), config.test_size, config.seed)
+    try:  # by prompt_id: the rows of one prompt (a prompt given twice included) on one side
+        rows = dict(zip(("train", "test"), split_by_prompt(kept["prompt_id"], config.test_size, config.seed)))
     except ValueError as e:
         raise PipelineError(
-            f"{source}: {len(prompts)} prompts survive the filters, and --test-size {config.test_size:g} "
-            f"cannot be split from them ({e}); pass a smaller --test-size, e.g. 0.1 for 10%"
+            f"{source}: {len(set(kept['prompt_id']))} prompts survive the filters, and --test-size "
+            f"{config.test_size:g} cannot be split from them ({e}); pass a smaller --test-size, e.g. 0.1 for 10%"
         ) from None
-    splits = {"train": {prompts[i] for i in train_prompts}, "test": {prompts[i] for i in test_prompts}}
+    ids = kept["prompt_id"]
+    prompts_in = {split: len({str(ids[i]) for i in chosen}) for split, chosen in rows.items()}
     result, counts = {}, {}
-    for split, chosen in splits.items():
+    for split, chosen in rows.items():
         if not chosen:  # --test-size 0: no test split (datasets cannot read back a split saved with no rows)
             continue
-        part = kept.select([i for i, p in enumerate(kept["_prompt_row"]) if p in chosen])
+        part = kept.select(chosen)
         try:
-            partners = mismatched_partners(part["_prompt_row"], config.seed)
+            partners = mismatched_partners([str(i) for i in part["prompt_id"]], config.seed)
         except ValueError:
             raise PipelineError(
                 f"{source}: the {split} split holds the responses of only one prompt, and KTO pairs each response "
-                f"with one of another prompt; --test-size {config.test_size:g} leaves {len(splits['train'])} "
-                f"prompt(s) to train and {len(splits['test'])} to test: give each split at least 2 (--test-size 0: "
+                f"with one of another prompt; --test-size {config.test_size:g} leaves {prompts_in['train']} "
+                f"prompt(s) to train and {prompts_in['test']} to test: give each split at least 2 (--test-size 0: "
                 "no test split)"
             ) from None
         completions, prompt_ids = part["completion_token_ids"], part["prompt_id"]
@@ -565,7 +566,8 @@ def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tok
         for name in ("prompt_token_ids", "completion_token_ids", "kl_completion_token_ids"):
             part = part.cast_column(name, List(Value("int32")))
         desirable = sum(part["desirable"])
-        counts[split] = {"prompts": len(chosen), "desirable": desirable, "undesirable": part.num_rows - desirable}
+        counts[split] = {"prompts": prompts_in[split], "desirable": desirable,
+                         "undesirable": part.num_rows - desirable}
         result[split] = part
     extra: dict[str, Any] = {
         "mode": UNPAIRED, "sampling": sampling, "renamed_columns": renamed, "reward": reward,
