@@ -233,3 +233,25 @@ def test_the_vllm_backend_loads_weights_from_safetensors_only(monkeypatch, tiny_
     args = built.value.args[0]
     assert args["load_format"] == "safetensors" and args["pretrained"] == tiny_policy
     assert args["max_model_len"] == 256 and "tensor_parallel_size" not in args
+
+
+def test_the_kept_harness_results_of_a_model_written_again_since_are_not_reused(tmp_path, tiny_policy, monkeypatch):
+    """The results an unfinished evaluation kept are reused for the same model, options and files only: a policy
+    retrained into the same directory since is another model, and the harness runs on it again."""
+    import os
+
+    import rlhf_pipeline.harness as harness
+    from rlhf_pipeline.stages.eval import EvalConfig, _lm_eval
+
+    model = shutil.copytree(tiny_policy, tmp_path / "policy")
+    runs = []
+    monkeypatch.setattr(harness, "run_harness", lambda model, tasks, backend, limit, num_fewshot, **kw: runs.append(1)
+                        or {"model": model, "requested": list(tasks), "backend": backend, "limit": limit,
+                            "num_fewshot": num_fewshot, "tasks": {"t": {"acc": len(runs)}}})
+    config = EvalConfig(model=str(model), prompts="p.jsonl", output=str(tmp_path / "out"), reward_fn="r.py:reward",
+                        lm_eval=["rlhf_arith"], engine="hf")
+    first = _lm_eval(config, tmp_path / "out")
+    assert _lm_eval(config, tmp_path / "out") == first and len(runs) == 1  # kept, reused
+    later = os.stat(model / "config.json").st_mtime_ns + 10**9
+    os.utime(model / "config.json", ns=(later, later))  # written again
+    assert _lm_eval(config, tmp_path / "out")["tasks"] == {"t": {"acc": 2}} and len(runs) == 2

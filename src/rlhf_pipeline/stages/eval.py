@@ -642,12 +642,14 @@ def _lm_eval(config: EvalConfig, out_path: Path) -> dict[str, Any]:
     ``OUTPUT/lm_eval/results.json``, which a rerun of an unfinished evaluation reuses when it asked the same."""
     from rlhf_pipeline.datasets_io import write_text_atomic
     from rlhf_pipeline.engines import resolve_engine_name
+    from rlhf_pipeline.files import directory_signature
     from rlhf_pipeline.harness import run_harness
 
     path = out_path / LM_EVAL_DIR / EVAL_RESULTS
     backend = config.lm_eval_backend or resolve_engine_name(config.engine)
-    asked = {"model": config.model, "requested": config.lm_eval, "backend": backend, "limit": config.lm_eval_limit,
-             "num_fewshot": config.lm_eval_num_fewshot}
+    # the model's files too: a policy retrained into the same directory since is another model (a Hub id: its id)
+    asked = {"model": config.model, "model_files": directory_signature(config.model), "requested": config.lm_eval,
+             "backend": backend, "limit": config.lm_eval_limit, "num_fewshot": config.lm_eval_num_fewshot}
     if path.is_file():
         earlier = json.loads(path.read_text())
         if all(earlier.get(k) == v for k, v in asked.items()):
@@ -659,6 +661,7 @@ def _lm_eval(config: EvalConfig, out_path: Path) -> dict[str, Any]:
         vllm_options={"tensor_parallel_size": config.tensor_parallel_size,
                       "gpu_memory_utilization": config.gpu_memory_utilization, "max_model_len": config.max_model_len},
     )
+    results = {**results, "model_files": asked["model_files"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(results, indent=2) + "\n")
     return results
