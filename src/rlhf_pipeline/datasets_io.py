@@ -480,12 +480,16 @@ class OutputParts:
             self.parts = Parts(self.scratch or self.out.path / PARTS_DIR, self.features)
         return self.parts.write(key, columns, notes)
 
+    def close(self) -> None:
+        """Remove the hidden sibling of a run that replaced a finished output (saved over it, or failed)."""
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
     def __enter__(self) -> OutputParts:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+        self.close()
 
 
 @contextlib.contextmanager

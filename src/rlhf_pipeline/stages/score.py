@@ -513,7 +513,7 @@ class _Results:
         _write(self.config, self.work, self.rewards, records, processes)
 
     def close(self) -> None:
-        self.parts.__exit__(None, None, None)
+        self.parts.close()
 
 
 # A reward function's responses per kept chunk, rounded up to whole batches (a reward model's chunks are CHUNK_ROWS
