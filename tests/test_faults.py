@@ -461,6 +461,35 @@ def test_resume_sets_a_damaged_checkpoint_aside_and_goes_on_from_the_one_before(
     assert max_weight_diff(out, tmp_path / "full") < 1e-6
 
 
+def test_a_whole_checkpoint_that_does_not_load_stops_the_resume_and_is_left_in_place(kit, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """Whatever failed a load was taken for damage: a machine short of memory, or a package of another version,
+    set aside every checkpoint in turn (each fails alike), and --overwrite, which the error advised, deleted them.
+    A checkpoint whose files are whole but do not load now stops the run with one line, every checkpoint in place,
+    and once the cause is gone the same --resume goes on from the newest."""
+    from rlhf_pipeline.training import checkpoints
+
+    common = ["--model", kit["policy"], "--data", kit["ref"], "--algo", "dpo", "--temperature", 0.8, "--max-steps", 6,
+              "--save-every", 2, "--batch-size", 2, "--report-to", "none"]
+    out = tmp_path / "cut"
+    interrupted(kit, out, monkeypatch, common, at=4)
+    monkeypatch.undo()
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    real = checkpoints.load_checkpoint
+    monkeypatch.setattr(checkpoints, "load_checkpoint", out_of_memory)
+    capsys.readouterr()
+    assert run("train", *common, "--output", out, "--resume") == 1
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert "step_000004 has all its files whole but did not load (RuntimeError: CUDA out of memory." in line, line
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    monkeypatch.setattr(checkpoints, "load_checkpoint", real)
+    assert run("train", *common, "--output", out, "--resume") == 0
+    assert json.loads((out / "manifest.json").read_text())["training"]["resumed_from_step"] == 4
+
+
 def test_resume_with_no_whole_checkpoint_is_one_line(kit, tmp_path, monkeypatch, capsys):
     common = ["--model", kit["policy"], "--data", kit["ref"], "--algo", "dpo", "--temperature", 0.8, "--max-steps", 6, "--save-every", 2,
               "--batch-size", 2, "--report-to", "none"]

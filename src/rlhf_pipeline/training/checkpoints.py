@@ -153,22 +153,32 @@ def load_checkpoint(accelerator, model, checkpoint: Path, masters: MasterWeights
 def resume_checkpoint(accelerator, model, output: Path,
                       masters: MasterWeights | None = None) -> tuple[Path | None, dict[str, Any]]:
     """Load the newest checkpoint under ``output`` that is whole and loads; returns it and its trainer state, or
-    ``(None, {})`` when there is none. A damaged one is named in a warning and set aside as ``step_N.damaged``; when
-    checkpoints exist and none of them loads, one error line says so. Every process checks the same files and agrees
+    ``(None, {})`` when there is none. A damaged one (``files.verify``) is named in a warning and set aside as
+    ``step_N.damaged``; when checkpoints exist and none of them is whole, one error line says so. A whole one that
+    does not load stops the run with one line and is left in place. Every process checks the same files and agrees
     on whether the load worked, so all of them resume from the same step."""
     checkpoints = list_checkpoints(output)
     _check_processes(accelerator, checkpoints)
     problems = []
     for checkpoint in reversed(checkpoints):
-        problem = verify(checkpoint)
+        problem, failure = verify(checkpoint), None
         if problem is None:
             try:
                 state = load_checkpoint(accelerator, model, checkpoint, masters)
             except Exception as e:  # torch, safetensors and DeepSpeed each raise their own kinds
-                problem = f"loading it failed ({type(e).__name__}: {first_line(e)})"
+                failure = f"{type(e).__name__}: {first_line(e)}"
+        if anywhere(accelerator, failure is not None):
+            # Its files are whole (verify), so what failed is more likely the machine (memory, package versions)
+            # than the checkpoint: setting it aside, and then every other one the same failure hits, would leave
+            # nothing to resume from once that is fixed.
+            raise stop_everywhere(accelerator, (
+                f"--resume: {checkpoint} has all its files whole but did not load ({failure or 'on another process'}); "
+                "it is left as it is, as are the checkpoints before it. Fix what changed (memory, package versions) "
+                f"and resume again; if it is damaged, move it out of {output / CHECKPOINTS} and --resume goes on from "
+                "the one before"))
         if not anywhere(accelerator, problem is not None):
             return checkpoint, state
-        problem = problem or "loading it failed on another process"
+        problem = problem or "its files are damaged on another process"
         problems.append(problem)
         aside = _unused(checkpoint.with_name(checkpoint.name + DAMAGED))
         if accelerator.is_main_process:
