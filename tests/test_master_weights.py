@@ -2,6 +2,7 @@
 plain float32 computation of the same gradients and updates, and through rlhf train (resume, the saved dtype)."""
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,12 @@ def test_rlhf_train_with_bf16_weights_learns_as_autocast_saves_the_masters_and_r
     # saved from the float32 masters, which moved off the start; within bf16's rounding of autocast's weights
     saved = load_file(str(tmp_path / "full" / "model.safetensors"))
     assert {t.dtype for t in saved.values()} == {torch.float32}
+    # and config.json says so, as a loader that reads it (dtype "auto", transformers 5's default) needs: it said
+    # bfloat16, the dtype of the model that wrote it, and such a loader rounded the masters back to bf16
+    from transformers import AutoModelForCausalLM
+
+    assert json.loads((tmp_path / "full" / "config.json").read_text())["dtype"] == "float32"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "full").dtype == torch.float32
     start = load_file(str(Path(tiny_policy) / "model.safetensors"))
     assert max((saved[k] - start[k]).abs().max().item() for k in saved) > 1e-3
     assert max_weight_diff(tmp_path / "full", tmp_path / "autocast") < 0.05

@@ -53,6 +53,14 @@ def save_model(accelerator, model, tokenizer, path: Path, masters: MasterWeights
             lora.save_merged(inner, path, state_dict)
         else:
             inner.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+            if masters is not None:
+                # save_pretrained writes config.json's dtype from the bf16 model, not from the float32 masters it
+                # saved: a loader that reads it (dtype="auto") would round them back to bf16
+                cast_as, inner.config.dtype = inner.config.dtype, "float32"
+                try:
+                    inner.config.save_pretrained(path)
+                finally:
+                    inner.config.dtype = cast_as
         tokenizer.save_pretrained(path)
 
     # QLoRA's merge loads the starting model again, on the main process alone: whole, not inside ZeRO-3's
