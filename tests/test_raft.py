@@ -97,3 +97,32 @@ def test_iterate_runs_raft_with_the_best_filter_mode(tmp_path):
     trains = [s for s in steps if s.stage == "train"]
     assert all(s.args[s.args.index("--algo") + 1] == "raft" for s in trains)
     assert not any("--ref-model" in s.args for s in steps)
+
+
+def test_sft_on_best_responses_saves_the_template_they_were_rendered_with(stop_prone_policy, bundled_prompts,
+                                                                          tmp_path, capsys):
+    """Sampled with --chat-template zephyr, the ids are zephyr's: the SFT model is saved with zephyr's template, as
+    rlhf train --algo raft saves it, so that the next generate renders prompts as they were trained on. It kept
+    --model's own (or --chat-template's, unchecked) and sampled from prompts rendered otherwise."""
+    from transformers import AutoTokenizer
+
+    from rlhf_pipeline.chat_templates import BUILTIN_TEMPLATES
+
+    (tmp_path / "reward.py").write_text(LENGTH_REWARD)
+    assert run("generate", "--model", stop_prone_policy, "--prompts", bundled_prompts, "--output", tmp_path / "gen",
+               "--n", 2, "--max-new-tokens", 8, "--limit", 12, "--chat-template", "zephyr") == 0
+    assert run("score", "--input", tmp_path / "gen", "--output", tmp_path / "scored", "--reward-fn",
+               f"{tmp_path}/reward.py:reward") == 0
+    assert run("filter", "--input", tmp_path / "scored", "--output", tmp_path / "best", "--tokenizer",
+               stop_prone_policy, "--mode", "best", "--test-size", 0) == 0
+    common = ["--data", tmp_path / "best", "--model", stop_prone_policy, "--max-steps", 1, "--batch-size", 2,
+              "--report-to", "none"]
+    assert AutoTokenizer.from_pretrained(stop_prone_policy).chat_template != BUILTIN_TEMPLATES["zephyr"]
+    assert run("sft", *common, "--output", tmp_path / "sft") == 0
+    assert AutoTokenizer.from_pretrained(tmp_path / "sft").chat_template == BUILTIN_TEMPLATES["zephyr"]
+    assert json.loads((tmp_path / "sft" / "manifest.json").read_text())["chat_template"]["name"] == "zephyr"
+    capsys.readouterr()
+    assert run("sft", *common, "--chat-template", "chatml", "--output", tmp_path / "other") == 1
+    err = capsys.readouterr().err
+    assert "was rendered with the chat template" in err and "--chat-template chatml renders with" in err, err
+    assert not (tmp_path / "other").exists()

@@ -111,6 +111,25 @@ def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int
     return out, dropped, counts["fallback"]
 
 
+def _sampled_template(tokenizer, config: SFTConfig, ref):
+    """The chat template the model gets when it trains on sampled token ids (``rlhf filter --mode best``): the one
+    the ids were rendered with, as ``rlhf train --algo raft`` gives it, so that the next ``rlhf generate`` renders
+    prompts as they were trained on. That is the template the sampling recorded by name (``--chat-template``
+    zephyr, a file, none); data rendered with the sampling tokenizer's own needs ``--model``'s own to be that one. A
+    template that does not render as the data was rendered (a ``--chat-template`` of another, a ``--model`` with
+    another template of its own) is refused, with the fix."""
+    from rlhf_pipeline.chat import check_same_template, recorded_chat_template, use_chat_template
+    from rlhf_pipeline.datasets_io import find_in_lineage
+
+    record = (find_in_lineage([ref], "sampling") or {}).get("chat_template")
+    given = config.chat_template is not None
+    template = use_chat_template(tokenizer, config.chat_template if given else recorded_chat_template(record),
+                                 config.model, required=False)
+    check_same_template(template, record, str(ref),
+                        f"--chat-template {config.chat_template}" if given else f"--model {config.model}")
+    return template
+
+
 def main(config: SFTConfig) -> Path:
     from rlhf_pipeline.chat import load_tokenizer, pad_id, stop_token_ids, use_chat_template
     from rlhf_pipeline.modeling import check_model_ref
@@ -126,7 +145,7 @@ def main(config: SFTConfig) -> Path:
         rows_in = sum(ds.num_rows for ds in dd.values())
         if has_token_ids(dd["train"]):  # sampled token ids (rlhf filter --mode best): trained on as they are
             (data, dropped), fallbacks = sampled_rows(dd, config.max_length, str(ref)), 0
-            template = use_chat_template(tokenizer, config.chat_template, config.model, required=False)
+            template = _sampled_template(tokenizer, config, ref)
         else:
             # the saved tokenizer carries the template trained on, so the next stages render as this one did
             template = use_chat_template(tokenizer, config.chat_template, config.model)
