@@ -623,3 +623,22 @@ def test_dpo_keeps_another_reference_with_ref_model_and_checks_the_one_of_its_co
         f"run's reference is {other_policy}; pass --ref-model {tiny_policy}, or recompute them with rlhf ref-logps "
         f"--model {other_policy}")
     assert run(*train_args(pairs, other_policy, out, *common, "--temperature", 0.8, "--ref-model", tiny_policy)) == 0
+
+
+def test_examples_past_the_last_full_global_batch_are_warned_of_and_counted(pairs, tiny_policy, tmp_path, caplog):
+    """global_batches drops the last partial global batch of each epoch (the normalisation stays exact); how many
+    examples that leaves out was said nowhere: at 1,000 rows and a global batch of 512, 488 an epoch."""
+    import logging
+
+    from rlhf_pipeline.training.loop import global_batches
+
+    batches = global_batches(10, 4, seed=0, epoch=0)
+    assert [len(b) for b in batches] == [4, 4] and len({i for b in batches for i in b}) == 8
+    assert global_batches(10, 4, seed=0, epoch=1) != batches  # others each epoch
+    rows = load_from_disk(str(pairs / "ref"))["train"].num_rows
+    size = next(b for b in range(3, rows) if rows % b)  # a batch size that does not divide the rows
+    with caplog.at_level(logging.WARNING, logger="rlhf_pipeline.training.loop"):
+        assert run(*train_args(pairs, tiny_policy, tmp_path / "out", "--batch-size", size, "--max-steps", 1)) == 0
+    summary = json.loads((tmp_path / "out" / "manifest.json").read_text())["training"]
+    assert summary["rows_left_out_per_epoch"] == rows % size > 0
+    assert f"{rows % size} of the {rows} training examples do not fill a last global batch of {size}" in caplog.text

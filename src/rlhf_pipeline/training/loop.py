@@ -515,6 +515,7 @@ class TrainResult:
     seconds: float  # the training loop's, over every attempt of a resumed run (to its checkpoints)
     skipped_steps: int = 0  # steps whose loss or gradients were not finite: no update applied
     resumed_from_step: int = 0  # the checkpoint's step this attempt went on from; 0: trained from the start
+    rows_left_per_epoch: int = 0  # training examples past the epoch's last full global batch (others each epoch)
 
 
 @dataclass
@@ -528,6 +529,7 @@ class Setup:
     total_steps: int
     global_size: int
     masters: MasterWeights | None = None  # --bf16-weights outside DeepSpeed: the float32 copies the optimizer steps
+    rows_left_per_epoch: int = 0  # what global_batches leaves out of each epoch
 
     def trained_parameters(self) -> list:
         """What the optimizer steps and the gradient norm is taken over: the masters, or the model's parameters."""
@@ -552,8 +554,13 @@ def prepare(
             f"(batch size {config.batch_size} x accumulation {config.gradient_accumulation_steps} x {world} "
             "processes); lower --batch-size or --gradient-accumulation-steps"
         )
-    steps_per_epoch = num_train_rows // global_size
+    steps_per_epoch, left = divmod(num_train_rows, global_size)
     total_steps = config.max_steps or steps_per_epoch * config.epochs
+    if left and accelerator.is_main_process:
+        log.warning("%s: %d of the %d training examples do not fill a last global batch of %d and are left out of "
+                    "each epoch (others each epoch: the order is shuffled anew); a batch size x accumulation x "
+                    "processes that divides %d trains on every one", config.data, left, num_train_rows, global_size,
+                    num_train_rows)
     warmup = int(config.warmup_ratio * total_steps)
     torch.manual_seed(config.seed)
     deepspeed = accelerator.state.deepspeed_plugin is not None
@@ -590,7 +597,7 @@ def prepare(
     # step: a scheduler given to accelerate.prepare would be stepped once per process.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total_steps))
     accelerator.register_for_checkpointing(scheduler)
-    return Setup(model, optimizer, scheduler, steps_per_epoch, total_steps, global_size, masters)
+    return Setup(model, optimizer, scheduler, steps_per_epoch, total_steps, global_size, masters, left)
 
 
 def train(
@@ -787,7 +794,8 @@ def train(
     if config.report_to != "none":
         accelerator.end_training()
     return TrainResult(step, first_loss, last_loss, final_eval, real_tokens, all_tokens, time.time() - started,
-                       skipped_steps=skipped, resumed_from_step=resumed_from)
+                       skipped_steps=skipped, resumed_from_step=resumed_from,
+                       rows_left_per_epoch=setup.rows_left_per_epoch)
 
 
 def deepspeed_grads_nonfinite(engine) -> bool:

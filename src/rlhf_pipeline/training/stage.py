@@ -199,6 +199,7 @@ def training_summary(result: TrainResult) -> dict[str, Any]:
         "skipped_steps": result.skipped_steps,
         "seconds": round(result.seconds, 2),
         "resumed_from_step": result.resumed_from_step,
+        "rows_left_out_per_epoch": result.rows_left_per_epoch,  # past the epoch's last full global batch
     }
 
 
