@@ -257,3 +257,24 @@ def test_lora_two_process_zero3_equals_one_process(case, extra, data, tiny_polic
         adapter = "adapter/adapter_model.safetensors"
         a, b = load_file(tmp_path / "zero3" / part / adapter), load_file(tmp_path / "single" / part / adapter)
         assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_a_qlora_reward_model_keeps_the_pad_id_it_read_its_rewards_at(data, tiny_policy, tmp_path):
+    """From a base whose config has no pad id (Llama-3's), train-rm sets one on the model it trains; QLoRA's merge
+    loads the base again and saved that config, without it, and transformers' classifier then refuses batches of
+    more than one."""
+    pytest.importorskip("bitsandbytes")
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    base = Path(shutil.copytree(tiny_policy, tmp_path / "base"))
+    config = json.loads((base / "config.json").read_text())
+    config["pad_token_id"] = None
+    (base / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "rm"
+    assert run(*args_for("rm", data, str(base), "", out, "--max-steps", 1, "--load-in-4bit")) == 0
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] is not None
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert model(torch.tensor([[5, 6, 7], [8, 9, 10]])).logits.shape == (2, 1)

@@ -257,4 +257,7 @@ def merge_by_reloading(model: Any, path: Path) -> None:
         fresh = type(base).from_pretrained(part.peft_config[_ADAPTER].base_model_name_or_path, dtype="auto", **labels,
                                            **SAFE_WEIGHTS)
         merged = PeftModel.from_pretrained(fresh, str(where / ADAPTER_DIR)).merge_and_unload()
+        # the pad id the trained model read its rewards at (prepare_reward_model set it on its config; a base such
+        # as Llama-3 has none, and a classifier without one refuses batches of more than one)
+        merged.config.pad_token_id = base.config.pad_token_id
         merged.save_pretrained(str(where), safe_serialization=True)
