@@ -118,6 +118,7 @@ def test_full_run(full_run, capsys):
     assert cells[2:8] == ["–"] * 6  # iteration 0: no win rate, training or generate data
     assert cells[8:10] == ["12", "0.25"]
     assert "8 prompts × 2 samples; baseline `base` (iterations 1, 2)" in md
+    assert "- Scorers: reward_fn = `reward_fn`." in md  # what each column's scorer is (the demo's: gold_reward)
     assert "final eval loss 2.432" in md and "wall time 42 s" in md
     assert "final eval accuracy 0.8125" in md and "last train accuracy 0.7" in md
     for name in PLOTS:

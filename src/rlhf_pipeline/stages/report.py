@@ -850,8 +850,12 @@ def _markdown(data: dict[str, Any], plots: list[tuple[str, str, Optional[str]]])
                   "its train made policy t, its eval evaluated policy t (row 0: the starting policy).", ""]
         lines += ["## Per iteration", ""] + _iteration_table(data) + [""]
         setups = _eval_setup(iterations)
+        specs = {name: spec for it in iterations for name, score in ((it["eval"] or {}).get("scores") or {}).items()
+                 if (spec := (score or {}).get("scorer"))}
         notes = ["Reward, win rate and eval tokens/stopped: held-out `eval/results.json` of policy t"
                  + (f" ({'; '.join(setups)})" if setups else "") + ".",
+                 *(["Scorers: " + "; ".join(f"{name} = `{spec}`" for name, spec in specs.items()) + "."]
+                   if specs else []),
                  "LC: AlpacaEval 2's length-controlled win rate (the judge's preference read at equal response "
                  "lengths; a reward model's preferences are its Bradley-Terry probabilities), ± its standard error.",
                  "Train loss, eval loss and eval accuracy: `train/metrics.jsonl` of iteration t "
