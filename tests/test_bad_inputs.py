@@ -148,6 +148,10 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     k["gen_with_source_column"] = write_jsonl(d / "gen_source_column.jsonl",
                                               [dict(r, rewards_reward_fn=[0.0, 0.0]) for r in GEN_ROWS])
     k["scored"] = write_jsonl(d / "scored.jsonl", [dict(r, rewards=[1.0, 0.0]) for r in GEN_ROWS])
+    k["scored_null_id"] = write_jsonl(d / "scored_null_id.jsonl", [
+        dict(r, rewards=[1.0, 0.0], prompt_id=None if i == 1 else r["prompt_id"]) for i, r in enumerate(GEN_ROWS)])
+    k["scored_shared_id"] = write_jsonl(d / "scored_shared_id.jsonl", [
+        dict(r, rewards=[1.0, 0.0], prompt_id="p0") for r in GEN_ROWS])
     k["scored_no_finish"] = write_jsonl(d / "scored_no_finish.jsonl", [
         {c: v for c, v in dict(r, rewards=[1.0, 0.0]).items() if c != "finish_reasons"} for r in GEN_ROWS])
     k["scored_equal"] = write_jsonl(d / "scored_equal.jsonl", [dict(r, rewards=[0.0, 0.0]) for r in GEN_ROWS])
@@ -438,6 +442,11 @@ CASES = [
                                                  "{policy}"], "row 1 has 2 responses but 1 entries in 'rewards'"),
     Case("filter-null-reward", ["filter", "--input", "{scored_null_reward}", "--tokenizer", "{policy}", "--mode",
                                 "groups"], "row 0 has a reward of None; score it again"),
+    # the train/test split goes by prompt_id: null ids were one prompt, and shared ids put different prompts on one side
+    Case("filter-null-prompt-id", ["filter", "--input", "{scored_null_id}", "--tokenizer", "{policy}"],
+         "scored_null_id.jsonl: row 1 has no prompt_id (null); give every prompt one"),
+    Case("filter-shared-prompt-id", ["filter", "--input", "{scored_shared_id}", "--tokenizer", "{policy}"],
+         "scored_shared_id.jsonl: rows 0 and 1 have the same prompt_id 'p0' but other prompts"),
     # it kept every response of such data, as if none had hit the limit
     Case("filter-drop-truncated-without-finish-reasons", ["filter", "--input", "{scored_no_finish}", "--tokenizer",
                                                           "{policy}", "--drop-truncated"],

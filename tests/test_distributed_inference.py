@@ -92,7 +92,7 @@ import sys
 
 from rlhf_pipeline.stages import score
 
-score.CHUNK_ROWS, score.FN_CHUNK_RESPONSES = 3, 6
+score.CHUNK_ROWS, score.FN_CHUNK_RESPONSES, score.FN_CHUNK_BATCHES = 3, 6, 1
 sys.exit(score.cli())
 """
 FAILS_AT = """
@@ -121,6 +121,7 @@ def test_an_interrupted_two_process_score_keeps_its_chunks_and_resumes(shared, t
             "--batch-size", 3]
     monkeypatch.setattr(score, "CHUNK_ROWS", 3)
     monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 6)
+    monkeypatch.setattr(score, "FN_CHUNK_BATCHES", 1)
     assert run("score", *args, "--output", tmp_path / "one") == 0
 
     res = launch(str(tmp_path / "small_chunks.py"), *args, "--output", tmp_path / "two", env={"FAIL_AT": "3"})

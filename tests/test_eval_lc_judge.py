@@ -332,6 +332,16 @@ def test_a_rerun_reuses_the_judges_answers_unless_the_other_side_changed(setup, 
     assert run(*args) == 0
     assert json.loads((out / "results.json").read_text())["judge"]["baseline"] == first
 
+    # prompts an older version made, whose ids gave a prompt twice one id for both its rows: made again
+    record = out / "judge_baseline" / "compared.json"
+    assert json.loads(record.read_text())["ids"] == "row_key|ours|theirs|order"
+    record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "ids"}))
+    (out / "manifest.json").unlink()
+    before = json.loads((out / "judge_baseline" / "generate" / "manifest.json").read_text())["output_id"]
+    monkeypatch.setattr(HFEngine, "generate", judged)
+    assert run(*args) == 0
+    assert json.loads((out / "judge_baseline" / "generate" / "manifest.json").read_text())["output_id"] != before
+
     (out / "manifest.json").unlink()
     assert run(*eval_args(setup["baseline"], setup, base, "--seed", 7, "--overwrite")) == 0  # the baseline anew
     monkeypatch.setattr(HFEngine, "generate", judged)

@@ -205,7 +205,7 @@ def test_qlora_trains_on_4bit_weights_resumes_and_merges_into_the_full_precision
     out, classifier = tmp_path / "full", case == "rm"
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     curve = logged(out)
-    assert curve[-1] < curve[0], curve
+    assert sum(curve[-2:]) / 2 < curve[0], curve  # 4 steps of 2 pairs: the last alone is noisy
     before, after = load_file(Path(tiny_policy) / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(after[k].dtype == torch.float32 for k in after)
     changed = {k for k in after if k in before and not torch.equal(before[k], after[k])}

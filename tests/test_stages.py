@@ -549,6 +549,7 @@ def test_score_keeps_each_chunk_and_a_rerun_scores_only_the_unfinished_ones(pipe
 
     monkeypatch.setattr(score, "CHUNK_ROWS", 7)
     monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 20)  # rounded up to whole batches: 24 responses
+    monkeypatch.setattr(score, "FN_CHUNK_BATCHES", 1)
     args = ["--input", pipeline / "gen", "--reward-model", tiny_rm, "--reward-fn", f"{pipeline}/rewards.py:reward",
             "--batch-size", 8, "--max-length", 40]
     assert run("score", *args, "--output", tmp_path / "whole") == 0
@@ -566,6 +567,7 @@ def test_score_keeps_each_chunk_and_a_rerun_scores_only_the_unfinished_ones(pipe
     monkeypatch.undo()
     monkeypatch.setattr(score, "CHUNK_ROWS", 7)
     monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 20)
+    monkeypatch.setattr(score, "FN_CHUNK_BATCHES", 1)
     fn_calls = count_calls(monkeypatch, rewards, "call_reward_fn")
     models = count_calls(monkeypatch, rewards, "RewardModelScorer")
     capsys.readouterr()
@@ -602,6 +604,7 @@ def test_a_rerun_scores_again_the_chunks_of_a_source_changed_since(pipeline, tin
     from rlhf_pipeline.stages import score
 
     monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 16)  # the function's 10 chunks of 2 batches; the model's 1
+    monkeypatch.setattr(score, "FN_CHUNK_BATCHES", 1)
     fn, rm = tmp_path / "scaled.py", tmp_path / "rm"
     fn.write_text(SCALED_REWARD.format(scale=1))
     shutil.copytree(tiny_rm, rm)
@@ -619,6 +622,7 @@ def test_a_rerun_scores_again_the_chunks_of_a_source_changed_since(pipeline, tin
     os.utime(rm / "config.json", ns=(later, later))  # written again
     monkeypatch.undo()
     monkeypatch.setattr(score, "FN_CHUNK_RESPONSES", 16)
+    monkeypatch.setattr(score, "FN_CHUNK_BATCHES", 1)
     again = count_calls(monkeypatch, rewards, "call_reward_fn")
     models = count_calls(monkeypatch, rewards, "RewardModelScorer")
     assert run("score", *args) == 0
@@ -627,3 +631,19 @@ def test_a_rerun_scores_again_the_chunks_of_a_source_changed_since(pipeline, tin
     assert len(calls) == 5 and len(again) == 20 and len(models) == 1  # everything scored again
     data = load_from_disk(str(tmp_path / "out"))
     assert data["rewards_reward_fn"] == [[2.0 * len(r) for r in rs] for rs in data["responses"]]
+
+
+def test_a_reward_functions_chunks_hold_whole_batches_and_work_for_many_processes():
+    """A chunk is whole batches (each call sees the batch one process would give it), of at least FN_CHUNK_BATCHES
+    batches, so that 8 processes at --batch-size 2048 do not leave half of them idle in every chunk; neither
+    depends on the number of processes, so a rerun with another number reuses the chunks."""
+    from rlhf_pipeline.stages import score
+
+    locations = score.Locations()
+    locations.extend(0, [4] * 100_000)
+    source = score.RewardSource("reward_fn", "f.py:f", "reward_fn")
+    for batch_size, size in ((16, 8192), (1000, 64_000), (2048, 2048 * 64)):
+        config = score.ScoreConfig(input="in", output="out", reward_fn="f.py:f", batch_size=batch_size)
+        chunks = score._chunks(source, config, locations)
+        assert chunks[0] == (0, size) and chunks[-1][1] == 400_000 and size % batch_size == 0
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))

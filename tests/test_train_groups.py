@@ -663,7 +663,7 @@ def test_a_token_budget_trains_as_batching_by_count(algo, uneven, stop_prone_pol
     plans = spy_token_budget_plans(monkeypatch)
     assert run(*train_args(uneven, stop_prone_policy, tmp_path / "tokens", algo, *common,
                            "--max-tokens-per-micro-batch", 100, critic=critic)) == 0
-    assert len(plans) == 3 and len(micro_batch_sizes(plans) - {2}) >= 2, plans
+    assert len(plans) == 3 and len(micro_batch_sizes(plans)) >= 2 and micro_batch_sizes(plans) != {2}, plans
     for key in ("loss/train", "loss/train_policy_loss", "loss/eval") + (("loss/train_value_loss",) if critic else ()):
         assert logged(tmp_path / "tokens", key) == pytest.approx(logged(tmp_path / "count", key), abs=1e-5), key
     assert max_weight_diff(tmp_path / "tokens", tmp_path / "count") < 1e-4

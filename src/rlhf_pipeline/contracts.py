@@ -142,6 +142,27 @@ def require_token_ids(ds: Dataset, vocab_size: int, source: str, hint: str, owne
                                     f"ids of {owner}; {hint}")
 
 
+def check_prompt_ids(ds: Dataset, source: str, column: str) -> None:
+    """A dataset's own prompt ids (``prompt_id``, else ``id``) name one prompt each (``column``, its prompt column):
+    later stages match responses, rewards, an evaluation's baseline and the train/test split by them, so two
+    different prompts under one id would be compared across, and rows of different prompts kept on one side. One
+    prompt given twice under its id (a content hash, as ids made from the text are) is the same prompt, and passes.
+    A null id is refused, naming the row."""
+    name = next((c for c in ("prompt_id", "id") if c in ds.column_names), None)
+    if name is None:
+        return
+    first: dict[str, tuple[int, object]] = {}
+    for row, (value, prompt) in enumerate(zip(ds[name], ds[column])):
+        if value is None:
+            raise PipelineError(f"{source}: row {row} has no {name} (null); give every prompt one (responses, rewards, "
+                                "baselines and the train/test split are matched by it)")
+        earlier, earlier_prompt = first.setdefault(str(value), (row, prompt))
+        if earlier != row and earlier_prompt != prompt:
+            raise PipelineError(f"{source}: rows {earlier} and {row} have the same {name} {str(value)!r} but other "
+                                "prompts; give every prompt its own (responses, rewards, baselines and the train/test "
+                                "split are matched by it)")
+
+
 def feature_kind(feature) -> str:
     """A ``datasets`` feature in words: ``text``, ``int``, ``float``, ``bool``, ``list of ...``, ``mapping``."""
     from datasets import LargeList, List, Value

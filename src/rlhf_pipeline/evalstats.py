@@ -62,9 +62,10 @@ def reward_comparison(ours: Sequence[Sequence[float]], theirs: Sequence[Sequence
 
 def preference_comparison(preferences: Sequence[float | None], length_differences: Sequence[float],
                           prompts: Sequence[int]) -> dict:
-    """A judge's preferences for the evaluated response, one per comparison (None: no verdict), with the length
-    differences (ours minus theirs, in characters) and the prompt of each: the win rate (the mean preference) with
-    its standard error over prompts, the counts (a preference above, at or below 1/2), and the LC win rate."""
+    """A judge's preferences for the evaluated response, one per comparison (None: not both verdicts read, left
+    out), with the length differences (ours minus theirs, in characters) and the prompt of each: the win rate (the
+    mean preference) with its standard error over prompts, the counts (a preference above, at or below 1/2), and the
+    LC win rate."""
     kept = [(p, prompt) for p, prompt in zip(preferences, prompts) if p is not None]
     values = [p for p, _ in kept]
     means = _prompt_means(values, [prompt for _, prompt in kept])

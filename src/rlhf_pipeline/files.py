@@ -209,15 +209,16 @@ def flush_files(directory: Path, names: Iterable[str] | None = None) -> None:
     sync_dir(directory)
 
 
-def directory_signature(path: str | Path) -> str | None:
-    """A digest of the names, sizes and modification times of the files directly in a directory, or None for what is
-    not one (a Hub id): it changes when a model directory is written again or replaced, without reading a weight."""
+def directory_signature(path: str | Path, skip: Iterable[str] = ()) -> str | None:
+    """A digest of the names, sizes and modification times of the files directly in a directory but those named in
+    ``skip``, or None for what is not one (a Hub id): it changes when a model directory is written again or replaced,
+    without reading a weight."""
     directory = Path(path).expanduser()
     if not directory.is_dir():
         return None
     h = hashlib.sha256()
     for p in sorted(directory.iterdir()):
-        if p.is_file():
+        if p.is_file() and p.name not in skip:
             st = p.stat()
             h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return h.hexdigest()

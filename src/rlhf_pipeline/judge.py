@@ -7,9 +7,9 @@ the same request, give a short reason, and end with ``[[A]]``, ``[[B]]`` or ``[[
 MT-Bench's pairwise judge (Zheng et al. 2023, "Judging LLM-as-a-Judge with MT-Bench and Chatbot Arena",
 arXiv:2306.05685). Every comparison is judged twice, once with the evaluated response as A and once as B, so that
 a judge that prefers a position cancels out: the preference for the evaluated response is the mean of its scores
-in the two orders (1 for a win, 1/2 for a tie, 0 for a loss) over the verdicts that could be read. The verdict is
-the last marker in the judge's answer; an answer with none cannot be read, and is counted, never guessed; a
-comparison with no readable verdict in either order has no preference and is left out of the win rate.
+in the two orders (1 for a win, 1/2 for a tie, 0 for a loss). The verdict is the last marker in the judge's answer;
+an answer with none cannot be read, and is counted, never guessed; a comparison without both verdicts read has no
+preference and is left out of the win rate (one order's verdict alone carries that order's position bias).
 """
 
 from __future__ import annotations

@@ -178,10 +178,11 @@ def split_by_prompt(prompt_ids: Sequence, test_size: float, seed: int) -> tuple[
     the same split, and which one depends on the prompt, not on its row. The test prompts are the first
     ``test_size`` (a fraction of the prompts below 1, else a count) in the order of a seeded hash of their ids.
 
-    So a prompt given twice is never on both sides, and each iteration of a run that samples the same prompts keeps
-    its held-out prompts held out whatever else was filtered away: a prompt can change sides only when a test prompt
-    ranked before it was dropped, or the count changed. (A permutation of the surviving rows moved most of them: 6 of
-    10 test prompts had been trained on when one prompt in 100 was dropped.) Each split keeps the rows' order."""
+    So a prompt given twice is never on both sides, and the iterations of a run that samples the same prompts hold
+    out the same ones as far as the survivors allow: a held-out prompt moves to training only when a prompt ranked
+    before it survives now and did not before, or the count changed (a fraction of another number of survivors);
+    one dropped before it only lets the next one in. (A permutation of the surviving rows moved most of them: 6 of 10
+    test prompts had been trained on when one prompt in 100 was dropped.) Each split keeps the rows' order."""
     keys = [str(k) for k in prompt_ids]
     prompts = list(dict.fromkeys(keys))
     n_test = _test_count(test_size, len(prompts), "prompts")

@@ -395,6 +395,9 @@ def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory:
         # What the prompts were built from: a rerun of an unfinished eval whose other side changed since (an earlier
         # evaluation given as --baseline, run again) builds them, and the judge's answers, anew.
         compared = {side: fingerprint(parse_ref(str(path))) for side, path in (("ours", ours), ("theirs", theirs))}
+        # and how its prompts' ids are made: those of a version that gave a prompt twice one id for both rows
+        # (their judge prompts clash) are made again
+        compared["ids"] = JUDGE_IDS
         record = directory / "compared.json"
         if record.exists() and json.loads(record.read_text()) != compared:
             for part in ("prompts", "generate"):
@@ -423,6 +426,9 @@ def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory:
 
 def _flag(config: EvalConfig, target: str) -> str:
     return f"--{target} {getattr(config, target)}"
+
+
+JUDGE_IDS = "row_key|ours|theirs|order"  # _judge_id's scheme, recorded in compared.json
 
 
 def _judge_id(prompt_id: str, ours: int, theirs: int, order: int) -> str:
@@ -647,9 +653,11 @@ def _lm_eval(config: EvalConfig, out_path: Path) -> dict[str, Any]:
 
     path = out_path / LM_EVAL_DIR / EVAL_RESULTS
     backend = config.lm_eval_backend or resolve_engine_name(config.engine)
-    # the model's files too: a policy retrained into the same directory since is another model (a Hub id: its id)
-    asked = {"model": config.model, "model_files": directory_signature(config.model), "requested": config.lm_eval,
-             "backend": backend, "limit": config.lm_eval_limit, "num_fewshot": config.lm_eval_num_fewshot}
+    # the model's files too (not its manifest, which a pending upload rewrites): a policy retrained into the same
+    # directory since is another model (a Hub id: its id alone)
+    asked = {"model": config.model, "model_files": directory_signature(config.model, skip=(MANIFEST,)),
+             "requested": config.lm_eval, "backend": backend, "limit": config.lm_eval_limit,
+             "num_fewshot": config.lm_eval_num_fewshot}
     if path.is_file():
         earlier = json.loads(path.read_text())
         if all(earlier.get(k) == v for k, v in asked.items()):

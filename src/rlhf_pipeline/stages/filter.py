@@ -43,6 +43,7 @@ from rlhf_pipeline.contracts import (
     SCORED_KINDS,
     TRAINING_DATA_KINDS,
     UNPAIRED,
+    check_prompt_ids,
     require_columns,
     require_token_ids,
     require_types,
@@ -332,6 +333,7 @@ def _check_input(ds, config: FilterConfig, source: str, sampling: dict | None) -
                             "it: 'stop' or 'length' per response) or drop --drop-truncated")
     column = prompt_column(ds, source)
     check_message_roles(ds, column, source)
+    check_prompt_ids(ds, source, column)  # the split goes by them (selection.split_by_prompt)
     return column
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
-from rlhf_pipeline.contracts import GENERATED_COLUMNS, SAMPLER_LOGPROBS
+from rlhf_pipeline.contracts import GENERATED_COLUMNS, SAMPLER_LOGPROBS, check_prompt_ids
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.sharding import parse_shard, request_seed, shard_indices
@@ -106,23 +106,6 @@ def prompt_context(config: GenerateConfig) -> tuple[int, str] | None:
     return context_length(AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code))
 
 
-def _check_unique_ids(ds, source: str, column: str) -> None:
-    """A prompt set's own ids (``prompt_id``, else ``id``: what :func:`ids_of_prompts` reads) name one prompt each:
-    later stages match responses, rewards and an evaluation's baseline by them, so two different prompts under one
-    id would be compared across. One prompt given twice under its id (a content hash, as ids made from the text
-    are) is the same prompt, and passes."""
-    name = next((c for c in ("prompt_id", "id") if c in ds.column_names), None)
-    if name is None:
-        return
-    first: dict[str, tuple[int, object]] = {}
-    for row, (value, prompt) in enumerate(zip(ds[name], ds[column])):
-        earlier, earlier_prompt = first.setdefault(str(value), (row, prompt))
-        if earlier != row and earlier_prompt != prompt:
-            raise PipelineError(f"{source}: rows {earlier} and {row} have the same {name} {str(value)!r} but other "
-                                "prompts; give every prompt its own (responses, rewards and baselines are matched "
-                                "by it)")
-
-
 def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | None = None, wrap: bool = False):
     """The prompts a run samples for, checked: ``(dataset of the selected rows, prompt column, rows, rows_total)``;
     ``rows`` a range, or with ``wrap`` a list that goes on from the first row. ``rlhf eval`` calls it too, to check
@@ -136,7 +119,7 @@ def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | 
     if clash:
         raise PipelineError(f"{ref.name}: already has column(s) {', '.join(clash)}; pass a prompt dataset")
     column = validate_prompts(ds, ref.name)
-    _check_unique_ids(ds, ref.name, column)
+    check_prompt_ids(ds, ref.name, column)
     if offset >= rows_total:
         raise PipelineError(f"{ref.name}: --offset {offset} skips all of its {rows_total} prompts")
     end = rows_total if limit is None else min(offset + limit, rows_total)

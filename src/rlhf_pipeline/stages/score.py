@@ -66,6 +66,7 @@ from rlhf_pipeline.contracts import (
     require_types,
 )
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.layout import MANIFEST
 from rlhf_pipeline.stages import run_stage
 
 log = logging.getLogger(__name__)
@@ -439,7 +440,8 @@ def _made_by(source: RewardSource) -> dict[str, Any]:
 
     if source.kind == "reward_fn":
         return {"spec": source.spec, "code": code_digest(source.spec)}
-    return {"spec": source.spec, "model_files": directory_signature(source.spec)}
+    # not its manifest, which an upload that was pending (--push-to-hub) rewrites
+    return {"spec": source.spec, "model_files": directory_signature(source.spec, skip=(MANIFEST,))}
 
 
 class _Results:
@@ -516,9 +518,11 @@ class _Results:
         self.parts.close()
 
 
-# A reward function's responses per kept chunk, rounded up to whole batches (a reward model's chunks are CHUNK_ROWS
-# rows of responses)
+# A reward function's responses per kept chunk, rounded up to whole batches, and at least FN_CHUNK_BATCHES batches so
+# that up to that many processes each get work in every chunk whatever --batch-size is (a reward model's chunks are
+# CHUNK_ROWS rows of responses). Neither depends on the number of processes: a rerun with another reuses the chunks.
 FN_CHUNK_RESPONSES = 8192
+FN_CHUNK_BATCHES = 64
 
 
 def _chunks(source: RewardSource, config: ScoreConfig, locations: Locations) -> list[tuple[int, int]]:
@@ -526,7 +530,7 @@ def _chunks(source: RewardSource, config: ScoreConfig, locations: Locations) -> 
     model's of :data:`CHUNK_ROWS` rows (its batches are length-sorted within one), a function's of whole batches."""
     if source.kind == "reward_model":
         return _row_chunks(locations, CHUNK_ROWS)
-    size = config.batch_size * -(-FN_CHUNK_RESPONSES // config.batch_size)
+    size = config.batch_size * max(-(-FN_CHUNK_RESPONSES // config.batch_size), FN_CHUNK_BATCHES)
     return [(start, min(start + size, len(locations))) for start in range(0, len(locations), size)]
 
 

@@ -113,21 +113,21 @@ def tokenize(dd, tokenizer, max_length: int, source: str, stop_ids: Iterable[int
 
 def _sampled_template(tokenizer, config: SFTConfig, ref):
     """The chat template the model gets when it trains on sampled token ids (``rlhf filter --mode best``): the one
-    the ids were rendered with, as ``rlhf train --algo raft`` gives it, so that the next ``rlhf generate`` renders
-    prompts as they were trained on. That is the template the sampling recorded by name (``--chat-template``
-    zephyr, a file, none); data rendered with the sampling tokenizer's own needs ``--model``'s own to be that one. A
-    template that does not render as the data was rendered (a ``--chat-template`` of another, a ``--model`` with
-    another template of its own) is refused, with the fix."""
-    from rlhf_pipeline.chat import check_same_template, recorded_chat_template, use_chat_template
+    the sampling recorded by name (``--chat-template`` zephyr, a file, none), as ``rlhf train --algo raft`` gives it
+    (``training.stage.adopt_data_template``), so that the next ``rlhf generate`` renders prompts as they were
+    trained on; else ``--model``'s own. A ``--chat-template`` given here that does not render as the data was
+    rendered is refused, with the fix."""
+    from rlhf_pipeline.chat import check_same_template, use_chat_template
     from rlhf_pipeline.datasets_io import find_in_lineage
+    from rlhf_pipeline.training.stage import adopt_data_template
 
-    record = (find_in_lineage([ref], "sampling") or {}).get("chat_template")
-    given = config.chat_template is not None
-    template = use_chat_template(tokenizer, config.chat_template if given else recorded_chat_template(record),
-                                 config.model, required=False)
-    check_same_template(template, record, str(ref),
-                        f"--chat-template {config.chat_template}" if given else f"--model {config.model}")
-    return template
+    if config.chat_template is not None:
+        template = use_chat_template(tokenizer, config.chat_template, config.model, required=False)
+        record = (find_in_lineage([ref], "sampling") or {}).get("chat_template")
+        check_same_template(template, record, str(ref), f"--chat-template {config.chat_template}")
+        return template
+    own = use_chat_template(tokenizer, None, config.model, required=False)
+    return adopt_data_template(tokenizer, str(ref), config.model) or own
 
 
 def main(config: SFTConfig) -> Path:

@@ -394,11 +394,12 @@ def check_tokenizer(tokenizer: Any, source: str, model_name: str) -> None:
                          f"{model_name}'s tokenizer", data_fix(model_name))
 
 
-def adopt_data_template(tokenizer: Any, source: str, model_name: str) -> None:
-    """``rlhf train``: the trained policy's tokenizer renders as its data was rendered. A chat template the sampling
-    chose by name (``--chat-template`` zephyr, a file, none: the lineage's ``sampling.chat_template``) is set on the
-    tokenizer that is saved with the model, so the next ``rlhf generate`` or a server renders with it, not with
-    ``--model``'s own. Data rendered with the sampling tokenizer's own template needs nothing."""
+def adopt_data_template(tokenizer: Any, source: str, model_name: str):
+    """``rlhf train`` (and ``rlhf sft`` on sampled ids): the trained policy's tokenizer renders as its data was
+    rendered. A chat template the sampling chose by name (``--chat-template`` zephyr, a file, none: the lineage's
+    ``sampling.chat_template``) is set on the tokenizer that is saved with the model, so the next ``rlhf generate``
+    or a server renders with it, not with ``--model``'s own; the ``ChatTemplate`` set is returned. Data rendered with
+    the sampling tokenizer's own template needs nothing (None)."""
     from rlhf_pipeline.chat import read_chat_template, recorded_chat_template, use_chat_template
     from rlhf_pipeline.datasets_io import find_in_lineage, parse_ref
 
@@ -406,13 +407,13 @@ def adopt_data_template(tokenizer: Any, source: str, model_name: str) -> None:
     record = sampling.get("chat_template")
     value = recorded_chat_template(record)
     if value is None:
-        return
+        return None
     now = read_chat_template(value).sha
     if now != record.get("sha256"):  # a template file edited since the sampling
         log.warning("%s was rendered with the chat template %s (sha256 %s), which reads otherwise now (sha256 %s): "
                     "the trained model keeps %s's template", source, value, record.get("sha256"), now, model_name)
-        return
-    use_chat_template(tokenizer, value, model_name, required=False)
+        return None
+    return use_chat_template(tokenizer, value, model_name, required=False)
 
 
 def check_vocabulary(data: dict, model: Any, tokenizer: Any, source: str, model_name: str) -> None:
