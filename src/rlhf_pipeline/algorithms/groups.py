@@ -916,7 +916,8 @@ def train(config) -> Path:
         sampling = find_in_lineage([ref], "sampling")
         params = config.rl_params(sampling, lambda: max(
             (len(r) for ds in dd.values() for rs in ds["response_token_ids"] for r in rs), default=1))
-        if params.kl_coef > 0 and params.kl_mode == "reward" and not config.ref_model and run.accelerator.is_main_process:
+        kl_is_zero = params.kl_coef > 0 and params.kl_mode == "reward" and not config.ref_model
+        if kl_is_zero and run.accelerator.is_main_process:
             log.warning("--algo %s: a KL penalty of %g in the reward is 0 on every token here: without --ref-model the "
                         "reference is --model itself, whose log-probs are also the ratio's old ones; pass --ref-model "
                         "(rlhf iterate passes the starting model) or --kl-mode loss", config.algo, params.kl_coef)
