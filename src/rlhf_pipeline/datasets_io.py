@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from rlhf_pipeline import __version__
 from rlhf_pipeline.config import semantic_dict, to_dict
 from rlhf_pipeline.errors import PipelineError, redact
-from rlhf_pipeline.files import first_line, flush_files, flush_tree, is_disk_full, reading, sync_dir, writing
+from rlhf_pipeline.files import (
+    first_line, flush_files, flush_tree, is_disk_full, reading, sha256_file, sync_dir, writing,
+)
 from rlhf_pipeline.layout import MANIFEST, PARTS_DIR, RUN_RECORD
 
 if TYPE_CHECKING:
@@ -267,14 +269,6 @@ def _hub_json(repo_id: str, path: str, *, repo_type: str, revision: str | None, 
         raise PipelineError(f"{owner}: its {path} is damaged ({e}); {rewrite}") from None
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fingerprint(ref: DatasetRef) -> str:
     """A string that changes whenever the referenced data changes.
 
@@ -292,7 +286,7 @@ def fingerprint(ref: DatasetRef) -> str:
             h.update(json.loads(state.read_text()).get("_fingerprint", "").encode())
         return "datasets:" + h.hexdigest()[:32]
     if ref.kind == "file":
-        return "sha256:" + _sha256_file(Path(ref.location))
+        return "sha256:" + sha256_file(Path(ref.location))
     return f"hub:{ref.location}{'#' + ref.config if ref.config else ''}@{ref.revision or 'main'}"
 
 

@@ -209,6 +209,15 @@ def flush_files(directory: Path, names: Iterable[str] | None = None) -> None:
     sync_dir(directory)
 
 
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file's bytes, read a MiB at a time."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def directory_signature(path: str | Path, skip: Iterable[str] = ()) -> str | None:
     """A digest of the names, sizes and modification times of the files directly in a directory but those named in
     ``skip``, or None for what is not one (a Hub id): it changes when a model directory is written again or replaced,

@@ -21,7 +21,6 @@ reference point (:func:`mismatched_partners`).
 from __future__ import annotations
 
 import hashlib
-
 from dataclasses import dataclass
 from typing import Sequence
 

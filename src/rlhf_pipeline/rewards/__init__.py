@@ -24,7 +24,6 @@ normalise the sum per group as they would a single reward).
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import inspect
 import importlib.util
@@ -40,6 +39,7 @@ from tqdm.auto import tqdm
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION
 from rlhf_pipeline.errors import PipelineError, UserCodeError, one_line
+from rlhf_pipeline.files import sha256_file
 from rlhf_pipeline.modeling import supports_fast_path
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def code_digest(spec: str) -> str | None:
         path = getattr(sys.modules.get(module_name), "__file__", None)
     if path is None or not Path(path).is_file():
         return None
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return sha256_file(Path(path))
 
 
 def call_reward_fn(

@@ -326,7 +326,7 @@ class _SourceScorer:
         self.world, self.rank = world_and_rank(accelerator)
         self.device = None if accelerator is None else accelerator.device
         self.todo = todo
-        self.scorer = self.bar = None
+        self.scorer = self.bar = self.table = None
         self.truncated = 0  # by the last chunk
 
     def chunk(self, start: int, end: int) -> list[float | None]:
@@ -396,13 +396,14 @@ class _SourceScorer:
         config, ds, column, size = self.config, self.work.ds, self.work.column, self.config.batch_size
         passed = [c for c in ds.column_names if c not in NOT_PASSED]
         reference = config.reference_column  # checked by _read: the dataset has it
-        read = [*passed, column, "responses", *(["finish_reasons"] if "finish_reasons" in ds.column_names else []),
-                *([reference] if reference else [])]
-        table = ds.select_columns(list(dict.fromkeys(read)))
-        if self.bar is None:
+        if self.bar is None:  # the source's first chunk: the columns its calls read, and one bar for all its chunks
+            read = [*passed, column, "responses", *(["finish_reasons"] if "finish_reasons" in ds.column_names else []),
+                    *([reference] if reference else [])]
+            self.table = ds.select_columns(list(dict.fromkeys(read)))
             batches = sum(len(range(s, e, size)[self.rank :: self.world]) for s, e in self.todo)
             self.bar = tqdm(total=batches, desc="score (fn)", unit="batch",
                             disable=self.rank != 0 or bars_disabled())
+        table = self.table
         values: list[float | None] = [None] * (end - start)
         # The chunk's batches dealt out in turn over the processes: a chunk holds whole batches (_chunks), so each
         # call sees the responses it would see in one process, and a function of the whole batch gives the same
