@@ -8,7 +8,7 @@ import pytest
 
 from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids
 from rlhf_pipeline.engines import SamplingSettings
-from rlhf_pipeline.engines.hf import HFEngine, cut_at_stop
+from rlhf_pipeline.engines.hf import HFEngine, cut_at_stop, generate_calls
 
 
 def test_cut_at_stop():
@@ -59,6 +59,30 @@ def test_sampling_stops_at_the_models_context(tiny_policy, tmp_path):
             for ids, reason in zip(c.token_ids, c.finish_reasons):
                 assert len(prompt) + len(ids) <= context
                 assert reason == "stop" or len(prompt) + len(ids) == context
+
+
+def test_generate_calls_put_a_prompt_near_the_context_only_with_its_own_length():
+    # room to a context of 20 for 16 new tokens: lengths 9 and 10 are tight, 4 and 2 are not
+    lengths = [4, 10, 9, 10, 2, 9, 9]
+    assert generate_calls(lengths, 2, 20, 16) == [[1, 3], [2, 5], [6], [0, 4]]
+    assert generate_calls(lengths, 4, None, 16) == [[1, 3, 2, 5], [6, 0, 4]]  # longest first, as without a context
+    assert generate_calls(lengths, 4, 100, 16) == [[1, 3, 2, 5], [6, 0, 4]]
+    assert generate_calls([], 4, 20, 16) == []
+
+
+def test_each_prompt_gets_its_own_room_to_the_context_whatever_shares_its_call(tiny_policy):
+    """The batch's longest prompt used to bound every row's response: beside a long prompt, a short one ended with
+    'length' long before the context, where vLLM (and a call of its own) gives it all its room."""
+    import dataclasses
+
+    tok, prompts, sampling = _setup(tiny_policy, n=2, max_new_tokens=40)
+    sampling = dataclasses.replace(sampling, stop_token_ids=())  # no sample stops: each runs to its room
+    context = max(len(p) for p in prompts) + 4
+    assert min(len(p) for p in prompts) + 40 > context  # the short prompt's room is short of 40 too
+    engine = HFEngine(tiny_policy, tok, batch_size=3, max_model_len=context)
+    for prompt, c in zip(prompts, engine.generate(prompts, [0, 1, 2], sampling)):
+        assert [len(prompt) + len(ids) for ids in c.token_ids] == [context] * 2
+        assert c.finish_reasons == ["length"] * 2
 
 
 def test_a_model_that_always_stops_gives_eos_only_samples(tiny_policy, tmp_path):

@@ -43,6 +43,26 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
     return tokens, "length"
 
 
+def generate_calls(lengths: list[int], batch_size: int, context: int | None, max_new_tokens: int) -> list[list[int]]:
+    """The prompts (their indices), longest first, cut into ``generate`` calls of up to ``batch_size``: similar
+    lengths share a call (little padding), and a memory problem shows up at once.
+
+    A call samples as many tokens for every row, and its longest prompt's room to the context bounds them. So a
+    prompt with less than ``max_new_tokens`` of room shares a call only with prompts of its own length: each gets
+    its own room, as vLLM gives each request, whatever else is in the run."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    tight = 0 if context is None else sum(1 for n in lengths if context - n < max_new_tokens)
+    calls: list[list[int]] = []
+    for start in range(tight):  # a prefix of the order, grouped by length
+        i = order[start]
+        if calls and len(calls[-1]) < batch_size and lengths[calls[-1][0]] == lengths[i]:
+            calls[-1].append(i)
+        else:
+            calls.append([i])
+    calls += [order[s : s + batch_size] for s in range(tight, len(order), batch_size)]
+    return calls
+
+
 def sorted_values(scores):
     """Each row of ``scores`` sorted ascending, values only. The sorted values of a row do not depend on the sorting
     algorithm (only the order of equal values' indices would), so on a CPU numpy's much faster sort gives the same
@@ -370,14 +390,12 @@ class HFEngine:
         processors = sampling_processors(sampling)
         stop_ids = set(sampling.stop_token_ids)
         device = self.model.device
-        # Longest first: similar lengths share a batch (little padding), and a memory problem shows up at once.
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         results: list[Completion | None] = [None] * len(prompts)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        calls = generate_calls([len(p) for p in prompts], self.batch_size, self.context, sampling.max_new_tokens)
         with tqdm(total=len(prompts), desc="generate (hf)", unit="prompt") as bar:
-            for start in range(0, len(order), self.batch_size):
-                batch = order[start : start + self.batch_size]
+            for batch in calls:
                 width = max(len(prompts[i]) for i in batch)
                 input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
                 attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -394,7 +412,7 @@ class HFEngine:
                 torch.manual_seed(seeds[batch[0]])
                 recorder = SampledLogprobs() if logprobs else None
                 used = LogitsProcessorList([*processors, recorder]) if recorder is not None else processors
-                room = None if self.context is None else self.context - width  # the batch's longest prompt sets it
+                room = None if self.context is None else self.context - width  # every row's, when it is short
                 fitted = sampling if room is None or room >= sampling.max_new_tokens else dataclasses.replace(
                     sampling, max_new_tokens=max(room, 1))
                 with torch.no_grad():
