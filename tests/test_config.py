@@ -128,6 +128,21 @@ def test_every_stage_option_is_documented(stage):
         assert "--" + f.name.replace("_", "-") in help_text
 
 
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_remote_code_is_off_by_default_wherever_a_stage_takes_the_flag(stage):
+    """Every stage that loads a model or a tokenizer of the user's takes ``--trust-remote-code``, declared once
+    (``config.trust_remote_code_option``): off unless given."""
+    from rlhf_pipeline.cli import config_class
+
+    fields = {f.name: f for f in dataclasses.fields(config_class(stage))}
+    if stage in ("merge", "report", "tiny-model", "demo", "bench", "iterate"):  # no model of the user's, or per stage
+        assert "trust_remote_code" not in fields
+        return
+    field = fields["trust_remote_code"]
+    assert field.default is False
+    assert field.metadata["help"].startswith("Run custom ") and "off by default" in field.metadata["help"]
+
+
 def _option_help(stage: str, flag: str) -> str:
     """The help text of ``flag`` in ``rlhf STAGE --help``, whitespace collapsed."""
     from rlhf_pipeline.cli import config_class

@@ -58,6 +58,12 @@ def option(default: Any = MISSING, help: str | Callable[[], str] = "", semantic:
     return field(default=default, metadata=metadata, **kwargs)
 
 
+def trust_remote_code_option(code: str = "model code", note: str = "") -> Any:
+    """``--trust-remote-code``, declared here for every stage that loads a model or a tokenizer: off unless the user
+    turns it on, with the same help everywhere (``code`` says whose code runs, ``note`` when it is needed)."""
+    return option(False, help=f"Run custom {code} from the model's repo{note}; off by default, for repos you trust.")
+
+
 def override(group: type, name: str, default: Any = MISSING, *, semantic: bool | None = None) -> Any:
     """The shared field ``name`` of ``group`` with another default (or ``semantic`` flag) for one stage; its help
     and its checks (the group's ``__post_init__``) stay where the group declares them."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, check_engine
-from rlhf_pipeline.config import DtypeName, option
+from rlhf_pipeline.config import DtypeName, option, trust_remote_code_option
 
 
 # vLLM's memory defaults (engines.vllm.engine_memory_args): the fraction of a GPU it takes, and on its CPU backend a
@@ -56,7 +56,7 @@ class SamplingOptions:
     max_model_len: Optional[int] = option(
         None, help="Context length, a prompt and its response (default: the model's): vLLM's max_model_len; the hf "
         "engine stops sampling there too.")
-    trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
+    trust_remote_code: bool = trust_remote_code_option()
     # Where the engines run (executors.py). None of these changes the output: N replicas on N shards write what the
     # --shard i/N runs merged would, which with per-prompt seeds (vLLM) is what one local engine writes.
     executor: Literal["local", "ray"] = option(

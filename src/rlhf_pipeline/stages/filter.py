@@ -29,6 +29,7 @@ from typing import Any, Literal, Sequence
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import (
     DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, check_test_size, option,
+    trust_remote_code_option,
 )
 from rlhf_pipeline.contracts import (
     BEST,
@@ -81,7 +82,7 @@ class FilterConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
         "a response's reward falls linearly by up to --overlong-penalty (0 = off)."
     )
     overlong_penalty: float = option(1.0, help="The overlong penalty at the token limit (see --overlong-buffer).")
-    trust_remote_code: bool = option(False, help="Allow custom tokenizer code (off by default).")
+    trust_remote_code: bool = trust_remote_code_option("tokenizer code")
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_response_tokens"):

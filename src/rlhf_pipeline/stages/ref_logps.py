@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help
 from rlhf_pipeline.stages import run_stage
-from rlhf_pipeline.config import DATASET_REF, DtypeName, OutputOptions, option
+from rlhf_pipeline.config import DATASET_REF, DtypeName, OutputOptions, option, trust_remote_code_option
 
 @dataclass(kw_only=True)
 class RefLogpsConfig(OutputOptions):
@@ -52,7 +52,7 @@ class RefLogpsConfig(OutputOptions):
         "columns only at its own precision: bfloat16 with --bf16, else float32."
     )
     attn_implementation: AttnImplementation = option(DEFAULT_ATTENTION, help=attn_help(), semantic=False)
-    trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
+    trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self) -> None:
         if self.temperature is not None and self.temperature <= 0:

@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, check_engine
 from rlhf_pipeline.config import (
-    DATASET_REF, ChatTemplateOptions, ControlTokenOptions, DtypeName, OutputOptions, option,
+    DATASET_REF, ChatTemplateOptions, ControlTokenOptions, DtypeName, OutputOptions, option, trust_remote_code_option,
 )
 from rlhf_pipeline.contracts import (
     GENERATED_COLUMNS,
@@ -199,7 +199,7 @@ class ScoreConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
         DEFAULT_ATTENTION, help=attn_help("hf engine: the reward model's", "vLLM picks its own."),
         semantic=False,
     )
-    trust_remote_code: bool = option(False, help="Allow custom model code (needed for ArmoRM); off by default.")
+    trust_remote_code: bool = trust_remote_code_option(note=" (ArmoRM needs it)")
     reference_column: Optional[str] = option(
         None, help="The column holding each prompt's ground truth (carried from the prompt dataset through rlhf "
         "generate), passed to reward functions as the keyword 'reference' (see rlhf_pipeline.rewards.verifiable); "

@@ -48,7 +48,7 @@ from typing import Any, Callable, ClassVar, Literal, Optional, Protocol, Sequenc
 
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help, from_pretrained_kwargs
 from rlhf_pipeline.training.checkpoints import resume_checkpoint, save_checkpoint, save_model
-from rlhf_pipeline.config import DATASET_REF, OutputOptions, option
+from rlhf_pipeline.config import DATASET_REF, OutputOptions, option, trust_remote_code_option
 from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.distributed import anywhere, quiet, reduce_sums, sharded_batches, stop_everywhere
 from rlhf_pipeline.errors import PipelineError
@@ -148,7 +148,7 @@ class TrainOptions(OutputOptions, LoraOptions):
     report_to: Literal["tensorboard", "wandb", "none"] = option(
         "tensorboard", help="Where metrics go besides metrics.jsonl.", semantic=False
     )
-    trust_remote_code: bool = option(False, help="Allow custom model code from the model repo (off by default).")
+    trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self) -> None:
         self.check_lora()
