@@ -104,6 +104,21 @@ def test_every_algorithm_option_declares_who_reads_it_and_one_rule_refuses_it_fo
     TrainConfig(algo="sppo", model="m", data="d", output="o", eta=2.0)
 
 
+def test_ref_logps_finds_the_family_of_its_data_in_the_registry():
+    from rlhf_pipeline.algorithms import PAIRS, UNPAIRED, reference_family
+    from rlhf_pipeline.contracts import PAIR_TOKEN_COLUMNS, UNPAIRED_TOKEN_COLUMNS
+    from rlhf_pipeline.errors import PipelineError
+
+    assert reference_family(list(PAIR_TOKEN_COLUMNS), "d").data == PAIRS
+    assert reference_family(list(UNPAIRED_TOKEN_COLUMNS), "d").data == UNPAIRED
+    markers = [f.reference.marker for f in FAMILIES.values() if f.reference is not None]
+    assert len(set(markers)) == len(markers) == 2  # one column tells each family's data apart
+    with pytest.raises(PipelineError, match="found neither in its columns prompt_token_ids, responses"):
+        reference_family(["prompt_token_ids", "responses"], "d")
+    with pytest.raises(PipelineError, match="found both"):
+        reference_family(markers, "d")
+
+
 def test_unknown_and_duplicate_names_are_refused():
     with pytest.raises(ValueError, match="unknown algorithm; choose one of rebel, dpo"):
         algorithms.get("dpp")

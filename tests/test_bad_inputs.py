@@ -462,7 +462,10 @@ CASES = [
          "the train split holds the responses of only one prompt"),
     # ref-logps
     Case("ref-logps-on-generations", ["ref-logps", "--model", "{policy}", "--input", "{shard0}"],
-         "missing column(s) chosen_token_ids, rejected_token_ids; pass pairs made by rlhf filter --mode pairs"),
+         "rlhf ref-logps computes reference log-probs of data with a column chosen_token_ids (pairs: rlhf filter "
+         "--mode pairs) or completion_token_ids (unpaired: rlhf filter --mode unpaired); found neither"),
+    Case("ref-logps-algo-of-other-data", ["ref-logps", "--model", "{policy}", "--input", "{pairs}", "--algo", "kto"],
+         "--algo kto trains on unpaired data, but"),
     Case("ref-logps-model-not-found", ["ref-logps", "--model", "nomodel", "--input", "{pairs}"],
          "--model nomodel: not found locally"),
     Case("ref-logps-temperature-zero", ["ref-logps", "--model", "{policy}", "--input", "{pairs}",

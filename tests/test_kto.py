@@ -153,8 +153,9 @@ def unpaired(tmp_path_factory, tiny_policy, bundled_prompts) -> Path:
     assert run("score", "--input", d / "gen", "--output", d / "scored", "--reward-fn", f"{d}/reward.py:reward") == 0
     assert run("filter", "--input", d / "scored", "--output", d / "unpaired", "--tokenizer", tiny_policy,
                "--mode", "unpaired", "--test-size", 6) == 0
-    assert run("ref-logps", "--model", tiny_policy, "--input", d / "unpaired", "--output", d / "ref",
-               "--temperature", 1.0) == 0
+    assert run("ref-logps", "--model", tiny_policy, "--input", d / "unpaired", "--output", d / "ref") == 0
+    # KTO's temperature, though the responses were sampled at 0.8: KTO is the only algorithm of unpaired data
+    assert json.loads((d / "ref" / "manifest.json").read_text())["ref_logps"]["temperature"] == 1.0
     # For the invariants: the mismatched pairs' reference log-probs lowered by 0.5, 1.5 or 2.5 (by row), so that z0
     # is well above 0 from the first step and differs between any two subsets of a step's rows.
     dd = load_from_disk(str(d / "ref"))

@@ -55,6 +55,19 @@ def test_ref_logps_use_the_sampling_temperature(pairs, tiny_policy):
     assert all(v < 0 for v in dd["train"]["rejected_ref_logp"])
 
 
+def test_ref_logps_for_the_dpo_family_take_its_temperature(pairs, tiny_policy, tmp_path):
+    """Pairs serve REBEL (log-probs at the sampling temperature) and the DPO family (1.0): --algo says which, so the
+    columns are the ones rlhf train --algo dpo takes without a --temperature of its own."""
+    assert run("ref-logps", "--model", tiny_policy, "--input", pairs / "pairs", "--output", tmp_path / "ref",
+               "--algo", "dpo") == 0
+    assert json.loads((tmp_path / "ref" / "manifest.json").read_text())["ref_logps"]["temperature"] == 1.0
+    dd, sampled = load_from_disk(str(tmp_path / "ref")), load_from_disk(str(pairs / "ref"))
+    assert dd["train"]["chosen_ref_logp"] != pytest.approx(sampled["train"]["chosen_ref_logp"], abs=1e-3)
+    assert run(*train_args(tmp_path, tiny_policy, tmp_path / "dpo", "--algo", "dpo", "--max-steps", 1,
+                           "--batch-size", 2)) == 0
+    assert not (tmp_path / "dpo" / "ref_logps").exists()  # the columns were taken, not computed again
+
+
 def test_reference_columns_of_another_precision_are_refused(pairs, tiny_policy, tmp_path, capsys):
     """At its first step the policy is the reference: columns computed in bfloat16 (rlhf ref-logps' default on a GPU)
     against float32 log-probs of the policy (rlhf train's default) differ by rounding alone, which the loss would

@@ -12,12 +12,15 @@ from rlhf_pipeline.algorithms.registry import (  # noqa: F401  (the registry's A
     PAIRS,
     UNPAIRED,
     Family,
+    ReferencePass,
     check_reads,
     family,
     get,
     help_text,
     logp_temperature,
     names,
+    reference_family,
+    reference_temperature,
     register,
     register_family,
     resolve_temperature,
@@ -34,5 +37,8 @@ from rlhf_pipeline.algorithms.supervised import SupervisedAlgorithm  # noqa: F40
 
 from typing import Literal  # noqa: E402
 
-# The algorithms registered above, as a type for the stage configs (their --algo choices).
+# The algorithms registered above, as a type for the stage configs (their --algo choices); those whose data a
+# reference pass (rlhf ref-logps) takes and which read its columns.
 AlgoName = Literal[tuple(ALGORITHMS)]  # type: ignore[valid-type]
+ReferenceAlgoName = Literal[tuple(  # type: ignore[valid-type]
+    name for name, a in ALGORITHMS.items() if FAMILIES[a.data].reference is not None and a.needs_reference)]

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Optional
 
-from rlhf_pipeline.algorithms.registry import (PAIRS, Family, register, register_family, resolve, takes_beta,
-                                               with_defaults)
+from rlhf_pipeline.algorithms.registry import (PAIRS, Family, ReferencePass, register, register_family, resolve,
+                                               takes_beta, with_defaults)
 from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import PAIR_TOKEN_COLUMNS, REF_LOGP_COLUMNS, require_columns, require_types
 
@@ -364,7 +364,8 @@ def train(config) -> Path:
     return run_training("train", config, [ref], read)
 
 
-register_family(Family(PAIRS, PairOptions, train, "preference pairs (rlhf filter --mode pairs)"))
+register_family(Family(PAIRS, PairOptions, train, "preference pairs (rlhf filter --mode pairs)",
+                       reference=ReferencePass("chosen_token_ids", REF_LOGP_COLUMNS, check_pairs, compute_ref_logps)))
 
 register(PairAlgorithm(
     "rebel", "rlhf_pipeline.losses:rebel_terms", "regress the log-ratio gap / eta onto the reward gap",

@@ -44,6 +44,18 @@ def resolve(fn: Callable | str) -> Callable:
 
 
 @dataclass(frozen=True)
+class ReferencePass:
+    """What ``rlhf ref-logps`` computes for a family's data, once per dataset: the reference model's log-probs,
+    ``columns`` (one list each from ``compute(accelerator, model, ds, pad_id, temperature, batch_size,
+    pack_ratio)``), after ``check(ds, source)``. ``marker`` is a column only this family's data has."""
+
+    marker: str
+    columns: tuple[str, ...]
+    check: Callable[[Any, str], None]
+    compute: Callable[..., tuple[list, ...]]
+
+
+@dataclass(frozen=True)
 class Family:
     """A kind of training data and what ``rlhf train`` does with it.
 
@@ -57,6 +69,7 @@ class Family:
     options: type | None
     train: Callable[[Any], Any]
     help: str
+    reference: ReferencePass | None = None  # rlhf ref-logps's pass over this data, for families that take one
 
 
 FAMILIES: dict[str, Family] = {}
@@ -72,6 +85,31 @@ def register_family(family: Family) -> Family:
         raise ValueError(f"a family for {family.data!r} data is already registered")
     FAMILIES[family.data] = family
     return family
+
+
+def reference_temperature(family: Family, algorithm: Any | None, requested: float | None, sampling: dict | None,
+                          source: str) -> float:
+    """The temperature ``rlhf ref-logps`` takes the reference log-probs of ``family``'s data at, so that ``rlhf
+    train`` takes its own at the same: ``--temperature`` when given; else ``--algo``'s (:func:`logp_temperature`);
+    else the one every algorithm of the family that reads the columns agrees on (KTO's 1.0 on unpaired data); else
+    the sampling temperature (pairs: REBEL's, where the DPO family takes 1.0)."""
+    if algorithm is not None:
+        return logp_temperature(algorithm, requested, sampling, source)
+    rules = {a.logp_at_sampling_temperature for a in ALGORITHMS.values() if a.data == family.data and a.needs_reference}
+    return resolve_temperature(requested, sampling, source, 1.0 if rules == {False} else None)
+
+
+def reference_family(column_names: list[str], source: str) -> Family:
+    """The family whose reference pass (``rlhf ref-logps``) takes data of these columns."""
+    from rlhf_pipeline.errors import PipelineError
+
+    takes = [f for f in FAMILIES.values() if f.reference is not None]
+    found = [f for f in takes if f.reference.marker in column_names]
+    if len(found) != 1:
+        kinds = " or ".join(f"{f.reference.marker} ({f.data}: rlhf filter --mode {f.data})" for f in takes)
+        raise PipelineError(f"{source}: rlhf ref-logps computes reference log-probs of data with a column {kinds}; "
+                            f"found {'both' if found else 'neither'} in its columns {', '.join(column_names)}")
+    return found[0]
 
 
 def register(algorithm: Any) -> Any:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
-from rlhf_pipeline.algorithms.registry import UNPAIRED, Family, register, register_family, resolve, with_defaults
+from rlhf_pipeline.algorithms.registry import (UNPAIRED, Family, ReferencePass, register, register_family, resolve,
+                                               with_defaults)
 from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import (
     UNPAIRED_REF_LOGP_COLUMNS,
@@ -104,11 +105,6 @@ def unpaired_loss_params(algorithm: UnpairedAlgorithm, **given: Any):
     from rlhf_pipeline.losses import UnpairedLossParams
 
     return with_defaults(UnpairedLossParams, algorithm.defaults, **given)
-
-
-def is_unpaired(ds) -> bool:
-    """Whether a dataset holds unpaired responses (``rlhf filter --mode unpaired``) rather than pairs."""
-    return "completion_token_ids" in ds.column_names
 
 
 def check_unpaired(ds, source: str) -> None:
@@ -335,7 +331,9 @@ def train(config) -> Path:
 
 
 register_family(Family(UNPAIRED, UnpairedOptions, train, "single responses labelled desirable or undesirable "
-                       "(rlhf filter --mode unpaired)"))
+                       "(rlhf filter --mode unpaired)",
+                       reference=ReferencePass("completion_token_ids", REF_LOGP_COLUMNS, check_unpaired,
+                                               compute_ref_logps)))
 
 register(UnpairedAlgorithm(
     "kto", "rlhf_pipeline.losses:kto_terms", "unpaired desirable/undesirable responses, "

@@ -7,13 +7,15 @@ policy, computed once per dataset.
 
 Adds ``chosen_ref_logp`` and ``rejected_ref_logp`` (sums over response tokens) to both splits, so training needs no
 second model in memory; on unpaired data (``rlhf filter --mode unpaired``, KTO) ``completion_ref_logp`` and
-``kl_ref_logp``, the latter of each row's mismatched (prompt, response) pair. The temperature defaults to the one the
-data was sampled at (read from the generate stage's manifest through the inputs' lineage) and is recorded in this
-output's manifest with the precision (the weights' dtype); ``rlhf train`` checks that it computes the policy's log-probs
-at the same temperature and precision (bfloat16 with ``--bf16``, else float32): at its first step policy and reference
-must give the same numbers. ``rlhf train`` runs this pass itself when the columns are missing. One batched pass,
-sequences sorted by length; under ``accelerate launch`` the batches are dealt out over the processes (each holds the
-whole model; DeepSpeed configs are refused), gathered in the original order, and the main process writes the output (its
+``kl_ref_logp``, the latter of each row's mismatched (prompt, response) pair. The kind of data and what the pass
+computes for it come from the algorithm registry (a family's ``reference``). The temperature is the one ``--algo``
+takes its log-probs at (``algorithms.reference_temperature``: REBEL the sampling temperature, read from the generate
+stage's manifest through the inputs' lineage; the DPO family and KTO 1.0) and is recorded in this output's manifest
+with the precision (the weights' dtype); ``rlhf train`` checks that it computes the policy's log-probs at the same
+temperature and precision (bfloat16 with ``--bf16``, else float32): at its first step policy and reference must give
+the same numbers. ``rlhf train`` runs this pass itself when the columns are missing. One batched pass, sequences
+sorted by length; under ``accelerate launch`` the batches are dealt out over the processes (each holds the whole
+model; DeepSpeed configs are refused), gathered in the original order, and the main process writes the output (its
 manifest records the number of processes, which does not change the log-probs beyond float rounding: a rerun with
 another number reuses the output).
 """
@@ -25,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from rlhf_pipeline.algorithms import ReferenceAlgoName
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_help
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import DATASET_REF, DtypeName, OutputOptions, option, trust_remote_code_option
+from rlhf_pipeline.errors import PipelineError
 
 @dataclass(kw_only=True)
 class RefLogpsConfig(OutputOptions):
@@ -39,8 +43,13 @@ class RefLogpsConfig(OutputOptions):
         help=f"Pairs or unpaired rows with train and test splits (the output of rlhf filter): {DATASET_REF}.",
         semantic=False,
     )
+    algo: Optional[ReferenceAlgoName] = option(
+        None, help="The algorithm rlhf train will run on the columns: they are taken at its log-prob temperature "
+        "(REBEL: the sampling temperature; the DPO family and KTO: 1.0). Default: KTO's on unpaired data, REBEL's on "
+        "pairs.",
+    )
     temperature: Optional[float] = option(
-        None, help="Temperature of the log-probs (default: the sampling temperature recorded upstream)."
+        None, help="Temperature of the log-probs (default: --algo's; rlhf train --temperature takes the same)."
     )
     batch_size: int = option(8, help="Rows per forward pass (each pass holds 2 x batch_size sequences).")
     pack_ratio: float = option(
@@ -72,12 +81,10 @@ def main(config: RefLogpsConfig) -> Path:
 def _read(config: RefLogpsConfig):
     """The output, the data (pairs or unpaired rows, checked) and the temperature; None when the output holds this run
     already."""
-    from rlhf_pipeline.algorithms import resolve_temperature
+    from rlhf_pipeline.algorithms import get, reference_family, reference_temperature
     from rlhf_pipeline.attention import check_attn_implementation
     from rlhf_pipeline.datasets_io import StageOutput, find_in_lineage, load_dataset_dict, parse_ref
     from rlhf_pipeline.modeling import check_model_ref
-    import rlhf_pipeline.algorithms.pairs as pairs
-    import rlhf_pipeline.algorithms.unpaired as unpaired
 
     check_model_ref("--model", config.model)
     check_attn_implementation(config.attn_implementation)
@@ -86,11 +93,16 @@ def _read(config: RefLogpsConfig):
     if out.done():
         return None
     dd = load_dataset_dict(ref, required=("train",))
-    data = unpaired if unpaired.is_unpaired(dd["train"]) else pairs  # KTO's responses, or pairs
+    family = reference_family(dd["train"].column_names, f"{ref}:train")
+    algorithm = None if config.algo is None else get(config.algo)
+    if algorithm is not None and algorithm.data != family.data:
+        raise PipelineError(f"--algo {algorithm.name} trains on {algorithm.data} data, but {ref} holds {family.data} "
+                            f"data; pass the --algo of the run that will train on it")
+    data = family.reference
     for split, ds in dd.items():
-        (unpaired.check_unpaired if data is unpaired else pairs.check_pairs)(ds, f"{ref}:{split}")
+        data.check(ds, f"{ref}:{split}")
     sampling = find_in_lineage([ref], "sampling")
-    temperature = resolve_temperature(config.temperature, sampling, str(ref), None)
+    temperature = reference_temperature(family, algorithm, config.temperature, sampling, str(ref))
     return out, dd, data, sampling, temperature
 
 
@@ -124,13 +136,12 @@ def _ref_logps(config: RefLogpsConfig, accelerator) -> Path:
 
     tokenizer, model = guarded(accelerator, load)
     values = {
-        split: data.compute_ref_logps(
-            accelerator, model, ds, pad_id(tokenizer), temperature, config.batch_size, config.pack_ratio
-        )
+        split: data.compute(accelerator, model, ds, pad_id(tokenizer), temperature, config.batch_size,
+                            config.pack_ratio)
         for split, ds in dd.items()
     }
     on_main_process(accelerator, lambda: out.save(
-        add_ref_columns(dd, values, data.REF_LOGP_COLUMNS),
+        add_ref_columns(dd, values, data.columns),
         rows_in=sum(ds.num_rows for ds in dd.values()),
         extra={"sampling": sampling, "ref_logps": {"model": config.model, "temperature": temperature,
                                                    "dtype": str(model.dtype).removeprefix("torch.")},
