@@ -59,6 +59,21 @@ def test_orpo_matches_trl_odds_ratio_loss():
     log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
     trl = -c - 0.25 * F.logsigmoid(log_odds)
     close(orpo_loss(pc, pr, lengths_c, lengths_r, beta=0.25), trl)
+    close(orpo_loss(pc, pr, lengths_c, lengths_r, beta=0.25, sft_coef=0.6), -0.6 * c - 0.25 * F.logsigmoid(log_odds))
+
+
+def test_orpo_is_finite_with_its_gradient_when_a_response_is_certain():
+    """A mean token log-prob of exactly 0 (an empty response, or one the model is sure of in float32): the odds are
+    infinite, the odds term is at its limit (0), and the gradient stays finite; log(1 − e^0) = −inf made it NaN, and
+    the step was skipped."""
+    pc, pr = t(0.0, -2.0, 0.0).requires_grad_(), t(-6.0, 0.0, 0.0).requires_grad_()
+    loss = orpo_loss(pc, pr, t(2.0, 2.0, 1.0), t(3.0, 1.0, 1.0), beta=0.1)
+    loss_values = loss.detach()
+    assert float(loss_values[0]) == pytest.approx(0.0, abs=1e-12)  # −c − β·log σ(+inf)
+    assert math.isfinite(float(loss_values[1])) and float(loss_values[1]) > 5.0  # rejected certain: +inf at the limit
+    assert float(loss_values[2]) == pytest.approx(0.1 * math.log(2.0))  # both certain: log odds 0, −β·log σ(0)
+    loss.sum().backward()
+    assert torch.isfinite(pc.grad).all() and torch.isfinite(pr.grad).all()
 
 
 def test_cpo_hand_value_and_trl():

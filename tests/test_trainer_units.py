@@ -254,6 +254,45 @@ def test_rebel_backpropagates_repos_form_and_reports_the_papers(tiny_policy):
         torch.testing.assert_close(ours[name], eta**2 * p.grad, rtol=1e-3, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("algo", ["simpo", "orpo", "cpo"])
+@pytest.mark.parametrize("pack_ratio", [0.0, 2.0])
+def test_length_normalised_pair_losses_through_pairtask_equal_a_per_sequence_oracle(tiny_policy, algo, pack_ratio):
+    """SimPO, ORPO and CPO divide by each response's own length: PairTask's loss on a real forward equals the formula
+    written out here on one plain forward per sequence, lengths counted from the rows (chosen and rejected of
+    different lengths, so that lengths swapped or taken from the other response fail)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.algorithms.pairs import PairTask
+    from rlhf_pipeline.losses import PairLossParams
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy)
+    rows = [{"prompt_token_ids": [1, 10, 11], "chosen_token_ids": [20, 21, 22, 2], "rejected_token_ids": [30, 2]},
+            {"prompt_token_ids": [1, 12], "chosen_token_ids": [40, 2], "rejected_token_ids": [41, 42, 43, 44, 45, 2]}]
+    beta, gamma, sft = 0.7, 0.3, 0.6
+    task = PairTask(algo, PairLossParams(beta=beta, gamma=gamma, sft_coef=sft), 1.0, 0, pack_ratio=pack_ratio)
+    with torch.no_grad():
+        loss = float(task.loss(model, rows)[0])
+
+        def logp(prompt, response):  # summed log-probs of the response tokens, one sequence alone
+            ids = torch.tensor([prompt + response])
+            logprobs = model(ids).logits[0, :-1].log_softmax(-1)
+            return sum(float(logprobs[len(prompt) - 1 + k, tok]) for k, tok in enumerate(response))
+
+        expected = []
+        for r in rows:
+            pc, pr = (logp(r["prompt_token_ids"], r[k]) for k in ("chosen_token_ids", "rejected_token_ids"))
+            c, rj = pc / len(r["chosen_token_ids"]), pr / len(r["rejected_token_ids"])
+            if algo == "simpo":
+                expected.append(-F.logsigmoid(torch.tensor(beta * (c - rj) - gamma)))
+            elif algo == "orpo":
+                odds = (c - rj) - (math.log(1 - math.exp(c)) - math.log(1 - math.exp(rj)))
+                expected.append(sft * -c - beta * F.logsigmoid(torch.tensor(odds)))
+            else:
+                expected.append(-F.logsigmoid(torch.tensor(beta * (pc - pr))) + sft * -c)
+    assert loss == pytest.approx(float(sum(expected)) / len(rows), rel=1e-5)
+
+
 def test_ppos_policy_and_critic_are_both_checkpointed_without_the_deprecated_name(tiny_policy, tiny_rm):
     """PPO's one module of policy and critic (not a transformers model, so without ``activation_checkpointing_enable``)
     takes the old entry point, and passes it on to each model under transformers' current name."""

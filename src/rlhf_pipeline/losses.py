@@ -60,8 +60,9 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     """DPO (Rafailov et al. 2023, eq. 7) and conservative DPO (cDPO, Mitchell 2023), per pair (B,).
 
     ``loss = −(1−ε)·logσ(βΔ) − ε·logσ(−βΔ)``: ε=0 is DPO; ε>0 assumes each label is flipped with probability ε.
-    OpenRLHF's ``DPOLoss`` computes exactly this. TRL's ``sigmoid`` ignores ``label_smoothing``, and TRL's
-    ``robust`` uses it differently: ``[−(1−ε)logσ(βΔ) + ε·logσ(−βΔ)]/(1−2ε)``. logsigmoid keeps large |βΔ| finite.
+    OpenRLHF's ``DPOLoss`` computes exactly this, as TRL's ``CPOTrainer`` does and TRL's DPO ``sigmoid`` did before
+    its 2026 rewrite (trl#3906), which ignores ``label_smoothing``; TRL's ``robust`` uses it differently:
+    ``[−(1−ε)logσ(βΔ) + ε·logσ(−βΔ)]/(1−2ε)``. logsigmoid keeps large |βΔ| finite.
     """
     _positive("beta", beta)
     if not 0.0 <= label_smoothing < 0.5:
@@ -162,8 +163,11 @@ def orpo_loss(policy_chosen_logps, policy_rejected_logps, chosen_lengths, reject
     _positive("beta", beta)
     c = policy_chosen_logps / chosen_lengths.detach().to(policy_chosen_logps.dtype)
     r = policy_rejected_logps / rejected_lengths.detach().to(policy_rejected_logps.dtype)
-    # log(1 − exp(x)) for x < 0, stable near 0 (a response of probability ~1 has log odds → +inf, not NaN)
-    log_odds = (c - r) - (torch.log(-torch.expm1(c)) - torch.log(-torch.expm1(r)))
+    # log(1 − exp(x)) for x < 0, accurate near 0. A mean log-prob of exactly 0 (an empty response, or one the model is
+    # sure of) would give log 0 = −inf and a NaN gradient: x is kept below 0 by the dtype's smallest normal number,
+    # so the odds are huge but finite (log odds ≈ 87 in float32), as is the gradient.
+    tiny = torch.finfo(c.dtype).tiny
+    log_odds = (c - r) - (torch.log(-torch.expm1(c.clamp(max=-tiny))) - torch.log(-torch.expm1(r.clamp(max=-tiny))))
     return sft_coef * -c - beta * F.logsigmoid(log_odds)
 
 
