@@ -110,6 +110,9 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
     (pickled / "model.safetensors").unlink()
     k["pickled_policy"] = str(pickled)
+    weightless = Path(shutil.copytree(tiny_policy, d / "weightless_policy"))  # config and tokenizer, no weights
+    (weightless / "model.safetensors").unlink()
+    k["weightless_policy"] = str(weightless)
     k["messages_text"] = write_jsonl(d / "messages_text.jsonl", [{"messages": "hello"}])
     k["long_prompt"] = write_jsonl(d / "long_prompt.jsonl", [{"prompt": "Hi."}, {"prompt": "word " * 5000}])
     k["int_prompts"] = write_jsonl(d / "int_prompts.jsonl", [{"prompt": "Fine."}, {"prompt": 7}])
@@ -244,6 +247,12 @@ CASES = [
     Case("generate-model-weights-pickled", ["generate", "--model", "{pickled_policy}", "--prompts", "{prompts}"],
          "pickled_policy: holds its weights only as .bin files, pickles that can run code when loaded; rlhf loads "
          "safetensors only"),
+    Case("generate-model-without-weights", ["generate", "--model", "{weightless_policy}", "--prompts", "{prompts}"],
+         "weightless_policy: holds config.json but no weights (no *.safetensors file); pass a directory a model was "
+         "saved into"),
+    Case("eval-baseline-without-weights", ["eval", "--model", "{policy}", "--prompts", "{prompts}", "--reward-fn",
+                                          "{rewards}:good", "--baseline", "{weightless_policy}"],
+         "weightless_policy: holds config.json but no weights"),
     Case("generate-model-is-a-dataset", ["generate", "--model", "{shard0}", "--prompts", "{prompts}"],
          "a directory without config.json, so not a model"),
     Case("generate-max-new-tokens-negative",

@@ -88,6 +88,23 @@ def test_reference_columns_of_another_precision_are_refused(pairs, tiny_policy, 
         "computed in bfloat16, but this run computes the policy's in float32: at the first step the two would differ "
         "by rounding alone, which the loss would train on; add --bf16, or recompute them with rlhf ref-logps --dtype "
         "float32")
+    # refused while the inputs are read: no run was started, so the fixed command starts afresh
+    assert not (tmp_path / "bf16").exists() and not (tmp_path / "fp32").exists()
+
+
+def test_reference_columns_at_another_temperature_are_refused_before_the_run_starts(pairs, tiny_policy, tmp_path,
+                                                                                    capsys):
+    """The columns of the sampling temperature (REBEL's, ref-logps' default on pairs) under DPO, which takes 1.0:
+    one line naming the fix, ref-logps --algo dpo, and nothing written (the check ran after the run had started and
+    the model was loaded, and the corrected command was then refused as another run)."""
+    out = tmp_path / "dpo"
+    assert run(*train_args(pairs, tiny_policy, out, "--algo", "dpo", "--max-steps", 1)) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {pairs / 'ref'}: its reference log-probs were computed at temperature 0.8, but --algo dpo takes "
+        "log-probs at 1 here; recompute them with rlhf ref-logps --algo dpo, or pass --temperature 0.8 to train at "
+        "theirs")
+    assert not out.exists()
+    assert run(*train_args(pairs, tiny_policy, out, "--algo", "dpo", "--max-steps", 1, data="pairs")) == 0
 
 
 # REBEL on pairs with precomputed reference log-probs; DPO on pairs without, so train computes them itself.
@@ -158,13 +175,6 @@ def test_flash_attention_2_without_flash_attn_is_one_line(pairs, tiny_policy, tm
                    "install flash-attn (a CUDA build), or use --attn-implementation varlen (PyTorch's own "
                    "variable-length attention) or sdpa")
     assert not out.exists()
-
-
-def test_dpo_refuses_reference_logps_made_at_another_temperature(pairs, tiny_policy, tmp_path, capsys):
-    assert run(*train_args(pairs, tiny_policy, tmp_path / "t", "--algo", "dpo", "--max-steps", 1)) == 1
-    err = capsys.readouterr().err
-    assert "temperature 0.8" in err and "1.0" in err and "--temperature" in err
-    assert not (tmp_path / "t" / "manifest.json").exists()
 
 
 def test_batch_times_accumulation_is_invariant(pairs, tiny_policy, tmp_path):

@@ -75,6 +75,11 @@ def check_model_ref(
                 f"{flag} {ref}: an unfinished training run (no {MANIFEST}): its model is not the finished one; "
                 f"finish it with --resume, or pass one of its checkpoints ({ref}/checkpoints/step_N)"
             )
+        if model and not any(path.glob("*.safetensors")):
+            raise PipelineError(
+                f"{flag} {ref}: holds {MODEL_CONFIG} but no weights (no *.safetensors file); pass a directory a "
+                "model was saved into (save_pretrained), or a training stage's finished --output"
+            )
         if tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
             what = "a model but no tokenizer" if model else "no tokenizer"
             raise PipelineError(

@@ -341,17 +341,17 @@ def train(config) -> Path:
             dd, rms = scale_reward_gaps(dd, str(ref))
             gap_scale = {"mode": "rms", "rms": rms}
         sampling = find_in_lineage([ref], "sampling")
-        reference, ref_record = (data_reference(config, algo, dd, REF_LOGP_COLUMNS, ref, sampling)
-                                 if algo.needs_reference else (None, None))
         temperature = logp_temperature(algo, config.temperature, sampling, str(ref))
+        reference = (data_reference(config, algo, dd, REF_LOGP_COLUMNS, ref, sampling, temperature)[0]
+                     if algo.needs_reference else None)
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)
 
         def task(run, setup):
             splits = dd
             if algo.needs_reference:
-                splits = reference_columns(run.accelerator, setup.model, dd, config, temperature, pad, ref_record,
-                                           run.path, REF_LOGP_COLUMNS, compute_ref_logps)
+                splits = reference_columns(run.accelerator, setup.model, dd, config, temperature, pad, run.path,
+                                           REF_LOGP_COLUMNS, compute_ref_logps)
             return PairTask(algo, params, temperature, pad, config.pack_ratio), splits["train"], splits.get("test")
 
         def record(run, result):

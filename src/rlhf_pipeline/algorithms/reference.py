@@ -113,42 +113,54 @@ def has_columns(dd, columns: Sequence[str]) -> bool:
     return all(c in ds.column_names for ds in dd.values() for c in columns)
 
 
-def data_reference(config, algorithm: Any, dd, columns: Sequence[str], ref, sampling: dict | None):
-    """(the reference model, the ``ref_logps`` record of the data's reference columns or None), checked
-    (:func:`check_reference`); ``ref`` is the data's reference, ``--ref-model`` must exist."""
+def data_reference(config, algorithm: Any, dd, columns: Sequence[str], ref, sampling: dict | None,
+                   temperature: float):
+    """(the reference model, the ``ref_logps`` record of the data's reference columns or None), checked before the
+    run starts (:func:`check_reference`, :func:`check_columns`); ``ref`` is the data's reference, ``--ref-model``
+    must exist."""
     from rlhf_pipeline.datasets_io import find_in_lineage
     from rlhf_pipeline.modeling import check_model_ref
 
     if config.ref_model:
         check_model_ref("--ref-model", config.ref_model, tokenizer=False)
     record = find_in_lineage([ref], "ref_logps") if has_columns(dd, columns) else None
-    return check_reference(config, algorithm, sampling, record), record
+    reference = check_reference(config, algorithm, sampling, record)
+    check_columns(config, algorithm, record, temperature)
+    return reference, record
 
 
-def reference_columns(accelerator, model, dd, config, temperature: float, pad_id: int, record: dict | None,
-                      output: Path, columns: Sequence[str], compute_ref_logps: Callable):
-    """The splits with the reference columns ``columns``: from the data (whose ``ref_logps`` lineage ``record`` must
-    match ``temperature`` and the run's precision), from ``output``'s cache, or computed now with
-    ``compute_ref_logps(accelerator, model, ds, pad_id, temperature, batch_size, pack_ratio)`` and cached, ``model``
-    being ``--ref-model`` (loaded for the pass, then freed) when it is set, else the policy as loaded."""
+def check_columns(config, algorithm: Any, record: dict | None, temperature: float) -> None:
+    """Reference columns of the data (their ``ref_logps`` lineage ``record``) must have been computed at this run's
+    log-prob ``temperature`` and precision: at the first step policy and reference must give the same numbers."""
+    if record is None:
+        return
+    if record.get("temperature") != temperature:
+        remake = f"--temperature {temperature:g}" if config.temperature is not None else f"--algo {algorithm.name}"
+        raise PipelineError(
+            f"{config.data}: its reference log-probs were computed at temperature {record.get('temperature')}, but "
+            f"--algo {algorithm.name} takes log-probs at {temperature:g} here; recompute them with rlhf ref-logps "
+            f"{remake}, or pass --temperature {record.get('temperature')} to train at theirs"
+        )
+    run_dtype = precision(config)
+    if record.get("dtype", run_dtype) != run_dtype:  # older records have no dtype
+        fix = {"bfloat16": "add --bf16", "float32": "remove --bf16"}.get(record["dtype"])  # float16: no flag
+        raise PipelineError(
+            f"{config.data}: its reference log-probs were computed in {record['dtype']}, but this run computes "
+            f"the policy's in {run_dtype}: at the first step the two would differ by rounding alone, which the "
+            f"loss would train on; {fix + ', or ' if fix else ''}recompute them with rlhf ref-logps --dtype "
+            f"{run_dtype}"
+        )
+
+
+def reference_columns(accelerator, model, dd, config, temperature: float, pad_id: int, output: Path,
+                      columns: Sequence[str], compute_ref_logps: Callable):
+    """The splits with the reference columns ``columns``: from the data (checked by :func:`data_reference` before
+    the run started), from ``output``'s cache, or computed now with ``compute_ref_logps(accelerator, model, ds,
+    pad_id, temperature, batch_size, pack_ratio)`` and cached, ``model`` being ``--ref-model`` (loaded for the
+    pass, then freed) when it is set, else the policy as loaded."""
     from rlhf_pipeline.training.stage import cached_splits
 
     if has_columns(dd, columns):
-        if record is not None and record.get("temperature") != temperature:
-            raise PipelineError(
-                f"{config.data}: its reference log-probs were computed at temperature {record.get('temperature')}, "
-                f"but this run takes log-probs at {temperature}; pass --temperature {record.get('temperature')} or "
-                "recompute them with rlhf ref-logps --temperature"
-            )
-        run_dtype = precision(config)
-        if record is not None and record.get("dtype", run_dtype) != run_dtype:  # older records have no dtype
-            fix = {"bfloat16": "add --bf16", "float32": "remove --bf16"}.get(record["dtype"])  # float16: no flag
-            raise PipelineError(
-                f"{config.data}: its reference log-probs were computed in {record['dtype']}, but this run computes "
-                f"the policy's in {run_dtype}: at the first step the two would differ by rounding alone, which the "
-                f"loss would train on; {fix + ', or ' if fix else ''}recompute them with rlhf ref-logps --dtype "
-                f"{run_dtype}"
-            )
         return dd
 
     def compute():

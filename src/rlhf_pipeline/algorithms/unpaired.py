@@ -306,15 +306,15 @@ def train(config) -> Path:
         for split, ds in dd.items():
             check_unpaired(ds, f"{ref}:{split}")
         sampling = find_in_lineage([ref], "sampling")
-        reference, ref_record = data_reference(config, algo, dd, REF_LOGP_COLUMNS, ref, sampling)
         temperature = logp_temperature(algo, config.temperature, sampling, str(ref))
+        reference = data_reference(config, algo, dd, REF_LOGP_COLUMNS, ref, sampling, temperature)[0]
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)
         balance = class_balance(dd["train"]["desirable"], params)
 
         def task(run, setup):
-            splits = reference_columns(run.accelerator, setup.model, dd, config, temperature, pad, ref_record,
-                                       run.path, REF_LOGP_COLUMNS, compute_ref_logps)
+            splits = reference_columns(run.accelerator, setup.model, dd, config, temperature, pad, run.path,
+                                       REF_LOGP_COLUMNS, compute_ref_logps)
             if balance["warning"]:
                 run.accelerator.print(f"warning: {balance['warning']}")
             task = UnpairedTask(algo, params, temperature, pad, config.pack_ratio, config.eval_batch_size)
