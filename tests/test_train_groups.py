@@ -263,13 +263,25 @@ def _reference_loss(policy, critic, rows, params, temperature):
     for r in rows:
         lp = naive_logps(policy, r["prompt_token_ids"], r["response_token_ids"], temperature)
         old, adv = torch.tensor(r["old_logps"], dtype=lp.dtype), torch.tensor(r["advantages"], dtype=lp.dtype)
+        if "correction" in r:  # the rollout correction's weight on each token's policy-gradient term
+            adv = adv * torch.tensor(r["correction"], dtype=lp.dtype)
         if params.importance == "sequence":  # GSPO: one ratio, exp of the mean log-ratio, on every token
             ratio = torch.exp((lp - old).mean()).expand_as(lp)
         else:
             ratio = torch.exp(lp - old)
-        kept = ratio.clamp(1 - low, 1 + high)
-        clipped += int(((-adv * kept) > (-adv * ratio)).sum())
-        policy_terms.append(torch.maximum(-adv * ratio, -adv * kept))
+        if params.algo == "cispo":  # REINFORCE under a capped, stop-gradient importance weight
+            cap = 1 + params.clip_high
+            clipped += int((ratio > cap).sum())
+            policy_terms.append(-ratio.clamp(max=cap).detach() * adv * lp)
+        elif params.algo == "sapo":  # a soft gate, its temperature by the advantage's sign
+            tau = torch.where(adv > 0, params.sapo_temperature_pos, params.sapo_temperature_neg).to(lp.dtype)
+            policy_terms.append(-adv * torch.sigmoid(tau * (ratio - 1)) * 4 / tau)
+        elif params.algo == "sppo":  # one squared error per response: its log-ratio against its target
+            policy_terms.append(((lp - old).sum() - adv[0]).pow(2).reshape(1))
+        else:
+            kept = ratio.clamp(1 - low, 1 + high)
+            clipped += int(((-adv * kept) > (-adv * ratio)).sum())
+            policy_terms.append(torch.maximum(-adv * ratio, -adv * kept))
         if params.kl_mode == "loss":
             d = torch.tensor(r["ref_logps"], dtype=lp.dtype) - lp  # log(ref/π)
             kl_terms.append({"k1": -d, "k2": d**2 / 2, "k3": torch.exp(d) - 1 - d}[params.kl_estimator])
@@ -296,9 +308,14 @@ def _reference_loss(policy, critic, rows, params, temperature):
 
 @pytest.mark.parametrize("algo, kl_mode, estimator", [("grpo", "loss", "k3"), ("ppo", "loss", "k2"),
                                                       ("rloo", "reward", "k1"), ("dapo", "loss", "k3"),
-                                                      ("dr_grpo", "loss", "k3"), ("gspo", "loss", "k1")])
+                                                      ("dr_grpo", "loss", "k3"), ("gspo", "loss", "k1"),
+                                                      ("cispo", "loss", "k3"), ("sapo", "loss", "k3"),
+                                                      ("sppo", "reward", "k1")])
 def test_group_task_loss_and_gradient_equal_a_naive_per_sample_reference(data, tiny_policy, tiny_rm, algo, kl_mode,
                                                                          estimator):
+    """Every policy loss of the family, and the rollout correction's weights (zeros and weights above 1, on every
+    algorithm that takes them), against the formulas written out per sample; options set away from their defaults
+    where a swap would go unseen (CISPO's cap, SAPO's two temperatures)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from rlhf_pipeline.chat import load_tokenizer
@@ -325,21 +342,29 @@ def test_group_task_loss_and_gradient_equal_a_naive_per_sample_reference(data, t
             r["old_logps"] = (lp + 0.3 * torch.randn(n, generator=gen, dtype=lp.dtype)).tolist()
             r["ref_logps"] = (lp + 0.5 * torch.randn(n, generator=gen, dtype=lp.dtype)).tolist()
             r["advantages"] = torch.randn(n, generator=gen, dtype=lp.dtype).tolist()
+            if algo == "sppo":  # the target, η(P − 1/2), on every token of a response
+                r["advantages"] = [r["advantages"][0]] * n
+            else:  # rollout-correction weights: masked tokens (0), capped ones, and the rest
+                r["correction"] = torch.rand(n, generator=gen, dtype=lp.dtype).mul(3).floor().mul(0.75).tolist()
             if critic is not None:
                 v = naive_values(critic, r["prompt_token_ids"], r["response_token_ids"])
                 r["old_values"] = (v + 0.3 * torch.randn(n, generator=gen, dtype=v.dtype)).tolist()
                 r["returns"] = torch.randn(n, generator=gen, dtype=v.dtype).tolist()
     # the algorithm's own options (DAPO: clip-higher, token mean; Dr. GRPO: token sums over 16; GSPO: sequence ratios,
     # with a clip wide enough to leave some sequences unclipped)
+    own = {"gspo": {"clip": 0.05, "clip_high": 0.08}, "cispo": {"clip_high": 0.1},
+           "sapo": {"sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0}}.get(algo, {})
     params = algorithms.group_params(algorithms.get(algo), kl_coef=0.1, kl_mode=kl_mode, kl_estimator=estimator,
-                                     vf_coef=0.5, value_clip=0.2, **({"clip": 0.05, "clip_high": 0.08}
-                                                                      if algo == "gspo" else {}))
+                                     vf_coef=0.5, value_clip=0.2, **own)
     if params.loss_aggregation == "sequence_sum_norm":
         params.max_tokens = 16
     parameters = [p for p in model.parameters() if p.requires_grad]
 
     expected, clipped = _reference_loss(policy, critic, rows, params, temperature)
-    assert clipped > 0  # the test exercises the clipped branch
+    assert clipped > 0 or algo in ("sapo", "sppo")  # the test exercises the clipped branch (SAPO, SPPO have none)
+    if algo != "sppo":
+        weights = [w for r in rows for w in r["correction"]]
+        assert 0.0 in weights and 1.5 in weights and 0.75 in weights
     expected_grads = torch.autograd.grad(expected, parameters)
 
     packed = build_batch([r["prompt_token_ids"] for r in rows], [r["response_token_ids"] for r in rows], pad, 2.0)
