@@ -114,6 +114,15 @@ def logged(path: Path, key: str = "loss/train") -> list[float]:
     return [r[key] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines()) if key in r]
 
 
+def assert_same_gradient_norms(a: Path, b: Path, rel: float = 1e-4) -> None:
+    """Two training runs logged the same gradient norm at every step. Equal losses and weights alone do not show
+    equal gradients: Adam (and clipping) is blind to a gradient scaled uniformly, by the accumulation steps say."""
+    import pytest
+
+    norms = logged(a, "grad_norm")
+    assert norms and logged(b, "grad_norm") == pytest.approx(norms, rel=rel)
+
+
 def max_weight_diff(a: Path, b: Path) -> float:
     """The largest absolute difference between two saved models' weights (same parameter names required)."""
     from safetensors.torch import load_file

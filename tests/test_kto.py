@@ -25,6 +25,7 @@ from rlhf_pipeline.selection import (
     mismatched_partners,
 )
 from conftest import (
+    assert_same_gradient_norms,
     LENGTH_REWARD,
     free_port,
     launch_failure,
@@ -227,6 +228,7 @@ def test_kto_batch_times_accumulation_and_a_token_budget_are_invariant(unpaired,
     assert min(z0) > 0.5
     for other in ("b2", "tokens"):
         assert logged(tmp_path / "b4") == pytest.approx(logged(tmp_path / other), abs=1e-5)
+        assert_same_gradient_norms(tmp_path / "b4", tmp_path / other)
         # z0 sums log-probs over whole sequences: the weights' float-order differences (~1e-7) show up at 1e-5
         assert z0 == pytest.approx(logged(tmp_path / other, "kl/train_kl"), abs=1e-4)
         assert max_weight_diff(tmp_path / "b4", tmp_path / other) < 1e-4

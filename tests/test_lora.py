@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import LENGTH_REWARD, free_port, launch_failure, logged, max_weight_diff, run, write_jsonl
+from conftest import (LENGTH_REWARD, assert_same_gradient_norms, free_port, launch_failure, logged, max_weight_diff, run,
+                      write_jsonl)
 from rlhf_pipeline.training import lora
 from rlhf_pipeline.training import loop as trainer
 
@@ -229,6 +230,7 @@ def test_lora_batch_times_accumulation_is_invariant(data, tiny_policy, tiny_rm, 
     assert run(*args_for("dpo", data, tiny_policy, tiny_rm, tmp_path / "b1", *common, "--batch-size", 1,
                          "--gradient-accumulation-steps", 4)) == 0
     assert logged(tmp_path / "b4") == pytest.approx(logged(tmp_path / "b1"), abs=1e-5)
+    assert_same_gradient_norms(tmp_path / "b4", tmp_path / "b1")
     assert max_weight_diff(tmp_path / "b4", tmp_path / "b1") < 1e-5
 
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from datasets import load_from_disk
 
-from conftest import logged, max_weight_diff, micro_batch_sizes, spy_token_budget_plans
+from conftest import (assert_same_gradient_norms, logged, max_weight_diff, micro_batch_sizes,
+                      spy_token_budget_plans)
 from rlhf_pipeline.cli import main as rlhf
 from rlhf_pipeline.demo.task import gold_reward, write_task_data
 from rlhf_pipeline.errors import PipelineError
@@ -249,6 +250,7 @@ def test_a_token_budget_trains_as_batching_by_count(stage, task, tiny_policy, tm
     assert len(plans) == 3 and len(micro_batch_sizes(plans) - {4}) >= 2, plans
     assert logged(tmp_path / "tokens") == pytest.approx(logged(tmp_path / "count"), abs=1e-5)
     assert logged(tmp_path / "tokens", "loss/eval") == pytest.approx(logged(tmp_path / "count", "loss/eval"), abs=1e-5)
+    assert_same_gradient_norms(tmp_path / "count", tmp_path / "tokens")
     assert max_weight_diff(tmp_path / "tokens", tmp_path / "count") < 1e-4
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from rlhf_pipeline.training import loop as trainer
 from conftest import (
+    assert_same_gradient_norms,
     crash_after_checkpoint,
     launch_cpu_zero3,
     logged,
@@ -183,6 +184,7 @@ def test_batch_times_accumulation_is_invariant(pairs, tiny_policy, tmp_path):
     assert run(*train_args(pairs, tiny_policy, tmp_path / "b1", *common, "--batch-size", 1,
                            "--gradient-accumulation-steps", 4)) == 0
     assert logged(tmp_path / "b4") == pytest.approx(logged(tmp_path / "b1"), abs=1e-5)
+    assert_same_gradient_norms(tmp_path / "b4", tmp_path / "b1")
     assert max_weight_diff(tmp_path / "b4", tmp_path / "b1") < 1e-4
 
 

@@ -20,6 +20,7 @@ from rlhf_pipeline import algorithms
 from rlhf_pipeline.algorithms import groups as rl
 from rlhf_pipeline.training import loop as trainer
 from conftest import (
+    assert_same_gradient_norms,
     LENGTH_REWARD,
     crash_after_checkpoint,
     launch_cpu_zero3,
@@ -663,6 +664,7 @@ def test_dapo_token_mean_is_over_the_whole_step_whatever_the_accumulation(uneven
     assert run(*train_args(uneven, stop_prone_policy, tmp_path / "b2", "dapo", *common, "--batch-size", 2,
                            "--gradient-accumulation-steps", 4, "--eval-batch-size", 3)) == 0
     assert logged(tmp_path / "b2") == pytest.approx(logged(tmp_path / "b8"), abs=1e-5)
+    assert_same_gradient_norms(tmp_path / "b8", tmp_path / "b2")
     # the held-out loss is the token mean over the whole test split too, whatever the evaluation batches
     assert logged(tmp_path / "b2", "loss/eval") == pytest.approx(logged(tmp_path / "b8", "loss/eval"), abs=1e-6)
     assert max_weight_diff(tmp_path / "b2", tmp_path / "b8") < 1e-4
@@ -691,6 +693,7 @@ def test_a_token_budget_trains_as_batching_by_count(algo, uneven, stop_prone_pol
     assert len(plans) == 3 and len(micro_batch_sizes(plans)) >= 2 and micro_batch_sizes(plans) != {2}, plans
     for key in ("loss/train", "loss/train_policy_loss", "loss/eval") + (("loss/train_value_loss",) if critic else ()):
         assert logged(tmp_path / "tokens", key) == pytest.approx(logged(tmp_path / "count", key), abs=1e-5), key
+    assert_same_gradient_norms(tmp_path / "count", tmp_path / "tokens")
     assert max_weight_diff(tmp_path / "tokens", tmp_path / "count") < 1e-4
     if critic:
         assert max_weight_diff(tmp_path / "tokens" / "critic", tmp_path / "count" / "critic") < 1e-4
@@ -706,6 +709,7 @@ def test_batch_times_accumulation_is_invariant_for_the_sequence_level_options(al
     assert run(*train_args(uneven, stop_prone_policy, tmp_path / "b2", algo, *common, "--batch-size", 2,
                            "--gradient-accumulation-steps", 4)) == 0
     assert logged(tmp_path / "b2") == pytest.approx(logged(tmp_path / "b8"), abs=1e-5)
+    assert_same_gradient_norms(tmp_path / "b8", tmp_path / "b2")
     assert max_weight_diff(tmp_path / "b2", tmp_path / "b8") < 1e-4
 
 
@@ -727,6 +731,7 @@ def test_the_2026_entries_are_invariant_to_batch_times_accumulation_and_resume(a
     assert run(*train_args(source, policy, tmp_path / "b2", algo, *common, "--batch-size", 2,
                            "--gradient-accumulation-steps", 4, split=split)) == 0
     assert logged(tmp_path / "b2") == pytest.approx(logged(tmp_path / "b8"), abs=1e-5)
+    assert_same_gradient_norms(tmp_path / "b8", tmp_path / "b2")
     assert max_weight_diff(tmp_path / "b2", tmp_path / "b8") < 1e-4
     assert len(logged(tmp_path / "b8", "policy/train_entropy")) == 4
 
