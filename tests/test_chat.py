@@ -487,13 +487,19 @@ def test_an_error_while_rendering_or_encoding_is_raised_and_nothing_more_is_enco
             futures.append(super().submit(*args, **kwargs))
             return futures[-1]
 
+    submitted = 4 if fails_in == "render" else 5  # the chunks handed to the pool before the error
+
     def on_call(texts):
         if threading.current_thread() is caller:
             return
         encoded.append(texts[0])
         worker_started.set()
+        # Hold the first chunk until every chunk is submitted and every later one cancelled. The worker can start
+        # before the first submit has returned (futures still empty), so it waits for the whole list, not for
+        # whatever is in it yet: waiting on an empty list let it take the next chunk when the caller was slow.
         deadline = time.monotonic() + 20
-        while not all(f.cancelled() for f in futures[1:]) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (
+                len(futures) == submitted and all(f.cancelled() for f in futures[1:])):
             time.sleep(0.001)
 
     monkeypatch.setattr(chat, "ThreadPoolExecutor", Recording)
@@ -510,4 +516,4 @@ def test_an_error_while_rendering_or_encoding_is_raised_and_nothing_more_is_enco
 
     with pytest.raises(ValueError if fails_in == "render" else TypeError):
         chat.encode_texts(tok, items, to_text, add_special_tokens=False, meanwhile=lambda: worker_started.wait(20))
-    assert encoded == ["chunk 0"] and len(futures) == (4 if fails_in == "render" else 5)
+    assert encoded == ["chunk 0"] and len(futures) == submitted
