@@ -430,7 +430,9 @@ def test_a_second_ctrl_c_stops_the_wait_and_still_records_the_stage_as_interrupt
     stage_pid = int(pid_file.read_text())
     try:
         os.killpg(proc.pid, signal.SIGINT)  # the stage starts its 120 s clean-up, iterate its 120 s wait
-        time.sleep(1.0)
+        deadline = time.time() + 60  # once iterate says it waits: an arbitrary sleep here raced the signals
+        while "Ctrl-C again to stop at once" not in _output(tmp_path) and time.time() < deadline:
+            time.sleep(0.01)
         started = time.time()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)

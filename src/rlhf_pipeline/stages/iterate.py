@@ -664,6 +664,8 @@ def _wait_then_stop(procs: Sequence[subprocess.Popen], label: str, names: str, o
 
     grace = STOP_GRACE_SECONDS
     deadline = time.monotonic() + grace
+    print(f"[{label}] interrupted: waiting up to {grace:g} s for {names} to stop (Ctrl-C again to stop at once)",
+          flush=True)
     while True:  # listed again after each wait: a stage adopted meanwhile is waited for too
         tree = _descendants(others)
         left = deadline - time.monotonic()
@@ -1024,16 +1026,16 @@ def _exit_reason(rc: int) -> str:
 
 
 def _wait_any(running: dict[str, tuple[Step, subprocess.Popen, float]]) -> set[str]:
-    """Block until at least one running step's process has exited; the lanes of those that have."""
-    if len(running) == 1:
-        (lane, (_, proc, _)), = running.items()
-        proc.wait()
-        return {lane}
+    """Block until at least one running step's process has exited; the lanes of those that have. Polled, never
+    ``Popen.wait()``: on Ctrl-C that waits 0.25 s more for the child before it raises, and a second Ctrl-C inside
+    that window replaced the first, so iterate took it for the first and waited out the whole grace."""
+    delay = 0.01
     while True:
         done = {lane for lane, (_, proc, _) in running.items() if proc.poll() is not None}
         if done:
             return done
-        time.sleep(0.2)
+        time.sleep(delay)
+        delay = min(2 * delay, 0.2)
 
 
 def main(config: IterateConfig) -> Path:
