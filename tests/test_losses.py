@@ -14,6 +14,7 @@ from rlhf_pipeline.losses import (
     PairLossParams,
     cpo_loss,
     dpo_loss,
+    dpo_norm_loss,
     ipo_loss,
     orpo_loss,
     rebel_loss,
@@ -124,6 +125,19 @@ def test_ipo_hand_value():
     close(ipo_loss(t(-2.0, 0.0), t(-4.0, -2.0), t(-3.0, -1.0), t(-3.5, -2.0), beta=0.5), [0.25, 0.0])
 
 
+def test_dpo_norm_hand_value_and_open_instructs_formula():
+    """β = 5; logπc = −4, ref −6 over 4 tokens → +0.5 a token; logπr = −9, ref −7.5 over 3 tokens → −0.5 a token;
+    −logσ(5·1.0) = ln(1 + e^−5) = 0.006715348. open-instruct's dpo_norm (``dpo_utils.dpo_loss`` on the mean token
+    log-probs of policy and reference, ``average_log_prob=True``), written here independently."""
+    loss = dpo_norm_loss(t(-4.0), t(-9.0), t(-6.0), t(-7.5), t(4.0), t(3.0), beta=5.0)
+    close(loss, [0.006715348], 1e-9)
+    g = torch.Generator().manual_seed(3)
+    lc, lr = (torch.randint(1, 50, (32,), generator=g).double() for _ in range(2))
+    pc, pr, rc, rr = (-torch.rand(32, generator=g, dtype=torch.float64) * 2 * n for n in (lc, lr, lc, lr))
+    logits = (pc / lc - pr / lr) - (rc / lc - rr / lr)
+    close(dpo_norm_loss(pc, pr, rc, rr, lc, lr, beta=5.0), -torch.nn.functional.logsigmoid(5.0 * logits))
+
+
 def test_simpo_hand_value():
     """β = 2, γ = 0.5; logπc = −4 over 4 tokens → −1; logπr = −9 over 3 tokens → −3.
     2·(−1) − 2·(−3) − 0.5 = −2 + 6 − 0.5 = 3.5; −logσ(3.5) = ln(1 + e^{−3.5}) = ln(1.030197383) = 0.029750418."""
@@ -219,7 +233,7 @@ def test_pair_algorithm_properties():
     assert {"rebel", "dpo", "cdpo", "ipo", "simpo"} <= {a.name for a in pairs}
     assert {a.name for a in pairs if not a.needs_reference} == {"simpo", "orpo", "cpo"}
     assert {a.name for a in pairs if a.uses_rewards} == {"rebel"}
-    assert {a.name for a in pairs if a.length_normalized} == {"simpo", "orpo", "cpo"}
+    assert {a.name for a in pairs if a.length_normalized} == {"dpo_norm", "simpo", "orpo", "cpo"}
     assert {a.name for a in pairs if a.sft_term} == {"orpo", "cpo"}
     assert {a.name for a in pairs if a.logp_at_sampling_temperature} == {"rebel"}
 
@@ -228,6 +242,8 @@ def test_dispatch_matches_direct_functions_and_margins():
     """Inputs from _inputs: chosen log-ratios [0.5, 0], rejected [−0.2, 1] → Δ = [0.7, −1].
     REBEL eta=0.5: margin Δ/eta = [1.4, −2]; loss [0.16, 1.0] (test_rebel_loss_hand_values).
     DPO/cDPO/IPO β=0.1: margin βΔ = [0.07, −0.1].
+    dpo_norm β=0.1: log-ratios over lengths [4, 2] and [3, 5]: c = [0.125, 0], r = [−0.0667, 0.2]; margin
+    0.1·[0.191667, −0.2].
     SimPO β=0.1: c = [−1/4, −3/2] = [−0.25, −1.5], r = [−2/3, −1/5]; margin = 0.1·[0.416667, −1.3] = [0.0416667, −0.13].
     accuracy = [1, 0] for all.
     """
@@ -239,12 +255,13 @@ def test_dispatch_matches_direct_functions_and_margins():
         "dpo": dpo_loss(pc, pr, rc, rr, beta=0.1),
         "cdpo": dpo_loss(pc, pr, rc, rr, beta=0.1, label_smoothing=0.1),
         "ipo": ipo_loss(pc, pr, rc, rr, beta=0.1),
+        "dpo_norm": dpo_norm_loss(pc, pr, rc, rr, x["chosen_lengths"], x["rejected_lengths"], beta=0.1),
         "simpo": simpo_loss(pc, pr, x["chosen_lengths"], x["rejected_lengths"], beta=0.1, gamma=0.5),
         "orpo": orpo_loss(pc, pr, x["chosen_lengths"], x["rejected_lengths"], beta=0.1),
         "cpo": cpo_loss(pc, pr, x["chosen_lengths"], beta=0.1),
     }
     margins = {"rebel": [1.4, -2.0], "dpo": [0.07, -0.1], "cdpo": [0.07, -0.1],
-               "ipo": [0.07, -0.1], "simpo": [0.1 * (-0.25 + 2 / 3), 0.1 * (-1.5 + 0.2)],
+               "ipo": [0.07, -0.1], "dpo_norm": [0.1 * (0.5 / 4 + 0.2 / 3), 0.1 * (0.0 - 1.0 / 5)], "simpo": [0.1 * (-0.25 + 2 / 3), 0.1 * (-1.5 + 0.2)],
                "orpo": [0.1 * (-0.25 + 2 / 3), 0.1 * (-1.5 + 0.2)], "cpo": [0.1, -0.2]}
     for lt in names(PAIRS):
         loss, metrics = compute_pair_loss(lt, _params_for(lt), **x)

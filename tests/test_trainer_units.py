@@ -254,10 +254,10 @@ def test_rebel_backpropagates_repos_form_and_reports_the_papers(tiny_policy):
         torch.testing.assert_close(ours[name], eta**2 * p.grad, rtol=1e-3, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("algo", ["simpo", "orpo", "cpo"])
+@pytest.mark.parametrize("algo", ["simpo", "orpo", "cpo", "dpo_norm"])
 @pytest.mark.parametrize("pack_ratio", [0.0, 2.0])
 def test_length_normalised_pair_losses_through_pairtask_equal_a_per_sequence_oracle(tiny_policy, algo, pack_ratio):
-    """SimPO, ORPO and CPO divide by each response's own length: PairTask's loss on a real forward equals the formula
+    """SimPO, ORPO, CPO and dpo_norm divide by each response's own length: PairTask's loss on a real forward equals the formula
     written out here on one plain forward per sequence, lengths counted from the rows (chosen and rejected of
     different lengths, so that lengths swapped or taken from the other response fail)."""
     import torch.nn.functional as F
@@ -267,8 +267,10 @@ def test_length_normalised_pair_losses_through_pairtask_equal_a_per_sequence_ora
     from rlhf_pipeline.losses import PairLossParams
 
     model = AutoModelForCausalLM.from_pretrained(tiny_policy)
-    rows = [{"prompt_token_ids": [1, 10, 11], "chosen_token_ids": [20, 21, 22, 2], "rejected_token_ids": [30, 2]},
-            {"prompt_token_ids": [1, 12], "chosen_token_ids": [40, 2], "rejected_token_ids": [41, 42, 43, 44, 45, 2]}]
+    rows = [{"prompt_token_ids": [1, 10, 11], "chosen_token_ids": [20, 21, 22, 2], "rejected_token_ids": [30, 2],
+             "chosen_ref_logp": -20.0, "rejected_ref_logp": -9.0},
+            {"prompt_token_ids": [1, 12], "chosen_token_ids": [40, 2], "rejected_token_ids": [41, 42, 43, 44, 45, 2],
+             "chosen_ref_logp": -11.0, "rejected_ref_logp": -35.0}]
     beta, gamma, sft = 0.7, 0.3, 0.6
     task = PairTask(algo, PairLossParams(beta=beta, gamma=gamma, sft_coef=sft), 1.0, 0, pack_ratio=pack_ratio)
     with torch.no_grad():
@@ -285,6 +287,10 @@ def test_length_normalised_pair_losses_through_pairtask_equal_a_per_sequence_ora
             c, rj = pc / len(r["chosen_token_ids"]), pr / len(r["rejected_token_ids"])
             if algo == "simpo":
                 expected.append(-F.logsigmoid(torch.tensor(beta * (c - rj) - gamma)))
+            elif algo == "dpo_norm":
+                ratios = (pc - r["chosen_ref_logp"]) / len(r["chosen_token_ids"]) - (pr - r["rejected_ref_logp"]) / len(
+                    r["rejected_token_ids"])
+                expected.append(-F.logsigmoid(torch.tensor(beta * ratios)))
             elif algo == "orpo":
                 odds = (c - rj) - (math.log(1 - math.exp(c)) - math.log(1 - math.exp(rj)))
                 expected.append(sft * -c - beta * F.logsigmoid(torch.tensor(odds)))

@@ -72,6 +72,19 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     return -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
 
 
+def dpo_norm_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths,
+                  rejected_lengths, beta: float) -> torch.Tensor:
+    """Length-normalised DPO (Tulu 3, Lambert et al. 2024, §5.1.2, eq. 6; open-instruct's ``dpo_norm``), per pair
+    (B,): ``−log σ(β·(Δc/|yc| − Δr/|yr|))`` with Δ = logπθ − logπref of each response, so each log-ratio is a mean
+    over its tokens (policy and reference alike) and a long response weighs no more than a short one. β is on that
+    per-token scale: Tulu 3 trains with β = 5 where DPO on sums takes 0.1."""
+    _positive("beta", beta)
+    chosen, rejected = _logratios(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    chosen = chosen / chosen_lengths.detach().to(chosen.dtype)
+    rejected = rejected / rejected_lengths.detach().to(rejected.dtype)
+    return -F.logsigmoid(beta * (chosen - rejected))
+
+
 def ipo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
              beta: float) -> torch.Tensor:
     """IPO (Azar et al. 2023, eq. 17) on sequence log-ratios: ``(Δ − 1/(2β))²`` per pair (B,), as OpenRLHF.
@@ -139,6 +152,13 @@ def cdpo_terms(p, pc, pr, ref_chosen_logps, ref_rejected_logps):
 def _dpo_family(p, pc, pr, ref_c, ref_r, eps):
     c, r = _logratios(pc, pr, ref_c, ref_r)
     return dpo_loss(pc, pr, ref_c, ref_r, p.beta, eps), p.beta * (c - r), c, r
+
+
+def dpo_norm_terms(p, pc, pr, ref_chosen_logps, ref_rejected_logps, chosen_lengths, rejected_lengths):
+    c, r = _logratios(pc, pr, ref_chosen_logps, ref_rejected_logps)
+    c, r = c / chosen_lengths.detach().to(c.dtype), r / rejected_lengths.detach().to(r.dtype)
+    loss = dpo_norm_loss(pc, pr, ref_chosen_logps, ref_rejected_logps, chosen_lengths, rejected_lengths, p.beta)
+    return loss, p.beta * (c - r), c, r  # the per-token log-ratios, as open-instruct logs its rewards
 
 
 def ipo_terms(p, pc, pr, ref_chosen_logps, ref_rejected_logps):

@@ -246,7 +246,8 @@ class PairTask:
 # ----------------------------------------------------------------------------------------------------------------
 # The family's options and recipe
 
-BETA_HELP = "DPO/cDPO/IPO/SimPO/KTO strength, ORPO's lambda, CPO's beta (default 0.1; 2.0 for SimPO)."
+BETA_HELP = ("DPO/cDPO/IPO/SimPO/KTO strength, ORPO's lambda, CPO's beta (default 0.1; 5.0 for dpo_norm, on its "
+             "per-token log-ratios; 2.0 for SimPO).")
 
 
 @dataclass(kw_only=True)
@@ -377,6 +378,9 @@ register(PairAlgorithm(
 register(PairAlgorithm(
     "cdpo", "rlhf_pipeline.losses:cdpo_terms", "DPO with label smoothing", label_smoothing=True,
     defaults={"label_smoothing": 0.1}, demo={"learning_rate": 3e-4, "beta": 0.1}))
+register(PairAlgorithm(
+    "dpo_norm", "rlhf_pipeline.losses:dpo_norm_terms", "DPO on per-token mean log-ratios (Tulu 3's length-normalised "
+    "DPO)", length_normalized=True, defaults={"beta": 5.0}, demo={"learning_rate": 3e-4}))
 register(PairAlgorithm(
     "ipo", "rlhf_pipeline.losses:ipo_terms", "(log-ratio gap - 1/(2 beta))^2",
     demo={"learning_rate": 3e-4, "beta": 0.1}))
