@@ -54,6 +54,18 @@ def words(prompts, responses, **columns):
     return ["high"] * len(responses)
 
 
+def numeric_text(prompts, responses, **columns):
+    return ["1.0"] * len(responses)
+
+
+def one_none(prompts, responses, **columns):
+    return [1.0, None] + [1.0] * (len(responses) - 2)
+
+
+def a_number(prompts, responses, **columns):
+    return 1.0
+
+
 def quits(prompts, responses, **columns):
     import sys
     sys.exit(3)
@@ -389,7 +401,14 @@ CASES = [
     Case("score-reward-fn-wrong-count", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:short"],
          "returned 1 rewards for 4 responses on rows 0..1"),
     Case("score-reward-fn-not-numbers", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:words"],
-         "returned something that is not a list of numbers"),
+         "returned 'high' for the batch's response 0 on rows 0..1"),
+    Case("score-reward-fn-numeric-text", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:numeric_text"],
+         "returned '1.0' for the batch's response 0 on rows 0..1"),  # float() reads it: text is still refused
+    Case("score-reward-fn-one-none", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:one_none"],
+         "returned None for the batch's response 1 on rows 0..1"),
+    Case("score-reward-fn-a-number", ["score", "--input", "{gen}", "--reward-fn", "{rewards}:a_number"],
+         "returned something that is not a list of numbers on rows 0..1 (batch of 4 responses) ('float' object is "
+         "not iterable)"),
     Case("score-reward-model-not-found", ["score", "--input", "{gen}", "--reward-model", "org/reward-model"],
          "--reward-model org/reward-model: not found locally"),
     # a causal LM given as a reward model (issue 37, point 8): it would have scored with a new, random head

@@ -138,11 +138,20 @@ def call_reward_fn(
         raise UserCodeError(f"{label} called sys.exit({e.code!r}){at}; a reward function returns one reward per "
                             "response: raise an exception to stop the run", e) from e
     try:
-        values = [float(v) for v in values]
-    except (TypeError, ValueError) as e:
+        returned = list(values)
+    except TypeError as e:
         raise PipelineError(
             f"{label} returned something that is not a list of numbers{at} ({e}); return one float per response"
         ) from None
+    values = []
+    for i, v in enumerate(returned):  # numbers (bools and numpy's too), not text that float() would read
+        try:
+            if isinstance(v, (str, bytes)):
+                raise TypeError("text")
+            values.append(float(v))
+        except (TypeError, ValueError):
+            raise PipelineError(f"{label} returned {v!r} for the batch's response {i}{at}; return one float per "
+                                "response") from None
     if len(values) != len(responses):
         raise PipelineError(
             f"{label} returned {len(values)} rewards for {len(responses)} responses{at}; return one per response"
