@@ -128,6 +128,13 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
     k["messages_text"] = write_jsonl(d / "messages_text.jsonl", [{"messages": "hello"}])
     k["long_prompt"] = write_jsonl(d / "long_prompt.jsonl", [{"prompt": "Hi."}, {"prompt": "word " * 5000}])
     k["int_prompts"] = write_jsonl(d / "int_prompts.jsonl", [{"prompt": "Fine."}, {"prompt": 7}])
+    k["null_prompt"] = write_jsonl(d / "null_prompt.jsonl", [{"prompt": "Fine."}, {"prompt": None}])
+    k["system_last"] = write_jsonl(d / "system_last.jsonl", [
+        {"messages": [{"role": "user", "content": "Hi."}]},
+        {"messages": [{"role": "user", "content": "Hi."}, {"role": "system", "content": "Be terse."}]}])
+    k["no_user_turn"] = write_jsonl(d / "no_user_turn.jsonl", [
+        {"messages": [{"role": "user", "content": "Hi."}]},
+        {"messages": [{"role": "system", "content": "Terse."}, {"role": "tool", "content": "42"}]}])
     # a template that refuses roles that do not alternate (as Mistral's, Gemma's, Llama-2's do), and rows it refuses
     (d / "alternating.jinja").write_text(
         "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
@@ -277,6 +284,12 @@ CASES = [
          "has neither a 'prompt' nor a 'messages' column"),
     Case("generate-prompt-wrong-type", ["generate", "--model", "{policy}", "--prompts", "{int_prompts}"],
          "row 1: 'prompt' is int, not text"),
+    Case("generate-prompt-null", ["generate", "--model", "{policy}", "--prompts", "{null_prompt}"],
+         "null_prompt.jsonl: row 1: has no 'prompt' (null or missing); remove the row or give it a prompt"),
+    Case("generate-messages-end-with-system", ["generate", "--model", "{policy}", "--prompts", "{system_last}"],
+         "system_last.jsonl: row 1: 'messages' ends with a system turn; end it with the user turn to answer"),
+    Case("generate-messages-without-user", ["generate", "--model", "{policy}", "--prompts", "{no_user_turn}"],
+         "no_user_turn.jsonl: row 1: 'messages' has no user turn; end it with the user turn to answer"),
     Case("generate-template-refuses-a-row", ["generate", "--model", "{policy}", "--prompts", "{non_alternating}",
                                              "--chat-template", "{alternating}"],
          "non_alternating.jsonl: row 2: the chat template refuses its conversation (roles: user, user): Conversation "

@@ -95,6 +95,8 @@ def check_prompt(value: Any, column: str, row: int, source: str) -> None:
     """Raise a PipelineError naming the row if a prompt value is empty or malformed."""
     where = f"{source}: row {row}"
     if column == "prompt":
+        if value is None:
+            raise PipelineError(f"{where}: has no 'prompt' (null or missing); remove the row or give it a prompt")
         if not isinstance(value, str):
             raise PipelineError(f"{where}: 'prompt' is {type(value).__name__}, not text; make it a string")
         if not value.strip():
@@ -114,6 +116,9 @@ def check_prompt(value: Any, column: str, row: int, source: str) -> None:
             f"{where}: 'messages' ends with an assistant turn; end it with the user turn to answer "
             "(drop the assistant reply, or use a 'prompt' column)"
         )
+    if value[-1]["role"] == "system" or not any(turn["role"] == "user" for turn in value):
+        what = "ends with a system turn" if value[-1]["role"] == "system" else "has no user turn"
+        raise PipelineError(f"{where}: 'messages' {what}; end it with the user turn to answer")
     if not any(turn["content"].strip() for turn in value):
         raise PipelineError(f"{where}: every turn in 'messages' is empty; remove the row or fill it")
 
