@@ -232,6 +232,7 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
         "yaml_type": "n: five\n",
         "yaml_choice": "engine: tpu\n",
         "yaml_tiny_choice": "chat_format: klingon\n",
+        "iterate_plain": ITERATE_YAML.format(**k),
         "iterate_reserved": ITERATE_YAML.format(**k) + "train: {model: other}\n",
         "iterate_misspelt": ITERATE_YAML.format(**k) + "train: {learning_rat: 0.001}\n",
         "iterate_range": ITERATE_YAML.format(**k) + "generate: {max_new_tokens: 0}\n",
@@ -637,6 +638,14 @@ CASES = [
          "--reward-model {policy}: is a causal language model (LlamaForCausalLM), not a reward model: "),
     Case("iterate-prompts-missing", ["iterate", "--config", "{iterate_reserved}", "--prompts", "{missing}"],
          "no such file"),
+    # found before the first stage runs, not by the stage that reads them (after iteration 0's evaluation, or a
+    # whole generate)
+    Case("iterate-prompts-wrong-column", ["iterate", "--config", "{iterate_plain}", "--prompts", "{questions}"],
+         "prompts {questions}: has neither a 'prompt' nor a 'messages' column (columns: question)"),
+    Case("iterate-reward-fn-misspelt", ["iterate", "--config", "{iterate_plain}", "--reward-fn", "{rewards}:goood"],
+         "--reward-fn '{rewards}:goood': {rewards} defines no 'goood'; check the name after the ':'"),
+    Case("iterate-reward-fn-does-not-parse", ["iterate", "--config", "{iterate_plain}", "--reward-fn",
+                                              "{broken_rewards}:reward"], "does not parse: "),
     Case("report-run-dir-missing", ["report", "{dir}/no_run"], "no such directory"),
     Case("report-run-dir-empty", ["report", "{empty_run}"], "no run data"),
     Case("tiny-model-hidden-size", ["tiny-model", "--hidden-size", "48"],

@@ -755,6 +755,24 @@ def test_eval_reads_the_score_sections_reference_column_unless_it_sets_its_own(t
     assert "--reference-column" not in eval_args()
 
 
+def test_eval_reports_the_combination_of_several_sources_as_score_weighs_them(tmp_path):
+    """With a reward model and a function, the iterations train on their weighted combination: eval reports it
+    (results.json's "combined") with the score section's weights, 1 each unless set; one source gives no weights."""
+
+    def weights(**kw):
+        steps = plan(config(tmp_path, iterations=1, eval_prompts="e.jsonl", **kw))
+        args = next(s for s in steps if s.name == "iter_1/eval").args
+        if "--reward-weights" not in args:
+            return None
+        i = args.index("--reward-weights") + 1
+        return args[i : i + 2]
+
+    assert weights(reward_fn="task.py:brief") == ["1.0", "1.0"]
+    assert weights(reward_fn="task.py:brief", score={"reward_weights": [1.0, 0.5]}) == ["1.0", "0.5"]
+    assert weights(reward_fn="task.py:brief", eval={"reward_weights": [2.0, 1.0]}) == ["2.0", "1.0"]
+    assert weights(reward_fn=None) is None
+
+
 def test_the_runs_attn_implementation_reaches_the_stages_that_load_with_transformers(tmp_path):
     """train and score always (score's engine is hf unless set), generate and eval where their section says engine:
     hf (auto may be vLLM, which refuses one); a section's own value wins; the default adds no flag at all."""

@@ -149,3 +149,35 @@ def test_reward_source_keys_and_columns():
     assert [s.column for s in sources] == ["rewards_reward_fn_reward", "rewards_reward_fn_reward_2",
                                            "rewards_reward_fn_reward_3"]
     assert [s.kind for s in reward_sources(["m1", "m2"], "f.py:g")] == ["reward_model", "reward_model", "reward_fn"]
+
+
+@pytest.mark.parametrize("source", [
+    "def reward(prompts, responses, **c):\n    return [0.0] * len(responses)\n",
+    "import functools\nreward = functools.partial(len)\n",
+    "try:\n    from math import fsum as reward\nexcept ImportError:\n    pass\n",
+    "if True:\n    def reward(p, r, **c):\n        return [0.0] * len(r)\n",
+    "from math import *\n",  # a star import may bring it
+    "def __getattr__(name):\n    return lambda p, r, **c: [0.0] * len(r)\n",
+    "globals()['reward'] = lambda p, r, **c: [0.0] * len(r)\n",
+    "class reward:\n    pass\n",
+])
+def test_iterates_preflight_reads_a_reward_files_names_without_running_it(tmp_path, source):
+    from rlhf_pipeline.rewards import check_reward_fn_spec
+
+    path = tmp_path / "r.py"
+    path.write_text("raise SystemExit('the file must not run')\n" + source)
+    assert check_reward_fn_spec(f"{path}:reward", read_file=True) == (str(path), "reward")
+
+
+def test_iterates_preflight_names_a_missing_function_or_a_file_that_does_not_parse(tmp_path):
+    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.rewards import check_reward_fn_spec
+
+    path = tmp_path / "r.py"
+    path.write_text("def reward(p, r, **c):\n    return [0.0] * len(r)\nrewards_table = {}\n")
+    with pytest.raises(PipelineError, match="defines no 'rewrad'; check the name after the ':'"):
+        check_reward_fn_spec(f"{path}:rewrad", read_file=True)
+    assert check_reward_fn_spec(f"{path}:rewrad") == (str(path), "rewrad")  # without reading it: the stage finds it
+    path.write_text("def reward(p, r, **c)\n    return []\n")
+    with pytest.raises(PipelineError, match="does not parse"):
+        check_reward_fn_spec(f"{path}:reward", read_file=True)

@@ -47,14 +47,46 @@ log = logging.getLogger(__name__)
 RewardFn = Callable[..., Sequence[float]]
 
 
-def check_reward_fn_spec(spec: str) -> tuple[str, str]:
+def check_reward_fn_spec(spec: str, read_file: bool = False) -> tuple[str, str]:
     """``(module or file, function)`` of a ``--reward-fn`` spec, checked without importing anything (a file must
-    exist); what :func:`load_reward_fn` checks first, and what ``rlhf iterate`` checks before it launches."""
+    exist); what :func:`load_reward_fn` checks first, and what ``rlhf iterate`` checks before it launches. With
+    ``read_file`` a file's source is also parsed, not run, so that a misspelt function name or a syntax error is
+    found before a run spends an hour sampling (names a file makes at run time, through ``globals()``, a star
+    import or a module ``__getattr__``, pass)."""
+    import ast
+
     module_name, sep, fn_name = spec.rpartition(":")
     if not sep or not module_name or not fn_name:
         raise PipelineError(f"--reward-fn {spec!r}: expected module:function or path/to/file.py:function")
-    if module_name.endswith(".py") and not Path(module_name).expanduser().is_file():
-        raise PipelineError(f"--reward-fn {spec!r}: no such file {Path(module_name).expanduser()}")
+    if not module_name.endswith(".py"):
+        return module_name, fn_name
+    path = Path(module_name).expanduser()
+    if not path.is_file():
+        raise PipelineError(f"--reward-fn {spec!r}: no such file {path}")
+    if read_file:
+        try:
+            tree = ast.parse(path.read_bytes(), filename=str(path))
+        except SyntaxError as e:
+            raise PipelineError(f"--reward-fn {spec!r}: {path} does not parse: {one_line(e)}") from None
+        def bound(node) -> set[str]:  # the names a statement binds
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                return {node.name}
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                return {(a.asname or a.name).split(".")[0] for a in node.names}
+            return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+        names: set[str] = set()
+        for top in tree.body:  # at the top level, and in its if/try/with/for blocks (not inside functions)
+            blocks = [top]
+            while blocks:
+                node = blocks.pop()
+                names |= bound(node)
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    blocks += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
+                    blocks += [h for h in getattr(node, "handlers", [])]
+        if fn_name not in names and "*" not in names and "__getattr__" not in names and \
+                "globals" not in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}:
+            raise PipelineError(f"--reward-fn {spec!r}: {path} defines no {fn_name!r}; check the name after the ':'")
     return module_name, fn_name
 
 

@@ -178,7 +178,7 @@ class IterateConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
     eval: dict = option(
         default_factory=dict,
         help="Options of rlhf eval. Its scorers default to the training reward, read with the score section's "
-        "trust_remote_code and max_length.",
+        "trust_remote_code, max_length and reference_column, and several sources combined with its reward_weights.",
     )
 
     def __post_init__(self) -> None:
@@ -336,6 +336,11 @@ def eval_step(config: IterateConfig, run: Path, t: int, model: str) -> Step:
         for key in ("trust_remote_code", "max_length", "reference_column"):
             if key in config.score and key not in options:
                 options[key] = config.score[key]
+        # several sources: the combination the iterations train on is evaluated too (results.json's "combined"),
+        # with the score section's weights (1 each unless it says otherwise, as score combines them)
+        sources = len(as_list(config.reward_model)) + len(as_list(config.reward_fn))
+        if sources > 1 and "reward_weights" not in options:
+            options["reward_weights"] = config.score.get("reward_weights") or [1.0] * sources
     if config.allow_special_tokens_in_text:  # the run's opt-out, unless the eval section says otherwise
         options.setdefault("allow_special_tokens_in_text", True)
     if config.chat_template is not None:  # the run's template, unless the eval section names its own
@@ -1051,11 +1056,22 @@ def main(config: IterateConfig) -> Path:
         check_reward_model("--reward-model", config.reward_model, bool(config.score.get("trust_remote_code")),
                            trust_option="--score '{trust_remote_code: true}'")
     for spec in as_list(config.reward_fn):
-        check_reward_fn_spec(spec)
-    parse_ref(config.prompts)
-    if config.eval_prompts is not None:
-        parse_ref(config.eval_prompts)
+        check_reward_fn_spec(spec, read_file=True)
+    for flag, text in (("prompts", config.prompts), ("eval_prompts", config.eval_prompts)):
+        if text is not None:
+            check_prompt_source(flag, parse_ref(text))
     return run_iterations(config)
+
+
+def check_prompt_source(flag: str, ref) -> None:
+    """A local prompt dataset has the column generate reads (``prompt`` or ``messages``), checked before the first
+    stage starts rather than when the first generate of the run reads it (each row is checked there). A Hub dataset
+    is read by its stage."""
+    from rlhf_pipeline.chat import prompt_column
+    from rlhf_pipeline.datasets_io import load_dataset_ref
+
+    if ref.kind != "hub":
+        prompt_column(load_dataset_ref(ref), f"{flag} {ref.name}")
 
 
 def run_iterations(config: IterateConfig) -> Path:
