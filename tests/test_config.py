@@ -100,6 +100,23 @@ def test_bad_choice_exits(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_a_wrong_choice_is_one_line_with_the_closest_choice(capsys):
+    """rlhf train --algo dop printed train's whole usage (45 lines) before the error, and no suggestion."""
+    from rlhf_pipeline.cli import main
+
+    for given, close in (("dop", "dpo"), ("DPO", "dpo"), ("grpoo", "grpo")):
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--algo", given, "--model", "m", "--data", "d", "--output", "o"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: rlhf train: argument --algo: invalid choice")
+        assert err.endswith(f"; did you mean {close}?"), err
+    with pytest.raises(SystemExit):
+        parse_config(DemoConfig, ["--model", "m", "--output", "o", "--engine", "tpu"], "test")
+    assert capsys.readouterr().err.strip().endswith("invalid choice: 'tpu' (choose from 'auto', 'hf'); test --help "
+                                                    "lists the options")
+
+
 def test_semantic_dict_leaves_out_non_semantic_fields():
     cfg = DemoConfig(model="m", output="o", num_proc=4, overwrite=True)
     keys = set(semantic_dict(cfg))

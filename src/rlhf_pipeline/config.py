@@ -194,15 +194,32 @@ def _help(cls: type, text: str | Callable[[], str]) -> str:
     return text.replace("{writes_layout}", _WRITES_LAYOUT[writes]).replace("{writes}", writes)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with its errors on one line: the usage it prints first runs to dozens of lines for a
+    stage such as rlhf train, and buried the error under it (``--help`` shows the usage). A value that is not one
+    of an option's choices gets the closest one (``--algo dop``: did you mean dpo?)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        import re
+
+        wrong = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if wrong:
+            listed = wrong.group(2)
+            choices = re.findall(r"'([^']*)'", listed) or [c.strip() for c in listed.split(",")]
+            close = difflib.get_close_matches(wrong.group(1).lower(), choices, n=1, cutoff=0.6)
+            message += f"; did you mean {close[0]}?" if close else ""
+        if "--help" not in message and "did you mean" not in message:
+            message += f"; {self.prog} --help lists the options"
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
 def build_parser(cls: type, prog: str, description: str | None = None, only: set[str] | None = None,
                  first: type | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one kebab-case flag per dataclass field: the stage's own options first, then one
     section per shared group (sampling options, output options). ``only``: the fields to show (a help view, such as
     ``rlhf train --algo X --help``); the others are left out. ``first``: the group whose section lists a field that
     several groups declare (by default the first in base-class order)."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description or (cls.__doc__ or "").strip(), allow_abbrev=False
-    )
+    parser = _Parser(prog=prog, description=description or (cls.__doc__ or "").strip(), allow_abbrev=False)
     stage_group = parser.add_argument_group("stage options")
     sections = _help_sections(cls, first)
     groups = [stage_group] + [parser.add_argument_group(title) for title, _ in sections]

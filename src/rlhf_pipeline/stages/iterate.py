@@ -531,6 +531,7 @@ def _stage_config(step: Step):
             return parse_config(cls, step.args, f"rlhf {step.stage}")
     except SystemExit:
         message = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "invalid options"
+        message = message.removeprefix("error: ")
         raise PipelineError(f"{step.name}: {message} (options: {shlex.join(step.args)})") from None
     except PipelineError as e:  # a --config file that cannot be read
         raise PipelineError(f"{step.name}: {e}") from None
