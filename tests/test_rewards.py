@@ -71,8 +71,18 @@ def test_load_reward_fn_from_file_and_module(tmp_path):
         load_reward_fn(f"{f}:nope")
     with pytest.raises(PipelineError, match="expected module:function"):
         load_reward_fn("justaname")
-    with pytest.raises(PipelineError, match="cannot import module"):
+    with pytest.raises(PipelineError, match="cannot import module 'no_such_module_xyz'; pass path/to/file.py:"):
         load_reward_fn("no_such_module_xyz:fn")
+
+
+def test_a_module_spec_naming_a_file_of_the_working_directory_says_how_to_load_the_file(tmp_path, monkeypatch):
+    """``myreward:fn`` run beside myreward.py: the working directory is not on the import path, so it does not
+    import; the error names the file form that loads it."""
+    (tmp_path / "myreward.py").write_text("def fn(p, r, **c):\n    return [0.0] * len(r)\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PipelineError, match="to load the file myreward.py, pass --reward-fn myreward.py:fn"):
+        load_reward_fn("myreward:fn")
+    assert load_reward_fn("myreward.py:fn")(["p"], ["r"]) == [0.0]
 
 
 def test_a_column_named_as_the_functions_own_argument_is_one_line_not_the_users_traceback():

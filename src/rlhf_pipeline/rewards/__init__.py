@@ -108,7 +108,10 @@ def load_reward_fn(spec: str) -> RewardFn:
         except ModuleNotFoundError:  # a parent package that does not exist
             found = None
         if found is None:
-            raise PipelineError(f"--reward-fn {spec!r}: cannot import module '{module_name}'")
+            as_file = Path(*module_name.split(".")).with_suffix(".py")
+            fix = (f"; to load the file {as_file}, pass --reward-fn {as_file}:{fn_name}" if as_file.is_file() else
+                   "; pass path/to/file.py:function for a file, or install the module")
+            raise PipelineError(f"--reward-fn {spec!r}: cannot import module '{module_name}'{fix}")
         try:
             module = importlib.import_module(module_name)
         except (Exception, SystemExit) as e:
