@@ -207,13 +207,18 @@ RUN_ONE_STEP = ("import sys\n"
                 "run_steps([Step('iter_1/generate', 'generate', [pid_file], run / 'iter_1' / 'generate',\n"
                 "                launcher=[sys.executable, launcher])], run)\n")
 # The same, with SIGTERM arriving just as the step's process has started (before iterate records it as running):
-# iterate's Popen sends it, once it has written the launcher's pid.
-SIGNALLED_AT_START = ("import os, signal, subprocess, sys\n"
+# iterate's Popen sends it, once it has written the launcher's pid and the launcher has started the stage (so that
+# the test knows a stage is there to be stopped, rather than finding out only sometimes).
+SIGNALLED_AT_START = ("import os, signal, subprocess, sys, time\n"
                       "import rlhf_pipeline.stages.iterate as iterate\n"
                       "class Popen(subprocess.Popen):\n"
                       "    def __init__(self, *args, **kwargs):\n"
                       "        super().__init__(*args, **kwargs)\n"
                       "        open(sys.argv[3] + '.launcher', 'w').write(str(self.pid))\n"
+                      "        deadline = time.time() + 60\n"
+                      "        while time.time() < deadline and not (os.path.exists(sys.argv[3])\n"
+                      "                                              and open(sys.argv[3]).read()):\n"
+                      "            time.sleep(0.01)\n"
                       "        os.kill(os.getpid(), signal.SIGTERM)\n"
                       "iterate.subprocess.Popen = Popen\n") + RUN_ONE_STEP
 
@@ -268,8 +273,7 @@ def test_a_stop_signal_as_a_step_starts_stops_it_too(tmp_path):
     assert proc.returncode != 0 and time.time() - started < 60  # not the stage's 300 s
     assert "stopped by SIGTERM during iter_1/generate; run the same command again" in proc.stdout, proc.stdout
     assert not _alive(int(Path(f"{pid_file}.launcher").read_text()))
-    if pid_file.exists() and pid_file.read_text():  # the stage had started under it
-        assert not _alive(int(pid_file.read_text()))
+    assert not _alive(int(pid_file.read_text())), "the stage under the launcher outlived rlhf iterate"
     assert json.loads((tmp_path / "run" / "steps.jsonl").read_text())["rc"] == "interrupted"
 
 
