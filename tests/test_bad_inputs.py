@@ -233,6 +233,7 @@ def kit(tmp_path_factory, tiny_policy, tiny_rm) -> dict[str, str]:
         "yaml_choice": "engine: tpu\n",
         "yaml_tiny_choice": "chat_format: klingon\n",
         "iterate_plain": ITERATE_YAML.format(**k),
+        "iterate_prompt_column": ITERATE_YAML.format(**k) + "generate: {prompt_column: questionz}\n",
         "iterate_reserved": ITERATE_YAML.format(**k) + "train: {model: other}\n",
         "iterate_misspelt": ITERATE_YAML.format(**k) + "train: {learning_rat: 0.001}\n",
         "iterate_range": ITERATE_YAML.format(**k) + "generate: {max_new_tokens: 0}\n",
@@ -642,6 +643,9 @@ CASES = [
     # whole generate)
     Case("iterate-prompts-wrong-column", ["iterate", "--config", "{iterate_plain}", "--prompts", "{questions}"],
          "prompts {questions}: has neither a 'prompt' nor a 'messages' column (columns: question)"),
+    Case("iterate-prompt-column-misspelt", ["iterate", "--config", "{iterate_prompt_column}", "--prompts",
+                                            "{questions}"],
+         "prompts {questions}: --prompt-column questionz: no such column (columns: question)"),
     Case("iterate-reward-fn-misspelt", ["iterate", "--config", "{iterate_plain}", "--reward-fn", "{rewards}:goood"],
          "--reward-fn '{rewards}:goood': {rewards} defines no 'goood'; check the name after the ':'"),
     Case("iterate-reward-fn-does-not-parse", ["iterate", "--config", "{iterate_plain}", "--reward-fn",

@@ -104,7 +104,7 @@ def test_eval_hands_every_sampling_option_to_generate(monkeypatch, tmp_path):
     values = dict(n=3, temperature=0.5, top_p=0.7, top_k=4, max_new_tokens=9, seed=7, engine="hf", limit=2,
                   batch_size=5, dtype="float32", attn_implementation="varlen", tensor_parallel_size=2,
                   gpu_memory_utilization=0.5, max_model_len=64, trust_remote_code=True, executor="ray", replicas=3,
-                  gpus_per_replica=1, ray_address="head:6379")
+                  gpus_per_replica=1, ray_address="head:6379", prompt_column="question")
     assert set(values) == {f.name for f in dataclasses.fields(SamplingOptions)}
     config = EvalConfig(model="policy", prompts="p.jsonl", reward_fn="f.py:r", output=str(tmp_path), **values)
     seen, scored = [], []

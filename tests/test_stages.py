@@ -236,6 +236,33 @@ def test_prompts_without_prompt_or_messages(capsys, tmp_path, tiny_policy):
            expect=["questions.jsonl", "'prompt'", "'messages'", "rename"])
 
 
+def test_prompt_column_names_the_prompts_of_a_dataset_that_calls_them_otherwise(capsys, tmp_path, tiny_policy):
+    """--prompt-column question (text) and --prompt-column conversation (turns): sampled as 'prompt' and 'messages'
+    prompts, and written under those names, so that every later stage reads them as it reads any prompts; the
+    other columns (the ground truth of a verifiable reward) come along."""
+    rows = [{"question": f"Review park {i}.", "answer": str(i)} for i in range(4)]
+    qa = write_jsonl(tmp_path / "qa.jsonl", rows)
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": r["question"], "answer": r["answer"]} for r in rows])
+    common = ["--model", tiny_policy, "--n", 2, "--max-new-tokens", 6]
+    assert run("generate", "--prompts", qa, "--prompt-column", "question", *common, "--output", tmp_path / "qa") == 0
+    assert run("generate", "--prompts", plain, *common, "--output", tmp_path / "plain") == 0
+    got, expected = load_from_disk(str(tmp_path / "qa")), load_from_disk(str(tmp_path / "plain"))
+    assert got.column_names == expected.column_names and got.to_list() == expected.to_list()
+    assert manifest(tmp_path / "qa")["config"]["prompt_column"] == "question"
+
+    turns = [{"conversation": [{"role": "user", "content": r["question"]}]} for r in rows]
+    chat = write_jsonl(tmp_path / "chat.jsonl", turns)
+    assert run("generate", "--prompts", chat, "--prompt-column", "conversation", *common,
+               "--output", tmp_path / "chat") == 0
+    assert load_from_disk(str(tmp_path / "chat"))["messages"] == [t["conversation"] for t in turns]
+
+    _fails(capsys, "generate", "--prompts", qa, "--prompt-column", "questions", *common, output=tmp_path / "x",
+           expect=["qa.jsonl: --prompt-column questions: no such column (columns: question, answer)"])
+    both = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "a", "question": "b"}])
+    _fails(capsys, "generate", "--prompts", both, "--prompt-column", "question", *common, output=tmp_path / "y",
+           expect=["--prompt-column question: it also has a 'prompt' column"])
+
+
 def test_empty_prompt(capsys, tmp_path, tiny_policy):
     bad = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "fine"}, {"prompt": "ok"}, {"prompt": ""}])
     _fails(capsys, "generate", "--model", tiny_policy, "--prompts", bad, output=tmp_path / "out",

@@ -48,6 +48,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def use_prompt_column(ds: Dataset, name: str, source: str) -> Dataset:
+    """``ds`` with its column ``name`` (``--prompt-column``) as the prompt column every stage reads: renamed to
+    ``prompt`` when it holds text, to ``messages`` when it holds turns."""
+    from datasets import Value
+
+    if name not in ds.column_names:
+        raise PipelineError(f"{source}: --prompt-column {name}: no such column (columns: {', '.join(ds.column_names)})")
+    feature = ds.features[name]
+    target = "prompt" if isinstance(feature, Value) and feature.dtype in ("string", "large_string") else "messages"
+    others = [c for c in PROMPT_COLUMNS if c in ds.column_names and c != name]
+    if others:
+        raise PipelineError(f"{source}: --prompt-column {name}: it also has a '{others[0]}' column, which the stages "
+                            f"would read as the prompt; drop or rename that column")
+    return ds if name == target else ds.rename_column(name, target)
+
+
 def prompt_column(ds: Dataset, source: str) -> str:
     """The column that holds the prompt (``prompt`` first, then ``messages``), or a clear error."""
     for name in PROMPT_COLUMNS:
@@ -55,7 +71,8 @@ def prompt_column(ds: Dataset, source: str) -> str:
             return name
     raise PipelineError(
         f"{source}: has neither a 'prompt' nor a 'messages' column (columns: {', '.join(ds.column_names)}); "
-        "rename the prompt column to 'prompt' (text) or 'messages' (a list of {role, content})"
+        "name the prompts' column with --prompt-column, or rename it to 'prompt' (text) or 'messages' (a list of "
+        "{role, content})"
     )
 
 

@@ -38,6 +38,9 @@ class SamplingOptions:
         "auto", help="auto: vLLM when it imports and a GPU is present, else Hugging Face generate."
     )
     limit: Optional[int] = option(None, help="Use only the first LIMIT prompts.")
+    prompt_column: Optional[str] = option(
+        None, help="The prompts' column, when it is named otherwise (e.g. question): text, or a list of {role, "
+        "content} turns; read as 'prompt' or 'messages' and written under that name. Default: prompt, else messages.")
     batch_size: int = option(16, help="hf engine: prompts per generate call (each expands to n sequences).")
     dtype: DtypeName = option(
         "auto", help="Model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."

@@ -364,7 +364,7 @@ def _reference_scores(config: EvalConfig, prompts_ref, own: dict[str, Path], dir
     def write() -> None:
         if (directory / "generate").exists():
             return
-        prompts, column, _, _ = select_prompts(prompts_ref, limit=config.limit)
+        prompts, column, _, _ = select_prompts(prompts_ref, limit=config.limit, prompt_column=config.prompt_column)
         answers = _reference_answers(config, prompts, column)
         generated = load_from_disk(str(own["generate"]))
         keep = [c for c in generated.column_names if c not in ("prompt_token_ids", "response_token_ids",
@@ -508,7 +508,7 @@ def _check_inputs(config: EvalConfig, ref, prompts_fingerprint: str) -> Path | N
             check_reward_model(source.flag, source.spec, config.trust_remote_code, judge=True)
         else:
             load_reward_fn(source.spec)
-    prompts, column, _, _ = select_prompts(ref, limit=config.limit)
+    prompts, column, _, _ = select_prompts(ref, limit=config.limit, prompt_column=config.prompt_column)
     check_reference_column(prompts, ref.name, config.reference_column, "rlhf eval carries")
     if config.reference is not None:
         _reference_answers(config, prompts, column)

@@ -106,14 +106,18 @@ def prompt_context(config: GenerateConfig) -> tuple[int, str] | None:
     return context_length(AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code))
 
 
-def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | None = None, wrap: bool = False):
+def select_prompts(ref, offset: int = 0, limit: int | None = None, shard: str | None = None, wrap: bool = False,
+                   prompt_column: str | None = None):
     """The prompts a run samples for, checked: ``(dataset of the selected rows, prompt column, rows, rows_total)``;
-    ``rows`` a range, or with ``wrap`` a list that goes on from the first row. ``rlhf eval`` calls it too, to check
-    its prompts before it makes its output directory."""
-    from rlhf_pipeline.chat import validate_prompts
+    ``rows`` a range, or with ``wrap`` a list that goes on from the first row; ``prompt_column`` (``--prompt-column``)
+    renamed to the prompt column the stages read. ``rlhf eval`` calls it too, to check its prompts before it makes
+    its output directory."""
+    from rlhf_pipeline.chat import use_prompt_column, validate_prompts
     from rlhf_pipeline.datasets_io import load_dataset_ref
 
     ds = load_dataset_ref(ref)
+    if prompt_column is not None:
+        ds = use_prompt_column(ds, prompt_column, ref.name)
     rows_total = ds.num_rows
     clash = [c for c in GENERATED_COLUMNS if c in ds.column_names]
     if clash:
@@ -249,7 +253,8 @@ def main(config: GenerateConfig) -> Path:
     out = StageOutput("generate", config, inputs=[ref])
     if out.done(resume=True):  # an interrupted run with these options goes on from its finished chunks
         return out.path
-    ds, column, rows, rows_total = select_prompts(ref, config.offset, config.limit, config.shard, config.wrap)
+    ds, column, rows, rows_total = select_prompts(ref, config.offset, config.limit, config.shard, config.wrap,
+                                                  config.prompt_column)
 
     tokenizer = load_tokenizer(config.model, config.trust_remote_code)
     template = use_chat_template(tokenizer, config.chat_template, config.model)

@@ -1058,21 +1058,23 @@ def main(config: IterateConfig) -> Path:
                            trust_option="--score '{trust_remote_code: true}'")
     for spec in as_list(config.reward_fn):
         check_reward_fn_spec(spec, read_file=True)
-    for flag, text in (("prompts", config.prompts), ("eval_prompts", config.eval_prompts)):
+    for flag, text, section in (("prompts", config.prompts, config.generate),
+                                ("eval_prompts", config.eval_prompts, config.eval)):
         if text is not None:
-            check_prompt_source(flag, parse_ref(text))
+            check_prompt_source(flag, parse_ref(text), section.get("prompt_column"))
     return run_iterations(config)
 
 
-def check_prompt_source(flag: str, ref) -> None:
-    """A local prompt dataset has the column generate reads (``prompt`` or ``messages``), checked before the first
-    stage starts rather than when the first generate of the run reads it (each row is checked there). A Hub dataset
-    is read by its stage."""
-    from rlhf_pipeline.chat import prompt_column
+def check_prompt_source(flag: str, ref, column: str | None) -> None:
+    """A local prompt dataset has the column its stage reads (``prompt`` or ``messages``, or the section's
+    ``prompt_column``), checked before the first stage starts rather than when the first generate or eval of the
+    run reads it (each row is checked there). A Hub dataset is read by its stage."""
+    from rlhf_pipeline.chat import prompt_column, use_prompt_column
     from rlhf_pipeline.datasets_io import load_dataset_ref
 
     if ref.kind != "hub":
-        prompt_column(load_dataset_ref(ref), f"{flag} {ref.name}")
+        ds, source = load_dataset_ref(ref), f"{flag} {ref.name}"
+        prompt_column(ds if column is None else use_prompt_column(ds, column, source), source)
 
 
 def run_iterations(config: IterateConfig) -> Path:
