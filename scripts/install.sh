@@ -71,8 +71,9 @@ VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 EXTRAS=$TARGET
 # Installed already from these very files with these extras and this torch (the stamp keeps one line per extras
-# installed, all for one torch): nothing to do, so that running the demo or the tests again starts at once. The package is installed editable, so a change
-# under src/ needs no reinstall; one to pyproject.toml (dependencies, entry points) or to this script does.
+# installed, all for one torch): nothing to do, so that running the demo or the tests again starts at once. The
+# package is installed editable, so a change under src/ needs no reinstall; one to pyproject.toml (dependencies,
+# entry points) or to this script does.
 STAMP="$VENV/.rlhf-installed-from"
 WANT=$( { cat pyproject.toml "$0"; echo "$TORCH_SPEC|$EXTRAS"; } | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && grep -qxF "$TORCH_SPEC $WANT" "$STAMP" 2>/dev/null \
@@ -89,4 +90,5 @@ case ",$EXTRAS," in
 esac
 pip_q -e ".${EXTRAS:+[$EXTRAS]}"
 # Another torch replaces the one the other lines were installed with.
-{ grep -F "$TORCH_SPEC " "$STAMP" 2>/dev/null || true; echo "$TORCH_SPEC $WANT"; } > "$STAMP.new" && mv "$STAMP.new" "$STAMP"
+{ grep -F "$TORCH_SPEC " "$STAMP" 2>/dev/null || true; echo "$TORCH_SPEC $WANT"; } > "$STAMP.new"
+mv "$STAMP.new" "$STAMP"

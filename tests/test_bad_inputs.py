@@ -507,6 +507,8 @@ CASES = [
     Case("ref-logps-on-generations", ["ref-logps", "--model", "{policy}", "--input", "{shard0}"],
          "rlhf ref-logps computes reference log-probs of data with a column chosen_token_ids (pairs: rlhf filter "
          "--mode pairs) or completion_token_ids (unpaired: rlhf filter --mode unpaired); found neither"),
+    Case("ref-logps-algo-without-reference", ["ref-logps", "--model", "{policy}", "--input", "{pairs}", "--algo",
+                                              "simpo"], "--algo simpo takes no reference log-probs; train on"),
     Case("ref-logps-algo-of-other-data", ["ref-logps", "--model", "{policy}", "--input", "{pairs}", "--algo", "kto"],
          "--algo kto trains on unpaired data, but"),
     Case("ref-logps-model-not-found", ["ref-logps", "--model", "nomodel", "--input", "{pairs}"],

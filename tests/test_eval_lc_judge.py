@@ -296,6 +296,24 @@ def test_a_judge_whose_answers_cannot_be_read_is_counted_not_crashed_on(setup, t
     assert len(load_from_disk(str(out / "judge_reference" / "generate"))) == 24
 
 
+def test_prompts_under_another_column_name_go_through_references_a_baseline_and_the_judge(setup, tiny_policy,
+                                                                                         tmp_path, monkeypatch):
+    """--prompt-column question: the prompts, the reference answers matched to them by text, the baseline's samples
+    and the judge's own prompts (made under 'prompt', which the option must not rename) give what the 'prompt' file
+    gives. The judge's generate used to take the option and find no such column, after all the sampling."""
+    fake_judge(monkeypatch, setup["judge"], longer)
+    rows = [json.loads(x) for x in Path(setup["prompts"]).read_text().splitlines()]
+    renamed = write_jsonl(tmp_path / "questions.jsonl", [{("question" if k == "prompt" else k): v
+                                                         for k, v in r.items()} for r in rows])
+    common = ["--baseline", setup["baseline"], "--reference", setup["refs"], "--judge", setup["judge"]]
+    assert run(*eval_args(tiny_policy, setup, tmp_path / "plain", *common)) == 0
+    args = eval_args(tiny_policy, setup, tmp_path / "renamed", *common, "--prompt-column", "question")
+    assert run(*[str(renamed) if a == setup["prompts"] else a for a in args]) == 0
+    plain, ours = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("plain", "renamed"))
+    assert ours["scores"] == plain["scores"] and ours["judge"]["reference"] == plain["judge"]["reference"]
+    assert ours["judge"]["baseline"] == plain["judge"]["baseline"]
+
+
 def test_references_match_by_id_when_both_sides_have_one(setup, tiny_policy, tmp_path):
     """The eval prompts carry ``id``; a reference file with ``prompt_id`` (and no prompt text at all) matches by it."""
     rows = setup["rows"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (LENGTH_REWARD, assert_same_gradient_norms, free_port, launch_failure, logged, max_weight_diff, run,
-                      write_jsonl)
+from conftest import (LENGTH_REWARD, assert_same_gradient_norms, free_port, launch_failure, logged, max_weight_diff,
+                      run, write_jsonl)
 from rlhf_pipeline.training import lora
 from rlhf_pipeline.training import loop as trainer
 

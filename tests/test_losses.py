@@ -261,7 +261,8 @@ def test_dispatch_matches_direct_functions_and_margins():
         "cpo": cpo_loss(pc, pr, x["chosen_lengths"], beta=0.1),
     }
     margins = {"rebel": [1.4, -2.0], "dpo": [0.07, -0.1], "cdpo": [0.07, -0.1],
-               "ipo": [0.07, -0.1], "dpo_norm": [0.1 * (0.5 / 4 + 0.2 / 3), 0.1 * (0.0 - 1.0 / 5)], "simpo": [0.1 * (-0.25 + 2 / 3), 0.1 * (-1.5 + 0.2)],
+               "ipo": [0.07, -0.1], "dpo_norm": [0.1 * (0.5 / 4 + 0.2 / 3), 0.1 * (0.0 - 1.0 / 5)],
+               "simpo": [0.1 * (-0.25 + 2 / 3), 0.1 * (-1.5 + 0.2)],
                "orpo": [0.1 * (-0.25 + 2 / 3), 0.1 * (-1.5 + 0.2)], "cpo": [0.1, -0.2]}
     for lt in names(PAIRS):
         loss, metrics = compute_pair_loss(lt, _params_for(lt), **x)

@@ -169,6 +169,8 @@ def test_reward_source_keys_and_columns():
     "from math import *\n",  # a star import may bring it
     "def __getattr__(name):\n    return lambda p, r, **c: [0.0] * len(r)\n",
     "globals()['reward'] = lambda p, r, **c: [0.0] * len(r)\n",
+    "vars()['reward'] = lambda p, r, **c: [0.0] * len(r)\n",
+    "exec('def reward(p, r, **c):\\n    return [0.0] * len(r)')\n",
     "class reward:\n    pass\n",
 ])
 def test_iterates_preflight_reads_a_reward_files_names_without_running_it(tmp_path, source):

@@ -258,6 +258,9 @@ def test_prompt_column_names_the_prompts_of_a_dataset_that_calls_them_otherwise(
 
     _fails(capsys, "generate", "--prompts", qa, "--prompt-column", "questions", *common, output=tmp_path / "x",
            expect=["qa.jsonl: --prompt-column questions: no such column (columns: question, answer)"])
+    numbers = write_jsonl(tmp_path / "numbers.jsonl", [{"q": 5}, {"q": 6}])
+    _fails(capsys, "generate", "--prompts", numbers, "--prompt-column", "q", *common, output=tmp_path / "w",
+           expect=["numbers.jsonl: --prompt-column q: holds Value('int64'), neither text nor a list of"])
     both = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "a", "question": "b"}])
     _fails(capsys, "generate", "--prompts", both, "--prompt-column", "question", *common, output=tmp_path / "y",
            expect=["--prompt-column question: it also has a 'prompt' column"])

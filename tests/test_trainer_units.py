@@ -257,9 +257,9 @@ def test_rebel_backpropagates_repos_form_and_reports_the_papers(tiny_policy):
 @pytest.mark.parametrize("algo", ["simpo", "orpo", "cpo", "dpo_norm"])
 @pytest.mark.parametrize("pack_ratio", [0.0, 2.0])
 def test_length_normalised_pair_losses_through_pairtask_equal_a_per_sequence_oracle(tiny_policy, algo, pack_ratio):
-    """SimPO, ORPO, CPO and dpo_norm divide by each response's own length: PairTask's loss on a real forward equals the formula
-    written out here on one plain forward per sequence, lengths counted from the rows (chosen and rejected of
-    different lengths, so that lengths swapped or taken from the other response fail)."""
+    """SimPO, ORPO, CPO and dpo_norm divide by each response's own length: PairTask's loss on a real forward equals
+    the formula written out here on one plain forward per sequence, lengths counted from the rows (chosen and
+    rejected of different lengths, so that lengths swapped or taken from the other response fail)."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 

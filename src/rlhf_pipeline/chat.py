@@ -51,12 +51,18 @@ log = logging.getLogger(__name__)
 def use_prompt_column(ds: Dataset, name: str, source: str) -> Dataset:
     """``ds`` with its column ``name`` (``--prompt-column``) as the prompt column every stage reads: renamed to
     ``prompt`` when it holds text, to ``messages`` when it holds turns."""
-    from datasets import Value
+    from datasets import LargeList, List, Sequence, Value
 
     if name not in ds.column_names:
         raise PipelineError(f"{source}: --prompt-column {name}: no such column (columns: {', '.join(ds.column_names)})")
     feature = ds.features[name]
-    target = "prompt" if isinstance(feature, Value) and feature.dtype in ("string", "large_string") else "messages"
+    if isinstance(feature, Value) and feature.dtype in ("string", "large_string"):
+        target = "prompt"
+    elif isinstance(feature, (list, List, LargeList, Sequence)):
+        target = "messages"
+    else:
+        raise PipelineError(f"{source}: --prompt-column {name}: holds {feature}, neither text nor a list of "
+                            "{role, content} turns")
     others = [c for c in PROMPT_COLUMNS if c in ds.column_names and c != name]
     if others:
         raise PipelineError(f"{source}: --prompt-column {name}: it also has a '{others[0]}' column, which the stages "

@@ -38,7 +38,7 @@ from rlhf_pipeline.algorithms.supervised import SupervisedAlgorithm  # noqa: F40
 from typing import Literal  # noqa: E402
 
 # The algorithms registered above, as a type for the stage configs (their --algo choices); those whose data a
-# reference pass (rlhf ref-logps) takes and which read its columns.
+# reference pass (rlhf ref-logps) takes (a reference-free one among them gets a line saying so).
 AlgoName = Literal[tuple(ALGORITHMS)]  # type: ignore[valid-type]
 ReferenceAlgoName = Literal[tuple(  # type: ignore[valid-type]
-    name for name, a in ALGORITHMS.items() if FAMILIES[a.data].reference is not None and a.needs_reference)]
+    name for name, a in ALGORITHMS.items() if FAMILIES[a.data].reference is not None)]

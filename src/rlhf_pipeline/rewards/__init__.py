@@ -51,8 +51,8 @@ def check_reward_fn_spec(spec: str, read_file: bool = False) -> tuple[str, str]:
     """``(module or file, function)`` of a ``--reward-fn`` spec, checked without importing anything (a file must
     exist); what :func:`load_reward_fn` checks first, and what ``rlhf iterate`` checks before it launches. With
     ``read_file`` a file's source is also parsed, not run, so that a misspelt function name or a syntax error is
-    found before a run spends an hour sampling (names a file makes at run time, through ``globals()``, a star
-    import or a module ``__getattr__``, pass)."""
+    found before a run spends an hour sampling (names a file may make as it runs, through ``globals()``,
+    ``exec``, a star import or a module ``__getattr__``, pass)."""
     import ast
 
     module_name, sep, fn_name = spec.rpartition(":")
@@ -84,8 +84,9 @@ def check_reward_fn_spec(spec: str, read_file: bool = False) -> tuple[str, str]:
                 if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                     blocks += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
                     blocks += [h for h in getattr(node, "handlers", [])]
+        dynamic = {"globals", "vars", "locals", "exec", "setattr"}  # ways a file makes names as it runs
         if fn_name not in names and "*" not in names and "__getattr__" not in names and \
-                "globals" not in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}:
+                not dynamic & {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}:
             raise PipelineError(f"--reward-fn {spec!r}: {path} defines no {fn_name!r}; check the name after the ':'")
     return module_name, fn_name
 

@@ -415,7 +415,7 @@ def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory:
                 Dataset.from_dict(rows).save_to_disk(str(tmp))
         options = {**options_of(config, SamplingOptions), **options_of(config, ControlTokenOptions), "n": 1,
                    "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": config.judge_max_new_tokens,
-                   "limit": None}
+                   "limit": None, "prompt_column": None}  # the judge's prompts are made here, under 'prompt'
         generate.main(generate.GenerateConfig(output=str(directory / "generate"), model=config.judge,
                                               prompts=str(directory / "prompts"), logprobs=False,
                                               overwrite=config.overwrite, **options))

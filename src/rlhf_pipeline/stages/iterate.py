@@ -178,7 +178,8 @@ class IterateConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
     eval: dict = option(
         default_factory=dict,
         help="Options of rlhf eval. Its scorers default to the training reward, read with the score section's "
-        "trust_remote_code, max_length and reference_column, and several sources combined with its reward_weights.",
+        "trust_remote_code, max_length and reference_column; with several sources, reward_weights here reports "
+        "their combination too.",
     )
 
     def __post_init__(self) -> None:
@@ -336,11 +337,6 @@ def eval_step(config: IterateConfig, run: Path, t: int, model: str) -> Step:
         for key in ("trust_remote_code", "max_length", "reference_column"):
             if key in config.score and key not in options:
                 options[key] = config.score[key]
-        # several sources: the combination the iterations train on is evaluated too (results.json's "combined"),
-        # with the score section's weights (1 each unless it says otherwise, as score combines them)
-        sources = len(as_list(config.reward_model)) + len(as_list(config.reward_fn))
-        if sources > 1 and "reward_weights" not in options:
-            options["reward_weights"] = config.score.get("reward_weights") or [1.0] * sources
     if config.allow_special_tokens_in_text:  # the run's opt-out, unless the eval section says otherwise
         options.setdefault("allow_special_tokens_in_text", True)
     if config.chat_template is not None:  # the run's template, unless the eval section names its own

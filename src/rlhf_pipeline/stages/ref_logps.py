@@ -95,6 +95,9 @@ def _read(config: RefLogpsConfig):
     dd = load_dataset_dict(ref, required=("train",))
     family = reference_family(dd["train"].column_names, f"{ref}:train")
     algorithm = None if config.algo is None else get(config.algo)
+    if algorithm is not None and not algorithm.needs_reference:
+        raise PipelineError(f"--algo {algorithm.name} takes no reference log-probs; train on {ref} as it is (rlhf "
+                            f"train --algo {algorithm.name} --data {ref})")
     if algorithm is not None and algorithm.data != family.data:
         raise PipelineError(f"--algo {algorithm.name} trains on {algorithm.data} data, but {ref} holds {family.data} "
                             f"data; pass the --algo of the run that will train on it")
