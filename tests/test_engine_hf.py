@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlhf_pipeline.chat import encode_prompts, load_tokenizer, stop_token_ids
 from rlhf_pipeline.engines import SamplingSettings
@@ -61,18 +62,16 @@ def test_sampling_stops_at_the_models_context(tiny_policy, tmp_path):
                 assert reason == "stop" or len(prompt) + len(ids) == context
 
 
-def test_generate_calls_put_a_prompt_near_the_context_only_with_its_own_length():
-    # room to a context of 20 for 16 new tokens: lengths 9 and 10 are tight, 4 and 2 are not
-    lengths = [4, 10, 9, 10, 2, 9, 9]
-    assert generate_calls(lengths, 2, 20, 16) == [[1, 3], [2, 5], [6], [0, 4]]
-    assert generate_calls(lengths, 4, None, 16) == [[1, 3, 2, 5], [6, 0, 4]]  # longest first, as without a context
-    assert generate_calls(lengths, 4, 100, 16) == [[1, 3, 2, 5], [6, 0, 4]]
-    assert generate_calls([], 4, 20, 16) == []
+def test_generate_calls_take_the_prompts_longest_first():
+    assert generate_calls([4, 10, 9, 10, 2, 9, 9], 4) == [[1, 3, 2, 5], [6, 0, 4]]
+    assert generate_calls([], 4) == []
 
 
-def test_each_prompt_gets_its_own_room_to_the_context_whatever_shares_its_call(tiny_policy):
-    """The batch's longest prompt used to bound every row's response: beside a long prompt, a short one ended with
-    'length' long before the context, where vLLM (and a call of its own) gives it all its room."""
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_each_prompt_gets_its_own_room_to_the_context_whatever_shares_its_call(tiny_policy, logprobs):
+    """A call samples as many tokens for every row as its longest prompt leaves room for: beside a long prompt, a
+    short one ended with 'length' long before the context, where vLLM (and a call of its own) gives it all its room.
+    Such samples are now continued from where the call stopped, up to their own room; the sampler's log-probs too."""
     import dataclasses
 
     tok, prompts, sampling = _setup(tiny_policy, n=2, max_new_tokens=40)
@@ -80,9 +79,21 @@ def test_each_prompt_gets_its_own_room_to_the_context_whatever_shares_its_call(t
     context = max(len(p) for p in prompts) + 4
     assert min(len(p) for p in prompts) + 40 > context  # the short prompt's room is short of 40 too
     engine = HFEngine(tiny_policy, tok, batch_size=3, max_model_len=context)
-    for prompt, c in zip(prompts, engine.generate(prompts, [0, 1, 2], sampling)):
+    for prompt, c in zip(prompts, engine.generate(prompts, [0, 1, 2], sampling, logprobs=logprobs)):
         assert [len(prompt) + len(ids) for ids in c.token_ids] == [context] * 2
         assert c.finish_reasons == ["length"] * 2
+        assert c.texts == [tok.decode(ids, skip_special_tokens=True) for ids in c.token_ids]
+        if logprobs:  # at temperature 1, no top-k or top-p: the model's own log-probs of the whole sequence
+            for ids, got in zip(c.token_ids, c.logprobs):
+                with torch.no_grad():
+                    logits = engine.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+                expected = logits.float().log_softmax(-1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+                assert got == pytest.approx(expected.tolist(), abs=1e-4)
+    # --max-new-tokens still bounds a continued sample (the short prompt's room is more than 6 beyond the call's)
+    capped = dataclasses.replace(sampling, max_new_tokens=context - max(len(p) for p in prompts) + 6)
+    for prompt, c in zip(prompts, engine.generate(prompts, [0, 1, 2], capped)):
+        for ids in c.token_ids:
+            assert len(ids) == min(capped.max_new_tokens, context - len(prompt))
 
 
 def test_a_model_that_always_stops_gives_eos_only_samples(tiny_policy, tmp_path):

@@ -43,24 +43,11 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
     return tokens, "length"
 
 
-def generate_calls(lengths: list[int], batch_size: int, context: int | None, max_new_tokens: int) -> list[list[int]]:
+def generate_calls(lengths: list[int], batch_size: int) -> list[list[int]]:
     """The prompts (their indices), longest first, cut into ``generate`` calls of up to ``batch_size``: similar
-    lengths share a call (little padding), and a memory problem shows up at once.
-
-    A call samples as many tokens for every row, and its longest prompt's room to the context bounds them. So a
-    prompt with less than ``max_new_tokens`` of room shares a call only with prompts of its own length: each gets
-    its own room, as vLLM gives each request, whatever else is in the run."""
+    lengths share a call (little padding), and a memory problem shows up at once."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    tight = 0 if context is None else sum(1 for n in lengths if context - n < max_new_tokens)
-    calls: list[list[int]] = []
-    for start in range(tight):  # a prefix of the order, grouped by length
-        i = order[start]
-        if calls and len(calls[-1]) < batch_size and lengths[calls[-1][0]] == lengths[i]:
-            calls[-1].append(i)
-        else:
-            calls.append([i])
-    calls += [order[s : s + batch_size] for s in range(tight, len(order), batch_size)]
-    return calls
+    return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
 
 
 def sorted_values(scores):
@@ -393,7 +380,8 @@ class HFEngine:
         results: list[Completion | None] = [None] * len(prompts)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        calls = generate_calls([len(p) for p in prompts], self.batch_size, self.context, sampling.max_new_tokens)
+        calls = generate_calls([len(p) for p in prompts], self.batch_size)
+        cut_short: list[tuple[int, int]] = []  # (prompt, sample) the call's room ended before their own
         with tqdm(total=len(prompts), desc="generate (hf)", unit="prompt") as bar:
             for batch in calls:
                 width = max(len(prompts[i]) for i in batch)
@@ -412,7 +400,7 @@ class HFEngine:
                 torch.manual_seed(seeds[batch[0]])
                 recorder = SampledLogprobs() if logprobs else None
                 used = LogitsProcessorList([*processors, recorder]) if recorder is not None else processors
-                room = None if self.context is None else self.context - width  # every row's, when it is short
+                room = None if self.context is None else self.context - width  # the call's longest prompt's
                 fitted = sampling if room is None or room >= sampling.max_new_tokens else dataclasses.replace(
                     sampling, max_new_tokens=max(room, 1))
                 with torch.no_grad():
@@ -429,5 +417,54 @@ class HFEngine:
                         finish_reasons=[c[1] for c in cut],
                         logprobs=None if sampled is None else [sampled[r][: len(t)] for r, t in zip(rows, token_ids)],
                     )
+                    cut_short += [(i, k) for k, (ids, reason) in enumerate(cut) if reason == "length"
+                                  and len(ids) < self._own_room(prompts[i], sampling)]
                 bar.update(len(batch))
+        if cut_short:
+            self._continue(prompts, seeds, sampling, processors, results, cut_short, logprobs)
         return results  # type: ignore[return-value]
+
+    def _own_room(self, prompt: list[int], sampling: SamplingSettings) -> int:
+        """The most new tokens a response to ``prompt`` may have: --max-new-tokens, and the room to the context."""
+        return sampling.max_new_tokens if self.context is None else min(sampling.max_new_tokens,
+                                                                        self.context - len(prompt))
+
+    def _continue(self, prompts, seeds, sampling: SamplingSettings, processors, results: list, cut_short: list,
+                  logprobs: bool) -> None:
+        """Continue the samples that a call stopped at its longest prompt's room to the context, short of their own
+        (as vLLM gives each request its own room), from where they stopped: sampling is token by token, so the
+        continuation is the same model's continuation of that prefix. Sequences of one length share a call, whose
+        room is then every row's own; each is cut at its own --max-new-tokens."""
+        import dataclasses
+
+        import torch
+        from transformers import LogitsProcessorList
+
+        stop_ids = set(sampling.stop_token_ids)
+        by_length: dict[int, list[tuple[int, int]]] = {}
+        for i, k in cut_short:
+            by_length.setdefault(len(prompts[i]) + len(results[i].token_ids[k]), []).append((i, k))
+        for length in sorted(by_length, reverse=True):
+            members = by_length[length]
+            for start in range(0, len(members), self.batch_size * sampling.n):
+                part = members[start : start + self.batch_size * sampling.n]
+                left = [self._own_room(prompts[i], sampling) - len(results[i].token_ids[k]) for i, k in part]
+                input_ids = torch.tensor([prompts[i] + results[i].token_ids[k] for i, k in part],
+                                         device=self.model.device)
+                i0, k0 = part[0]  # a stream of its own, from the first sample's request seed and index
+                torch.manual_seed((seeds[i0] * 1_000_003 + k0 + 1) % 2**63)
+                recorder = SampledLogprobs() if logprobs else None
+                used = LogitsProcessorList([*processors, recorder]) if recorder is not None else processors
+                more = dataclasses.replace(sampling, n=1, max_new_tokens=max(left))
+                with torch.no_grad():
+                    out = self._sample(input_ids, torch.ones_like(input_ids), more, used, share=False)
+                new_tokens = out[:, length:].tolist()
+                sampled = recorder.finish(out[:, -1]).tolist() if recorder is not None else None
+                for row, ((i, k), room) in enumerate(zip(part, left)):
+                    ids, reason = cut_at_stop(new_tokens[row][:room], stop_ids)
+                    done = results[i]
+                    done.token_ids[k] = done.token_ids[k] + ids
+                    done.finish_reasons[k] = reason
+                    done.texts[k] = self.tokenizer.decode(done.token_ids[k], skip_special_tokens=True)
+                    if sampled is not None:
+                        done.logprobs[k] = done.logprobs[k] + sampled[row][: len(ids)]
