@@ -47,6 +47,10 @@ def test_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     assert "runs_pending" not in bench and not any(v.get("pending") for v in sides.values())  # every side ran
     for side in ("ours_bf16", "ours_compile", "ours_compile@16384"):
         assert "error" not in sides[side]
+    # the sides a GPU run compares against: TRL's DPOTrainer, with and without precomputed reference log-probs (the
+    # dev extra installs trl, so that they are exercised here before a lease rather than first on the device)
+    for side in ("trl", "trl_precomputed"):
+        assert "error" not in sides[side] and sides[side]["tokens_per_s_steps"] > 0, sides[side]
     for side in ("ours_compile", "ours_compile@16384"):
         assert sides[side]["compiled_graphs"]["in_window"] == 0 and sides[side]["compiled_graphs"]["before_window"] > 0
     assert sides["ours_compile@16384"]["max_tokens_per_micro_batch"] == 16384
