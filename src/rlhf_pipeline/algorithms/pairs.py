@@ -343,7 +343,7 @@ def train(config) -> Path:
             gap_scale = {"mode": "rms", "rms": rms}
         sampling = find_in_lineage([ref], "sampling")
         temperature = logp_temperature(algo, config.temperature, sampling, str(ref))
-        reference = (data_reference(config, algo, dd, REF_LOGP_COLUMNS, ref, sampling, temperature)[0]
+        reference = (data_reference(config, algo, dd, REF_LOGP_COLUMNS, ref, sampling, temperature)
                      if algo.needs_reference else None)
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)

@@ -114,10 +114,10 @@ def has_columns(dd, columns: Sequence[str]) -> bool:
 
 
 def data_reference(config, algorithm: Any, dd, columns: Sequence[str], ref, sampling: dict | None,
-                   temperature: float):
-    """(the reference model, the ``ref_logps`` record of the data's reference columns or None), checked before the
-    run starts (:func:`check_reference`, :func:`check_columns`); ``ref`` is the data's reference, ``--ref-model``
-    must exist."""
+                   temperature: float) -> str:
+    """The reference model, checked before the run starts against the data's lineage and its reference columns'
+    ``ref_logps`` record (:func:`check_reference`, :func:`check_columns`); ``ref`` is the data's reference,
+    ``--ref-model`` must exist."""
     from rlhf_pipeline.datasets_io import find_in_lineage
     from rlhf_pipeline.modeling import check_model_ref
 
@@ -126,7 +126,7 @@ def data_reference(config, algorithm: Any, dd, columns: Sequence[str], ref, samp
     record = find_in_lineage([ref], "ref_logps") if has_columns(dd, columns) else None
     reference = check_reference(config, algorithm, sampling, record)
     check_columns(config, algorithm, record, temperature)
-    return reference, record
+    return reference
 
 
 def check_columns(config, algorithm: Any, record: dict | None, temperature: float) -> None:

@@ -307,7 +307,7 @@ def train(config) -> Path:
             check_unpaired(ds, f"{ref}:{split}")
         sampling = find_in_lineage([ref], "sampling")
         temperature = logp_temperature(algo, config.temperature, sampling, str(ref))
-        reference = data_reference(config, algo, dd, REF_LOGP_COLUMNS, ref, sampling, temperature)[0]
+        reference = data_reference(config, algo, dd, REF_LOGP_COLUMNS, ref, sampling, temperature)
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)
         balance = class_balance(dd["train"]["desirable"], params)

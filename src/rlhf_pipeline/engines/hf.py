@@ -421,7 +421,7 @@ class HFEngine:
                                   and len(ids) < self._own_room(prompts[i], sampling)]
                 bar.update(len(batch))
         if cut_short:
-            self._continue(prompts, seeds, sampling, processors, results, cut_short, logprobs)
+            self._continue(prompts, seeds, sampling, processors, stop_ids, results, cut_short, logprobs)
         return results  # type: ignore[return-value]
 
     def _own_room(self, prompt: list[int], sampling: SamplingSettings) -> int:
@@ -429,8 +429,8 @@ class HFEngine:
         return sampling.max_new_tokens if self.context is None else min(sampling.max_new_tokens,
                                                                         self.context - len(prompt))
 
-    def _continue(self, prompts, seeds, sampling: SamplingSettings, processors, results: list, cut_short: list,
-                  logprobs: bool) -> None:
+    def _continue(self, prompts, seeds, sampling: SamplingSettings, processors, stop_ids: set[int], results: list,
+                  cut_short: list, logprobs: bool) -> None:
         """Continue the samples that a call stopped at its longest prompt's room to the context, short of their own
         (as vLLM gives each request its own room), from where they stopped: sampling is token by token, so the
         continuation is the same model's continuation of that prefix. Sequences of one length share a call, whose
@@ -440,7 +440,6 @@ class HFEngine:
         import torch
         from transformers import LogitsProcessorList
 
-        stop_ids = set(sampling.stop_token_ids)
         by_length: dict[int, list[tuple[int, int]]] = {}
         for i, k in cut_short:
             by_length.setdefault(len(prompts[i]) + len(results[i].token_ids[k]), []).append((i, k))

@@ -68,6 +68,7 @@ def check_reward_fn_spec(spec: str, read_file: bool = False) -> tuple[str, str]:
             tree = ast.parse(path.read_bytes(), filename=str(path))
         except SyntaxError as e:
             raise PipelineError(f"--reward-fn {spec!r}: {path} does not parse: {one_line(e)}") from None
+
         def bound(node) -> set[str]:  # the names a statement binds
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 return {node.name}
@@ -182,12 +183,12 @@ def call_reward_fn(
     values = []
     for i, v in enumerate(returned):  # numbers (bools and numpy's too), not text that float() would read
         try:
-            if isinstance(v, (str, bytes)):
-                raise TypeError("text")
-            values.append(float(v))
+            values.append(float(v) if not isinstance(v, (str, bytes)) else None)
         except (TypeError, ValueError):
+            values.append(None)
+        if values[-1] is None:
             raise PipelineError(f"{label} returned {v!r} for the batch's response {i}{at}; return one float per "
-                                "response") from None
+                                "response")
     if len(values) != len(responses):
         raise PipelineError(
             f"{label} returned {len(values)} rewards for {len(responses)} responses{at}; return one per response"
