@@ -124,6 +124,26 @@ def test_split_conversation_rejects_rows_without_an_answer():
                                          {"role": "user", "content": "c"}]}, 3, "demos.jsonl")
     with pytest.raises(PipelineError, match="row 0: 'answer' must be non-empty text"):
         split_conversation({"prompt": "Review it.", "answer": ""}, 0, "demos.jsonl")
+    with pytest.raises(PipelineError, match="row 2: 'conversations' must end with a non-empty assistant turn"):
+        split_conversation({"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]}, 2,
+                           "demos.jsonl")
+    with pytest.raises(PipelineError, match="row 4: a ShareGPT turn is from 'bard'"):
+        split_conversation({"conversations": [{"from": "human", "value": "a"}, {"from": "bard", "value": "b"}]}, 4,
+                           "demos.jsonl")
+
+
+def test_split_conversation_reads_sharegpt_turns_as_messages():
+    """ShareGPT's ``conversations`` ({from, value}; human, gpt, system) give what the same ``messages`` give."""
+    from rlhf_pipeline.stages.sft import split_conversation
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Review Night Train."},
+                {"role": "assistant", "content": "The acting was dull."}]
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = [{"from": speakers[m["role"]], "value": m["content"]} for m in messages]
+    assert split_conversation({"conversations": sharegpt}, 0, "demos.jsonl") == (messages[:2], messages[2]["content"])
+    # 'messages' wins when a row has both (as 'prompt' wins over 'messages' for prompts)
+    other = messages[:2] + [{"role": "assistant", "content": "Fine."}]
+    assert split_conversation({"messages": other, "conversations": sharegpt}, 0, "demos.jsonl")[1] == "Fine."
 
 
 # ---------------------------------------------------------------------------------------------------------------

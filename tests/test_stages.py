@@ -256,6 +256,21 @@ def test_prompt_column_names_the_prompts_of_a_dataset_that_calls_them_otherwise(
                "--output", tmp_path / "chat") == 0
     assert load_from_disk(str(tmp_path / "chat"))["messages"] == [t["conversation"] for t in turns]
 
+    # ShareGPT's {from, value} turns are read as the {role, content} turns they stand for: the same samples
+    speakers = {"user": "human", "system": "system"}
+    sharegpt = write_jsonl(tmp_path / "sharegpt.jsonl", [
+        {"conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in t["conversation"]]}
+        for t in turns])
+    assert run("generate", "--prompts", sharegpt, "--prompt-column", "conversations", *common,
+               "--output", tmp_path / "sharegpt") == 0
+    assert load_from_disk(str(tmp_path / "sharegpt")).to_list() == load_from_disk(str(tmp_path / "chat")).to_list()
+    _fails(capsys, "generate", "--prompts", sharegpt, *common, output=tmp_path / "v",
+           expect=["looks like ShareGPT's turns: --prompt-column conversations reads them"])
+    odd = write_jsonl(tmp_path / "odd.jsonl", [{"conversations": [{"from": "human", "value": "a"}]},
+                                               {"conversations": [{"from": "tool", "value": "b"}]}])
+    _fails(capsys, "generate", "--prompts", odd, "--prompt-column", "conversations", *common, output=tmp_path / "u",
+           expect=["odd.jsonl: row 1: a ShareGPT turn is from 'tool'; the speakers read are human, user, gpt"])
+
     _fails(capsys, "generate", "--prompts", qa, "--prompt-column", "questions", *common, output=tmp_path / "x",
            expect=["qa.jsonl: --prompt-column questions: no such column (columns: question, answer)"])
     numbers = write_jsonl(tmp_path / "numbers.jsonl", [{"q": 5}, {"q": 6}])

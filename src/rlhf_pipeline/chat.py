@@ -48,9 +48,43 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# ShareGPT's speakers (turns of ``{"from", "value"}``, the ``conversations`` column of many chat datasets) as the
+# roles of ``{role, content}`` turns, as TRL's ``maybe_convert_to_chatml`` reads them.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def is_sharegpt(turns: Any) -> bool:
+    """Whether ``turns`` is a list of ShareGPT turns (a ``from`` and a ``value``, no ``role``)."""
+    return (isinstance(turns, list) and bool(turns)
+            and all(isinstance(t, dict) and "from" in t and "value" in t and "role" not in t for t in turns))
+
+
+def from_sharegpt(turns: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """ShareGPT turns as ``{role, content}`` turns (:data:`SHAREGPT_ROLES`); a speaker outside it is an error naming
+    ``where`` (the file and row)."""
+    out = []
+    for turn in turns:
+        speaker = turn.get("from")
+        if speaker not in SHAREGPT_ROLES:
+            raise PipelineError(f"{where}: a ShareGPT turn is from {speaker!r}; the speakers read are "
+                                f"{', '.join(SHAREGPT_ROLES)}: rename it, or convert the rows to {{role, content}} "
+                                "turns in a 'messages' column")
+        out.append({"role": SHAREGPT_ROLES[speaker], "content": turn.get("value")})
+    return out
+
+
+def _holds_sharegpt(feature: Any) -> bool:
+    """Whether a list feature's items are ShareGPT turns (``from`` and ``value`` fields, no ``role``)."""
+    item = getattr(feature, "feature", None)
+    if item is None and isinstance(feature, list) and feature:
+        item = feature[0]
+    return isinstance(item, dict) and {"from", "value"} <= set(item) and "role" not in item
+
+
 def use_prompt_column(ds: Dataset, name: str, source: str) -> Dataset:
     """``ds`` with its column ``name`` (``--prompt-column``) as the prompt column every stage reads: renamed to
-    ``prompt`` when it holds text, to ``messages`` when it holds turns."""
+    ``prompt`` when it holds text, to ``messages`` when it holds turns; ShareGPT turns (:func:`from_sharegpt`) are
+    written as ``{role, content}`` turns there."""
     from datasets import LargeList, List, Sequence, Value
 
     if name not in ds.column_names:
@@ -67,6 +101,13 @@ def use_prompt_column(ds: Dataset, name: str, source: str) -> Dataset:
     if others:
         raise PipelineError(f"{source}: --prompt-column {name}: it also has a '{others[0]}' column, which the stages "
                             f"would read as the prompt; drop or rename that column")
+    if target == "messages" and _holds_sharegpt(feature):
+        def convert(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+            return {target: [None if turns is None else from_sharegpt(turns, f"{source}: row {row}")
+                             for turns, row in zip(batch[name], indices)]}
+
+        return ds.map(convert, batched=True, with_indices=True, remove_columns=[name],
+                      desc=f"reading ShareGPT turns of '{name}'")
     return ds if name == target else ds.rename_column(name, target)
 
 
@@ -75,10 +116,12 @@ def prompt_column(ds: Dataset, source: str) -> str:
     for name in PROMPT_COLUMNS:
         if name in ds.column_names:
             return name
+    hint = ("; its 'conversations' column looks like ShareGPT's turns: --prompt-column conversations reads them"
+            if "conversations" in ds.column_names and _holds_sharegpt(ds.features["conversations"]) else "")
     raise PipelineError(
         f"{source}: has neither a 'prompt' nor a 'messages' column (columns: {', '.join(ds.column_names)}); "
         "name the prompts' column with --prompt-column, or rename it to 'prompt' (text) or 'messages' (a list of "
-        "{role, content})"
+        "{role, content})" + hint
     )
 
 

@@ -21,7 +21,8 @@ columns are always allowed: stages carry them through.
 - best responses: ``prompt_id``, ``prompt_token_ids``, ``completion``, ``completion_token_ids``, ``reward``,
   ``finish_reason``, one row per prompt (its best response); written by filter --mode best, read by sft and train
   --algo raft, which need ``SFT_TOKEN_COLUMNS``.
-- SFT rows: ``prompt``/``answer``, or ``messages`` ending with the assistant turn the loss is on; read by sft.
+- SFT rows: ``prompt``/``answer``, or ``messages`` (or ShareGPT's ``conversations``) ending with the assistant turn
+  the loss is on; read by sft.
 - reward-model pairs: ``chosen``/``rejected`` (texts, or conversations ending with the assistant turn) with a
   ``prompt``, or ReaL's ``pos_answers``/``neg_answers`` lists; read by train-rm.
 

@@ -40,7 +40,8 @@ class SamplingOptions:
     limit: Optional[int] = option(None, help="Use only the first LIMIT prompts.")
     prompt_column: Optional[str] = option(
         None, help="The prompts' column, when it is named otherwise (e.g. question): text, or a list of {role, "
-        "content} turns; read as 'prompt' or 'messages' and written under that name. Default: prompt, else messages.")
+        "content} turns (ShareGPT's {from, value} turns too); read as 'prompt' or 'messages' and written under that "
+        "name. Default: prompt, else messages.")
     batch_size: int = option(16, help="hf engine: prompts per generate call (each expands to n sequences).")
     dtype: DtypeName = option(
         "auto", help="Model dtype; auto = bfloat16 on a GPU that supports it, float32 on a CPU."

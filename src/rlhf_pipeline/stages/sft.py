@@ -6,7 +6,8 @@
         --learning-rate 1e-5
 
 Rows are ``prompt``/``answer`` (ReaL's and OpenRLHF's format), ``messages`` (a conversation that ends with an
-assistant turn; the loss is on that last turn, the earlier turns are the prompt), or token ids
+assistant turn; the loss is on that last turn, the earlier turns are the prompt; ShareGPT's ``conversations`` of
+``{from, value}`` turns are read as such), or token ids
 (``prompt_token_ids``/``completion_token_ids``, what ``rlhf filter --mode best`` writes: rejection sampling), which
 are trained on as they are (``rlhf_pipeline.algorithms.supervised``). Each row is rendered with the
 model's chat template exactly as ``rlhf generate`` renders a prompt, so the policy learns the ids it will later be
@@ -33,7 +34,7 @@ from typing import Any, Iterable, Sequence
 
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import ChatTemplateOptions, ControlTokenOptions, check_test_size, option
-from rlhf_pipeline.chat import check_roles
+from rlhf_pipeline.chat import check_roles, from_sharegpt, is_sharegpt
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.algorithms.supervised import SFTTask, has_token_ids, sampled_rows
 from rlhf_pipeline.training.loop import TrainOptions
@@ -63,19 +64,21 @@ def split_conversation(row: dict[str, Any], row_index: int, source: str) -> tupl
         if not isinstance(answer, str) or not answer:
             raise PipelineError(f"{source}: row {row_index}: 'answer' must be non-empty text; fix or drop the row")
         return prompt, answer
-    messages = row.get("messages")
+    messages, column = row.get("messages"), "messages"
+    if messages is None and is_sharegpt(row.get("conversations")):
+        messages, column = from_sharegpt(row["conversations"], f"{source}: row {row_index}"), "conversations"
     if isinstance(messages, list) and len(messages) >= 2:
         last = messages[-1]
         if not isinstance(last, dict) or last.get("role") != "assistant" or not last.get("content"):
             raise PipelineError(
-                f"{source}: row {row_index}: 'messages' must end with a non-empty assistant turn (the answer "
+                f"{source}: row {row_index}: '{column}' must end with a non-empty assistant turn (the answer "
                 "the loss is on); fix or drop the row"
             )
         check_roles(messages, f"{source}: row {row_index}")
         return list(messages[:-1]), last["content"]
     raise PipelineError(
         f"{source}: row {row_index} has neither 'prompt' and 'answer' nor 'messages' (at least a user and an "
-        "assistant turn); give demonstrations in one of those formats"
+        "assistant turn) nor ShareGPT 'conversations'; give demonstrations in one of those formats"
     )
 
 
