@@ -192,6 +192,22 @@ def test_directory_without_manifest_is_refused_and_never_deleted(tmp_path):
     assert out.done(resume=True) is False and out.replace is False
 
 
+@pytest.mark.parametrize("record", [MANIFEST, "run_started.json"])
+@pytest.mark.parametrize("content", ['{"name": "My app", "icons": []}', '["not", "an", "object"]'])
+def test_a_directory_whose_manifest_no_stage_wrote_is_never_deleted(tmp_path, record, content):
+    """A web app's manifest.json (or any file of that name, or of the run record's) does not make a directory a
+    stage's output: --overwrite replaced the whole directory, the app's files with it."""
+    app = tmp_path / "out"
+    (app / "src").mkdir(parents=True)
+    (app / record).write_text(content)
+    (app / "src" / "app.js").write_text("console.log(1)")
+    for overwrite in (False, True):
+        for resume in (None, True):
+            with pytest.raises(PipelineError, match=f"its {record} is not one a stage wrote .*does not delete"):
+                StageOutput("unit", Cfg(output=str(app), overwrite=overwrite), []).done(resume=resume)
+    assert sorted(p.name for p in app.rglob("*")) == sorted([record, "src", "app.js"])
+
+
 def test_an_output_that_is_or_holds_an_input_is_refused_even_with_overwrite(tmp_path):
     """``rlhf generate --model pc --output pc --overwrite`` deleted the model it had just sampled from; an output
     holding the prompts file, or the input dataset itself (a stage output, with a manifest), went the same way."""
@@ -524,3 +540,21 @@ def test_a_piece_made_again_is_absent_until_it_is_whole(tmp_path, monkeypatch):
     again.write("k", {"rewards": [3.0, 4.0]}, {"code": "new"})
     rows, notes = again.get("k")
     assert (rows["rewards"], notes) == ([3.0, 4.0], {"code": "new"})
+
+
+def test_tiny_model_overwrite_replaces_a_tiny_model_and_nothing_else(tmp_path, capsys):
+    """``rlhf tiny-model --overwrite`` replaced any directory (a thesis with it); now only a tiny model's files."""
+    from conftest import run
+
+    out = tmp_path / "model"
+    assert run("tiny-model", "--output", out) == 0
+    assert run("tiny-model", "--seed", 1, "--output", out, "--overwrite") == 0  # a tiny model: replaced
+    thesis = tmp_path / "proj"
+    thesis.mkdir()
+    (thesis / "thesis.tex").write_text("\\\\begin{document}")
+    (thesis / "config.json").write_text("{}")
+    capsys.readouterr()
+    assert run("tiny-model", "--output", thesis, "--overwrite") == 1
+    assert "holds files a tiny model does not (thesis.tex)" in capsys.readouterr().err
+    assert sorted(p.name for p in thesis.iterdir()) == ["config.json", "thesis.tex"]
+    assert not list(tmp_path.glob(".proj*"))

@@ -622,8 +622,9 @@ class StageOutput:
                     f"{RUN_RECORD}), which rlhf does not delete, --overwrite or not; choose another --output, or "
                     "remove it yourself"
                 )
+            record = self._stage_record(started, json.loads(started.read_text()))
             if resume:
-                diffs = self.differences(json.loads(started.read_text()), used=not parts_check_themselves)
+                diffs = self.differences(record, used=not parts_check_themselves)
                 if not diffs:
                     self.resumed = True
                     return False
@@ -638,7 +639,7 @@ class StageOutput:
             hint = "pass --resume to continue it, or --overwrite to start over" if resume is False else (
                 "pass --overwrite to start over")
             raise PipelineError(f"--output {self.path}: holds an unfinished run (no {MANIFEST}); {hint}")
-        manifest = read_manifest(DatasetRef("dir", str(self.path)))
+        manifest = self._stage_record(manifest_path, read_manifest(DatasetRef("dir", str(self.path))))
         diffs = self.differences(manifest)
         if not diffs:
             log.info("%s: %s already holds this run (same config and inputs); skipping", self.stage, self.path)
@@ -655,6 +656,19 @@ class StageOutput:
         raise PipelineError(
             f"--output {self.path}: holds a {self.stage} run with a different config or inputs "
             f"({'; '.join(diffs)}); pass --overwrite to replace it or choose another --output"
+        )
+
+    def _stage_record(self, path: Path, record: Any) -> dict[str, Any]:
+        """``record``, read from ``path`` (the output's manifest or run record), when a stage wrote it: else the
+        directory is not a stage's output (a web app's manifest.json, say), and is neither replaced nor written
+        into, --overwrite or not."""
+        if (isinstance(record, dict) and isinstance(record.get("stage"), str) and isinstance(record.get("config"), dict)
+                and isinstance(record.get("inputs"), list)):
+            return record
+        raise PipelineError(
+            f"--output {self.path}: its {path.name} is not one a stage wrote (no stage, config and inputs), so the "
+            "directory is not a stage's output, which rlhf does not delete, --overwrite or not; choose another "
+            "--output, or remove it yourself"
         )
 
     def _refuse_writing_over_an_input(self) -> None:
