@@ -277,7 +277,12 @@ def test_eval_against_references_and_a_baseline_with_a_judge_that_likes_length(s
 def test_a_judge_that_always_picks_the_first_answer_cancels_out(setup, tiny_policy, tmp_path, monkeypatch):
     fake_judge(monkeypatch, setup["judge"], lambda a, b: "A")
     out = tmp_path / "eval"
-    assert run(*eval_args(tiny_policy, setup, out, "--reference", setup["refs"], "--judge", setup["judge"])) == 0
+    # --trust-remote-code is the policy's and the reward models': the judge runs its own code only when told to
+    assert run(*eval_args(tiny_policy, setup, out, "--reference", setup["refs"], "--judge", setup["judge"],
+                          "--trust-remote-code")) == 0
+    trusted = {p: json.loads((out / p / "manifest.json").read_text())["config"]["trust_remote_code"]
+               for p in ("generate", "judge_reference/generate")}
+    assert trusted == {"generate": True, "judge_reference/generate": False}
     j = json.loads((out / "results.json").read_text())["judge"]["reference"]
     assert j["win_rate"] == 0.5 and j["consistency"] == 0.0 and j["first_position_rate"] == 1.0
     assert j["ties"] == 12 and j["lc_win_rate"] == pytest.approx(0.5, abs=1e-6)

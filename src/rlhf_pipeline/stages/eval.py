@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import (
     DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, default_of, option, options_of, override,
+    trust_remote_code_option,
 )
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.evalstats import mean_and_stderr, pair_indices, preference_comparison, reward_comparison
@@ -100,8 +101,8 @@ MODEL_SCORING_KEYS = ("max_length", "chat_template", "dtype")  # a reward model'
 class EvalConfig(ChatTemplateOptions, ControlTokenOptions, SamplingOptions, OutputOptions):
     """Generate on held-out prompts, score, and report the mean reward and the win rate against a baseline.
     The sampling and engine options are rlhf generate's; --dtype, --trust-remote-code and --chat-template apply to
-    the reward model too (not to a --judge, which renders with its own template), and a baseline model is sampled
-    with the same options and --seed."""
+    the reward model too (not to a --judge, which renders with its own template and runs its own code only with
+    --judge-trust-remote-code), and a baseline model is sampled with the same options and --seed."""
 
     model: str = option(help="Policy to evaluate: a local directory or a Hub model id.")
     prompts: str = option(help=f"Held-out prompt dataset: {DATASET_REF}.",
@@ -130,6 +131,9 @@ class EvalConfig(ChatTemplateOptions, ControlTokenOptions, SamplingOptions, Outp
         "(pairwise, both orders; rlhf_pipeline.judge has the prompt), sampled greedily with --engine."
     )
     judge_max_new_tokens: int = option(256, help="Tokens the judge may write for its reason and verdict.")
+    judge_trust_remote_code: bool = trust_remote_code_option(
+        "model code of the --judge", " (--trust-remote-code covers the policy, the baseline and the reward models, "
+        "not the judge)")
     n: int = override(SamplingOptions, "n", 1)
     # Left out of eval's own reuse check; the generate step in OUTPUT/generate checks it against its manifest.
     batch_size: int = override(SamplingOptions, "batch_size", semantic=False)
@@ -415,7 +419,8 @@ def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory:
                 Dataset.from_dict(rows).save_to_disk(str(tmp))
         options = {**options_of(config, SamplingOptions), **options_of(config, ControlTokenOptions), "n": 1,
                    "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": config.judge_max_new_tokens,
-                   "limit": None, "prompt_column": None}  # the judge's prompts are made here, under 'prompt'
+                   "limit": None, "prompt_column": None,  # the judge's prompts are made here, under 'prompt'
+                   "trust_remote_code": config.judge_trust_remote_code}
         generate.main(generate.GenerateConfig(output=str(directory / "generate"), model=config.judge,
                                               prompts=str(directory / "prompts"), logprobs=False,
                                               overwrite=config.overwrite, **options))
