@@ -83,6 +83,9 @@ iterations: 1
 """
 
 
+FAKE_TOKEN = "hf_" + "x" * 34  # a Hub token's form: never to be printed
+
+
 class Case(NamedTuple):
     id: str
     args: list  # the command after ``rlhf``; "{name}" is a path of the kit, "{out}" the output
@@ -648,6 +651,13 @@ CASES = [
     Case("iterate-prompt-column-misspelt", ["iterate", "--config", "{iterate_prompt_column}", "--prompts",
                                             "{questions}"],
          "prompts {questions}: --prompt-column questionz: no such column (columns: question)"),
+    # a credential inside --push-to-hub reached the manifest, iterate's stage command lines and the error line
+    Case("generate-push-to-hub-url", ["generate", "--model", "{policy}", "--prompts", "{prompts}", "--push-to-hub",
+                                      f"https://me:{FAKE_TOKEN}@huggingface.co/me/x"],
+         "error: --push-to-hub: not a Hub repo id; give ORG/NAME"),
+    Case("iterate-push-to-hub-url", ["iterate", "--config", "{iterate_plain}", "--push-to-hub",
+                                     f"https://me:{FAKE_TOKEN}@huggingface.co/me/x"],
+         "push_to_hub: not a Hub repo id; give ORG/NAME"),
     Case("iterate-reward-fn-misspelt", ["iterate", "--config", "{iterate_plain}", "--reward-fn", "{rewards}:goood"],
          "--reward-fn '{rewards}:goood': {rewards} defines no 'goood'; check the name after the ':'"),
     Case("iterate-reward-fn-does-not-parse", ["iterate", "--config", "{iterate_plain}", "--reward-fn",
@@ -695,6 +705,7 @@ def test_bad_input_is_one_error_line_and_leaves_nothing(case, kit, tmp_path, cap
     assert rc == 1, err
     assert len(errors) == 1, err
     assert case.expect.format(**kit) in errors[0], err
+    assert FAKE_TOKEN not in err, err
     if case.user_code is None:
         assert "Traceback" not in err, err
     else:  # the user's traceback (from the user's own frames), then the one line, last

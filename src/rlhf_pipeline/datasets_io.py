@@ -819,6 +819,9 @@ class HubTarget:
             return None
         if place is not None and not re.fullmatch(r"[\w.-]+", place):
             raise PipelineError(f"--hub-config {place}: use letters, digits, '_', '-' and '.' only (e.g. iter1-score)")
+        error = repo_id_error(repo, "--push-to-hub")
+        if error:
+            raise PipelineError(error)
         return cls(repo, place, bool(getattr(config, "private", False)))
 
     def __str__(self) -> str:
@@ -832,6 +835,21 @@ class HubTarget:
         """Where the manifest is uploaded: (path in the repo, revision). A dataset repo holds one per configuration
         (``manifests/CONFIG.json``); a model repo's is ``manifest.json`` on its branch."""
         return (MANIFEST, self.config) if model else (hub_manifest_file(self.config), None)
+
+
+def repo_id_error(repo: str, flag: str) -> str | None:
+    """Why ``repo`` is not a Hub repo id (huggingface_hub's own check), or None. The value is quoted only when it
+    cannot hold a credential (a URL's ``user:token@``): such a value would otherwise reach the manifest, iterate's
+    stage command lines and this message."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+        return None
+    except HFValidationError:
+        quoted = f" {repo}" if re.fullmatch(r"[\w./ -]*", repo) else ""
+        return (f"{flag}{quoted}: not a Hub repo id; give ORG/NAME (letters, digits, '-', '_' and '.'), not a URL: "
+                "the token comes from HF_TOKEN")
 
 
 def hub_manifest_file(config: str | None) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from rlhf_pipeline.compat import allow_legacy_remote_code
 from rlhf_pipeline.config import parse_config
-from rlhf_pipeline.errors import FailedElsewhere, PipelineError, UserCodeError
+from rlhf_pipeline.errors import FailedElsewhere, PipelineError, UserCodeError, redact
 from rlhf_pipeline.files import writing
 from rlhf_pipeline.machine import die_with_the_run
 
@@ -85,7 +85,7 @@ def _run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv
 
 
 def _say(text: str) -> None:
-    """``text`` on stderr, unless it cannot be written (a terminal closed under a stopped run): the exit status
-    still says how the stage ended."""
+    """``text`` on stderr, the Hub token left out (``errors.redact``), unless it cannot be written (a terminal
+    closed under a stopped run): the exit status still says how the stage ended."""
     with contextlib.suppress(OSError):
-        print(text, file=sys.stderr)
+        print(redact(text), file=sys.stderr)

@@ -186,6 +186,12 @@ class IterateConfig(ChatTemplateOptions, ControlTokenOptions, OutputOptions):
         if self.hub_config is not None:
             raise ValueError(f"hub_config {self.hub_config}: rlhf iterate names each stage's place in push_to_hub's "
                              "repos itself (iter<t>-<stage>); remove it")
+        if self.push_to_hub:
+            from rlhf_pipeline.datasets_io import repo_id_error
+
+            error = repo_id_error(self.push_to_hub, "push_to_hub")
+            if error:
+                raise ValueError(error)
         if self.resume and not self.push_to_hub:
             raise ValueError("resume takes finished stages from push_to_hub's repos: set push_to_hub too (a run "
                              "resumes from its own finished outputs without resume)")
