@@ -594,10 +594,19 @@ def prepare(
     else:
         optimizer = accelerator.prepare(optimizer)
     # Built on the prepared optimizer (DeepSpeed regroups the parameters) and stepped by hand once per optimizer
-    # step: a scheduler given to accelerate.prepare would be stepped once per process.
+    # step: a scheduler given to accelerate.prepare would be stepped once per process. Not in the checkpoints
+    # (accelerate would pickle it, and loading a pickle can run code): a resumed run sets it to its step
+    # (scheduler_at), of which it is a function.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, total_steps))
-    accelerator.register_for_checkpointing(scheduler)
     return Setup(model, optimizer, scheduler, steps_per_epoch, total_steps, global_size, masters, left)
+
+
+def scheduler_at(scheduler, step: int) -> None:
+    """``scheduler`` (a ``LambdaLR`` of the step) and its optimizer's rates as they were after ``step`` updates."""
+    scheduler.last_epoch = step - 1
+    with warnings.catch_warnings():  # its own step, not the optimizer's: torch would warn that none came before it
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        scheduler.step()
 
 
 def train(
@@ -635,6 +644,7 @@ def train(
     step = resumed_from = totals_so_far.get("step", 0)
     if checkpoint is not None:
         accelerator.print(f"resuming from {checkpoint} (step {step})")
+        scheduler_at(scheduler, step)
     if config.report_to != "none":
         accelerator.init_trackers("runs", config=tracker_config(config))
     metrics = Metrics(accelerator, output, step)
