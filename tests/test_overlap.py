@@ -111,6 +111,21 @@ def test_each_side_gets_its_environment(tmp_path):
     assert {s.env.get("OMP_NUM_THREADS") for s in steps if s.stage == "train"} == {"4"}
 
 
+def test_a_credential_in_lane_env_reaches_its_stages_but_not_the_run_record(tmp_path, monkeypatch):
+    """iterate.json records the run's config; a token given to one side's stages is left out of it."""
+    lanes = {"sample": {"CUDA_VISIBLE_DEVICES": "0,1", "WANDB_API_KEY": "k-123456"},
+             "train": {"HF_TOKEN": "hf_" + "y" * 34, "OMP_NUM_THREADS": 4}}
+    seen = {}
+    monkeypatch.setattr(iterate, "check", lambda steps: None)  # no models or data behind this config
+    monkeypatch.setattr(iterate, "run_steps", lambda steps, run, **kwargs: seen.update({s.name: s.env for s in steps}))
+    iterate.run_iterations(config(tmp_path, lane_env=lanes))
+    assert seen["iter_1/generate"]["WANDB_API_KEY"] == "k-123456"
+    assert seen["iter_1/train"]["HF_TOKEN"] == lanes["train"]["HF_TOKEN"]
+    recorded = json.loads((tmp_path / "run" / "iterate.json").read_text())["lane_env"]
+    assert recorded == {"sample": {"CUDA_VISIBLE_DEVICES": "0,1", "WANDB_API_KEY": "***"},
+                        "train": {"HF_TOKEN": "***", "OMP_NUM_THREADS": 4}}
+
+
 # ---------------------------------------------------------------------------------------------- the scheduler
 
 # A stand-in stage: records its environment, sleeps, writes its manifest (or exits with a status)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import traceback
+from typing import Any
 from pathlib import Path
 
 _PACKAGE = str(Path(__file__).resolve().parent)
@@ -73,6 +74,15 @@ def one_line(exc: BaseException, *, first_line_only: bool = False) -> str:
         return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# Environment variables whose values are credentials (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, ...)
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
+
+
+def redact_env(env: dict[str, Any]) -> dict[str, Any]:
+    """``env`` (variables to values) as a record may show it: a credential's value replaced by ``***``."""
+    return {name: "***" if SECRET_NAME.search(str(name)) else value for name, value in env.items()}
 
 
 def redact(text: str) -> str:

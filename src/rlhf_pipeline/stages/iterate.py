@@ -67,7 +67,7 @@ from typing import Any, Iterator, Optional, Sequence
 from rlhf_pipeline.algorithms import GROUPS, PAIRS, AlgoName, get, help_text
 from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation
 from rlhf_pipeline.config import DATASET_REF, ChatTemplateOptions, ControlTokenOptions, OutputOptions, option
-from rlhf_pipeline.errors import PipelineError, one_line, redact
+from rlhf_pipeline.errors import PipelineError, one_line, redact, redact_env
 from rlhf_pipeline.layout import (CRITIC, ITERATE_CONFIG, ITERATION_STAGES, MANIFEST, RUN_LOCK, STEPS_LOG,
                                   iteration_dir, step_name)
 from rlhf_pipeline.machine import RUN_PID, adopt_orphans, die_with_parent, gpus_visible, run_identity
@@ -1090,7 +1090,8 @@ def run_iterations(config: IterateConfig) -> Path:
     run.mkdir(parents=True, exist_ok=True)
     on_hub: dict[Path, OnHub] = {}
     with run_lock(run, "iterate"):  # before iterate.json: a refused second run does not rewrite the first's
-        write_text_atomic(run / ITERATE_CONFIG, json.dumps(to_dict(config), indent=2, default=str) + "\n")
+        record = {**to_dict(config), "lane_env": {lane: redact_env(env) for lane, env in config.lane_env.items()}}
+        write_text_atomic(run / ITERATE_CONFIG, json.dumps(record, indent=2, default=str) + "\n")
         run_steps(steps, run, hub=config.resume, on_hub=on_hub)
     last = last_policy(config)
     where = f"on the Hub: {on_hub[last].hub.repo_id}, branch {on_hub[last].hub.config}" if last in on_hub else last
