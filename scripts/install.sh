@@ -17,6 +17,12 @@ TARGET=${1:-}
 pip_q() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@"; }
 make_venv() {
   if [ ! -x "$VENV/bin/python" ]; then
+    # pyproject's requires-python: without this, pip's own refusal comes after minutes of installing torch
+    if ! "${PYTHON:-python3}" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+      echo "error: ${PYTHON:-python3} is Python $("${PYTHON:-python3}" -c 'import sys; print(sys.version.split()[0])');" \
+        "rlhf-pipeline needs 3.11 or newer: set PYTHON=python3.11 (or newer)" >&2
+      exit 1
+    fi
     echo "creating $VENV"
     "${PYTHON:-python3}" -m venv "$VENV"
   fi

@@ -81,11 +81,12 @@ def compute_pair_loss(algorithm: PairAlgorithm | str, params, policy_chosen_logp
     policy's packed forward and the reference's padded one differ by float noise, ~1e-5 nats, which is no win);
     ``chosen_logratio``/``rejected_logratio`` are π − ref (SimPO: length-normalised logps).
 
-    ``params.nll_coef`` α > 0 adds α·(−logπθ(chosen)/|chosen|) to each pair's loss (RPO, Pang et al. 2024, eq. 2:
-    the chosen response's NLL normalised by its length), with metric ``nll``; it needs ``chosen_lengths``. TRL's
-    ``rpo_alpha`` takes the cross-entropy over all chosen tokens of the micro-batch instead (a token mean, so long
-    responses weigh more, and the value depends on how a batch is cut); OpenRLHF's ``nll_loss_coef`` is the same
-    idea. Per pair, as here, the loss is the same whatever the batch size and accumulation.
+    ``params.nll_coef`` α > 0 adds α·(−logπθ(chosen)/|chosen|) to each pair's loss (RPO, Pang et al. 2024, eq. 2: the
+    chosen response's NLL normalised by its length), with metric ``nll``; it needs ``chosen_lengths``. TRL's ``"sft"``
+    loss type beside ``"sigmoid"`` (``rpo_alpha`` before trl#3906) takes the cross-entropy over all chosen tokens of
+    the micro-batch instead (a token mean, so long responses weigh more, and the value depends on how a batch is cut);
+    OpenRLHF's ``nll_loss_coef`` is the same idea. Per pair, as here, the loss is the same whatever the batch size and
+    accumulation.
     """
     from rlhf_pipeline.algorithms.registry import get
 
@@ -271,7 +272,7 @@ class PairOptions:
     beta: Optional[float] = option(None, help=BETA_HELP, reads=takes_beta)
     nll_coef: float = option(
         0.0, help="DPO family: weight alpha of an NLL term on the chosen response, alpha * (-log pi(chosen) / "
-        "|chosen|) per pair (RPO; TRL's rpo_alpha, OpenRLHF's nll_loss_coef); 0 = none.",
+        "|chosen|) per pair (RPO; TRL's sft loss type, OpenRLHF's nll_loss_coef); 0 = none.",
         reads=lambda algorithm: getattr(algorithm, "nll_term", False),
     )
     label_smoothing: Optional[float] = option(None, help="cDPO: probability that a label is flipped (default 0.1).",

@@ -5,7 +5,7 @@
         --model meta-llama/Meta-Llama-3-8B --chat-template llama3 --data ORG/demos --output runs/sft --bf16 \\
         --learning-rate 1e-5
 
-Rows are ``prompt``/``answer`` (ReaL's and OpenRLHF's format), ``messages`` (a conversation that ends with an
+Rows are ``prompt``/``answer`` (ReaL's format), ``messages`` (a conversation that ends with an
 assistant turn; the loss is on that last turn, the earlier turns are the prompt; ShareGPT's ``conversations`` of
 ``{from, value}`` turns are read as such), or token ids
 (``prompt_token_ids``/``completion_token_ids``, what ``rlhf filter --mode best`` writes: rejection sampling), which
