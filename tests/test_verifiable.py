@@ -4,6 +4,7 @@
 import json
 import math
 import re
+import time
 from itertools import combinations
 from pathlib import Path
 
@@ -187,6 +188,18 @@ def test_regex_match_and_a_bad_pattern():
     assert V.regex_match(["", "", ""], ["abc", "xyz", "ABC"], solution=["b+", "^a", "(?i)^abc$"]) == [1.0, 0.0, 1.0]
     with pytest.raises(PipelineError, match=r"response 1 of the batch \(prompt_id p2\): the reference 'a\(' is not"):
         V.regex_match(["", ""], ["a", "b"], answer=["a", "a("], prompt_id=["p1", "p2"])
+
+
+def test_a_pattern_that_backtracks_without_end_is_stopped_and_named(monkeypatch):
+    """``^(a|a)+$`` on 'aaa...!' backtracks exponentially (2^40 ways): the score stage would hang on one response."""
+    monkeypatch.setattr(V, "REGEX_SECONDS", 0.2)
+    started = time.monotonic()
+    with pytest.raises(PipelineError, match=r"response 0 of the batch \(prompt_id p1\): the reference '\^\(a\|a\)\+\$' "
+                                            r"took over 0.2 s to match a response of 41 characters"):
+        V.regex_match([""], ["a" * 40 + "!"], answer=["^(a|a)+$"], prompt_id=["p1"])
+    assert time.monotonic() - started < 10
+    # the patterns that make re backtrack without end and that the regex module matches at once stay plain matches
+    assert V.regex_match(["", ""], ["a" * 40 + "!", "a" * 40], answer=["^(a+)+$"] * 2) == [0.0, 1.0]
 
 
 def test_boxed_format():

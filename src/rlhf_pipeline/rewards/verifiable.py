@@ -238,24 +238,39 @@ exact_match.extract_answer = lambda response: _exact_answer(response) or None  #
 
 
 @functools.lru_cache(maxsize=1024)
-def _compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+def _compiled(pattern: str):
+    import regex  # re's syntax (its VERSION0), with a time limit on a match; a dependency of transformers
+
+    return regex.compile(pattern)
+
+
+# How long one match may take: a pattern of the data that backtracks catastrophically (``^(a+)+$``) would otherwise
+# hold the score stage for hours on one response, saying nothing.
+REGEX_SECONDS = 5.0
 
 
 def regex_match(prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> list[float]:
     """1.0 when the reference, a Python regular expression, matches somewhere in the response (``re.search``; use
-    ``^...$`` to match the whole response, ``(?i)`` to ignore case)."""
+    ``^...$`` to match the whole response, ``(?i)`` to ignore case). A match that takes over ``REGEX_SECONDS`` is an
+    error naming the pattern."""
+    import regex
+
     references = _references(columns, len(responses), "regex_match")
     ids = columns.get("prompt_id")
     values = []
     for i, (response, pattern) in enumerate(zip(responses, references)):
+        at = f"response {i} of the batch{f' (prompt_id {ids[i]})' if ids is not None else ''}"
         try:
             compiled = _compiled(pattern)
-        except re.error as e:
-            at = f" (prompt_id {ids[i]})" if ids is not None else ""
-            raise PipelineError(f"response {i} of the batch{at}: the reference {pattern!r} is not a regular "
-                                f"expression ({e}); fix it in the prompt dataset") from None
-        values.append(1.0 if compiled.search(response) else 0.0)
+        except (re.error, regex.error) as e:
+            raise PipelineError(f"{at}: the reference {pattern!r} is not a regular expression ({e}); fix it in the "
+                                "prompt dataset") from None
+        try:
+            values.append(1.0 if compiled.search(response, timeout=REGEX_SECONDS) else 0.0)
+        except TimeoutError:
+            raise PipelineError(f"{at}: the reference {pattern!r} took over {REGEX_SECONDS:g} s to match a response "
+                                f"of {len(response)} characters (nested repeats such as (a+)+ backtrack without "
+                                "end); simplify it in the prompt dataset") from None
     return values
 
 
