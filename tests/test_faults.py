@@ -696,3 +696,35 @@ def test_two_process_zero3_resume_skips_a_damaged_checkpoint(kit, tmp_path):
     assert (cut / "checkpoints" / "step_000004.damaged").is_dir()
     assert logged(cut) == pytest.approx(logged(full), abs=1e-5)
     assert max_weight_diff(cut, full) < 1e-5
+
+
+@pytest.mark.slow
+def test_two_process_training_pushes_from_the_main_process_after_the_group_is_gone(kit, tmp_path):
+    """The upload (16 GB at 8B) held every other process in a collective, under a 6-hour timeout that a hang in
+    training then shared. Now the main process pushes alone once the process group is destroyed (and training's
+    collectives wait 30 minutes, distributed.TRAINING_COLLECTIVE_TIMEOUT)."""
+    import sys
+
+    from conftest import free_port, launch_failure
+
+    repo, hub, record = Path(__file__).resolve().parents[1], tmp_path / "hub", tmp_path / "pushes.jsonl"
+    wrapper = tmp_path / "train.py"
+    wrapper.write_text(
+        "import json, os, sys\nsys.path.insert(0, %r)\nimport fake_hub\n"
+        "fake_hub.install(setattr, os.environ['FAKE_HUB'])\n"
+        "import torch.distributed as dist\nfrom rlhf_pipeline.training import stage\nreal = stage.push_model_to_hub\n"
+        "def push(*args):\n    with open(%r, 'a') as f:\n"
+        "        f.write(json.dumps({'rank': os.environ['RANK'], 'group': dist.is_initialized()}) + '\\n')\n"
+        "    real(*args)\nstage.push_model_to_hub = push\n"
+        "from rlhf_pipeline.stages.train import cli\nsys.exit(cli())\n" % (str(repo / "tests"), str(record)))
+    out = tmp_path / "out"
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+           str(repo / "accelerate_cfgs" / "cpu_zero3.yaml"), "--main_process_port", str(free_port()), str(wrapper),
+           "--model", kit["policy"], "--data", kit["ref"], "--algo", "dpo", "--temperature", "0.8", "--max-steps",
+           "1", "--batch-size", "2", "--report-to", "none", "--output", str(out), "--push-to-hub", "org/policy"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "FAKE_HUB": str(hub)}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+    assert res.returncode == 0, launch_failure(res)
+    assert [json.loads(line) for line in record.read_text().splitlines()] == [{"rank": "0", "group": False}]
+    assert json.loads((out / "manifest.json").read_text())["push"] == {"repo_id": "org/policy", "pushed": True}
+    assert (hub / "model" / "org" / "policy" / "rev" / "main" / "model.safetensors").exists()

@@ -557,6 +557,7 @@ class StageOutput:
         self.pusher = pusher or push_dataset_dir  # uploads the output to --push-to-hub's repo
         self.config = config
         self.hub = HubTarget.of(config)
+        self.pending_push: dict[str, Any] | None = None  # a finished run's upload left for later (done)
         self.inputs = inputs
         self.path = Path(config.output).expanduser()
         self.started = time.time()
@@ -585,7 +586,8 @@ class StageOutput:
                   if recorded[key] != self.used_outputs[key]]
         return diffs
 
-    def done(self, resume: bool | None = None, push: bool = True, parts_check_themselves: bool = False) -> bool:
+    def done(self, resume: bool | None = None, push: bool = True, parts_check_themselves: bool = False,
+             push_later: bool = False) -> bool:
         """True when the output already holds this exact run; raises when it holds another one.
 
         ``resume`` is for stages that fill their output in place (training): True continues an unfinished output
@@ -598,7 +600,9 @@ class StageOutput:
         this attempt's alone).
 
         A finished output whose ``--push-to-hub`` upload is still pending is uploaded now (``push``; by the main
-        process), without recomputing anything.
+        process), without recomputing anything; with ``push_later`` the main process keeps its manifest in
+        ``self.pending_push`` instead, for the caller to upload once the other processes no longer wait for it (a
+        training stage: after its process group is gone).
         """
         self.replace = self.resumed = False
         clean_stale(self.path)
@@ -647,7 +651,10 @@ class StageOutput:
             print(f"[{self.stage}] {self.path} is complete for this config and inputs; "
                   f"{f'pushing it to {self.hub}' if pending else 'nothing to do'}")
             if pending and _main_process():
-                self.push(manifest)
+                if push_later:
+                    self.pending_push = manifest
+                else:
+                    self.push(manifest)
             return True
         if self.config.overwrite:
             log.info("%s: replacing %s (%s)", self.stage, self.path, "; ".join(diffs))

@@ -196,6 +196,10 @@ def sharded_inference(accelerator, model, lengths: Sequence[int], batch_size: in
 # other processes of an inference stage wait while the main one writes the output, or, in rlhf eval, samples. A
 # process that dies is noticed by the launcher (torchrun stops the others), not by this timeout.
 COLLECTIVE_TIMEOUT = timedelta(hours=6)
+# A training stage's: its processes work in step (the main process alone writes a checkpoint's model, minutes at 8B,
+# and uploads only after the group is gone), so a collective that waits longer than this is a hang, which would
+# otherwise hold every GPU for COLLECTIVE_TIMEOUT. As TRL's default (TrainingArguments.ddp_timeout, 1800 s).
+TRAINING_COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 
 def launched() -> bool:

@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from rlhf_pipeline.training.checkpoints import list_checkpoints, remove_checkpoints, remove_leftover_checkpoints
-from rlhf_pipeline.distributed import COLLECTIVE_TIMEOUT, cpu_deepspeed_backend, finish_distributed, on_main_process
+from rlhf_pipeline.distributed import (
+    TRAINING_COLLECTIVE_TIMEOUT, cpu_deepspeed_backend, finish_distributed, on_main_process,
+)
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
 from rlhf_pipeline.modeling import SAFE_WEIGHTS, same_model
@@ -93,7 +95,8 @@ class TrainingRun:
 
     def finish(self, run: StageRun) -> None:
         """Mark the run complete (main process): write the manifest, delete the checkpoints unless
-        ``--keep-checkpoints``, say so on the console, then push the model when ``--push-to-hub`` asks."""
+        ``--keep-checkpoints`` and say so on the console; the model is pushed when ``--push-to-hub`` asks, by
+        :func:`training_run` once the process group is gone."""
         if not self.started:
             raise RuntimeError(f"{self.output.stage}: run.finish(...) before run.start(); the run has no output")
         out = self.output
@@ -107,18 +110,18 @@ class TrainingRun:
             if not keep:
                 remove_checkpoints(out.path)
             print(f"[{out.stage}] {run.summary}; model in {out.path}")
-            if out.push_pending(manifest):  # a failed upload is one line; the run stays finished, the push pending
-                out.push(manifest)
+            if out.push_pending(manifest):  # uploaded once the other processes are gone (training_run)
+                out.pending_push = manifest
 
         on_main_process(self.accelerator, write)
         self.completed = True
 
 
 def make_accelerator(config: TrainOptions):
-    """The Accelerator of a training run, with DeepSpeed's batch sizes and clipping set from ``config``. Its
-    collectives wait as long as the inference stages' (``COLLECTIVE_TIMEOUT``), not DeepSpeed's 10 minutes: the other
-    processes wait in one while the main process uploads the finished model to the Hub (16 GB at 8B), and would
-    otherwise abort the run mid-upload, over and over on each rerun.
+    """The Accelerator of a training run, with DeepSpeed's batch sizes and clipping set from ``config``. A collective
+    waits ``TRAINING_COLLECTIVE_TIMEOUT`` for the other processes, so that a hung one stops the run within it rather
+    than holding every GPU for hours; the long work of the main process alone (the Hub upload) runs after the
+    process group is gone.
 
     Precision is ``--bf16``'s, recorded in the manifest: the Accelerator is given it, which overrides what the
     launcher's config asks for. A launcher asking for mixed precision (``mixed_precision: bf16`` in
@@ -143,7 +146,7 @@ def make_accelerator(config: TrainOptions):
         mixed_precision="bf16" if config.bf16 else "no",
         log_with=None if config.report_to == "none" else config.report_to,
         project_dir=str(Path(config.output).expanduser()),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=TRAINING_COLLECTIVE_TIMEOUT)],
     )
     if accelerator.num_processes > 1 and accelerator.state.deepspeed_plugin is None:
         # logprobs.token_logps calls the decoder and LM head directly, which DDP's gradient sync would miss.
@@ -173,7 +176,7 @@ def training_run(stage: str, config: TrainOptions, inputs: list) -> Iterator[Tra
     try:
         out = StageOutput(stage, config, inputs=inputs, pusher=push_model_to_hub)
         accelerator = make_accelerator(config)
-        finished = out.done(resume=config.resume)
+        finished = out.done(resume=config.resume, push_later=True)
         accelerator.wait_for_everyone()  # every process has looked before the main process changes anything
         if finished:
             on_main_process(accelerator, lambda: remove_leftover_checkpoints(out.path))
@@ -186,6 +189,10 @@ def training_run(stage: str, config: TrainOptions, inputs: list) -> Iterator[Tra
         accelerator.wait_for_everyone()
     finally:
         finish_distributed()
+    # The upload (16 GB at 8B) by the main process alone, no other process waiting for it in a collective: a failed
+    # upload is one line, the run stays finished and the push pending for a rerun
+    if out.pending_push is not None:
+        out.push(out.pending_push)
 
 
 def training_summary(result: TrainResult) -> dict[str, Any]:
