@@ -327,6 +327,15 @@ def test_a_run_is_resumed_on_as_many_processes_as_it_ran_on(pairs, tiny_policy, 
     err = capsys.readouterr().err
     assert "was saved by a run on 2 processes, and this launch has 1" in err and "Traceback" not in err
     assert [p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()] == ["step_000002"]
+    # under another ZeRO stage the optimizer's state is laid out otherwise: it failed to load, blamed on memory or
+    # package versions
+    assert state["zero_stage"] is None
+    state_file.write_text(json.dumps(dict(state, zero_stage=3)))  # as a ZeRO-3 launch would have saved it
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common, "--resume")) == 1
+    err = capsys.readouterr().err
+    assert ("was saved by a run under DeepSpeed ZeRO stage 3, and this launch has no DeepSpeed: the optimizer's state "
+            "would not load; resume it with the accelerate config it started with") in err
+    assert [p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()] == ["step_000002"]
 
 
 def test_save_total_limit_keeps_the_newest_and_resumes_from_them(pairs, tiny_policy, tmp_path, monkeypatch):

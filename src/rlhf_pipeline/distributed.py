@@ -100,6 +100,12 @@ def on_main_process(accelerator, fn: Callable[[], Any]) -> None:
         raise error
 
 
+def zero_stage(accelerator) -> int | None:
+    """The run's DeepSpeed ZeRO stage (0-3), or None without DeepSpeed."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return None if plugin is None else int(plugin.zero_stage)
+
+
 def quiet(accelerator) -> bool:
     """Progress bars off on all but the main process, and everywhere when TQDM_DISABLE is set (an explicit
     ``disable=`` would otherwise override tqdm's own reading of it)."""

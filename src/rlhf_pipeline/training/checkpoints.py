@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.training import lora
-from rlhf_pipeline.distributed import anywhere, on_main_process, outside_zero3_init, stop_everywhere, unwrap
+from rlhf_pipeline.distributed import (
+    anywhere, on_main_process, outside_zero3_init, stop_everywhere, unwrap, zero_stage,
+)
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import first_line, flush_files, seal, verify, writing
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST
@@ -207,14 +209,26 @@ def resume_checkpoint(accelerator, model, output: Path,
 def _check_processes(accelerator, checkpoints: list[Path]) -> None:
     """Refuse, before any checkpoint loads, to resume on another number of processes than the run's: its global batch
     (``--batch-size`` x accumulation x processes), so its schedule and data order, would change, and a ZeRO
-    checkpoint's optimizer shards would not load (each would then be set aside as damaged). Every process reads the
+    checkpoint's optimizer shards would not load (each would then be set aside as damaged); or under another ZeRO
+    stage (or with DeepSpeed against without), whose optimizer state is laid out otherwise. Every process reads the
     same file; the main process's error is the one line."""
     processes = accelerator.num_processes
     for checkpoint in reversed(checkpoints):
         try:
-            recorded = json.loads((checkpoint / TRAINER_STATE).read_text()).get("processes")
+            state = json.loads((checkpoint / TRAINER_STATE).read_text())
+            recorded = state.get("processes")
         except (OSError, ValueError, AttributeError):
             continue  # a damaged one: verify() says so
+        if "zero_stage" in state and state["zero_stage"] != zero_stage(accelerator):
+            def name(stage: int | None) -> str:
+                return "no DeepSpeed" if stage is None else f"DeepSpeed ZeRO stage {stage}"
+
+            raise stop_everywhere(
+                accelerator,
+                f"--resume: {checkpoint} was saved by a run under {name(state['zero_stage'])}, and this launch has "
+                f"{name(zero_stage(accelerator))}: the optimizer's state would not load; resume it with the accelerate "
+                "config it started with, or pass --overwrite to start over"
+            )
         if recorded is None:  # from before the count was recorded
             return
         if recorded != processes:

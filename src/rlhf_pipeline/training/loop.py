@@ -50,7 +50,7 @@ from rlhf_pipeline.attention import DEFAULT_ATTENTION, AttnImplementation, attn_
 from rlhf_pipeline.training.checkpoints import resume_checkpoint, save_checkpoint, save_model
 from rlhf_pipeline.config import DATASET_REF, OutputOptions, option, trust_remote_code_option
 from rlhf_pipeline.datasets_io import write_text_atomic
-from rlhf_pipeline.distributed import anywhere, quiet, reduce_sums, sharded_batches, stop_everywhere
+from rlhf_pipeline.distributed import anywhere, quiet, reduce_sums, sharded_batches, stop_everywhere, zero_stage
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
 from rlhf_pipeline.layout import METRICS
@@ -782,6 +782,7 @@ def train(
             if not weights_finite(accelerator, model):
                 raise nonfinite_weights(accelerator, step, "no checkpoint")
             state = {"step": step, "epoch": epoch, "processes": accelerator.num_processes,
+                     "zero_stage": zero_stage(accelerator),
                      "first_loss": first_loss, "first_grad_norm": watch.first_grad_norm,
                      "divergence_warned": watch.warned,
                      "real_tokens": real_tokens, "last_loss": last_loss, "skipped_steps": skipped,
