@@ -394,3 +394,28 @@ def test_a_tracker_that_is_not_installed_is_refused_before_the_run(monkeypatch, 
     assert run("train", "--model", "m", "--data", "d", "--output", "o", "--report-to", "wandb") == 1
     err = capsys.readouterr().err
     assert "--report-to wandb: wandb is not installed here (pip install wandb); or pass --report-to none" in err
+
+
+def test_a_kept_data_pass_is_read_only_when_every_process_sees_it(tmp_path, monkeypatch):
+    """The reference pass (or PPO's rollout) kept by an interrupted run: read when every process sees it, else done
+    again by all of them. One process reading it while another ran the pass, with its collectives, hung both."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset, DatasetDict
+
+    from rlhf_pipeline.training import stage
+
+    accelerator = SimpleNamespace(num_processes=2, is_main_process=True, wait_for_everyone=lambda: None)
+    cache, calls = tmp_path / "cache", []
+
+    def compute(value):
+        calls.append(value)
+        return DatasetDict({"train": Dataset.from_dict({"x": [value]})})
+
+    seen_missing = {"elsewhere": False}  # whether another process does not see the cache
+    monkeypatch.setattr(stage, "anywhere", lambda acc, flag: flag or seen_missing["elsewhere"])
+    assert stage.cached_splits(accelerator, cache, lambda: compute(1))["train"]["x"] == [1]
+    assert stage.cached_splits(accelerator, cache, lambda: compute(2))["train"]["x"] == [1]  # kept, seen everywhere
+    seen_missing["elsewhere"] = True
+    assert stage.cached_splits(accelerator, cache, lambda: compute(3))["train"]["x"] == [3]  # every process again
+    assert calls == [1, 3]

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from rlhf_pipeline.training.checkpoints import list_checkpoints, remove_checkpoints, remove_leftover_checkpoints
 from rlhf_pipeline.distributed import (
-    TRAINING_COLLECTIVE_TIMEOUT, cpu_deepspeed_backend, finish_distributed, on_main_process,
+    TRAINING_COLLECTIVE_TIMEOUT, anywhere, cpu_deepspeed_backend, finish_distributed, on_main_process,
 )
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
@@ -315,12 +315,13 @@ def encode_splits(dd, encode: Callable[[dict, list], dict], max_length: int):
 def cached_splits(accelerator, cache: Path, compute: Callable[[], Any]):
     """A resumable run's expensive pass over its data (reference log-probs, PPO's rollout): the splits that an
     interrupted run of this output kept in ``cache``, else ``compute()``'s, kept there (atomically, by the main
-    process) before anything trains on them."""
+    process) before anything trains on them. The kept splits are read only when every process sees them: the pass
+    holds collectives, which a process that alone ran it (a shared disk not yet in sync) would wait in forever."""
     from datasets import load_from_disk
 
     from rlhf_pipeline.datasets_io import atomic_directory
 
-    if (cache / "dataset_dict.json").exists():
+    if not anywhere(accelerator, not (cache / "dataset_dict.json").exists()):
         return load_from_disk(str(cache))
     dd = compute()
     if accelerator.is_main_process:
