@@ -1,5 +1,6 @@
 """Shared fixtures: tiny models built once per session, offline, and small prompt files."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -16,6 +17,8 @@ from rlhf_pipeline.tiny import bundled_path  # noqa: E402
 
 # tests/vllm_env runs in the vLLM environment (scripts/test.sh runs it there); the test environment never has vLLM.
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_env"]
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -228,19 +231,54 @@ def shared_vllm_engines():
         engine.close()
 
 
-def launch_cpu_zero3(stage_args: list, timeout: int = 300):
-    """``rlhf STAGE ARGS...`` (``stage_args``) under ``accelerate launch`` on 2 CPU processes with ZeRO-3
-    (``accelerate_cfgs/cpu_zero3.yaml``, gloo), asserted to succeed; returns the finished process."""
+@functools.cache
+def cpu_zero_config(stage: int = 3) -> str:
+    """The tests' DeepSpeed launch config: ``accelerate_cfgs/cpu_zero3.yaml`` (2 processes, gloo), at ZeRO ``stage``,
+    with every weight partitioned under stage 3. DeepSpeed keeps a weight of fewer than
+    ``stage3_param_persistence_threshold`` elements (1e5 by default) whole on every process, which is every weight of
+    the tiny kit: with the shipped config no weight is ever gathered, and the collectives that hang or fail on real
+    models would go untested."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import yaml
+
+    shipped = yaml.safe_load((REPO / "accelerate_cfgs" / "cpu_zero3.yaml").read_text())
+    zero = shipped["deepspeed_config"]
+    assert zero["offload_optimizer_device"] == zero["offload_param_device"] == "none", zero
+    ds_config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                       "stage3_gather_16bit_weights_on_model_save": zero["zero3_save_16bit_model"]},
+                 "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+                 "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto"}
+    directory = Path(tempfile.mkdtemp(prefix=f"cpu_zero{stage}_"))
+    atexit.register(shutil.rmtree, directory, True)
+    (directory / "ds.json").write_text(json.dumps(ds_config))
+    # with a DeepSpeed config file accelerate refuses its own precision setting beside it: the run's --bf16 decides
+    assert shipped.pop("mixed_precision") == "no", shipped
+    config = dict(shipped, deepspeed_config={"deepspeed_config_file": str(directory / "ds.json"),
+                                             "zero3_init_flag": zero["zero3_init_flag"]})
+    (directory / "accelerate.yaml").write_text(yaml.safe_dump(config))
+    return str(directory / "accelerate.yaml")
+
+
+def accelerate_launch(target: list, timeout: int = 300, env: dict | None = None, stage: int = 3):
+    """``accelerate launch`` of ``target`` (``-m MODULE ARGS...`` or ``SCRIPT ARGS...``) on 2 CPU processes under
+    ZeRO ``stage`` (:func:`cpu_zero_config`); returns the finished process, whatever its exit status."""
     import subprocess
     import sys
 
-    stage, *args = stage_args
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-           str(Path(__file__).resolve().parents[1] / "accelerate_cfgs" / "cpu_zero3.yaml"),
-           "--main_process_port", str(free_port()), "-m", f"rlhf_pipeline.stages.{stage.replace('-', '_')}",
-           *map(str, args)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", cpu_zero_config(stage),
+           "--main_process_port", str(free_port()), *map(str, target)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def launch_cpu_zero3(stage_args: list, timeout: int = 300, stage: int = 3):
+    """``rlhf STAGE ARGS...`` (``stage_args``) under :func:`accelerate_launch` (ZeRO ``stage``, 3 unless given),
+    asserted to succeed; returns the finished process."""
+    command, *args = stage_args
+    res = accelerate_launch(["-m", f"rlhf_pipeline.stages.{command.replace('-', '_')}", *args], timeout, stage=stage)
     assert res.returncode == 0, launch_failure(res)
     return res
 

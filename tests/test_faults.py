@@ -663,20 +663,13 @@ def test_two_process_zero3_resume_skips_a_damaged_checkpoint(kit, tmp_path):
     """Under DeepSpeed ZeRO-3 on 2 processes (each loads its own shards): the newest checkpoint's optimizer shard of
     rank 1 cut short, the run's end undone (no manifest, as if killed after its last checkpoint); --resume sets the
     checkpoint aside on every process alike and ends equal to the run that never stopped."""
-    import sys
+    from conftest import accelerate_launch, launch_failure
 
-    from conftest import free_port, launch_failure
-
-    repo = Path(__file__).resolve().parents[1]
     args = ["--model", kit["policy"], "--data", kit["ref"], "--algo", "dpo", "--temperature", 0.8, "--max-steps", 6,
             "--save-every", 2, "--batch-size", 2, "--learning-rate", 1e-3, "--report-to", "none", "--keep-checkpoints"]
 
     def launch(out: Path, *extra) -> None:
-        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-               str(repo / "accelerate_cfgs" / "cpu_zero3.yaml"), "--main_process_port", str(free_port()),
-               "-m", "rlhf_pipeline.stages.train", *map(str, args), "--output", str(out), *extra]
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+        res = accelerate_launch(["-m", "rlhf_pipeline.stages.train", *args, "--output", out, *extra], timeout=400)
         assert res.returncode == 0, launch_failure(res)
         return res
 
@@ -703,11 +696,9 @@ def test_two_process_training_pushes_from_the_main_process_after_the_group_is_go
     """The upload (16 GB at 8B) held every other process in a collective, under a 6-hour timeout that a hang in
     training then shared. Now the main process pushes alone once the process group is destroyed (and training's
     collectives wait 30 minutes, distributed.TRAINING_COLLECTIVE_TIMEOUT)."""
-    import sys
+    from conftest import REPO, accelerate_launch, launch_failure
 
-    from conftest import free_port, launch_failure
-
-    repo, hub, record = Path(__file__).resolve().parents[1], tmp_path / "hub", tmp_path / "pushes.jsonl"
+    hub, record = tmp_path / "hub", tmp_path / "pushes.jsonl"
     wrapper = tmp_path / "train.py"
     wrapper.write_text(
         "import json, os, sys\nsys.path.insert(0, %r)\nimport fake_hub\n"
@@ -716,14 +707,11 @@ def test_two_process_training_pushes_from_the_main_process_after_the_group_is_go
         "def push(*args):\n    with open(%r, 'a') as f:\n"
         "        f.write(json.dumps({'rank': os.environ['RANK'], 'group': dist.is_initialized()}) + '\\n')\n"
         "    real(*args)\nstage.push_model_to_hub = push\n"
-        "from rlhf_pipeline.stages.train import cli\nsys.exit(cli())\n" % (str(repo / "tests"), str(record)))
+        "from rlhf_pipeline.stages.train import cli\nsys.exit(cli())\n" % (str(REPO / "tests"), str(record)))
     out = tmp_path / "out"
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-           str(repo / "accelerate_cfgs" / "cpu_zero3.yaml"), "--main_process_port", str(free_port()), str(wrapper),
-           "--model", kit["policy"], "--data", kit["ref"], "--algo", "dpo", "--temperature", "0.8", "--max-steps",
-           "1", "--batch-size", "2", "--report-to", "none", "--output", str(out), "--push-to-hub", "org/policy"]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "FAKE_HUB": str(hub)}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+    res = accelerate_launch([wrapper, "--model", kit["policy"], "--data", kit["ref"], "--algo", "dpo", "--temperature",
+                             0.8, "--max-steps", 1, "--batch-size", 2, "--report-to", "none", "--output", out,
+                             "--push-to-hub", "org/policy"], timeout=400, env={"FAKE_HUB": str(hub)})
     assert res.returncode == 0, launch_failure(res)
     assert [json.loads(line) for line in record.read_text().splitlines()] == [{"rank": "0", "group": False}]
     assert json.loads((out / "manifest.json").read_text())["push"] == {"repo_id": "org/policy", "pushed": True}

@@ -3,9 +3,6 @@ mismatched pairs of the reference point, the reference pass, and the trainer's i
 x accumulation, resume, 2 processes under ZeRO-3 against 1). The loss itself is checked in test_losses.py."""
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -26,9 +23,8 @@ from rlhf_pipeline.selection import (
 )
 from conftest import (
     assert_same_gradient_norms,
+    launch_cpu_zero3,
     LENGTH_REWARD,
-    free_port,
-    launch_failure,
     logged,
     max_weight_diff,
     micro_batch_sizes,
@@ -260,14 +256,8 @@ def test_kto_two_process_zero3_equals_one_process(unpaired, tiny_policy, tmp_pat
     common = ["--max-steps", 3, "--learning-rate", 1e-3, "--beta", 1.0]
     assert run(*train_args(unpaired, tiny_policy, tmp_path / "single", *common, "--batch-size", 2,
                            "--gradient-accumulation-steps", 2, split="shifted")) == 0
-    accelerate = Path(sys.executable).parent / "accelerate"
-    cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
-           "--main_process_port", str(free_port()), "-m", "rlhf_pipeline.stages.train",
-           *map(str, train_args(unpaired, tiny_policy, tmp_path / "zero3", *common, "--batch-size", 2,
-                                split="shifted")[1:])]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, launch_failure(res)
+    launch_cpu_zero3(train_args(unpaired, tiny_policy, tmp_path / "zero3", *common, "--batch-size", 2,
+                                split="shifted"))
     for key in ("loss/train", "kl/train_kl", "loss/eval"):
         assert logged(tmp_path / "zero3", key) == pytest.approx(logged(tmp_path / "single", key), abs=1e-5), key
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4

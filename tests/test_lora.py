@@ -3,17 +3,14 @@ critic too), SFT and the reward model a run that trains only adapters, resumes t
 a merged model that loads without peft and computes what the trained adapters computed."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (LENGTH_REWARD, assert_same_gradient_norms, free_port, launch_failure, logged, max_weight_diff,
-                      run, write_jsonl)
+from conftest import (LENGTH_REWARD, assert_same_gradient_norms, launch_cpu_zero3, logged, max_weight_diff, run,
+                      write_jsonl)
 from rlhf_pipeline.training import lora
 from rlhf_pipeline.training import loop as trainer
 
@@ -245,14 +242,7 @@ def test_lora_two_process_zero3_equals_one_process(case, extra, data, tiny_polic
     common = ["--max-steps", 3, "--batch-size", 1, *extra]
     assert run(*args_for(case, data, tiny_policy, tiny_rm, tmp_path / "single", *common,
                          "--gradient-accumulation-steps", 2)) == 0
-    stage = "rlhf_pipeline.stages." + {"sft": "sft", "rm": "train_rm"}.get(case, "train")
-    accelerate = Path(sys.executable).parent / "accelerate"
-    cmd = [str(accelerate), "launch", "--config_file", str(REPO / "accelerate_cfgs" / "cpu_zero3.yaml"),
-           "--main_process_port", str(free_port()), "-m", stage,
-           *map(str, args_for(case, data, tiny_policy, tiny_rm, tmp_path / "zero3", *common)[1:])]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, launch_failure(res)
+    launch_cpu_zero3(args_for(case, data, tiny_policy, tiny_rm, tmp_path / "zero3", *common))
     assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
     for part in CASES[case][1]:
         assert max_weight_diff(tmp_path / "zero3" / part, tmp_path / "single" / part) < 1e-5

@@ -3,8 +3,6 @@
 import importlib.util
 import json
 import math
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -443,12 +441,14 @@ def test_finished_run_is_not_redone_and_pushes_only_the_model(pairs, tiny_policy
     assert (tmp_path / "once" / "manifest.json").read_text() == stamp
 
 
-def test_two_process_zero3_equals_one_process(pairs, tiny_policy, tmp_path):
-    """2 processes x batch 2 under DeepSpeed ZeRO-3 (CPU, gloo) against 1 process x batch 2 x accumulation 2."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_process_zero3_equals_one_process(pairs, tiny_policy, tmp_path, stage):
+    """2 processes x batch 2 under DeepSpeed ZeRO-3 (CPU, gloo) against 1 process x batch 2 x accumulation 2; and
+    under ZeRO-2 (accelerate_cfgs/zero2.yaml's stage), the optimizer state partitioned but the weights whole."""
     common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 4, "--learning-rate", 1e-3]
     assert run(*train_args(pairs, tiny_policy, tmp_path / "single", *common, "--batch-size", 2,
                            "--gradient-accumulation-steps", 2)) == 0
-    res = launch_cpu_zero3(train_args(pairs, tiny_policy, tmp_path / "zero3", *common, "--batch-size", 2))
+    res = launch_cpu_zero3(train_args(pairs, tiny_policy, tmp_path / "zero3", *common, "--batch-size", 2), stage=stage)
     assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
     assert logged(tmp_path / "zero3", "loss/eval") == pytest.approx(logged(tmp_path / "single", "loss/eval"), abs=1e-5)
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
@@ -481,33 +481,19 @@ def test_two_process_zero3_with_a_separate_reference_equals_one_process(pairs, t
 def test_two_process_zero3_with_every_weight_partitioned_calls_the_head_alike_on_both(pairs, tiny_policy, tmp_path):
     """ZeRO-3 gathers a partitioned LM head from every process at each call, a collective. The head runs once per
     chunk of response rows, so a process with fewer rows made fewer calls and the step hung: at 8B (vocabulary
-    128,256: 261 rows a chunk) any two ranks' micro-batches. Here every weight is partitioned (persistence threshold
-    0; the tiny kit's weights are otherwise below DeepSpeed's default and never gathered) and a chunk is 4 rows:
-    gloo failed with "Is there a distributed collective mismatch" before every process made as many calls."""
-    import subprocess
+    128,256: 261 rows a chunk) any two ranks' micro-batches. Here every weight is partitioned (conftest's
+    cpu_zero_config) and a chunk is 4 rows: gloo failed with "Is there a distributed collective mismatch" before
+    every process made as many calls."""
+    from conftest import accelerate_launch, launch_failure
 
-    from conftest import free_port, launch_failure
-
-    ds_config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                       "stage3_gather_16bit_weights_on_model_save": True},
-                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                 "gradient_clipping": "auto", "train_batch_size": "auto"}
-    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
-    (tmp_path / "accelerate.yaml").write_text(
-        f"compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
-        f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\nnum_machines: 1\n"
-        "num_processes: 2\nmachine_rank: 0\nrdzv_backend: static\nsame_network: true\n")
     (tmp_path / "train.py").write_text("import sys\nimport rlhf_pipeline.logprobs as logprobs\n"
                                        "logprobs.LOGITS_CHUNK_ELEMENTS = 4 * 1024  # 4 rows a chunk\n"
                                        "from rlhf_pipeline.stages.train import cli\nsys.exit(cli())\n")
     common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 3, "--learning-rate", 1e-3, "--batch-size", 1]
     assert run(*train_args(pairs, tiny_policy, tmp_path / "single", *common, "--gradient-accumulation-steps", 2,
                            data="pairs")) == 0
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(tmp_path / "accelerate.yaml"),
-           "--main_process_port", str(free_port()), str(tmp_path / "train.py"),
-           *map(str, train_args(pairs, tiny_policy, tmp_path / "zero3", *common, data="pairs")[1:])]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    res = accelerate_launch([tmp_path / "train.py",
+                             *train_args(pairs, tiny_policy, tmp_path / "zero3", *common, data="pairs")[1:]])
     assert res.returncode == 0, launch_failure(res)
     assert logged(tmp_path / "zero3") == pytest.approx(logged(tmp_path / "single"), abs=1e-5)
 
