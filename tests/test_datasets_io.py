@@ -549,6 +549,12 @@ def test_tiny_model_overwrite_replaces_a_tiny_model_and_nothing_else(tmp_path, c
     out = tmp_path / "model"
     assert run("tiny-model", "--output", out) == 0
     assert run("tiny-model", "--seed", 1, "--output", out, "--overwrite") == 0  # a tiny model: replaced
+    # by one of another kind or chat format too, whose files differ (no generation config, no chat template)
+    assert run("tiny-model", "--kind", "reward", "--chat-format", "base", "--output", out, "--overwrite") == 0
+    assert not (out / "chat_template.jinja").exists() and not (out / "generation_config.json").exists()
+    assert run("tiny-model", "--kind", "armo", "--output", out, "--overwrite") == 0
+    assert run("tiny-model", "--output", out, "--overwrite") == 0
+    assert not (out / "modeling_tiny_armo.py").exists()
     thesis = tmp_path / "proj"
     thesis.mkdir()
     (thesis / "thesis.tex").write_text("\\\\begin{document}")
@@ -558,3 +564,7 @@ def test_tiny_model_overwrite_replaces_a_tiny_model_and_nothing_else(tmp_path, c
     assert "holds files a tiny model does not (thesis.tex)" in capsys.readouterr().err
     assert sorted(p.name for p in thesis.iterdir()) == ["config.json", "thesis.tex"]
     assert not list(tmp_path.glob(".proj*"))
+    (tmp_path / "notes.txt").write_text("mine")
+    assert run("tiny-model", "--output", tmp_path / "notes.txt", "--overwrite") == 1
+    assert "exists and is a file; choose a directory path" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -24,7 +24,7 @@ from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import option
 from rlhf_pipeline.datasets_io import atomic_directory, clean_stale
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.tiny import TINY_HEAD_DIM, ChatFormatName, TinyKind
+from rlhf_pipeline.tiny import ARMO_CODE, TINY_HEAD_DIM, ChatFormatName, TinyKind
 
 
 @dataclass(kw_only=True)
@@ -53,6 +53,11 @@ class TinyModelConfig:
             raise ValueError("--num-layers must be at least 1")
 
 
+# What a tiny model of any kind and chat format holds: --overwrite replaces a directory of these files and nothing else.
+TINY_MODEL_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                              "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", ARMO_CODE})
+
+
 def main(config: TinyModelConfig) -> Path:
     from rlhf_pipeline.tiny import save_tiny_model
 
@@ -60,10 +65,13 @@ def main(config: TinyModelConfig) -> Path:
     clean_stale(path)
     if path.exists() and not config.overwrite:
         raise PipelineError(f"--output {path}: already exists; pass --overwrite to replace it")
+    if path.exists() and not path.is_dir():
+        raise PipelineError(f"--output {path}: exists and is a file; choose a directory path")
     with atomic_directory(path) as tmp:
         save_tiny_model(tmp, kind=config.kind, seed=config.seed, chat_format=config.chat_format,
                         hidden_size=config.hidden_size, num_layers=config.num_layers)
-        foreign = sorted({p.name for p in path.iterdir()} - {p.name for p in tmp.iterdir()}) if path.exists() else []
+        written = {p.name for p in tmp.iterdir()} | TINY_MODEL_FILES
+        foreign = sorted({p.name for p in path.iterdir()} - written) if path.exists() else []
         if foreign:  # not a tiny model's directory: left as it was
             raise PipelineError(f"--output {path}: holds files a tiny model does not ({', '.join(foreign[:3])}), "
                                 "which --overwrite does not delete; choose another --output, or remove it yourself")
