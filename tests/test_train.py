@@ -291,6 +291,38 @@ def test_interrupted_run_resumed_equals_uninterrupted(pairs, tiny_policy, tmp_pa
     assert not list((tmp_path / "full" / "checkpoints").rglob("custom_checkpoint_*"))
 
 
+class _Planted:
+    """Pickled, it makes its loader create a file: a pickle that runs code when loaded."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_of_an_earlier_version_resumes_without_loading_its_pickled_scheduler(pairs, tiny_policy, tmp_path,
+                                                                                          monkeypatch):
+    """Checkpoints written before the scheduler left them hold accelerate's custom_checkpoint_0.pkl, which accelerate
+    loads with weights_only=False (code runs) and which made load_state refuse the state once nothing is registered:
+    the run resumes from the step as any other, and the pickle is never loaded."""
+    import torch
+
+    from conftest import crash_after_checkpoint
+
+    common = ["--algo", "rebel", "--max-steps", 4, "--batch-size", 2, "--save-every", 2, "--learning-rate", 1e-3]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "full", *common)) == 0
+    crash_after_checkpoint(monkeypatch, 2)
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common)) == 130
+    marker = tmp_path / "the pickle ran"
+    torch.save({"scheduler": _Planted(str(marker))},
+               tmp_path / "cut" / "checkpoints" / "step_000002" / "state" / "custom_checkpoint_0.pkl")
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common, "--resume")) == 0
+    assert not marker.exists()
+    for key in ("loss/train", "lr"):
+        assert logged(tmp_path / "cut", key) == pytest.approx(logged(tmp_path / "full", key), rel=1e-6), key
+
+
 def test_a_run_whose_policy_was_trained_again_since_does_not_resume(pairs, tiny_policy, tmp_path, monkeypatch,
                                                                      capsys):
     """--resume continues only from the --model it started from: a policy retrained into that directory since (a new

@@ -19,12 +19,14 @@ deletes its complete checkpoints once its final model and manifest are written (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from rlhf_pipeline.training import lora
 from rlhf_pipeline.distributed import (
@@ -151,13 +153,35 @@ def _remove(checkpoint: Path) -> None:
 
 
 def load_checkpoint(accelerator, model, checkpoint: Path, masters: MasterWeights | None = None) -> dict[str, Any]:
-    """Restore the weights (and ``masters``), optimizer, scheduler and RNG state that :func:`save_checkpoint` saved;
-    returns its trainer state (``step``, ``epoch``, ``processes``, ``first_loss``, ``first_grad_norm`` and
-    ``divergence_warned`` for the divergence warning, ``real_tokens``, ``all_tokens``, ``seconds``)."""
-    accelerator.load_state(str(checkpoint / "state"), **_state_options(accelerator, model)[1])
+    """Restore the weights (and ``masters``), optimizer and RNG state that :func:`save_checkpoint` saved; returns its
+    trainer state (``step``, ``epoch``, ``processes``, ``first_loss``, ``first_grad_norm`` and ``divergence_warned``
+    for the divergence warning, ``real_tokens``, ``all_tokens``, ``seconds``). The learning-rate scheduler is set
+    from the step (``loop.scheduler_at``)."""
+    with _without_pickled_objects(checkpoint / "state") as state:
+        accelerator.load_state(str(state), **_state_options(accelerator, model)[1])
     if masters is not None:
         masters.load(checkpoint / "state")
     return json.loads((checkpoint / TRAINER_STATE).read_text())
+
+
+@contextlib.contextmanager
+def _without_pickled_objects(state: Path) -> Iterator[Path]:
+    """``state``, or, when it holds the pickled scheduler that checkpoints of earlier versions carry
+    (``custom_checkpoint_0.pkl``, which accelerate loads with ``weights_only=False`` and which may run code), a
+    directory of links to everything else in it: accelerate refuses a state whose custom objects are not all
+    registered, and none is any more."""
+    pickled = list(state.glob("custom_checkpoint_*.pkl"))
+    if not pickled:
+        yield state
+        return
+    links = Path(tempfile.mkdtemp(prefix="rlhf-state-"))
+    try:
+        for entry in state.iterdir():
+            if entry not in pickled:
+                (links / entry.name).symlink_to(entry.resolve())
+        yield links
+    finally:
+        shutil.rmtree(links, ignore_errors=True)
 
 
 def resume_checkpoint(accelerator, model, output: Path,
