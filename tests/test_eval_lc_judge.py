@@ -289,6 +289,21 @@ def test_a_judge_that_always_picks_the_first_answer_cancels_out(setup, tiny_poli
     assert "baseline" not in json.loads((out / "results.json").read_text())["judge"]
 
 
+def test_a_judge_that_ships_its_own_code_needs_its_own_flag_before_anything_runs(setup, tiny_policy, tmp_path, capsys):
+    """--trust-remote-code does not cover the judge; a judge whose config.json names its own causal-LM code is one
+    line naming --judge-trust-remote-code before the policy samples, not a refusal at the judge's step."""
+    judge = shutil.copytree(setup["judge"], tmp_path / "remote_judge")
+    config = json.loads((judge / "config.json").read_text())
+    (judge / "config.json").write_text(json.dumps(dict(config, auto_map={"AutoModelForCausalLM": "own.OwnLM"})))
+    out = tmp_path / "eval"
+    assert run(*eval_args(tiny_policy, setup, out, "--reference", setup["refs"], "--judge", judge,
+                          "--trust-remote-code")) == 1
+    err = capsys.readouterr().err
+    assert (f"--judge {judge}: ships its own model code (config.json's auto_map: AutoModelForCausalLM -> own.OwnLM), "
+            "which is not run unless allowed; read that code, then allow it with --judge-trust-remote-code") in err
+    assert not out.exists()
+
+
 def test_a_judge_whose_answers_cannot_be_read_is_counted_not_crashed_on(setup, tiny_policy, tmp_path, capsys):
     """The tiny policy itself as the judge: it writes no verdict."""
     out = tmp_path / "eval"

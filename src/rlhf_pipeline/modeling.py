@@ -190,9 +190,27 @@ def reward_model_problem(config: dict, trust_remote_code: bool, *, judge: bool =
 def remote_reward_head(config: dict) -> str | None:
     """The class a model's ``config.json`` names for its own reward-head code (``auto_map``'s
     ``AutoModelForSequenceClassification`` entry, as ArmoRM's does), or None."""
+    return _remote_class(config, REWARD_AUTO_CLASS)
+
+
+def _remote_class(config: dict, auto_class: str) -> str | None:
+    """The class of its own code a model's ``config.json`` names for ``auto_class`` in its ``auto_map``, or None."""
     auto_map = config.get("auto_map")
-    remote = auto_map.get(REWARD_AUTO_CLASS) if isinstance(auto_map, dict) else None
+    remote = auto_map.get(auto_class) if isinstance(auto_map, dict) else None
     return remote if isinstance(remote, str) and remote else None
+
+
+def check_causal_lm_code(flag: str, ref: str, trust_remote_code: bool, trust_option: str) -> None:
+    """Before a stage runs: a chat model ``ref`` that ships its own code for its causal LM (``auto_map``'s
+    ``AutoModelForCausalLM``), given without ``trust_option``, is one line naming that option, not a refusal from
+    transformers once the stage's other work is done. A Hub id's config.json is read as :func:`check_reward_model`
+    reads it."""
+    config = None if trust_remote_code else _config_json(ref)
+    remote = _remote_class(config, "AutoModelForCausalLM") if config is not None else None
+    if remote:
+        raise PipelineError(f"{flag} {ref}: ships its own model code (config.json's auto_map: AutoModelForCausalLM -> "
+                            f"{remote}), which is not run unless allowed; read that code, then allow it with "
+                            f"{trust_option}")
 
 
 def _ships(remote: str) -> str:

@@ -499,7 +499,7 @@ def _check_inputs(config: EvalConfig, ref, prompts_fingerprint: str) -> Path | N
     from rlhf_pipeline.executors import check_ray_installed
     from rlhf_pipeline.stages.generate import select_prompts
     from rlhf_pipeline.stages.score import check_reference_column
-    from rlhf_pipeline.modeling import check_model_ref, check_reward_model
+    from rlhf_pipeline.modeling import check_causal_lm_code, check_model_ref, check_reward_model
     from rlhf_pipeline.rewards import load_reward_fn
 
     if config.executor == "ray":
@@ -519,6 +519,7 @@ def _check_inputs(config: EvalConfig, ref, prompts_fingerprint: str) -> Path | N
         _reference_answers(config, prompts, column)
     if config.judge is not None:
         check_model_ref("--judge", config.judge)
+        check_causal_lm_code("--judge", config.judge, config.judge_trust_remote_code, "--judge-trust-remote-code")
     if config.lm_eval:
         from rlhf_pipeline.harness import check_tasks
 
