@@ -419,3 +419,18 @@ def test_a_kept_data_pass_is_read_only_when_every_process_sees_it(tmp_path, monk
     seen_missing["elsewhere"] = True
     assert stage.cached_splits(accelerator, cache, lambda: compute(3))["train"]["x"] == [3]  # every process again
     assert calls == [1, 3]
+
+
+def test_the_training_collective_timeout_is_30_minutes_unless_the_environment_says(monkeypatch):
+    from datetime import timedelta
+
+    from rlhf_pipeline.distributed import training_collective_timeout
+
+    monkeypatch.delenv("RLHF_TRAINING_TIMEOUT_MINUTES", raising=False)
+    assert training_collective_timeout() == timedelta(minutes=30)
+    monkeypatch.setenv("RLHF_TRAINING_TIMEOUT_MINUTES", "90")
+    assert training_collective_timeout() == timedelta(minutes=90)
+    for bad in ("0", "-5", "nan", "soon"):
+        monkeypatch.setenv("RLHF_TRAINING_TIMEOUT_MINUTES", bad)
+        with pytest.raises(PipelineError, match=f"RLHF_TRAINING_TIMEOUT_MINUTES='{bad}': give a number of minutes"):
+            training_collective_timeout()

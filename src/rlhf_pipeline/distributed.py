@@ -204,8 +204,24 @@ def sharded_inference(accelerator, model, lengths: Sequence[int], batch_size: in
 COLLECTIVE_TIMEOUT = timedelta(hours=6)
 # A training stage's: its processes work in step (the main process alone writes a checkpoint's model, minutes at 8B,
 # and uploads only after the group is gone), so a collective that waits longer than this is a hang, which would
-# otherwise hold every GPU for COLLECTIVE_TIMEOUT. As TRL's default (TrainingArguments.ddp_timeout, 1800 s).
+# otherwise hold every GPU for COLLECTIVE_TIMEOUT. As TRL's default (TrainingArguments.ddp_timeout, 1800 s);
+# RLHF_TRAINING_TIMEOUT_MINUTES sets another (storage slow enough that the main process writes longer).
+TRAINING_TIMEOUT_VARIABLE = "RLHF_TRAINING_TIMEOUT_MINUTES"
 TRAINING_COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+def training_collective_timeout() -> timedelta:
+    """:data:`TRAINING_COLLECTIVE_TIMEOUT`, or the minutes ``RLHF_TRAINING_TIMEOUT_MINUTES`` gives."""
+    value = os.environ.get(TRAINING_TIMEOUT_VARIABLE)
+    if value is None:
+        return TRAINING_COLLECTIVE_TIMEOUT
+    try:
+        minutes = float(value)
+    except ValueError:
+        minutes = math.nan
+    if not math.isfinite(minutes) or minutes <= 0:
+        raise PipelineError(f"{TRAINING_TIMEOUT_VARIABLE}={value!r}: give a number of minutes above 0 (30 when unset)")
+    return timedelta(minutes=minutes)
 
 
 def launched() -> bool:

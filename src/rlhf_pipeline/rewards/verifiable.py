@@ -252,7 +252,9 @@ REGEX_SECONDS = 5.0
 def regex_match(prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> list[float]:
     """1.0 when the reference, a Python regular expression, matches somewhere in the response (``re.search``; use
     ``^...$`` to match the whole response, ``(?i)`` to ignore case). A match that takes over ``REGEX_SECONDS`` is an
-    error naming the pattern."""
+    error naming the pattern. The ``regex`` module matches it, which reads ``re``'s syntax alike but for a few
+    additions ``re`` lacks or reads otherwise: fuzzy matching (``x{e<=1}``), POSIX classes (``[[:digit:]]``),
+    variable-width lookbehind and ``\z``."""
     import regex
 
     references = _references(columns, len(responses), "regex_match")

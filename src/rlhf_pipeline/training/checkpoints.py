@@ -243,7 +243,7 @@ def _check_processes(accelerator, checkpoints: list[Path]) -> None:
             recorded = state.get("processes")
         except (OSError, ValueError, AttributeError):
             continue  # a damaged one: verify() says so
-        if "zero_stage" in state and state["zero_stage"] != zero_stage(accelerator):
+        if "zero_stage" in state and _layout(state["zero_stage"]) != _layout(zero_stage(accelerator)):
             def name(stage: int | None) -> str:
                 return "no DeepSpeed" if stage is None else f"DeepSpeed ZeRO stage {stage}"
 
@@ -263,6 +263,12 @@ def _check_processes(accelerator, checkpoints: list[Path]) -> None:
                 f"would not load; resume it on {recorded}, or pass --overwrite to start over"
             )
         return
+
+
+def _layout(stage: int | None) -> int | None:
+    """How a ZeRO stage lays out the optimizer's state in a checkpoint: stages 1 and 2 alike (partitioned optimizer
+    state, whole weights), stage 3 otherwise; None without DeepSpeed."""
+    return 2 if stage == 1 else stage
 
 
 def _size(directory: Path | None) -> int | None:

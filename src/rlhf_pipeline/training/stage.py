@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from rlhf_pipeline.training.checkpoints import list_checkpoints, remove_checkpoints, remove_leftover_checkpoints
 from rlhf_pipeline.distributed import (
-    TRAINING_COLLECTIVE_TIMEOUT, anywhere, cpu_deepspeed_backend, finish_distributed, on_main_process,
+    anywhere, cpu_deepspeed_backend, finish_distributed, on_main_process, training_collective_timeout,
 )
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
@@ -119,7 +119,7 @@ class TrainingRun:
 
 def make_accelerator(config: TrainOptions):
     """The Accelerator of a training run, with DeepSpeed's batch sizes and clipping set from ``config``. A collective
-    waits ``TRAINING_COLLECTIVE_TIMEOUT`` for the other processes, so that a hung one stops the run within it rather
+    waits ``training_collective_timeout()`` (30 minutes) for the other processes, so that a hung one stops the run within it rather
     than holding every GPU for hours; the long work of the main process alone (the Hub upload) runs after the
     process group is gone.
 
@@ -146,7 +146,7 @@ def make_accelerator(config: TrainOptions):
         mixed_precision="bf16" if config.bf16 else "no",
         log_with=None if config.report_to == "none" else config.report_to,
         project_dir=str(Path(config.output).expanduser()),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=TRAINING_COLLECTIVE_TIMEOUT)],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=training_collective_timeout())],
     )
     if accelerator.num_processes > 1 and accelerator.state.deepspeed_plugin is None:
         # logprobs.token_logps calls the decoder and LM head directly, which DDP's gradient sync would miss.
