@@ -119,9 +119,9 @@ class TrainingRun:
 
 def make_accelerator(config: TrainOptions):
     """The Accelerator of a training run, with DeepSpeed's batch sizes and clipping set from ``config``. A collective
-    waits ``training_collective_timeout()`` (30 minutes) for the other processes, so that a hung one stops the run within it rather
-    than holding every GPU for hours; the long work of the main process alone (the Hub upload) runs after the
-    process group is gone.
+    waits ``training_collective_timeout()`` (30 minutes) for the other processes, so that a hung one stops the run
+    within it rather than holding every GPU for hours; the long work of the main process alone (the Hub upload) runs
+    after the process group is gone.
 
     Precision is ``--bf16``'s, recorded in the manifest: the Accelerator is given it, which overrides what the
     launcher's config asks for. A launcher asking for mixed precision (``mixed_precision: bf16`` in
