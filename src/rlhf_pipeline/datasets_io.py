@@ -540,6 +540,10 @@ def clean_stale(path: Path, streams: bool = True) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+# How a directory that is not a stage's output is refused as an --output
+_NOT_DELETED = "which rlhf does not delete, --overwrite or not; choose another --output, or remove it yourself"
+
+
 class StageOutput:
     """The output directory of one stage run: reuse check, atomic write, manifest.
 
@@ -621,11 +625,8 @@ class StageOutput:
                     return False  # an empty directory (a mount point, say): written into, not deleted
                 # files no stage wrote (a model, a dataset of the user's, a folder of other things): never deleted
                 # here, nor written into
-                raise PipelineError(
-                    f"--output {self.path}: exists and holds files that are not a stage's output (no {MANIFEST} or "
-                    f"{RUN_RECORD}), which rlhf does not delete, --overwrite or not; choose another --output, or "
-                    "remove it yourself"
-                )
+                raise PipelineError(f"--output {self.path}: exists and holds files that are not a stage's output (no "
+                                    f"{MANIFEST} or {RUN_RECORD}), {_NOT_DELETED}")
             record = self._stage_record(started, json.loads(started.read_text()))
             if resume:
                 diffs = self.differences(record, used=not parts_check_themselves)
@@ -672,11 +673,8 @@ class StageOutput:
         if (isinstance(record, dict) and isinstance(record.get("stage"), str) and isinstance(record.get("config"), dict)
                 and isinstance(record.get("inputs"), list)):
             return record
-        raise PipelineError(
-            f"--output {self.path}: its {path.name} is not one a stage wrote (no stage, config and inputs), so the "
-            "directory is not a stage's output, which rlhf does not delete, --overwrite or not; choose another "
-            "--output, or remove it yourself"
-        )
+        raise PipelineError(f"--output {self.path}: its {path.name} is not one a stage wrote (no stage, config and "
+                            f"inputs), so the directory is not a stage's output, {_NOT_DELETED}")
 
     def _refuse_writing_over_an_input(self) -> None:
         """An --output that is, or holds, something this run reads (its input data, a model, a tokenizer, a

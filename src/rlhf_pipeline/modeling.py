@@ -177,8 +177,7 @@ def reward_model_problem(config: dict, trust_remote_code: bool, *, judge: bool =
     if remote:
         if trust_remote_code:
             return None
-        return (f"{_ships(remote)}, which is not run unless allowed; read that code, then allow it with "
-                f"{trust_option}")
+        return _not_allowed(_ships(remote), trust_option)
     architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
     if architectures and all(a.endswith(_CAUSAL_LM_SUFFIXES) for a in architectures):
         fix = _REWARD_MODEL_HINT + (", or give it as --judge to compare answers pairwise" if judge else "")
@@ -208,13 +207,16 @@ def check_causal_lm_code(flag: str, ref: str, trust_remote_code: bool, trust_opt
     config = None if trust_remote_code else _config_json(ref)
     remote = _remote_class(config, "AutoModelForCausalLM") if config is not None else None
     if remote:
-        raise PipelineError(f"{flag} {ref}: ships its own model code (config.json's auto_map: AutoModelForCausalLM -> "
-                            f"{remote}), which is not run unless allowed; read that code, then allow it with "
-                            f"{trust_option}")
+        raise PipelineError(f"{flag} {ref}: " + _not_allowed(_ships(remote, "AutoModelForCausalLM", "model code"),
+                                                               trust_option))
 
 
-def _ships(remote: str) -> str:
-    return f"ships its own code for its reward head (config.json's auto_map: {REWARD_AUTO_CLASS} -> {remote})"
+def _ships(remote: str, auto_class: str = REWARD_AUTO_CLASS, what: str = "code for its reward head") -> str:
+    return f"ships its own {what} (config.json's auto_map: {auto_class} -> {remote})"
+
+
+def _not_allowed(ships: str, trust_option: str) -> str:
+    return f"{ships}, which is not run unless allowed; read that code, then allow it with {trust_option}"
 
 
 # PPO's critic reads a value at every response token through the classifier's one-label `score` head

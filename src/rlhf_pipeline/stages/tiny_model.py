@@ -67,14 +67,13 @@ def main(config: TinyModelConfig) -> Path:
         raise PipelineError(f"--output {path}: already exists; pass --overwrite to replace it")
     if path.exists() and not path.is_dir():
         raise PipelineError(f"--output {path}: exists and is a file; choose a directory path")
+    foreign = sorted({p.name for p in path.iterdir()} - TINY_MODEL_FILES) if path.exists() else []
+    if foreign:  # not a tiny model's directory: left as it is
+        raise PipelineError(f"--output {path}: holds files a tiny model does not ({', '.join(foreign[:3])}), "
+                            "which --overwrite does not delete; choose another --output, or remove it yourself")
     with atomic_directory(path) as tmp:
         save_tiny_model(tmp, kind=config.kind, seed=config.seed, chat_format=config.chat_format,
                         hidden_size=config.hidden_size, num_layers=config.num_layers)
-        written = {p.name for p in tmp.iterdir()} | TINY_MODEL_FILES
-        foreign = sorted({p.name for p in path.iterdir()} - written) if path.exists() else []
-        if foreign:  # not a tiny model's directory: left as it was
-            raise PipelineError(f"--output {path}: holds files a tiny model does not ({', '.join(foreign[:3])}), "
-                                "which --overwrite does not delete; choose another --output, or remove it yourself")
     print(f"[tiny-model] wrote a tiny {config.kind} model ({config.chat_format} chat format) to {path}")
     return path
 
