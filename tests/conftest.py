@@ -28,6 +28,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path not in slow_files)  # stable: the order inside each group is kept
 
 
+@pytest.fixture(autouse=True)
+def _forget_hub_commits():
+    """The Hub commits a process resolved are kept for the process (rlhf_pipeline.datasets_io.hub_commit); a test
+    that fakes the Hub leaves none for the tests after it."""
+    yield
+    from rlhf_pipeline.datasets_io import hub_commit
+
+    hub_commit.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory) -> str:
     from rlhf_pipeline.tiny import save_tiny_model

@@ -13,11 +13,13 @@ branch makes every upload there fail, as offline, until it is removed.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import os
 import runpy
 import shutil
 import sys
+import types
 from pathlib import Path
 
 
@@ -27,6 +29,8 @@ def install(setattr_, root: str | Path) -> None:
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError
 
+    from rlhf_pipeline.datasets_io import hub_commit
+
     root = Path(root)
 
     def repo(kind: str, repo_id: str, private: bool | None = None, create: bool = True) -> Path:
@@ -35,6 +39,23 @@ def install(setattr_, root: str | Path) -> None:
             path.mkdir(parents=True, exist_ok=True)
             (path / "repo.json").write_text(json.dumps({"private": bool(private)}))
         return path
+
+    def named(kind: str, repo_id: str, revision: str | None) -> str:
+        """The branch a revision names: a commit the fake's dataset_info gave stands for the branch it was asked
+        about (the fake keeps no history: a commit reads the branch as it is now)."""
+        commit = root / kind / repo_id / "commits" / str(revision)
+        return commit.read_text() if commit.is_file() else revision or "main"
+
+    def commit_of(kind: str, repo_id: str, revision: str | None) -> str:
+        """A commit id for a branch as it is now: a hash of every file it holds, and of the configurations."""
+        path = repo(kind, repo_id, create=False)
+        h = hashlib.sha1()
+        for base in (path / "rev" / (revision or "main"), path / "configs"):
+            for file in sorted(f for f in base.rglob("*") if f.is_file()):
+                h.update(str(file.relative_to(path)).encode() + b"\0" + file.read_bytes())
+        (path / "commits").mkdir(exist_ok=True)
+        (path / "commits" / h.hexdigest()).write_text(revision or "main")
+        return h.hexdigest()
 
     def check(place: str | None) -> None:
         fail = root / "fail"
@@ -49,6 +70,12 @@ def install(setattr_, root: str | Path) -> None:
         data.save_to_disk(str(target))
 
     class HfApi:
+        def dataset_info(self, repo_id, revision=None, **kw):
+            if not (root / "dataset" / repo_id / "repo.json").exists():
+                raise OSError(f"{repo_id}: no such dataset repo")  # as unreachable: the caller falls back alike
+            return types.SimpleNamespace(id=repo_id, sha=commit_of("dataset", repo_id, named("dataset", repo_id,
+                                                                                             revision)))
+
         def create_repo(self, repo_id, repo_type=None, private=None, exist_ok=False, **kw):
             repo(repo_type or "model", repo_id, private)
 
@@ -64,7 +91,8 @@ def install(setattr_, root: str | Path) -> None:
             target.write_bytes(data)
 
         def file_exists(self, repo_id, filename, repo_type=None, revision=None, **kw):
-            path = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main") / filename
+            revision = named(repo_type or "model", repo_id, revision)
+            path = repo(repo_type or "model", repo_id, create=False) / "rev" / revision / filename
             return path.is_file()
 
         def delete_file(self, path_in_repo, repo_id, repo_type=None, revision=None, **kw):
@@ -75,7 +103,8 @@ def install(setattr_, root: str | Path) -> None:
             path.unlink()
 
         def list_repo_files(self, repo_id, repo_type=None, revision=None, **kw):
-            files = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main")
+            revision = named(repo_type or "model", repo_id, revision)
+            files = repo(repo_type or "model", repo_id, create=False) / "rev" / revision
             return sorted(str(f.relative_to(files)) for f in files.rglob("*") if f.is_file())
 
         def upload_folder(self, folder_path, repo_id, repo_type=None, revision=None, ignore_patterns=(),
@@ -93,13 +122,15 @@ def install(setattr_, root: str | Path) -> None:
                     shutil.copy2(file, target / name)
 
     def hf_hub_download(repo_id, filename, repo_type=None, revision=None, **kw):
-        file = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main") / filename
+        revision = named(repo_type or "model", repo_id, revision)
+        file = repo(repo_type or "model", repo_id, create=False) / "rev" / revision / filename
         if not file.is_file():
             raise EntryNotFoundError(f"{repo_id}: no {filename} at {revision or 'main'}")
         return str(file)
 
     def snapshot_download(repo_id, repo_type=None, revision=None, local_dir=None, **kw):
-        source = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main")
+        revision = named(repo_type or "model", repo_id, revision)
+        source = repo(repo_type or "model", repo_id, create=False) / "rev" / revision
         if not source.is_dir():
             raise EntryNotFoundError(f"{repo_id}: no revision {revision}")
         shutil.copytree(source, local_dir, dirs_exist_ok=True)
@@ -115,6 +146,7 @@ def install(setattr_, root: str | Path) -> None:
 
     for cls in (datasets.Dataset, datasets.DatasetDict):
         setattr_(cls, "push_to_hub", push_to_hub)
+    hub_commit.cache_clear()  # a process's commits of the Hub before this one
     setattr_(huggingface_hub, "HfApi", HfApi)
     setattr_(huggingface_hub, "hf_hub_download", hf_hub_download)
     setattr_(huggingface_hub, "snapshot_download", snapshot_download)

@@ -16,12 +16,14 @@ from rlhf_pipeline.datasets_io import (
     atomic_directory,
     clean_stale,
     fingerprint,
+    hub_commit,
     hub_manifest,
     load_dataset_dict,
     load_dataset_ref,
     parse_ref,
     pull_output,
     read_manifest,
+    same_inputs,
 )
 from rlhf_pipeline.errors import PipelineError
 
@@ -375,6 +377,66 @@ def test_outputs_pushed_to_configurations_of_one_private_repo_load_back_with_the
     assert load_dataset_ref(parse_ref(str(tmp_path / "pulled" / "score")))["x"] == [1, 2]
     assert sorted(load_dataset_dict(parse_ref(str(tmp_path / "pulled" / "filter")))) == ["test", "train"]
     assert hub_manifest(HubTarget("org/run", "iter2-score"), model=False) is None  # nothing pushed there
+
+
+def test_a_hub_dataset_is_fingerprinted_by_its_commit_so_a_push_to_its_branch_is_new_data(tmp_path, monkeypatch):
+    """A stage's Hub input without @REVISION was fingerprinted as '@main', so after new data went up a rerun
+    counted as the same run and kept the output made from the old data. The commit the branch names is recorded
+    now; the data is loaded at that commit, and a Hub stage output is its manifest's output_id, as its local copy."""
+    hub = tmp_path / "hub"
+    fake_hub.install(monkeypatch.setattr, hub)
+    Dataset.from_dict({"prompt": ["a", "b"]}).push_to_hub("org/prompts")
+    ref = parse_ref("org/prompts")
+    first = fingerprint(ref)
+    assert first.startswith("hub:org/prompts@") and first != "hub:org/prompts@main" and len(first) == 56
+    out = StageOutput("unit", Cfg(output=str(tmp_path / "out")), [ref])
+    out.save(load_dataset_ref(ref), rows_in=2)
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["inputs"][0] == {
+        "ref": "org/prompts", "fingerprint": first, "split": None}
+    assert StageOutput("unit", Cfg(output=str(tmp_path / "out")), [ref]).done()  # the same commit: done
+
+    Dataset.from_dict({"prompt": ["a", "b", "c"]}).push_to_hub("org/prompts")
+    hub_commit.cache_clear()  # a new stage process
+    assert fingerprint(ref) != first
+    with pytest.raises(PipelineError, match="the input data changed"):
+        StageOutput("unit", Cfg(output=str(tmp_path / "out")), [ref]).done()
+
+    scored = StageOutput("score", Cfg(output=str(tmp_path / "score"), push_to_hub="org/run", hub_config="s"), [])
+    scored.save(Dataset.from_dict({"x": [1]}), rows_in=1)
+    output_id = json.loads((tmp_path / "score" / MANIFEST).read_text())["output_id"]
+    assert fingerprint(parse_ref("org/run#s")) == fingerprint(parse_ref(str(tmp_path / "score"))) == output_id
+
+
+def test_a_hub_input_recorded_by_its_revision_matches_while_two_commits_differ():
+    """Manifests from before commits were resolved, and runs that know none (offline, never fetched), record the
+    revision asked for: nothing tells those apart from any commit, so they match as they always did; two known
+    commits, or two other references, do not."""
+    commit_a, commit_b = "a" * 40, "b" * 40
+    by_request = {"ref": "org/p#c", "fingerprint": "hub:org/p#c@main", "split": None}
+    pinned_a = {"ref": "org/p#c", "fingerprint": f"hub:org/p#c@{commit_a}", "split": None}
+    pinned_b = {"ref": "org/p#c", "fingerprint": f"hub:org/p#c@{commit_b}", "split": None}
+    assert same_inputs([by_request], [pinned_a]) and same_inputs([pinned_a], [by_request])
+    assert same_inputs([pinned_a], [pinned_a]) and not same_inputs([pinned_a], [pinned_b])
+    other = {"ref": "org/q#c", "fingerprint": "hub:org/q#c@main", "split": None}
+    assert not same_inputs([other], [pinned_a])
+    assert not same_inputs([{**by_request, "split": "test"}], [{**pinned_a, "split": "train"}])
+    assert not same_inputs([by_request], [by_request, pinned_a])
+
+
+def test_offline_a_hub_commit_is_the_one_the_hub_cache_last_saw(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE (the tests' setting): the Hub is not asked; the local Hub cache's refs/<branch>, which
+    datasets writes when it loads a repo, gives the commit, and without one the revision asked for stands."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    refs = tmp_path / "datasets--org--cached" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_text("c" * 40 + "\n")
+    assert hub_commit("org/cached", None) == "c" * 40
+    assert hub_commit("org/cached", "dev") is None
+    assert hub_commit("org/cached", "d" * 40) == "d" * 40  # a commit names itself
+    assert fingerprint(parse_ref("org/cached:train")) == "hub:org/cached@" + "c" * 40
+    assert fingerprint(parse_ref("org/never#cfg")) == "hub:org/never#cfg@main"
 
 
 def test_a_dataset_push_cut_before_its_manifest_leaves_no_earlier_manifest_beside_the_new_data(tmp_path,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -51,6 +52,7 @@ FILE_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _HUB_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:#(?P<config>[\w.-]+))?(?::(?P<split>[\w.-]+))?"
                      r"(?:@(?P<revision>[\w./-]+))?$")
 HUB_MANIFESTS = "manifests"  # where a dataset repo keeps the manifest of each configuration: manifests/CONFIG.json
+_COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub commit id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +167,7 @@ def _load_raw(ref: DatasetRef) -> Dataset | DatasetDict:
             raise PipelineError(_unreadable_file(Path(ref.location), builder, e)) from e
     else:
         try:
-            ds = datasets.load_dataset(ref.location, name=ref.config, revision=ref.revision)
+            ds = datasets.load_dataset(ref.location, name=ref.config, revision=_hub_revision(ref))
         except Exception as e:  # offline, not found, gated, a network error: many kinds
             raise PipelineError(
                 f"{ref}: no such file or directory here, and it did not load as a Hub dataset ({type(e).__name__}: "
@@ -230,7 +232,7 @@ def read_manifest(ref: DatasetRef) -> dict[str, Any] | None:
             raise PipelineError(f"{path}: damaged ({type(e).__name__}: {e}); {REWRITE_HINT}") from e
     if ref.kind == "hub":
         path = hub_manifest_file(ref.config)
-        return _hub_json(ref.location, path, repo_type="dataset", revision=ref.revision, owner=str(ref),
+        return _hub_json(ref.location, path, repo_type="dataset", revision=_hub_revision(ref), owner=str(ref),
                          offline_ok=f"{ref}: its {path} is neither in the Hub cache nor reachable; what it records "
                                     "(sampling, shard, rows) is not checked (unset HF_HUB_OFFLINE to check it)")
     return None
@@ -269,17 +271,60 @@ def _hub_json(repo_id: str, path: str, *, repo_type: str, revision: str | None, 
         raise PipelineError(f"{owner}: its {path} is damaged ({e}); {rewrite}") from None
 
 
+@functools.cache
+def hub_commit(repo_id: str, revision: str | None) -> str | None:
+    """The commit that ``revision`` (None: the main branch) of a Hub dataset names, asked once per process, so that
+    a stage fingerprints, reads the manifest of and loads one commit even while someone pushes to the branch.
+    Offline or out of reach, the commit the local Hub cache last saw there (``datasets`` caches the repo's card
+    through it); None when neither knows, or the Hub says there is no such repo or revision (loading says so)."""
+    if revision is not None and _COMMIT.fullmatch(revision):
+        return revision
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        return huggingface_hub.HfApi().dataset_info(repo_id, revision=revision).sha
+    except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError):
+        return None
+    except Exception:  # offline, unreachable, the Hub's other errors: what the cache knows
+        pass
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    cached = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="dataset") / "refs" / (
+        revision or "main")
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        commit = cached.read_text().strip()
+        if _COMMIT.fullmatch(commit):
+            return commit
+    return None
+
+
+def _hub_revision(ref: DatasetRef) -> str | None:
+    """The revision to read a Hub dataset at: its commit where known (:func:`hub_commit`), else as given."""
+    return hub_commit(ref.location, ref.revision) or ref.revision
+
+
+def _by_request(ref: DatasetRef) -> str:
+    """A Hub dataset's fingerprint by the revision asked for: all there is when no commit is known, and all there
+    was in manifests written before commits were resolved."""
+    return f"hub:{ref.location}{'#' + ref.config if ref.config else ''}@{ref.revision or 'main'}"
+
+
 def fingerprint(ref: DatasetRef) -> str:
     """A string that changes whenever the referenced data changes.
 
-    Stage outputs carry a fresh ``output_id`` in their manifest each time they are written; other directories use
-    the fingerprints ``datasets`` stores in ``state.json``; files are hashed; Hub ids use the requested revision.
+    Stage outputs carry a fresh ``output_id`` in their manifest each time they are written, on the Hub too; other
+    directories use the fingerprints ``datasets`` stores in ``state.json``; files are hashed; other Hub datasets are
+    fingerprinted by the commit their revision names (:func:`hub_commit`), or where none is known by the revision
+    asked for.
     """
+    if ref.kind in ("dir", "hub"):
+        manifest = read_manifest(ref)
+        if manifest is not None and isinstance(manifest.get("output_id"), str):
+            return manifest["output_id"]
     if ref.kind == "dir":
         path = Path(ref.location)
-        manifest = read_manifest(ref)
-        if manifest is not None:
-            return manifest["output_id"]
         states = sorted(path.rglob("state.json"))
         h = hashlib.sha256()
         for state in states:
@@ -287,7 +332,8 @@ def fingerprint(ref: DatasetRef) -> str:
         return "datasets:" + h.hexdigest()[:32]
     if ref.kind == "file":
         return "sha256:" + sha256_file(Path(ref.location))
-    return f"hub:{ref.location}{'#' + ref.config if ref.config else ''}@{ref.revision or 'main'}"
+    commit = hub_commit(ref.location, ref.revision)
+    return _by_request(dataclasses.replace(ref, revision=commit)) if commit else _by_request(ref)
 
 
 def input_record(ref: DatasetRef) -> dict[str, Any]:
@@ -299,9 +345,22 @@ def input_record(ref: DatasetRef) -> dict[str, Any]:
 def same_inputs(recorded: list[dict[str, Any]], inputs: list[dict[str, Any]]) -> bool:
     """Whether the inputs of a manifest (``recorded``) are the same data as ``inputs`` (:func:`input_record`'s): the
     same fingerprints, and the same splits where the record has them (a manifest from before they were recorded has
-    none, and is not held to them)."""
-    return [r["fingerprint"] for r in recorded] == [i["fingerprint"] for i in inputs] and all(
-        r["split"] == i.get("split") for r, i in zip(recorded, inputs) if "split" in r)
+    none, and is not held to them). A Hub input fingerprinted by the revision asked for on either side (an earlier
+    version's record, or no commit known now: offline, never fetched) matches any fingerprint of the same Hub
+    reference, as it always did: nothing tells them apart."""
+    return len(recorded) == len(inputs) and all(
+        _same_input(r, i) and ("split" not in r or r["split"] == i.get("split")) for r, i in zip(recorded, inputs))
+
+
+def _same_input(recorded: dict[str, Any], now: dict[str, Any]) -> bool:
+    if recorded["fingerprint"] == now["fingerprint"]:
+        return True
+    refs = []
+    for record in (recorded, now):
+        match = _HUB_ID.match(str(record.get("ref", "")))
+        refs.append(match and _by_request(DatasetRef("hub", match["repo"], revision=match["revision"],
+                                                     config=match["config"])))
+    return refs[0] is not None and refs[0] == refs[1] and refs[0] in (recorded["fingerprint"], now["fingerprint"])
 
 
 # The manifest's record of the other stages' outputs a run's options name (a policy, a reference, a baseline).
