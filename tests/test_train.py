@@ -368,6 +368,44 @@ def test_a_run_is_resumed_on_as_many_processes_as_it_ran_on(pairs, tiny_policy, 
     assert [p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()] == ["step_000002"]
 
 
+def test_a_checkpoint_from_before_the_launch_was_recorded_is_held_to_the_launch_its_files_show(
+        pairs, tiny_policy, tmp_path, monkeypatch, capsys):
+    """Checkpoints of earlier versions have no 'processes' or 'zero_stage' in their trainer state: resumed under
+    another launch they failed to load with an error that blamed memory or package versions. Their files show the
+    launch (one random_states_N.pkl a process; DeepSpeed's model states, one a process under ZeRO-3): the same
+    one-line refusals, and one that matches still resumes."""
+    import shutil
+
+    from rlhf_pipeline.files import seal
+
+    common = ["--algo", "rebel", "--max-steps", 4, "--batch-size", 2, "--save-every", 2]
+    crash_after_checkpoint(monkeypatch, 2)
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common)) == 130
+    checkpoint = tmp_path / "cut" / "checkpoints" / "step_000002"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    older = {k: v for k, v in state.items() if k not in ("processes", "zero_stage")}
+    (checkpoint / "trainer_state.json").write_text(json.dumps(older))
+    shutil.copy(checkpoint / "state" / "random_states_0.pkl", checkpoint / "state" / "random_states_1.pkl")
+    seal(checkpoint)  # its record of its files' sizes, as the run would have written it
+    capsys.readouterr()
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common, "--resume")) == 1
+    err = capsys.readouterr().err
+    assert "was saved by a run on 2 processes, and this launch has 1" in err and "did not load" not in err
+    (checkpoint / "state" / "random_states_1.pkl").unlink()
+    zero = checkpoint / "state" / "pytorch_model"
+    zero.mkdir()
+    for rank in (0, 1):
+        (zero / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_bytes(b"")
+    seal(checkpoint)
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common, "--resume")) == 1
+    err = capsys.readouterr().err
+    assert "was saved by a run under DeepSpeed ZeRO stage 3, and this launch has no DeepSpeed" in err
+    shutil.rmtree(zero)
+    seal(checkpoint)
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "cut", *common, "--resume")) == 0
+    assert "resuming from" in capsys.readouterr().out
+
+
 def test_save_total_limit_keeps_the_newest_and_resumes_from_them(pairs, tiny_policy, tmp_path, monkeypatch):
     common = ["--algo", "rebel", "--max-steps", 5, "--batch-size", 2, "--save-every", 1, "--learning-rate", 1e-3,
               "--keep-checkpoints"]

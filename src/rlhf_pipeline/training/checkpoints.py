@@ -239,9 +239,9 @@ def _check_processes(accelerator, checkpoints: list[Path]) -> None:
     processes = accelerator.num_processes
     for checkpoint in reversed(checkpoints):
         try:
-            state = json.loads((checkpoint / TRAINER_STATE).read_text())
+            state = {**_launch_by_files(checkpoint), **json.loads((checkpoint / TRAINER_STATE).read_text())}
             recorded = state.get("processes")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, TypeError):
             continue  # a damaged one: verify() says so
         if "zero_stage" in state and _layout(state["zero_stage"]) != _layout(zero_stage(accelerator)):
             def name(stage: int | None) -> str:
@@ -263,6 +263,23 @@ def _check_processes(accelerator, checkpoints: list[Path]) -> None:
                 f"would not load; resume it on {recorded}, or pass --overwrite to start over"
             )
         return
+
+
+def _launch_by_files(checkpoint: Path) -> dict[str, Any]:
+    """The launch a checkpoint's files show, for one saved before its trainer state recorded it (``processes`` and
+    ``zero_stage``; those recorded win): accelerate's ``random_states_N.pkl``, one per process, and DeepSpeed's model
+    states, one per process under ZeRO-3 (``zero_pp_rank_N_mp_rank_00_model_states.pt``) and one in all under ZeRO-1/2
+    (``mp_rank_00_model_states.pt``, read as stage 2: :func:`_layout`), none without DeepSpeed."""
+    state = checkpoint / "state"
+    found: dict[str, Any] = {}
+    processes = len(list(state.glob("random_states_*.pkl")))
+    if processes:
+        found["processes"] = processes
+    model_states = [p.name for p in state.glob("*/*model_states.pt")]
+    if state.is_dir():
+        found["zero_stage"] = (3 if any(name.startswith("zero_pp_rank_") for name in model_states)
+                               else 2 if model_states else None)
+    return found
 
 
 def _layout(stage: int | None) -> int | None:
