@@ -604,6 +604,27 @@ def test_a_piece_made_again_is_absent_until_it_is_whole(tmp_path, monkeypatch):
     assert (rows["rewards"], notes) == ([3.0, 4.0], {"code": "new"})
 
 
+def test_tiny_model_again_with_the_same_options_does_nothing_and_with_others_is_refused(tmp_path, capsys):
+    """README's "One iteration by hand" run a second time stopped at its first line: tiny-model refused any existing
+    directory. The same options build the same files, so the same command again does nothing, as every stage does;
+    other options are refused without --overwrite, and the model stays as it was."""
+    from conftest import run
+
+    out = tmp_path / "model"
+    assert run("tiny-model", "--output", out) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert run("tiny-model", "--output", out) == 0
+    assert "already holds this tiny model; nothing to do" in capsys.readouterr().out
+    assert run("tiny-model", "--seed", 1, "--output", out) == 1
+    assert "holds another model than these options build" in capsys.readouterr().err
+    (out / "tokenizer_config.json").write_text("{}")  # a file changed since
+    assert run("tiny-model", "--output", out) == 1
+    (out / "tokenizer_config.json").write_bytes(before["tokenizer_config.json"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no build left beside it
+
+
 def test_tiny_model_overwrite_replaces_a_tiny_model_and_nothing_else(tmp_path, capsys):
     """``rlhf tiny-model --overwrite`` replaced any directory (a thesis with it); now only a tiny model's files."""
     from conftest import run

@@ -16,6 +16,7 @@ modeling code named in config.json's auto_map, a multi-objective head with a gat
 from __future__ import annotations
 
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -63,19 +64,35 @@ def main(config: TinyModelConfig) -> Path:
 
     path = Path(config.output).expanduser()
     clean_stale(path)
-    if path.exists() and not config.overwrite:
-        raise PipelineError(f"--output {path}: already exists; pass --overwrite to replace it")
     if path.exists() and not path.is_dir():
         raise PipelineError(f"--output {path}: exists and is a file; choose a directory path")
     foreign = sorted({p.name for p in path.iterdir()} - TINY_MODEL_FILES) if path.exists() else []
     if foreign:  # not a tiny model's directory: left as it is
         raise PipelineError(f"--output {path}: holds files a tiny model does not ({', '.join(foreign[:3])}), "
                             "which --overwrite does not delete; choose another --output, or remove it yourself")
+    build = dict(kind=config.kind, seed=config.seed, chat_format=config.chat_format, hidden_size=config.hidden_size,
+                 num_layers=config.num_layers)
+    if path.exists() and not config.overwrite:
+        # The build is deterministic: the same options give the same files, so the same command again does nothing
+        # (as every stage), and other options are refused rather than replacing a model someone may be using.
+        with tempfile.TemporaryDirectory(prefix=".tiny-model-", dir=path.parent) as tmp:
+            save_tiny_model(Path(tmp), **build)
+            if _same_files(Path(tmp), path):
+                print(f"[tiny-model] {path} already holds this tiny model; nothing to do")
+                return path
+        raise PipelineError(f"--output {path}: holds another model than these options build (or its files changed); "
+                            "pass --overwrite to replace it, or choose another --output")
     with atomic_directory(path) as tmp:
-        save_tiny_model(tmp, kind=config.kind, seed=config.seed, chat_format=config.chat_format,
-                        hidden_size=config.hidden_size, num_layers=config.num_layers)
+        save_tiny_model(tmp, **build)
     print(f"[tiny-model] wrote a tiny {config.kind} model ({config.chat_format} chat format) to {path}")
     return path
+
+
+def _same_files(built: Path, existing: Path) -> bool:
+    """Whether two directories hold the same files, byte for byte."""
+    names = sorted(p.name for p in built.iterdir())
+    return names == sorted(p.name for p in existing.iterdir()) and all(
+        (built / name).read_bytes() == (existing / name).read_bytes() for name in names)
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
