@@ -379,6 +379,20 @@ def test_outputs_pushed_to_configurations_of_one_private_repo_load_back_with_the
     assert hub_manifest(HubTarget("org/run", "iter2-score"), model=False) is None  # nothing pushed there
 
 
+def test_a_manifest_names_the_commit_of_the_code_that_wrote_it(tmp_path):
+    """Every commit of a checkout is version 0.1.0: run from a git checkout, the manifest also records the commit
+    and whether tracked files were changed from it."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    StageOutput("unit", Cfg(output=str(tmp_path / "out")), []).save(Dataset.from_dict({"x": [1]}), rows_in=1)
+    source = json.loads((tmp_path / "out" / MANIFEST).read_text())["source"]
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert source["commit"] == head.strip() and isinstance(source["modified"], bool)
+
+
 def test_a_hub_dataset_is_fingerprinted_by_its_commit_so_a_push_to_its_branch_is_new_data(tmp_path, monkeypatch):
     """A stage's Hub input without @REVISION was fingerprinted as '@main', so after new data went up a rerun
     counted as the same run and kept the output made from the old data. The commit the branch names is recorded

@@ -599,6 +599,27 @@ def clean_stale(path: Path, streams: bool = True) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+@functools.cache
+def source_revision() -> dict[str, Any] | None:
+    """The git commit of the code that runs, when it runs from a checkout (an editable install), and whether its
+    tracked files differ from that commit: the package version alone names every commit of a checkout alike. None
+    from an installed package, or without git."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                                  timeout=10).stdout.strip()
+
+        return {"commit": git("rev-parse", "HEAD"), "modified": bool(git("status", "--porcelain",
+                                                                         "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 # How a directory that is not a stage's output is refused as an --output
 _NOT_DELETED = "which rlhf does not delete, --overwrite or not; choose another --output, or remove it yourself"
 
@@ -801,6 +822,7 @@ class StageOutput:
         return {
             "stage": self.stage,
             "version": __version__,
+            **({"source": source_revision()} if source_revision() else {}),
             "output_id": uuid.uuid4().hex,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "config": to_dict(self.config),
