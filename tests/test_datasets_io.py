@@ -437,10 +437,15 @@ def test_a_hub_input_recorded_by_its_revision_matches_while_two_commits_differ()
     assert not same_inputs([by_request], [by_request, pinned_a])
 
 
-def test_offline_a_hub_commit_is_the_one_the_hub_cache_last_saw(tmp_path, monkeypatch):
+def test_offline_a_hub_commit_is_the_one_the_hub_cache_last_saw(tmp_path, monkeypatch, caplog):
     """HF_HUB_OFFLINE (the tests' setting): the Hub is not asked; the local Hub cache's refs/<branch>, which
-    datasets writes when it loads a repo, gives the commit, and without one the revision asked for stands."""
+    datasets writes when it loads a repo, gives the commit, and without one the revision asked for stands. A
+    manifest out of reach is no warning here (a user's dataset has none): the stages that read lineage warn."""
     from huggingface_hub import constants
+
+    import rlhf_pipeline.datasets_io as dio
+
+    monkeypatch.setattr(dio, "_WARNED", set())
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     refs = tmp_path / "datasets--org--cached" / "refs"
@@ -449,8 +454,13 @@ def test_offline_a_hub_commit_is_the_one_the_hub_cache_last_saw(tmp_path, monkey
     assert hub_commit("org/cached", None) == "c" * 40
     assert hub_commit("org/cached", "dev") is None
     assert hub_commit("org/cached", "d" * 40) == "d" * 40  # a commit names itself
-    assert fingerprint(parse_ref("org/cached:train")) == "hub:org/cached@" + "c" * 40
-    assert fingerprint(parse_ref("org/never#cfg")) == "hub:org/never#cfg@main"
+    with caplog.at_level("WARNING", logger="rlhf_pipeline.datasets_io"):
+        assert fingerprint(parse_ref("org/cached:train")) == "hub:org/cached@" + "c" * 40
+        assert fingerprint(parse_ref("org/never#cfg")) == "hub:org/never#cfg@main"
+    assert caplog.records == []
+    with caplog.at_level("WARNING", logger="rlhf_pipeline.datasets_io"):
+        assert read_manifest(parse_ref("org/never#cfg")) is None
+    assert "is neither in the Hub cache nor reachable" in caplog.text
 
 
 def test_a_dataset_push_cut_before_its_manifest_leaves_no_earlier_manifest_beside_the_new_data(tmp_path,

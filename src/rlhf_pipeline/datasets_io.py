@@ -220,8 +220,9 @@ def load_dataset_dict(ref: DatasetRef, required: tuple[str, ...] = ()) -> Datase
     return ds
 
 
-def read_manifest(ref: DatasetRef) -> dict[str, Any] | None:
-    """The manifest of a stage output, or None for data that no stage wrote."""
+def read_manifest(ref: DatasetRef, warn_offline: bool = True) -> dict[str, Any] | None:
+    """The manifest of a stage output, or None for data that no stage wrote. A Hub dataset's manifest out of reach
+    (offline and not cached) is None too, with a warning once unless not ``warn_offline``."""
     if ref.kind == "dir":
         path = Path(ref.location) / MANIFEST
         if not path.exists():
@@ -234,7 +235,8 @@ def read_manifest(ref: DatasetRef) -> dict[str, Any] | None:
         path = hub_manifest_file(ref.config)
         return _hub_json(ref.location, path, repo_type="dataset", revision=_hub_revision(ref), owner=str(ref),
                          offline_ok=f"{ref}: its {path} is neither in the Hub cache nor reachable; what it records "
-                                    "(sampling, shard, rows) is not checked (unset HF_HUB_OFFLINE to check it)")
+                                    "(sampling, shard, rows) is not checked (unset HF_HUB_OFFLINE to check it)"
+                                    if warn_offline else "")
     return None
 
 
@@ -245,7 +247,7 @@ def _hub_json(repo_id: str, path: str, *, repo_type: str, revision: str | None, 
               offline_ok: str | None = None, rewrite: str = REWRITE_HINT) -> dict[str, Any] | None:
     """A JSON file of a Hub repo, or None when there is none (no such repo, branch or file). Not reaching the Hub
     (offline or unreachable, and not cached) is one line: an error, or, given ``offline_ok``, that warning (once per
-    process) and None. ``owner`` names the repo in messages, ``rewrite`` the fix of a damaged file."""
+    process; none when empty) and None. ``owner`` names the repo in messages, ``rewrite`` the fix of a damaged file."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
@@ -256,7 +258,7 @@ def _hub_json(repo_id: str, path: str, *, repo_type: str, revision: str | None, 
         if offline_ok is None:
             raise PipelineError(f"{owner}: could not read its {path} ({redact(first_line(e))}); check the network "
                                 "and that HF_HUB_OFFLINE is not set") from None
-        if offline_ok not in _WARNED:
+        if offline_ok and offline_ok not in _WARNED:
             _WARNED.add(offline_ok)
             log.warning(offline_ok)
         return None
@@ -320,7 +322,7 @@ def fingerprint(ref: DatasetRef) -> str:
     asked for.
     """
     if ref.kind in ("dir", "hub"):
-        manifest = read_manifest(ref)
+        manifest = read_manifest(ref, warn_offline=False)  # out of reach offline: a user's dataset has none
         if manifest is not None and isinstance(manifest.get("output_id"), str):
             return manifest["output_id"]
     if ref.kind == "dir":
