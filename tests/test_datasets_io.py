@@ -18,6 +18,7 @@ from rlhf_pipeline.datasets_io import (
     fingerprint,
     hub_commit,
     hub_manifest,
+    input_record,
     load_dataset_dict,
     load_dataset_ref,
     parse_ref,
@@ -393,54 +394,60 @@ def test_a_manifest_names_the_commit_of_the_code_that_wrote_it(tmp_path):
     assert source["commit"] == head.strip() and isinstance(source["modified"], bool)
 
 
-def test_a_hub_dataset_is_fingerprinted_by_its_commit_so_a_push_to_its_branch_is_new_data(tmp_path, monkeypatch):
-    """A stage's Hub input without @REVISION was fingerprinted as '@main', so after new data went up a rerun
-    counted as the same run and kept the output made from the old data. The commit the branch names is recorded
-    now; the data is loaded at that commit, and a Hub stage output is its manifest's output_id, as its local copy."""
+def test_a_hub_dataset_input_records_the_commit_it_was_read_at(tmp_path, monkeypatch):
+    """A Hub input is recorded with the commit its revision named when the stage read it (the manifest says which
+    data it was), and is identified by the revision as given: a commit covers the whole repo, so another
+    configuration pushed beside it is no new data; @COMMIT pins it. A pushed stage output is its manifest's
+    output_id, as its local copy, whatever else the repo holds."""
     hub = tmp_path / "hub"
     fake_hub.install(monkeypatch.setattr, hub)
     Dataset.from_dict({"prompt": ["a", "b"]}).push_to_hub("org/prompts")
     ref = parse_ref("org/prompts")
-    first = fingerprint(ref)
-    assert first.startswith("hub:org/prompts@") and first != "hub:org/prompts@main" and len(first) == 56
     out = StageOutput("unit", Cfg(output=str(tmp_path / "out")), [ref])
     out.save(load_dataset_ref(ref), rows_in=2)
-    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["inputs"][0] == {
-        "ref": "org/prompts", "fingerprint": first, "split": None}
-    assert StageOutput("unit", Cfg(output=str(tmp_path / "out")), [ref]).done()  # the same commit: done
+    record = json.loads((tmp_path / "out" / MANIFEST).read_text())["inputs"][0]
+    first = record["commit"]
+    assert record == {"ref": "org/prompts", "kind": "hub", "fingerprint": "hub:org/prompts@main", "split": None,
+                      "commit": first} and len(first) == 40
 
-    Dataset.from_dict({"prompt": ["a", "b", "c"]}).push_to_hub("org/prompts")
+    Dataset.from_dict({"x": [1]}).push_to_hub("org/prompts", config_name="other")  # the repo's commit moves
     hub_commit.cache_clear()  # a new stage process
-    assert fingerprint(ref) != first
-    with pytest.raises(PipelineError, match="the input data changed"):
-        StageOutput("unit", Cfg(output=str(tmp_path / "out")), [ref]).done()
+    assert hub_commit("org/prompts", None) != first
+    assert StageOutput("unit", Cfg(output=str(tmp_path / "out")), [ref]).done()  # the same data asked for
+    pinned = parse_ref(f"org/prompts@{first}")
+    assert fingerprint(pinned) == f"hub:org/prompts@{first}" and hub_commit("org/prompts", first) == first
 
     scored = StageOutput("score", Cfg(output=str(tmp_path / "score"), push_to_hub="org/run", hub_config="s"), [])
     scored.save(Dataset.from_dict({"x": [1]}), rows_in=1)
     output_id = json.loads((tmp_path / "score" / MANIFEST).read_text())["output_id"]
+    Dataset.from_dict({"x": [2]}).push_to_hub("org/run", config_name="t")
     assert fingerprint(parse_ref("org/run#s")) == fingerprint(parse_ref(str(tmp_path / "score"))) == output_id
 
 
-def test_a_hub_input_recorded_by_its_revision_matches_while_two_commits_differ():
-    """Manifests from before commits were resolved, and runs that know none (offline, never fetched), record the
-    revision asked for: nothing tells those apart from any commit, so they match as they always did; two known
-    commits, or two other references, do not."""
-    commit_a, commit_b = "a" * 40, "b" * 40
-    by_request = {"ref": "org/p#c", "fingerprint": "hub:org/p#c@main", "split": None}
-    pinned_a = {"ref": "org/p#c", "fingerprint": f"hub:org/p#c@{commit_a}", "split": None}
-    pinned_b = {"ref": "org/p#c", "fingerprint": f"hub:org/p#c@{commit_b}", "split": None}
-    assert same_inputs([by_request], [pinned_a]) and same_inputs([pinned_a], [by_request])
-    assert same_inputs([pinned_a], [pinned_a]) and not same_inputs([pinned_a], [pinned_b])
-    other = {"ref": "org/q#c", "fingerprint": "hub:org/q#c@main", "split": None}
-    assert not same_inputs([other], [pinned_a])
-    assert not same_inputs([{**by_request, "split": "test"}], [{**pinned_a, "split": "train"}])
-    assert not same_inputs([by_request], [by_request, pinned_a])
+def test_a_hub_stage_output_recorded_by_its_revision_matches_its_output_id_and_nothing_local_does():
+    """Before this version a Hub stage output was recorded by the revision asked for ('hub:ORG/NAME#CONFIG@main'),
+    and offline its manifest may be out of reach: either side so matches the other's output_id of the same Hub
+    reference. A local input never does: a relative directory since deleted reads as a Hub id, and a directory
+    named like a Hub dataset is not that dataset."""
+    old = {"ref": "org/run#s", "fingerprint": "hub:org/run#s@main", "split": None}  # no kind: an older record
+    now = {"ref": "org/run#s", "kind": "hub", "fingerprint": "f" * 32, "split": None}
+    offline = {**now, "fingerprint": "hub:org/run#s@main"}
+    assert same_inputs([old], [now]) and same_inputs([now], [offline])
+    assert not same_inputs([now], [{**now, "fingerprint": "e" * 32}])
+    assert not same_inputs([old], [{**now, "ref": "org/run#t", "fingerprint": "hub:org/run#t@main"}])
+    assert not same_inputs([{**old, "split": "test"}], [{**now, "split": "train"}])
+    assert not same_inputs([old], [now, now])
+    gone = {"ref": "runs/x", "kind": "hub", "fingerprint": "hub:runs/x@main", "split": None}
+    assert not same_inputs([{"ref": "runs/x", "kind": "dir", "fingerprint": "f" * 32, "split": None}], [gone])
+    assert not same_inputs([{"ref": "runs/x", "fingerprint": "f" * 32, "split": None}], [gone])
+    assert not same_inputs([{"ref": "org/p", "fingerprint": "hub:org/p@main", "split": None}],
+                           [{"ref": "org/p", "kind": "dir", "fingerprint": "datasets:0", "split": None}])
 
 
 def test_offline_a_hub_commit_is_the_one_the_hub_cache_last_saw(tmp_path, monkeypatch, caplog):
     """HF_HUB_OFFLINE (the tests' setting): the Hub is not asked; the local Hub cache's refs/<branch>, which
-    datasets writes when it loads a repo, gives the commit, and without one the revision asked for stands. A
-    manifest out of reach is no warning here (a user's dataset has none): the stages that read lineage warn."""
+    huggingface_hub writes when it downloads at a branch, gives the commit, or none is known. A manifest out of
+    reach is no warning here (a user's dataset has none): the stages that read lineage warn."""
     from huggingface_hub import constants
 
     import rlhf_pipeline.datasets_io as dio
@@ -455,7 +462,8 @@ def test_offline_a_hub_commit_is_the_one_the_hub_cache_last_saw(tmp_path, monkey
     assert hub_commit("org/cached", "dev") is None
     assert hub_commit("org/cached", "d" * 40) == "d" * 40  # a commit names itself
     with caplog.at_level("WARNING", logger="rlhf_pipeline.datasets_io"):
-        assert fingerprint(parse_ref("org/cached:train")) == "hub:org/cached@" + "c" * 40
+        assert input_record(parse_ref("org/cached:train"))["commit"] == "c" * 40
+        assert input_record(parse_ref("org/never#cfg"))["commit"] is None
         assert fingerprint(parse_ref("org/never#cfg")) == "hub:org/never#cfg@main"
     assert caplog.records == []
     with caplog.at_level("WARNING", logger="rlhf_pipeline.datasets_io"):
@@ -647,6 +655,11 @@ def test_tiny_model_again_with_the_same_options_does_nothing_and_with_others_is_
     (out / "tokenizer_config.json").write_bytes(before["tokenizer_config.json"])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no build left beside it
+    config = json.loads(before["config.json"])
+    (out / "config.json").write_text(json.dumps({**config, "transformers_version": "4.0.0"}))  # built before
+    (tmp_path / ".model.tmp-killed").mkdir()  # the comparison's build, left by a kill
+    assert run("tiny-model", "--output", out) == 0  # an upgrade of transformers builds the same model
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_tiny_model_overwrite_replaces_a_tiny_model_and_nothing_else(tmp_path, capsys):

@@ -53,6 +53,7 @@ _HUB_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:#(?P<config>[\w.-]+))?(?::(?
                      r"(?:@(?P<revision>[\w./-]+))?$")
 HUB_MANIFESTS = "manifests"  # where a dataset repo keeps the manifest of each configuration: manifests/CONFIG.json
 _COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub commit id
+HUB_TIMEOUT_S = 100  # how long a question to the Hub may wait for its answer (datasets waits as long)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +234,7 @@ def read_manifest(ref: DatasetRef, warn_offline: bool = True) -> dict[str, Any] 
             raise PipelineError(f"{path}: damaged ({type(e).__name__}: {e}); {REWRITE_HINT}") from e
     if ref.kind == "hub":
         path = hub_manifest_file(ref.config)
-        return _hub_json(ref.location, path, repo_type="dataset", revision=_hub_revision(ref), owner=str(ref),
+        return _hub_json(ref.location, path, repo_type="dataset", revision=ref.revision, owner=str(ref),
                          offline_ok=f"{ref}: its {path} is neither in the Hub cache nor reachable; what it records "
                                     "(sampling, shard, rows) is not checked (unset HF_HUB_OFFLINE to check it)"
                                     if warn_offline else "")
@@ -275,17 +276,18 @@ def _hub_json(repo_id: str, path: str, *, repo_type: str, revision: str | None, 
 
 @functools.cache
 def hub_commit(repo_id: str, revision: str | None) -> str | None:
-    """The commit that ``revision`` (None: the main branch) of a Hub dataset names, asked once per process, so that
-    a stage fingerprints, reads the manifest of and loads one commit even while someone pushes to the branch.
-    Offline or out of reach, the commit the local Hub cache last saw there (``datasets`` caches the repo's card
-    through it); None when neither knows, or the Hub says there is no such repo or revision (loading says so)."""
+    """The commit that ``revision`` (None: the main branch) of a Hub dataset names, asked once per process, so that a
+    stage records the commit it loads, and loads one commit even while someone pushes to the branch. Offline or out
+    of reach, the commit the local Hub cache last saw there, where it knows one; None when neither knows (offline,
+    ``datasets`` then loads the version it cached last), or the Hub says there is no such repo or revision (loading
+    says so)."""
     if revision is not None and _COMMIT.fullmatch(revision):
         return revision
     import huggingface_hub
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        return huggingface_hub.HfApi().dataset_info(repo_id, revision=revision).sha
+        return huggingface_hub.HfApi().dataset_info(repo_id, revision=revision, timeout=HUB_TIMEOUT_S).sha
     except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError):
         return None
     except Exception:  # offline, unreachable, the Hub's other errors: what the cache knows
@@ -318,8 +320,9 @@ def fingerprint(ref: DatasetRef) -> str:
 
     Stage outputs carry a fresh ``output_id`` in their manifest each time they are written, on the Hub too; other
     directories use the fingerprints ``datasets`` stores in ``state.json``; files are hashed; other Hub datasets are
-    fingerprinted by the commit their revision names (:func:`hub_commit`), or where none is known by the revision
-    asked for.
+    named by the revision asked for (``@COMMIT`` pins one). Not by the commit a branch names: a commit covers the
+    whole repo, so a README edit or another configuration pushed would count as new data, and a resumed run would
+    refuse its finished stages. :func:`input_record` records that commit beside the fingerprint.
     """
     if ref.kind in ("dir", "hub"):
         manifest = read_manifest(ref, warn_offline=False)  # out of reach offline: a user's dataset has none
@@ -334,35 +337,44 @@ def fingerprint(ref: DatasetRef) -> str:
         return "datasets:" + h.hexdigest()[:32]
     if ref.kind == "file":
         return "sha256:" + sha256_file(Path(ref.location))
-    commit = hub_commit(ref.location, ref.revision)
-    return _by_request(dataclasses.replace(ref, revision=commit)) if commit else _by_request(ref)
+    return _by_request(ref)
 
 
 def input_record(ref: DatasetRef) -> dict[str, Any]:
-    """How a manifest records an input: as given, its data's fingerprint, and the split it names (two splits of one
-    source are different data with one fingerprint)."""
-    return {"ref": str(ref), "fingerprint": fingerprint(ref), "split": ref.split}
+    """How a manifest records an input: as given, its kind, its data's fingerprint, and the split it names (two splits
+    of one source are different data with one fingerprint); a Hub dataset's commit too, where known (the data the
+    stage read)."""
+    record = {"ref": str(ref), "kind": ref.kind, "fingerprint": fingerprint(ref), "split": ref.split}
+    if ref.kind == "hub":
+        record["commit"] = hub_commit(ref.location, ref.revision)
+    return record
 
 
 def same_inputs(recorded: list[dict[str, Any]], inputs: list[dict[str, Any]]) -> bool:
-    """Whether the inputs of a manifest (``recorded``) are the same data as ``inputs`` (:func:`input_record`'s): the
-    same fingerprints, and the same splits where the record has them (a manifest from before they were recorded has
-    none, and is not held to them). A Hub input fingerprinted by the revision asked for on either side (an earlier
-    version's record, or no commit known now: offline, never fetched) matches any fingerprint of the same Hub
-    reference, as it always did: nothing tells them apart."""
+    """Whether the inputs of a manifest (``recorded``) are the same data as ``inputs`` (:func:`input_record`'s): each
+    the same input (:func:`same_input`), and the same splits where the record has them (a manifest from before they
+    were recorded has none, and is not held to them)."""
     return len(recorded) == len(inputs) and all(
-        _same_input(r, i) and ("split" not in r or r["split"] == i.get("split")) for r, i in zip(recorded, inputs))
+        same_input(r, i) and ("split" not in r or r["split"] == i.get("split")) for r, i in zip(recorded, inputs))
 
 
-def _same_input(recorded: dict[str, Any], now: dict[str, Any]) -> bool:
+def same_input(recorded: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a recorded input is the same data as one now: the same fingerprint; or, for a Hub stage output, its
+    ``output_id`` on one side and on the other the revision asked for, all a record of it held before this version
+    (and all there is offline when its manifest is out of reach), of the same Hub reference on both sides."""
     if recorded["fingerprint"] == now["fingerprint"]:
         return True
-    refs = []
+    if now.get("kind") != "hub":
+        return False
+    named = []
     for record in (recorded, now):
         match = _HUB_ID.match(str(record.get("ref", "")))
-        refs.append(match and _by_request(DatasetRef("hub", match["repo"], revision=match["revision"],
-                                                     config=match["config"])))
-    return refs[0] is not None and refs[0] == refs[1] and refs[0] in (recorded["fingerprint"], now["fingerprint"])
+        named.append(match and _by_request(DatasetRef("hub", match["repo"], revision=match["revision"],
+                                                      config=match["config"])))
+    if named[0] is None or named[0] != named[1]:
+        return False
+    recorded_hub = recorded.get("kind", "hub" if recorded["fingerprint"].startswith("hub:") else None) == "hub"
+    return recorded_hub and named[0] in (recorded["fingerprint"], now["fingerprint"])
 
 
 # The manifest's record of the other stages' outputs a run's options name (a policy, a reference, a baseline).
@@ -608,14 +620,18 @@ def source_revision() -> dict[str, Any] | None:
     from an installed package, or without git."""
     import subprocess
 
-    root = Path(__file__).resolve().parents[2]
+    here = Path(__file__).resolve()
+    root = here.parents[2]
     if not (root / ".git").exists():
         return None
-    try:
-        def git(*args: str) -> str:
-            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
-                                  timeout=10).stdout.strip()
+    env = {k: v for k, v in os.environ.items() if k not in ("GIT_DIR", "GIT_WORK_TREE")}  # this checkout's, not those
 
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True, timeout=10,
+                              env=env).stdout.strip()
+
+    try:
+        git("ls-files", "--error-unmatch", str(here.relative_to(root)))  # a checkout of this code, not another's
         return {"commit": git("rev-parse", "HEAD"), "modified": bool(git("status", "--porcelain",
                                                                          "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):

@@ -489,12 +489,12 @@ def _earlier_eval(path: str) -> Path | None:
     raise PipelineError(f"--baseline {path}: holds a {stage} output, not a model or an rlhf eval output")
 
 
-def _check_inputs(config: EvalConfig, ref, prompts_fingerprint: str) -> Path | None:
+def _check_inputs(config: EvalConfig, ref, prompts_record: dict[str, Any]) -> Path | None:
     """Everything eval reads, checked before it makes its output directory: the models, the reward function, the
     prompts and the baseline (and Ray, for --executor ray). Returns the earlier evaluation given as ``--baseline``
-    (None for a model, or none)."""
+    (None for a model, or none). ``prompts_record`` is the prompts' input record (``datasets_io.input_record``)."""
     from rlhf_pipeline.attention import check_attn_implementation, check_engine
-    from rlhf_pipeline.datasets_io import parse_ref
+    from rlhf_pipeline.datasets_io import parse_ref, same_input
     from rlhf_pipeline.engines import resolve_engine_name
     from rlhf_pipeline.executors import check_ray_installed
     from rlhf_pipeline.stages.generate import select_prompts
@@ -538,7 +538,7 @@ def _check_inputs(config: EvalConfig, ref, prompts_fingerprint: str) -> Path | N
     earlier_ref = parse_ref(previous_prompts["ref"]) if "ref" in previous_prompts else None
     # a Hub dataset's fingerprint does not say which split or configuration: those are compared too
     other_part = earlier_ref is not None and (earlier_ref.config, earlier_ref.split) != (ref.config, ref.split)
-    if other_part or previous_prompts.get("fingerprint", prompts_fingerprint) != prompts_fingerprint:
+    if other_part or ("fingerprint" in previous_prompts and not same_input(previous_prompts, prompts_record)):
         raise PipelineError(
             f"--baseline {config.baseline}: that evaluation was made on other prompts ({previous['inputs'][0]['ref']}, "
             f"not {ref}, or that file has changed since); a win rate compares responses to the same prompts, so "
@@ -613,7 +613,7 @@ def _evaluate(config: EvalConfig, accelerator) -> Path:
         if out.done(resume=True, parts_check_themselves=True):  # an unfinished eval continues
             return None
         # before the output directory is made: a mistake leaves nothing
-        return out, _check_inputs(config, ref, out.input_records[0]["fingerprint"]), ref
+        return out, _check_inputs(config, ref, out.input_records[0]), ref
 
     begun = guarded(accelerator, begin)
     if begun is None:

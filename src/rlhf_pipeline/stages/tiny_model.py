@@ -15,11 +15,12 @@ modeling code named in config.json's auto_map, a multi-objective head with a gat
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.config import option
@@ -75,7 +76,8 @@ def main(config: TinyModelConfig) -> Path:
     if path.exists() and not config.overwrite:
         # The build is deterministic: the same options give the same files, so the same command again does nothing
         # (as every stage), and other options are refused rather than replacing a model someone may be using.
-        with tempfile.TemporaryDirectory(prefix=".tiny-model-", dir=path.parent) as tmp:
+        # named as atomic_directory names its builds, so that one a kill leaves is removed by the next run
+        with tempfile.TemporaryDirectory(prefix=f".{path.name}.tmp-", dir=path.parent) as tmp:
             save_tiny_model(Path(tmp), **build)
             if _same_files(Path(tmp), path):
                 print(f"[tiny-model] {path} already holds this tiny model; nothing to do")
@@ -89,10 +91,22 @@ def main(config: TinyModelConfig) -> Path:
 
 
 def _same_files(built: Path, existing: Path) -> bool:
-    """Whether two directories hold the same files, byte for byte."""
+    """Whether two directories hold the same files, byte for byte but for the transformers version that config files
+    record (an upgrade of transformers builds the same model)."""
+    def content(path: Path) -> Any:
+        if path.suffix != ".json":
+            return path.read_bytes()
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            return path.read_bytes()
+        if isinstance(data, dict):
+            data.pop("transformers_version", None)
+        return data
+
     names = sorted(p.name for p in built.iterdir())
     return names == sorted(p.name for p in existing.iterdir()) and all(
-        (built / name).read_bytes() == (existing / name).read_bytes() for name in names)
+        content(built / name) == content(existing / name) for name in names)
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
