@@ -424,6 +424,31 @@ def test_a_hub_dataset_input_records_the_commit_it_was_read_at(tmp_path, monkeyp
     assert fingerprint(parse_ref("org/run#s")) == fingerprint(parse_ref(str(tmp_path / "score"))) == output_id
 
 
+@pytest.mark.parametrize("revision", [None, "v1.0", "refs/pr/3"])
+def test_a_hub_dataset_is_loaded_at_the_commit_its_revision_named(monkeypatch, revision):
+    """The commit recorded is the commit read: load_dataset is given it, for a branch, a tag or a pull request; where
+    no commit is known (offline, never fetched), the revision as given."""
+    import datasets
+
+    import rlhf_pipeline.datasets_io as dio
+
+    asked = []
+
+    def load_dataset(path, name=None, revision=None, **kw):
+        asked.append((path, name, revision))
+        return Dataset.from_dict({"prompt": ["a"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    commits = {("org/p", revision): "a" * 40}
+    monkeypatch.setattr(dio, "hub_commit", lambda repo, rev: commits.get((repo, rev)))
+    text = "org/p#cfg" + (f"@{revision}" if revision else "")
+    load_dataset_ref(parse_ref(text))
+    assert input_record(parse_ref(text))["commit"] == "a" * 40
+    commits.clear()
+    load_dataset_ref(parse_ref(text))
+    assert asked == [("org/p", "cfg", "a" * 40), ("org/p", "cfg", revision)]
+
+
 def test_a_hub_stage_output_recorded_by_its_revision_matches_its_output_id_and_nothing_local_does():
     """Before this version a Hub stage output was recorded by the revision asked for ('hub:ORG/NAME#CONFIG@main'),
     and offline its manifest may be out of reach: either side so matches the other's output_id of the same Hub
