@@ -406,6 +406,27 @@ def test_a_checkpoint_from_before_the_launch_was_recorded_is_held_to_the_launch_
     assert "resuming from" in capsys.readouterr().out
 
 
+def test_the_launch_a_checkpoints_files_show_and_the_launches_it_loads_under(tmp_path):
+    """DeepSpeed's files name the stage only as 3 or below 3 (ZeRO-0 in bf16 and ZeRO-1/2 name their optimizer files
+    alike): a checkpoint below 3 is held to a DeepSpeed launch below 3, and recorded stages 1 and 2 load alike."""
+    from rlhf_pipeline.training.checkpoints import BELOW_ZERO3, _launch_by_files, _same_layout
+
+    state = tmp_path / "state"
+    state.mkdir()
+    assert _launch_by_files(tmp_path) == {"zero_stage": None}
+    (state / "random_states_0.pkl").write_bytes(b"")
+    (state / "random_states_1.pkl").write_bytes(b"")
+    (state / "pytorch_model").mkdir()
+    (state / "pytorch_model" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (state / "pytorch_model" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    assert _launch_by_files(tmp_path) == {"processes": 2, "zero_stage": BELOW_ZERO3}
+    (state / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    assert _launch_by_files(tmp_path)["zero_stage"] == 3
+    assert [_same_layout(BELOW_ZERO3, now) for now in (None, 0, 1, 2, 3)] == [False, True, True, True, False]
+    assert [_same_layout(1, now) for now in (None, 0, 1, 2, 3)] == [False, False, True, True, False]
+    assert [_same_layout(None, now) for now in (None, 2, 3)] == [True, False, False]
+
+
 def test_save_total_limit_keeps_the_newest_and_resumes_from_them(pairs, tiny_policy, tmp_path, monkeypatch):
     common = ["--algo", "rebel", "--max-steps", 5, "--batch-size", 2, "--save-every", 1, "--learning-rate", 1e-3,
               "--keep-checkpoints"]

@@ -243,8 +243,8 @@ def _check_processes(accelerator, checkpoints: list[Path]) -> None:
             recorded = state.get("processes")
         except (OSError, ValueError, TypeError):
             continue  # a damaged one: verify() says so
-        if "zero_stage" in state and _layout(state["zero_stage"]) != _layout(zero_stage(accelerator)):
-            def name(stage: int | None) -> str:
+        if "zero_stage" in state and not _same_layout(state["zero_stage"], zero_stage(accelerator)):
+            def name(stage: int | str | None) -> str:
                 return "no DeepSpeed" if stage is None else f"DeepSpeed ZeRO stage {stage}"
 
             raise stop_everywhere(
@@ -265,11 +265,16 @@ def _check_processes(accelerator, checkpoints: list[Path]) -> None:
         return
 
 
+# What the files of a checkpoint saved under DeepSpeed below ZeRO-3 show of its stage: its optimizer state's files
+# are named alike under ZeRO-0 (bf16) and ZeRO-1/2.
+BELOW_ZERO3 = "0, 1 or 2"
+
+
 def _launch_by_files(checkpoint: Path) -> dict[str, Any]:
     """The launch a checkpoint's files show, for one saved before its trainer state recorded it (``processes`` and
     ``zero_stage``; those recorded win): accelerate's ``random_states_N.pkl``, one per process, and DeepSpeed's model
-    states, one per process under ZeRO-3 (``zero_pp_rank_N_mp_rank_00_model_states.pt``) and one in all under ZeRO-1/2
-    (``mp_rank_00_model_states.pt``, read as stage 2: :func:`_layout`), none without DeepSpeed."""
+    states, one per process under ZeRO-3 (``zero_pp_rank_N_mp_rank_00_model_states.pt``) and one in all below it
+    (``mp_rank_00_model_states.pt``: :data:`BELOW_ZERO3`); none without DeepSpeed."""
     state = checkpoint / "state"
     found: dict[str, Any] = {}
     processes = len(list(state.glob("random_states_*.pkl")))
@@ -278,14 +283,21 @@ def _launch_by_files(checkpoint: Path) -> dict[str, Any]:
     model_states = [p.name for p in state.glob("*/*model_states.pt")]
     if state.is_dir():
         found["zero_stage"] = (3 if any(name.startswith("zero_pp_rank_") for name in model_states)
-                               else 2 if model_states else None)
+                               else BELOW_ZERO3 if model_states else None)
     return found
 
 
-def _layout(stage: int | None) -> int | None:
-    """How a ZeRO stage lays out the optimizer's state in a checkpoint: stages 1 and 2 alike (partitioned optimizer
-    state, whole weights), stage 3 otherwise; None without DeepSpeed."""
-    return 2 if stage == 1 else stage
+def _same_layout(recorded: int | str | None, now: int | None) -> bool:
+    """Whether the optimizer's state a checkpoint saved under ``recorded`` (a ZeRO stage, None without DeepSpeed, or
+    :data:`BELOW_ZERO3`) loads under ``now``: stages 1 and 2 lay it out alike (partitioned optimizer state, whole
+    weights), stage 3 and no DeepSpeed otherwise."""
+    if recorded == BELOW_ZERO3:
+        return now is not None and now != 3
+
+    def layout(stage: int | None) -> int | None:
+        return 2 if stage == 1 else stage
+
+    return layout(recorded) == layout(now)
 
 
 def _size(directory: Path | None) -> int | None:
