@@ -566,8 +566,8 @@ def _stage_output(step: Step, config, on_hub: dict[Path, OnHub]):
         return StageOutput(step.stage, config, inputs=[parse_ref(t) for t in texts])
     out = StageOutput(step.stage, config, inputs=[])
     # the fingerprint the pulled output will have: its manifest's output_id
-    out.input_records = [{"ref": str(Path(text).expanduser()), "fingerprint": remote.manifest["output_id"],
-                          "split": None}]
+    out.input_records = [{"ref": str(Path(text).expanduser()), "kind": "dir",
+                          "fingerprint": remote.manifest["output_id"], "split": None}]
     return out
 
 
