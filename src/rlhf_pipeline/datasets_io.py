@@ -360,8 +360,9 @@ def same_inputs(recorded: list[dict[str, Any]], inputs: list[dict[str, Any]]) ->
 
 def same_input(recorded: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether a recorded input is the same data as one now: the same fingerprint; or, for a Hub stage output, its
-    ``output_id`` on one side and on the other the revision asked for, all a record of it held before this version
-    (and all there is offline when its manifest is out of reach), of the same Hub reference on both sides."""
+    ``output_id`` on one side and the revision asked for on the other (how records made it before outputs on the
+    Hub were fingerprinted by their manifests, and all there is offline with the manifest out of reach), both of
+    the same Hub reference."""
     if recorded["fingerprint"] == now["fingerprint"]:
         return True
     if now.get("kind") != "hub":

@@ -75,8 +75,8 @@ def main(config: TinyModelConfig) -> Path:
                  num_layers=config.num_layers)
     if path.exists() and not config.overwrite:
         # The build is deterministic: the same options give the same files, so the same command again does nothing
-        # (as every stage), and other options are refused rather than replacing a model someone may be using.
-        # named as atomic_directory names its builds, so that one a kill leaves is removed by the next run
+        # (as every stage), and other options are refused rather than replacing a model someone may be using. The
+        # build compared is named as atomic_directory names its own, so that one a kill leaves is removed next time.
         with tempfile.TemporaryDirectory(prefix=f".{path.name}.tmp-", dir=path.parent) as tmp:
             save_tiny_model(Path(tmp), **build)
             if _same_files(Path(tmp), path):
