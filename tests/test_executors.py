@@ -78,14 +78,20 @@ def test_a_ray_address_in_brackets_is_reached():
 
 
 def test_a_run_starts_and_stops_its_own_local_ray(tiny_policy, bundled_prompts, tmp_path):
-    """Without --ray-address (and no Ray in the process yet: this test runs before the module's) the stage starts
-    a local Ray of --replicas CPUs and stops it when done."""
-    ray = pytest.importorskip("ray")
-    assert not ray.is_initialized()
+    """Without --ray-address (and no Ray in the process yet) the stage starts a local Ray of --replicas CPUs and
+    stops it when done. It runs in a process of its own, where no Ray runs whichever tests ran before (this module's
+    in-process Ray among them)."""
+    import subprocess
+
+    pytest.importorskip("ray")
     args = ["generate", "--model", tiny_policy, "--prompts", bundled_prompts, *COMMON, "--batch-size", 1,
             "--limit", 3]
-    assert run(*args, "--executor", "ray", "--replicas", 2, "--output", tmp_path / "ray") == 0
-    assert not ray.is_initialized()
+    script = ("import sys, ray\nfrom rlhf_pipeline.cli import main\nassert not ray.is_initialized()\n"
+              "code = main(sys.argv[1:])\nassert not ray.is_initialized(), 'the stage left its Ray running'\n"
+              "sys.exit(code)\n")
+    res = subprocess.run([sys.executable, "-c", script, *map(str, args), "--executor", "ray", "--replicas", "2",
+                          "--output", str(tmp_path / "ray")], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
     assert run(*args, "--output", tmp_path / "local") == 0
     assert columns(tmp_path / "ray") == columns(tmp_path / "local")
     assert logprobs_close(tmp_path / "ray", tmp_path / "local")
