@@ -29,8 +29,6 @@ def install(setattr_, root: str | Path) -> None:
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError
 
-    from rlhf_pipeline.datasets_io import hub_commit
-
     root = Path(root)
 
     def repo(kind: str, repo_id: str, private: bool | None = None, create: bool = True) -> Path:
@@ -40,21 +38,14 @@ def install(setattr_, root: str | Path) -> None:
             (path / "repo.json").write_text(json.dumps({"private": bool(private)}))
         return path
 
-    def named(kind: str, repo_id: str, revision: str | None) -> str:
-        """The branch a revision names: a commit the fake's dataset_info gave stands for the branch it was asked
-        about (the fake keeps no history: a commit reads the branch as it is now)."""
-        commit = root / kind / repo_id / "commits" / str(revision)
-        return commit.read_text() if commit.is_file() else revision or "main"
-
     def commit_of(kind: str, repo_id: str, revision: str | None) -> str:
-        """A commit id for a branch as it is now: a hash of every file it holds, and of the configurations."""
+        """A commit id for a branch as it is now: a hash of every file it holds, and of the configurations (the fake
+        keeps no history, and reads no revision by its commit)."""
         path = repo(kind, repo_id, create=False)
         h = hashlib.sha1()
         for base in (path / "rev" / (revision or "main"), path / "configs"):
             for file in sorted(f for f in base.rglob("*") if f.is_file()):
                 h.update(str(file.relative_to(path)).encode() + b"\0" + file.read_bytes())
-        (path / "commits").mkdir(exist_ok=True)
-        (path / "commits" / h.hexdigest()).write_text(revision or "main")
         return h.hexdigest()
 
     def check(place: str | None) -> None:
@@ -73,8 +64,7 @@ def install(setattr_, root: str | Path) -> None:
         def dataset_info(self, repo_id, revision=None, **kw):
             if not (root / "dataset" / repo_id / "repo.json").exists():
                 raise OSError(f"{repo_id}: no such dataset repo")  # as unreachable: the caller falls back alike
-            return types.SimpleNamespace(id=repo_id, sha=commit_of("dataset", repo_id, named("dataset", repo_id,
-                                                                                             revision)))
+            return types.SimpleNamespace(id=repo_id, sha=commit_of("dataset", repo_id, revision))
 
         def create_repo(self, repo_id, repo_type=None, private=None, exist_ok=False, **kw):
             repo(repo_type or "model", repo_id, private)
@@ -91,8 +81,7 @@ def install(setattr_, root: str | Path) -> None:
             target.write_bytes(data)
 
         def file_exists(self, repo_id, filename, repo_type=None, revision=None, **kw):
-            revision = named(repo_type or "model", repo_id, revision)
-            path = repo(repo_type or "model", repo_id, create=False) / "rev" / revision / filename
+            path = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main") / filename
             return path.is_file()
 
         def delete_file(self, path_in_repo, repo_id, repo_type=None, revision=None, **kw):
@@ -103,8 +92,7 @@ def install(setattr_, root: str | Path) -> None:
             path.unlink()
 
         def list_repo_files(self, repo_id, repo_type=None, revision=None, **kw):
-            revision = named(repo_type or "model", repo_id, revision)
-            files = repo(repo_type or "model", repo_id, create=False) / "rev" / revision
+            files = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main")
             return sorted(str(f.relative_to(files)) for f in files.rglob("*") if f.is_file())
 
         def upload_folder(self, folder_path, repo_id, repo_type=None, revision=None, ignore_patterns=(),
@@ -122,15 +110,13 @@ def install(setattr_, root: str | Path) -> None:
                     shutil.copy2(file, target / name)
 
     def hf_hub_download(repo_id, filename, repo_type=None, revision=None, **kw):
-        revision = named(repo_type or "model", repo_id, revision)
-        file = repo(repo_type or "model", repo_id, create=False) / "rev" / revision / filename
+        file = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main") / filename
         if not file.is_file():
             raise EntryNotFoundError(f"{repo_id}: no {filename} at {revision or 'main'}")
         return str(file)
 
     def snapshot_download(repo_id, repo_type=None, revision=None, local_dir=None, **kw):
-        revision = named(repo_type or "model", repo_id, revision)
-        source = repo(repo_type or "model", repo_id, create=False) / "rev" / revision
+        source = repo(repo_type or "model", repo_id, create=False) / "rev" / (revision or "main")
         if not source.is_dir():
             raise EntryNotFoundError(f"{repo_id}: no revision {revision}")
         shutil.copytree(source, local_dir, dirs_exist_ok=True)
@@ -146,7 +132,6 @@ def install(setattr_, root: str | Path) -> None:
 
     for cls in (datasets.Dataset, datasets.DatasetDict):
         setattr_(cls, "push_to_hub", push_to_hub)
-    hub_commit.cache_clear()  # a process's commits of the Hub before this one
     setattr_(huggingface_hub, "HfApi", HfApi)
     setattr_(huggingface_hub, "hf_hub_download", hf_hub_download)
     setattr_(huggingface_hub, "snapshot_download", snapshot_download)
