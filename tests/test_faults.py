@@ -441,6 +441,36 @@ CHECKPOINT_DAMAGE = {
 }
 
 
+
+def test_a_resumed_run_logs_each_window_once_with_the_mean_of_its_steps(kit, tmp_path, monkeypatch):
+    """--logging-steps 3 over 5 steps logs at step 3 the mean of steps 1-3 and at step 5 (the last) that of 4-5:
+    losses, gradient norms and token-weighted metrics alike. A run killed while saving its step-4 checkpoint (the
+    checkpoint removed) resumes from step 2 with the window's sums, so its lines are the uninterrupted run's, and
+    TensorBoard holds each step once: the first attempt's events after step 2 are dropped."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    common = ["--model", kit["policy"], "--data", kit["ref"], "--algo", "dpo", "--temperature", 0.8, "--max-steps", 5,
+              "--batch-size", 2, "--learning-rate", 1e-3]
+    assert run("train", *common, "--report-to", "none", "--output", tmp_path / "every") == 0
+    out = tmp_path / "windows"
+    windowed = [*common, "--logging-steps", 3, "--save-every", 2, "--report-to", "tensorboard", "--output", out]
+    crash_after_checkpoint(monkeypatch, 4)
+    assert run("train", *windowed) == 130
+    shutil.rmtree(out / "checkpoints" / "step_000004")
+    assert run("train", *windowed, "--resume") == 0
+
+    every = tmp_path / "every"
+    for key in ("loss/train", "grad_norm", "reward/train_accuracy", "logp/train_chosen_logratio"):
+        values = logged(every, key)
+        assert logged(out, key) == pytest.approx([sum(values[:3]) / 3, sum(values[3:]) / 2], rel=1e-6), key
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss/train" in r] == [3, 5]
+    events = EventAccumulator(str(out / "runs"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss/train")] == [3, 5]
+    assert [e.value for e in events.Scalars("loss/train")] == pytest.approx(logged(out), rel=1e-6)
+
+
 @pytest.mark.parametrize("how", CHECKPOINT_DAMAGE)
 def test_resume_sets_a_damaged_checkpoint_aside_and_goes_on_from_the_one_before(how, kit, tmp_path, monkeypatch,
                                                                                 capsys, caplog):
@@ -449,9 +479,10 @@ def test_resume_sets_a_damaged_checkpoint_aside_and_goes_on_from_the_one_before(
     assert run("train", *common, "--output", tmp_path / "full") == 0
     out = tmp_path / "cut"
     interrupted(kit, out, monkeypatch, common, at=4)
+    # the command the message gives goes on (without --resume it would be refused: the output holds an unfinished run)
+    assert "interrupted; run the same command again with --resume to continue" in capsys.readouterr().err
     newest = out / "checkpoints" / "step_000004"
     CHECKPOINT_DAMAGE[how](newest)
-    capsys.readouterr()
     assert run("train", *common, "--output", out, "--resume") == 0
     text = capsys.readouterr().out + caplog.text
     assert "checkpoint" in caplog.text and "step_000004 is damaged" in caplog.text, caplog.text

@@ -638,6 +638,21 @@ def test_a_separate_reference_puts_its_k1_kl_into_reinforce_pp_rewards(data, tin
 # ---------------------------------------------------------------------------------------------------- DAPO, Dr. GRPO, GSPO
 
 
+def assert_same_token_means(a: Path, b: Path, critic: bool = False, ratios: bool = True) -> None:
+    """Two runs of the same steps cut into other micro-batches logged the same token means (clip fraction, k3 KL,
+    mean ratio, SAPO's gate; the critic's clip fraction): each micro-batch's mean weighed by its tokens, not by its
+    rows. The response lengths and rewards, per sample, too. ``ratios``: a loss of importance ratios (not SPPO's)."""
+    keys = [k for k in json.loads((a / "metrics.jsonl").read_text().splitlines()[1])
+            if k.split("/")[-1] in {"train_clip_frac", "train_approx_kl", "train_ratio_mean", "train_gate_mean",
+                                    "train_value_clip_frac", "train_response_length", "train_reward"}]
+    assert {"policy/train_response_length", "reward/train_reward"} <= set(keys), keys
+    assert ("kl/train_approx_kl" in keys) == ratios and ("ppo/train_value_clip_frac" in keys) == critic, keys
+    for key in keys:
+        assert logged(b, key) == pytest.approx(logged(a, key), abs=1e-6), key
+    if ratios:  # the policy moved: the means are not all 0
+        assert any(v > 1e-6 for v in logged(a, "kl/train_approx_kl"))
+
+
 @pytest.fixture(scope="module")
 def uneven(tmp_path_factory, stop_prone_policy, bundled_prompts) -> Path:
     """Groups of responses of uneven lengths (the stop-prone policy stops anywhere within 16 tokens), where a token
@@ -693,6 +708,7 @@ def test_a_token_budget_trains_as_batching_by_count(algo, uneven, stop_prone_pol
     assert len(plans) == 3 and len(micro_batch_sizes(plans)) >= 2 and micro_batch_sizes(plans) != {2}, plans
     for key in ("loss/train", "loss/train_policy_loss", "loss/eval") + (("loss/train_value_loss",) if critic else ()):
         assert logged(tmp_path / "tokens", key) == pytest.approx(logged(tmp_path / "count", key), abs=1e-5), key
+    assert_same_token_means(tmp_path / "count", tmp_path / "tokens", critic=critic is not None)
     assert_same_gradient_norms(tmp_path / "count", tmp_path / "tokens")
     assert max_weight_diff(tmp_path / "tokens", tmp_path / "count") < 1e-4
     if critic:
@@ -734,6 +750,7 @@ def test_the_2026_entries_are_invariant_to_batch_times_accumulation_and_resume(a
     assert_same_gradient_norms(tmp_path / "b8", tmp_path / "b2")
     assert max_weight_diff(tmp_path / "b2", tmp_path / "b8") < 1e-4
     assert len(logged(tmp_path / "b8", "policy/train_entropy")) == 4
+    assert_same_token_means(tmp_path / "b8", tmp_path / "b2", ratios=algo != "sppo")
 
     cut = [*common, "--batch-size", 8, "--save-every", 2]
     crash_after_checkpoint(monkeypatch, 2)

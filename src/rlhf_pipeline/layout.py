@@ -63,10 +63,18 @@ METRIC_GROUPS = {
     "margin": "reward", "accuracy": "reward", "chosen_reward": "reward", "rejected_reward": "reward",
     "chosen_logratio": "logp", "rejected_logratio": "logp", "logratio": "logp",
     "kl": "kl", "kl_to_ref": "kl", "approx_kl": "kl",
-    "clip_frac": "ppo", "ratio_mean": "ppo", "gate_mean": "ppo",
+    "clip_frac": "ppo", "ratio_mean": "ppo", "gate_mean": "ppo", "value_clip_frac": "ppo",
     "entropy": "policy", "logratio_mean": "logp", "target_mean": "reward",
     "kl_sampler": "rollout", "correction_weight": "rollout", "corrected_fraction": "rollout",
+    "response_length": "policy", "reward": "reward",
 }
+
+
+# A task's metric ``NAME`` returned beside ``NAME@weight`` (per example) is a weighted mean: its per-example values are
+# the example's weight times the value (a micro-batch's token mean times each example's tokens, say), and the trainer's
+# mean over a step, a split or a logging window is their sum over the sum of the weights, whatever micro-batches and
+# processes the step was cut into (``training.loop.means``). Other metrics are means over the examples.
+METRIC_WEIGHT = "@weight"
 
 
 def metric_names(values: dict[str, float], split: str) -> dict[str, float]:

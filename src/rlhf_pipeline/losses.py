@@ -342,6 +342,11 @@ def _reduce(per_token: torch.Tensor, m: torch.Tensor, reduction: str, max_tokens
     raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
+# The metrics the policy and value losses below return as means over the real tokens of their input (a micro-batch):
+# a trainer weighs them by each micro-batch's tokens when it averages over a step (``layout.METRIC_WEIGHT``).
+TOKEN_MEAN_METRICS = frozenset({"clip_frac", "approx_kl", "ratio_mean", "gate_mean"})
+
+
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                     clip: float, reduction: str = "token", *, clip_high: float | None = None,
                     importance: str = "token", max_tokens: int | None = None,

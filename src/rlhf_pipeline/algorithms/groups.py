@@ -53,7 +53,7 @@ from rlhf_pipeline.algorithms.registry import (ALGORITHMS, GROUPS, Family, regis
 from rlhf_pipeline.config import option
 from rlhf_pipeline.contracts import GROUP_COLUMNS, SAMPLER_LOGPROBS, SCORED_KINDS, require_columns, require_types
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.layout import CRITIC, ROLLOUT_CACHE
+from rlhf_pipeline.layout import CRITIC, METRIC_WEIGHT, ROLLOUT_CACHE
 from rlhf_pipeline.modeling import SAFE_WEIGHTS, enable_activation_checkpointing, peel
 
 log = logging.getLogger(__name__)
@@ -444,7 +444,7 @@ class GroupTask:
 
         from rlhf_pipeline.logprobs import (build_batch, positions_processed, response_positions, to_device,
                                             token_logps_and_entropy, token_values)
-        from rlhf_pipeline.losses import kl_estimate, value_loss
+        from rlhf_pipeline.losses import TOKEN_MEAN_METRICS, kl_estimate, value_loss
 
         p = self.params
         policy, critic = parts(model)
@@ -505,9 +505,10 @@ class GroupTask:
             values = rollout_layout(vals, vseq)
             old_values, _ = column("old_values")
             returns, _ = column("returns")
-            vloss, _ = value_loss(values, old_values, returns, mask, clip=p.value_clip, reduction="sequence")
+            vloss, vmetrics = value_loss(values, old_values, returns, mask, clip=p.value_clip, reduction="sequence")
             loss = loss + p.vf_coef * vloss
             out["value_loss"] = vloss.detach().expand(len(rows))
+            metrics = {**metrics, "value_clip_frac": vmetrics["clip_frac"]}
         with torch.no_grad():
             out["kl_to_ref"] = torch.where(mask, logp - ref, 0).sum(dim=1)  # k1 summed over the response
             if "sampler_logps" in rows[0]:  # how far the sampler's numbers are from the trainer's, per response
@@ -521,8 +522,15 @@ class GroupTask:
                     corrected = (known & (log_w.exp() > p.rollout_correction_cap) if p.rollout_correction == "tis"
                                  else mask & (weights == 0))
                     out["corrected_fraction"] = corrected.sum(dim=1) / per_sample_count
+            tokens = mask.sum(dim=1).to(dtype)
+            out["response_length"] = tokens
+            if "reward" in rows[0]:
+                out["reward"] = torch.tensor([float(r["reward"]) for r in rows])
             for k, v in metrics.items():
-                out[k] = v.expand(len(rows))
+                if k in TOKEN_MEAN_METRICS or k == "value_clip_frac":  # the micro-batch's token mean: weighed by tokens
+                    out[k], out[k + METRIC_WEIGHT] = v * tokens, tokens
+                else:
+                    out[k] = v.expand(len(rows))
         return loss, out, (batch.num_real_tokens, positions_processed(model, batch))
 
 

@@ -57,11 +57,13 @@ def _run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv
         level=os.environ.get("RLHF_LOG_LEVEL", "WARNING").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    again = "run the same command again"
     try:
         config = parse_config(config_cls, argv, prog)
         if getattr(config, "trust_remote_code", False):  # a model's own code may run: let older code import
             allow_legacy_remote_code()
-        again = "run the same command again" + (" with --resume" if hasattr(config, "resume") else "")
+        if hasattr(config, "resume") and not config.resume:
+            again += " with --resume"
         with writing(getattr(config, "output", None) or os.getcwd(), again=again):
             main_fn(config)
     except FailedElsewhere:  # another process of the launch failed, and the main process says why
@@ -79,7 +81,7 @@ def _run_stage(config_cls: type[C], main_fn: Callable[[C], Any], prog: str, argv
         _say(f"error: {e}")
         return e.exit_status
     except KeyboardInterrupt:  # outputs are written atomically or resumably: a rerun continues where this stopped
-        _say("interrupted; run the same command again to continue")
+        _say(f"interrupted; {again} to continue")
         return 130
     return 0
 

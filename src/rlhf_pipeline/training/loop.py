@@ -40,6 +40,8 @@ import importlib.util
 import json
 import logging
 import math
+import os
+import secrets
 import time
 import warnings
 from dataclasses import dataclass
@@ -53,7 +55,7 @@ from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.distributed import anywhere, quiet, reduce_sums, sharded_batches, stop_everywhere, zero_stage
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
-from rlhf_pipeline.layout import METRICS
+from rlhf_pipeline.layout import METRIC_WEIGHT, METRICS
 from rlhf_pipeline.modeling import enable_activation_checkpointing
 from rlhf_pipeline.training.compilation import compile_decoder_layers
 from rlhf_pipeline.training.lora import LoraOptions, add_adapters, load_kwargs
@@ -142,7 +144,9 @@ class TrainOptions(OutputOptions, LoraOptions):
         "after its final model and manifest are written (they only serve to resume an unfinished run).",
         semantic=False,
     )
-    logging_steps: int = option(1, help="Log metrics every N steps.", semantic=False)
+    logging_steps: int = option(
+        1, help="Log metrics every N steps: each line holds the mean over the steps since the last one (the last "
+        "step's learning rate).", semantic=False)
     resume: bool = option(False, help="Continue an interrupted run from its newest checkpoint.", semantic=False)
     seed: int = option(0, help="Seed of the data order and of anything random in training.")
     report_to: Literal["tensorboard", "wandb", "none"] = option(
@@ -440,6 +444,20 @@ def tracker_config(config) -> dict[str, Any]:
             for k, v in vars(config).items() if v is not None}
 
 
+def start_trackers(accelerator, config, step: int, run_id: str) -> None:
+    """Start ``--report-to``'s tracker, continuing the run's own after a resume from ``step``: TensorBoard (in
+    OUTPUT/runs) drops the events an interrupted attempt logged after that step, so no step is plotted twice; wandb
+    goes on with the run of the same id (the checkpoint's ``tracker_run``) in ``$WANDB_PROJECT`` (default
+    rlhf-pipeline) rather than starting a second one."""
+    if config.report_to == "none":
+        return
+    if config.report_to == "wandb":
+        project, init = os.environ.get("WANDB_PROJECT") or "rlhf-pipeline", {"id": run_id, "resume": "allow"}
+    else:
+        project, init = "runs", ({"purge_step": step + 1} if step else {})
+    accelerator.init_trackers(project, config=tracker_config(config), init_kwargs={config.report_to: init})
+
+
 def nonfinite_stop(accelerator, step: int, skipped_in_a_row: int, last_loss: float | None) -> PipelineError:
     last = f"the last finite loss was {last_loss:.6g}" if last_loss is not None else "no step had a finite loss"
     return stop_everywhere(
@@ -463,7 +481,7 @@ def add_to_sums(sums: dict[str, Any], loss, metrics: dict[str, Any], n: int, wei
     """Accumulate a micro-batch's mean loss and per-example metrics as sums over examples (``_n`` counts them), in
     float64 tensors where they are (on the device), which ``reduce_sums`` reads once: a ``float()`` here would make
     the host wait for every forward. A stand-in (``weight`` 0) adds zeros under the same keys, even where its values
-    are not finite."""
+    are not finite. :func:`means` turns the sums into the metrics."""
     def add(key: str, value) -> None:
         value = value.detach().double()
         sums[key] = sums.get(key, 0.0) + (value * weight if weight else value.new_zeros(()))
@@ -495,9 +513,23 @@ def evaluate(accelerator, model, task: TrainTask, ds, batch_size: int) -> dict[s
             # The stand-in adds zeros, but the same keys on every process.
             add_to_sums(sums, loss, metrics, len(idx), weight=0.0 if batch is None else 1.0)
     model.train()
-    totals = reduce_sums(accelerator, sums)
-    n = totals.pop("_n")
-    return {k: v / n for k, v in totals.items()} if n else {}
+    return means(reduce_sums(accelerator, sums))
+
+
+def means(totals: dict[str, float]) -> dict[str, float]:
+    """The loss and metrics of sums (``add_to_sums``, over a step, a split or a logging window): each sum over the
+    examples' count ``_n``, or over its ``@weight`` sum (``layout.METRIC_WEIGHT``; 0 where that is 0). Keys that
+    start with ``_``, and ``grad_norm``, are the caller's."""
+    n = totals.get("_n", 0.0)
+    if not n:
+        return {}
+    out = {}
+    for key, value in totals.items():
+        if key.startswith("_") or key.endswith(METRIC_WEIGHT) or key == "grad_norm":
+            continue
+        weight = totals.get(key + METRIC_WEIGHT)
+        out[key] = value / n if weight is None else (value / weight if weight else 0.0)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -645,8 +677,8 @@ def train(
     if checkpoint is not None:
         accelerator.print(f"resuming from {checkpoint} (step {step})")
         scheduler_at(scheduler, step)
-    if config.report_to != "none":
-        accelerator.init_trackers("runs", config=tracker_config(config))
+    tracker_run = totals_so_far.get("tracker_run") or secrets.token_hex(8)
+    start_trackers(accelerator, config, step, tracker_run)
     metrics = Metrics(accelerator, output, step)
     baseline = evaluate(accelerator, model, task, eval_ds, config.eval_batch_size) if step == 0 else {}
     if baseline:  # the test split before any update
@@ -665,6 +697,7 @@ def train(
                             warned=totals_so_far.get("divergence_warned", False))
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=quiet(accelerator))
     first_step = step  # of this process: its scheduler has not stepped yet
+    window: dict[str, float] = dict(totals_so_far.get("log_window") or {})  # the steps not logged yet, summed
     while step < total_steps:
         epoch, position = divmod(step, setup.steps_per_epoch)
         batch_ids = global_batches(train_ds.num_rows, setup.global_size, config.seed, epoch)[position]
@@ -756,26 +789,31 @@ def train(
                 raise nonfinite_stop(accelerator, step, skipped_in_a_row, last_loss)
         else:
             skipped_in_a_row = 0
-            n, real, total = totals.pop("_n"), totals.pop("_real"), totals.pop("_total")
-            real_tokens += int(real)
-            all_tokens += int(total)
-            step_loss = totals["loss"] / n
+            real_tokens += int(totals["_real"])
+            all_tokens += int(totals["_total"])
+            step_loss = totals["loss"] / totals["_n"]
             first_loss = step_loss if first_loss is None else first_loss
             last_loss = step_loss
             warning = watch.check(step, step_loss, totals.get("grad_norm"))
             if warning is not None and accelerator.is_main_process:
                 log.warning(warning)
+            # The logged line is the mean over the applied steps since the last one (--logging-steps): their sums
+            # added up, with the steps' seconds for the throughput and a count of the steps with a gradient norm
+            totals.update(_seconds=time.time() - t0, _norms=1.0 if "grad_norm" in totals else 0.0)
+            for key, value in totals.items():
+                window[key] = window.get(key, 0.0) + value
             if step % config.logging_steps == 0 or step == total_steps:
-                values = metric_names({k: v / n for k, v in totals.items() if k != "grad_norm"}, "train")
-                if "grad_norm" in totals:
-                    values["grad_norm"] = totals["grad_norm"]
+                values = metric_names(means(window), "train")
+                if window["_norms"]:
+                    values["grad_norm"] = window["grad_norm"] / window["_norms"]
                 values["lr"] = step_lr
                 values["epoch"] = step / setup.steps_per_epoch
-                values["throughput/tokens_per_s"] = real / max(time.time() - t0, 1e-9)
-                values["throughput/real_token_fraction"] = real / max(total, 1)
+                values["throughput/tokens_per_s"] = window["_real"] / max(window["_seconds"], 1e-9)
+                values["throughput/real_token_fraction"] = window["_real"] / max(window["_total"], 1)
                 values["train/skipped_steps"] = skipped
                 metrics.log(step, values)
-                bar.set_postfix(loss=f"{step_loss:.4f}")
+                window = {}
+            bar.set_postfix(loss=f"{step_loss:.4f}")
         if config.eval_every and step % config.eval_every == 0 and step < total_steps:
             metrics.log(step, metric_names(evaluate(accelerator, model, task, eval_ds, config.eval_batch_size), "eval"))
         if config.save_every and step % config.save_every == 0 and step < total_steps:
@@ -787,7 +825,8 @@ def train(
                      "divergence_warned": watch.warned,
                      "real_tokens": real_tokens, "last_loss": last_loss, "skipped_steps": skipped,
                      "skipped_in_a_row": skipped_in_a_row,
-                     "all_tokens": all_tokens, "seconds": time.time() - started}
+                     "all_tokens": all_tokens, "seconds": time.time() - started, "tracker_run": tracker_run,
+                     "log_window": window}
             save_checkpoint(accelerator, model, tokenizer, output, state, keep=config.save_total_limit or None,
                             masters=setup.masters)
     bar.close()
@@ -802,8 +841,10 @@ def train(
         raise nonfinite_weights(accelerator, step, "no finished model")
     save_model(accelerator, model, tokenizer, output, setup.masters)
     accelerator.wait_for_everyone()
-    if config.report_to != "none":
-        accelerator.end_training()
+    for tracker in accelerator.trackers:
+        # not accelerator.end_training(), which also destroys the process group that the stage's last steps (its
+        # manifest, the upload) still synchronise over: a multi-process run with a tracker failed at its end
+        tracker.finish()
     return TrainResult(step, first_loss, last_loss, final_eval, real_tokens, all_tokens, time.time() - started,
                        skipped_steps=skipped, resumed_from_step=resumed_from,
                        rows_left_per_epoch=setup.rows_left_per_epoch)
