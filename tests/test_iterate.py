@@ -658,6 +658,9 @@ def test_a_plan_that_cannot_work_fails_before_any_stage_runs(tmp_path, tiny_poli
     (dict(algo="rebel", train={"ref_model": "sft"}), "run config: --algo rebel's reference is the policy that sampled "
      "each iteration's data, which iterate passes itself (as train's --model, or with overlap 1 as its "
      "--ref-model); remove ref_model from the train section"),
+    (dict(algo="grpo", generate={"n": 1}), "run config: --algo grpo learns by comparing the responses to a prompt, "
+     "and generate samples n=1; give n 2 or more (4 or more for a group baseline)"),
+    (dict(algo="dpo", generate={"n": 1}), "run config: --algo dpo learns by comparing"),
 ])
 def test_the_plan_is_checked_against_the_algorithms_declared_needs(tmp_path, overrides, message):
     with pytest.raises(PipelineError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
@@ -677,6 +680,7 @@ def test_each_problem_of_a_plan_is_a_line_and_the_plans_that_work_pass(tmp_path)
             check(plan(config(tmp_path, algo=algo, train=train)))
     # and the plans that work: GDPO with two sources, iterative DPO keeping the SFT model as its reference
     check(plan(config(tmp_path, algo="gdpo", reward_fn="my_rewards:r")))
+    check(plan(config(tmp_path, algo="ppo", generate={"n": 1})))  # no group baseline: one response a prompt serves
     dpo = plan(config(tmp_path, algo="dpo", train={"ref_model": "sft"}))
     check(dpo)
     assert all(s.args[s.args.index("--ref-model") + 1] == "sft" for s in dpo if s.stage == "train")

@@ -163,6 +163,12 @@ class GroupAlgorithm:
     def baseline_fn(self) -> Callable | None:
         return None if self.baseline is None else resolve(self.baseline)
 
+    @property
+    def compares_within_group(self) -> bool:
+        """Whether a response is credited against the others of its prompt (a group baseline, GDPO's per-group
+        normalisation): a group of one response, or of equal rewards, then teaches nothing."""
+        return self.baseline is not None or self.reward_sources
+
     def policy_loss_fn(self) -> Callable:
         return resolve(self.policy_loss)
 
@@ -246,6 +252,32 @@ def check_group_rows(ds, source: str, source_columns: Sequence[str] = ()) -> Non
             g = next(g for g, end in enumerate(itertools.accumulate(counts)) if bad < end)
             raise PipelineError(f"{source}: row {g} has a response of {tokens[bad]} tokens but {logps[bad]} sampler "
                                 f"log-probs in {SAMPLER_LOGPROBS}")
+
+
+def check_learning_signal(ds, source: str, algorithm: GroupAlgorithm) -> None:
+    """Refuse training data in which no group can teach ``algorithm`` anything: every group a single response, or
+    (but for GDPO, whose sources may differ where their sum does not) of equal rewards. Its group baseline would make
+    every advantage 0, and the run would end with the policy it started from, saying nothing. Warn when some groups
+    hold a single response."""
+    if not algorithm.compares_within_group or ds.num_rows == 0:
+        return
+    rewards = ds["rewards"]
+    lone = sum(len(r) < 2 for r in rewards)
+    uniform = 0 if algorithm.reward_sources else sum(len(r) >= 2 and len(set(r)) == 1 for r in rewards)
+    if lone + uniform == len(rewards):
+        what = ", ".join(f"{count} {kind}" for count, kind in ((lone, "with a single response"),
+                                                                (uniform, "with equal rewards")) if count)
+        raise PipelineError(
+            f"{source}: no group can teach --algo {algorithm.name} anything ({what}, of {len(rewards)}): it credits "
+            "each response against the others of its prompt, so every advantage would be 0 and the policy would not "
+            "change. Sample several responses a prompt (rlhf generate --n 4 or more), and check that the reward "
+            "tells them apart (rlhf score prints its mean and std; a verifiable reward needs the prompts' answers, "
+            "--reference-column)"
+        )
+    if lone:
+        log.warning("%s: %d of %d groups hold a single response, which --algo %s cannot credit against others: "
+                    "they teach nothing (sample with rlhf generate --n 2 or more)", source, lone, len(rewards),
+                    algorithm.name)
 
 
 def flatten_groups(ds, source: str, source_columns: Sequence[str] = ()) -> dict[str, list]:
@@ -935,6 +967,7 @@ def train(config) -> Path:
         params.rollout_correction, params.rollout_correction_cap = _rollout_correction(config, dd, ref)
         for split, ds in dd.items():  # every row's rewards and lengths checked before anything is written
             check_group_rows(ds, f"{config.data}:{split}", source_columns)
+        check_learning_signal(dd["train"], f"{config.data}:train", config.algorithm)
         temperature = logp_temperature(config.algorithm, config.temperature, sampling, str(ref))
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)

@@ -71,6 +71,7 @@ from rlhf_pipeline.errors import PipelineError, one_line, redact, redact_env
 from rlhf_pipeline.layout import (CRITIC, ITERATE_CONFIG, ITERATION_STAGES, MANIFEST, RUN_LOCK, STEPS_LOG,
                                   iteration_dir, step_name)
 from rlhf_pipeline.machine import RUN_PID, adopt_orphans, die_with_parent, gpus_visible, run_identity
+from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.stages import run_stage
 from rlhf_pipeline.stages.score import SOURCE_KINDS, as_list, one_or_list
 from rlhf_pipeline.training.checkpoints import remove_leftover_checkpoints
@@ -371,6 +372,10 @@ def check_plan(config: IterateConfig, sections: dict[str, dict[str, Any]]) -> No
     if getattr(algorithm, "reward_sources", False) and sources < 2:
         problems.append(f"--algo {config.algo} normalises each reward source within its group, and this run scores "
                         "with one; give two or more (reward_model and reward_fn, or several reward_fn)")
+    n = sections["generate"].get("n", SamplingOptions.n)
+    if isinstance(n, int) and n < 2 and (algorithm.data != GROUPS or algorithm.compares_within_group):
+        problems.append(f"--algo {config.algo} learns by comparing the responses to a prompt, and generate samples "
+                        f"n={n}; give n 2 or more (4 or more for a group baseline)")
     if getattr(algorithm, "sampler_reference", False) and sections["train"].get("ref_model") is not None:
         problems.append(f"--algo {config.algo}'s reference is the policy that sampled each iteration's data, which "
                         "iterate passes itself (as train's --model, or with overlap 1 as its --ref-model); remove "
