@@ -322,6 +322,8 @@ def test_length_controlled_reference_judge_and_pass_at_k(full_run, capsys):
     assert reward == "0.5678 ± 0.03456; gain +0.25 ± 0.015"
     assert cells["reward_fn win rate vs references, LC"] == "0.5, LC 0.45 ± 0.03"  # an eval that has no stderr
     assert cells["judge vs reference: win rate, LC (consistency)"] == "0.6 ± 0.06, LC 0.55 ± 0.04 (0.75)"
+    assert cells["reward_fn pass@k, maj@k (1 and n) ± stderr"] == (
+        "pass@1 0.2 ± 0.01, pass@2 0.3 ± 0.02, maj@2 0.24 ± 0.02")
 
 
 def test_a_reward_models_win_rates_plot_the_preferences_its_length_control_is_fitted_on():

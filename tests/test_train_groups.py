@@ -810,7 +810,8 @@ def test_the_entropy_bonus_changes_the_update_and_is_refused_outside_the_ppo_fam
     assert "--entropy-coef is not read by --algo dpo" in capsys.readouterr().err
 
 
-def test_filter_drops_groups_of_equal_rewards_and_shapes_overlong_rewards(uneven, stop_prone_policy, tmp_path):
+def test_filter_drops_groups_of_equal_rewards_and_shapes_overlong_rewards(uneven, stop_prone_policy, tmp_path,
+                                                                         capsys):
     """A reward fn that gives every response of half the prompts the same reward: --drop-uniform-groups drops exactly
     those prompts and counts them; --overlong-buffer 4 lowers the reward of responses longer than 16 - 4 tokens by
     (12 - |y|) / 4, recorded in the manifest."""
@@ -843,6 +844,12 @@ def test_filter_drops_groups_of_equal_rewards_and_shapes_overlong_rewards(uneven
                         == 1 for s in scored)
     assert manifest["dropped"].get("uniform_rewards", 0) == still_uniform
     assert kept.num_rows == scored.num_rows - still_uniform
+    # without the shaping every uniform group goes, and the console says so, not the manifest alone
+    capsys.readouterr()
+    assert run("filter", "--input", tmp_path / "scored", "--output", tmp_path / "unshaped", "--tokenizer",
+               stop_prone_policy, "--mode", "groups", "--test-size", 0, "--drop-uniform-groups") == 0
+    assert f"[filter] dropped {uniform} of {scored.num_rows} prompts: uniform_rewards {uniform}\n" in (
+        capsys.readouterr().out)
 
 
 # ---------------------------------------------------------------------------------------------------- resume

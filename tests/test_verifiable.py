@@ -123,6 +123,15 @@ def test_extract_answer_and_normalisation():
     # a leading decimal point is part of the number (it was stripped as punctuation: ".5" read as 5)
     assert V.extract_answer("The answer is .5") == ".5" and V.normalize_answer(".5.") == ".5"
     assert V.extract_answer("The answer is 18 cookies.") == "18 cookies"  # the answer as written (exact_match's)
+    # the last answer counts, on the same line too (the first one on a line was taken, with the rest of the line)
+    assert V.extract_answer("The answer is 6. Wait, I made a mistake. The correct answer is 7.") == "7"
+    assert V.extract_answer("To get the answer: add 3 and 4. So the answer is 7.") == "7"
+    assert V.extract_answer("The answer is 7. No: the answer is 6.") == "6"
+    assert V.extract_answer("#### 41 (wrong) #### 42") == "42"
+    # ... that is followed by one: a trailing "the answer is" with nothing after it leaves the one before
+    assert V.extract_answer("The answer is 42. That is the answer is") == "42"
+    assert V.extract_answer("The answer is\n42") == "42" and V.extract_answer("so the answer is") is None
+    assert V.extract_answer("#### 42\nThe answer is 41") == "42"  # GSM8K's marker before "answer is", as before
 
 
 def test_math_equal_on_real_cases():
@@ -147,9 +156,20 @@ def test_math_equal_on_real_cases():
     wrong = ["The answer is 1 million.", "The answer is 3 dozen.", "The answer is 2 pi.", "The answer is 5 squared.",
              "The answer is 5 or 6.", "The answer is 3 to 4 days", "The answer is 3 hours and 20 minutes."]
     assert V.math_equal([""] * 7, wrong, answer=["1", "3", "2", "5", "5", "3", "3"]) == [0.0] * 7
+    # an answer hedging over candidates is wrong, though math-verify reads these as their last value; alternatives
+    # read as a set compare as sets (a reference of several roots)
+    hedged = ["The answer is 1 (or 2 or 3 or 42)", r"\boxed{41 \lor 42}", r"\boxed{41 \vee 42}", "The answer is 41 or 42."]
+    assert V.math_equal([""] * 4, hedged, answer=["42"] * 4) == [0.0] * 4
+    assert V.math_equal([""] * 3, [r"\boxed{x = 2 \text{ or } x = 3}", "The answer is 2 or 3.", r"\boxed{2 \lor 3}"],
+                        answer=[r"x=2 \text{ or } x=3", "2, 3", "2, 3"]) == [1.0, 1.0, 0.0]
     # the canonical answer a response votes for
     assert V.math_equal.extract_answer(responses[1]) == "1234"
     assert V.math_equal.extract_answer(responses[5]) is None
+    # a plain number votes by its value, its unit left out as math_equal reads it: one vote, not four
+    same = ["The answer is 42", "The answer is 42 apples.", "The answer is $42.00", "#### 42.0"]
+    assert {V.math_equal.extract_answer(r) for r in same} == {"42"}
+    assert [V.math_equal.extract_answer(r) for r in ["#### 1,234.50", "#### .50", "#### 1 million"]] == [
+        "1234.5", "0.5", "1 million"]
 
 
 def test_math_equal_works_off_the_main_thread():
@@ -294,7 +314,7 @@ def test_eval_reports_pass_at_k_and_maj_at_k_computed_from_its_samples(tiny_poli
         assert first["maj_at_k"][str(k)]["mean"] == pytest.approx(sum(majority) / 4, abs=1e-12)
 
 
-def test_a_missing_reference_column_is_one_line_naming_the_dataset(tiny_policy, tmp_path, capsys):
+def test_a_missing_reference_column_is_one_line_naming_the_dataset(tiny_policy, tmp_path, capsys, caplog):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p, "answer": "x"} for p in PROMPTS[:2]])
     capsys.readouterr()
     assert run("eval", *sample_args(tiny_policy, prompts, tmp_path / "eval", n=2), "--reference-column", "gold",
@@ -312,6 +332,28 @@ def test_a_missing_reference_column_is_one_line_naming_the_dataset(tiny_policy, 
     err = capsys.readouterr().err
     assert "has no column 'gold' for --reference-column" in err and "answer" in err
     assert err.count("\n") == 1, err
+
+    # no --reference-column, and none of the columns a verifiable reward looks for: refused before anything is
+    # sampled (eval) or scored, rather than after (a rerun with the option would then be another run's config)
+    unlabelled = write_jsonl(tmp_path / "u.jsonl", [{"prompt": p, "label": "x"} for p in PROMPTS[:2]])
+    assert run("eval", *sample_args(tiny_policy, unlabelled, tmp_path / "eval_u", n=2),
+               "--reward-fn", "rlhf_pipeline.rewards.verifiable:math_equal") == 1
+    err = capsys.readouterr().err
+    assert "u.jsonl: math_equal needs each prompt's ground truth, and the data has no column reference, answer, " \
+           "solution or ground_truth (its columns: label, prompt); pass --reference-column NAME" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "eval_u").exists(), err
+    gen_u = tmp_path / "gen_u"
+    assert run("generate", *sample_args(tiny_policy, unlabelled, gen_u, n=2)) == 0
+    capsys.readouterr()
+    assert run("score", "--input", gen_u, "--output", tmp_path / "s_u",
+               "--reward-fn", "rlhf_pipeline.rewards.verifiable:exact_match") == 1
+    err = capsys.readouterr().err
+    assert "gen_u: exact_match needs each prompt's ground truth" in err and "label" in err, err
+    assert not (tmp_path / "s_u" / "manifest.json").exists()
+    # with the column named, every response is wrong: scored, and said to teach nothing
+    assert run("score", "--input", gen_u, "--output", tmp_path / "s_u", "--reference-column", "label",
+               "--reward-fn", "rlhf_pipeline.rewards.verifiable:exact_match") == 0
+    assert "exact_match gave every one of the 4 responses 0.0: no response is preferred" in caplog.text
 
     # a bad pattern in the reference column: one line, naming the rows and the prompt
     rows = [{"prompt": PROMPTS[0], "answer": "a"}, {"prompt": PROMPTS[1], "answer": "(unclosed"}]

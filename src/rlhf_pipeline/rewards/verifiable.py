@@ -26,9 +26,10 @@ $42$." gives ``42``). :func:`math_equal` then reads a plain number's unit words 
 column (a worked solution ending in ``#### 72``) serves as it is; a reference with none of these is taken whole.
 
 Majority voting: :func:`math_equal` and :func:`exact_match` carry ``extract_answer(response) -> str | None``, the
-canonical answer a response votes for (the normalised final answer), which ``rlhf eval`` uses for maj@k. Answers
-are compared as normalised strings, so ``0.5`` and ``\\frac{1}{2}`` are two different votes (math-verify compares
-two expressions; it does not give a canonical form to count).
+canonical answer a response votes for (the normalised final answer; under :func:`math_equal` a plain number by its
+value, its unit words left out), which ``rlhf eval`` uses for maj@k. Answers are otherwise compared as normalised
+strings, so ``0.5`` and ``\\frac{1}{2}`` are two different votes (math-verify compares two expressions; it does
+not give a canonical form to count).
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ REFERENCE_COLUMNS = ("reference", "answer", "solution", "ground_truth")
 MATH_VERIFY_TIMEOUT = 5
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_GSM8K = re.compile(r"####\s*([^\n]+)")
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]+)", re.IGNORECASE)
+# What introduces a final answer, which runs to the end of its line or sentence
+_GSM8K = re.compile(r"####\s*")
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
+# An answer that offers alternatives ("41 or 42", "41 \lor 42")
+_ALTERNATIVES = re.compile(r"\bor\b|\\lor(?![A-Za-z])|\\vee(?![A-Za-z])", re.IGNORECASE)
 # Stripped from both ends of an answer: whitespace, sentence punctuation, quotes, markdown emphasis, TeX's $; a
 # period from the end only (".5" is a number).
 _SURROUNDING = " \t\r\n.,;:!?\"'`*$"
@@ -105,15 +109,21 @@ def extract_answer(text: str) -> str | None:
     else the last "answer is X" (up to the end of its line or sentence); None when there is none or it is empty."""
     boxed = _boxed_contents(text)
     if boxed:
-        answer = boxed[-1]
-    else:
-        matches = _GSM8K.findall(text) or _ANSWER_IS.findall(text)
-        if not matches:
-            return None
-        # up to the end of the sentence: a period followed by a space or the end (not a decimal point)
-        answer = re.split(r"\.(?:\s|$)", matches[-1], maxsplit=1)[0]
-    answer = _strip_math(answer)
-    return answer or None
+        return _strip_math(boxed[-1]) or None
+    return _last_answer(_GSM8K, text) or _last_answer(_ANSWER_IS, text)
+
+
+def _last_answer(introduced_by: re.Pattern, text: str) -> str | None:
+    """What follows the last of ``introduced_by``'s matches that is followed by an answer, up to the end of its line
+    or sentence (a period followed by a space or the end: not a decimal point). The last, as a response that
+    corrects itself ("The answer is 6. Wait: the answer is 7.") means its last; a second answer on the same line
+    included."""
+    for match in reversed(list(introduced_by.finditer(text))):
+        line = text[match.end():].split("\n", 1)[0]
+        answer = _strip_math(re.split(r"\.(?:\s|$)", line, maxsplit=1)[0])
+        if answer:
+            return answer
+    return None
 
 
 def normalize_answer(answer: str) -> str:
@@ -125,6 +135,16 @@ def normalize_answer(answer: str) -> str:
     return re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", answer)
 
 
+def no_reference(fn: str, columns, source: str | None = None) -> PipelineError:
+    """The error of a reward function that reads a ground truth (``needs_reference``) given data without one."""
+    have = ", ".join(sorted(c for c in columns if c != "finish_reasons")) or "none"
+    return PipelineError(
+        f"{source + ': ' if source else ''}{fn} needs each prompt's ground truth, and the data has no column "
+        f"{', '.join(REFERENCE_COLUMNS[:-1])} or {REFERENCE_COLUMNS[-1]} (its columns: {have}); pass "
+        "--reference-column NAME"
+    )
+
+
 def _references(columns: dict[str, Any], count: int, fn: str) -> list[str]:
     """The reference answer of each response, as text: the ``reference`` column (what --reference-column passes),
     else the first of :data:`REFERENCE_COLUMNS` present."""
@@ -133,11 +153,7 @@ def _references(columns: dict[str, Any], count: int, fn: str) -> list[str]:
             values = list(columns[name])
             break
     else:
-        have = ", ".join(sorted(c for c in columns if c != "finish_reasons")) or "none"
-        raise PipelineError(
-            f"{fn} needs each prompt's ground truth, and the data has no column {', '.join(REFERENCE_COLUMNS[:-1])} or "
-            f"{REFERENCE_COLUMNS[-1]} (its extra columns: {have}); pass --reference-column NAME"
-        )
+        raise no_reference(fn, columns)
     if len(values) != count:
         raise ValueError(f"{fn}: {len(values)} references for {count} responses")
     ids = columns.get("prompt_id")
@@ -183,7 +199,8 @@ def _timeout() -> int | None:
 def math_equal(prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> list[float]:
     """1.0 when the response's final answer (:func:`extract_answer`) is mathematically equal to the reference's,
     by math-verify's ``parse`` and ``verify``; 0.0 otherwise, a response without a final answer included. An answer
-    math-verify cannot parse, or that takes longer than :data:`MATH_VERIFY_TIMEOUT` seconds, is wrong."""
+    math-verify cannot parse, or that takes longer than :data:`MATH_VERIFY_TIMEOUT` seconds, is wrong, and so is
+    one hedging over candidates that math-verify reads as one value (:func:`_hedged`)."""
     mv = _math_verify()
     references = _references(columns, len(responses), "math_equal")
     limit = _timeout()
@@ -203,19 +220,42 @@ def math_equal(prompts: Sequence[str], responses: Sequence[str], **columns: Any)
         if reference not in golds:
             golds[reference] = parse(_without_unit(_reference_answer(reference)))
         gold, target = golds[reference], parse(_without_unit(answer))
-        ok = bool(gold) and bool(target) and mv.verify(gold, target, timeout_seconds=limit)
+        ok = (bool(gold) and bool(target) and not _hedged(answer, target)
+              and mv.verify(gold, target, timeout_seconds=limit))
         values.append(1.0 if ok else 0.0)
     return values
 
 
+def _hedged(answer: str, parsed: list) -> bool:
+    """Whether an answer offers alternatives ("1 (or 2 or 42)", ``41 \\lor 42``) that math-verify read as one value
+    (it reads "41 or 42" as the set {41, 42}, which a number does not equal, but these as 42): a response must not
+    be right for listing candidates."""
+    import sympy
+
+    return bool(_ALTERNATIVES.search(answer)) and not isinstance(parsed[0], (sympy.Set, set, frozenset, tuple, list))
+
+
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+
+
 def _canonical(response: str) -> str | None:
+    """The answer a response votes for under :func:`math_equal`: normalised (:func:`normalize_answer`), and a plain
+    number by its value, its unit words left out as math_equal reads it (``42``, ``42.0``, ``$42.00`` and ``42
+    apples`` are one vote)."""
     answer = extract_answer(response)
     if answer is None:
         return None
-    return normalize_answer(answer) or None
+    text = normalize_answer(_without_unit(answer))
+    if _PLAIN_NUMBER.fullmatch(text):
+        from decimal import Decimal
+
+        value = Decimal(text)
+        text = "0" if value == 0 else format(value.normalize(), "f")
+    return text or None
 
 
 math_equal.extract_answer = _canonical  # type: ignore[attr-defined]
+math_equal.needs_reference = True  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -235,6 +275,7 @@ def exact_match(prompts: Sequence[str], responses: Sequence[str], **columns: Any
 
 
 exact_match.extract_answer = lambda response: _exact_answer(response) or None  # type: ignore[attr-defined]
+exact_match.needs_reference = True  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -274,6 +315,9 @@ def regex_match(prompts: Sequence[str], responses: Sequence[str], **columns: Any
                                 f"of {len(response)} characters (nested repeats such as (a+)+ backtrack without "
                                 "end); simplify it in the prompt dataset") from None
     return values
+
+
+regex_match.needs_reference = True  # type: ignore[attr-defined]
 
 
 def boxed_format(prompts: Sequence[str], responses: Sequence[str], **columns: Any) -> list[float]:

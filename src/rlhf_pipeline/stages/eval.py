@@ -508,13 +508,14 @@ def _check_inputs(config: EvalConfig, ref, prompts_record: dict[str, Any]) -> Pa
     check_attn_implementation(config.attn_implementation)
     if config.executor == "local":  # --engine auto, now resolved (a Ray replica resolves its own)
         check_engine(config.attn_implementation, resolve_engine_name(config.engine))
+    fns = []
     for source in _scorers(config):
         if source.kind == "reward_model":
             check_reward_model(source.flag, source.spec, config.trust_remote_code, judge=True)
         else:
-            load_reward_fn(source.spec)
+            fns.append(load_reward_fn(source.spec))
     prompts, column, _, _ = select_prompts(ref, limit=config.limit, prompt_column=config.prompt_column)
-    check_reference_column(prompts, ref.name, config.reference_column, "rlhf eval carries")
+    check_reference_column(prompts, ref.name, config.reference_column, "rlhf eval carries", fns)
     if config.reference is not None:
         _reference_answers(config, prompts, column)
     if config.judge is not None:

@@ -438,7 +438,16 @@ def main(config: FilterConfig) -> Path:
         extra["reward_shaping"] = {"overlong_penalty": {**dataclasses.asdict(penalty),
                                                         "penalised_responses": sum(built["_penalised"])}}
     out.save(result, rows_in=ds.num_rows, dropped=dict(dropped), extra=extra)
+    _say_dropped(dropped, ds.num_rows)
     return out.path
+
+
+def _say_dropped(dropped: Counter, prompts: int) -> None:
+    """The prompts the filters dropped, by reason, after the output's line (the manifest's ``dropped`` keeps them)."""
+    counts = {reason: n for reason, n in dropped.most_common() if n and reason != "response_at_mean"}
+    if counts:
+        print(f"[filter] dropped {sum(counts.values())} of {prompts} prompts: "
+              + ", ".join(f"{reason} {n}" for reason, n in counts.items()))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -584,6 +593,7 @@ def filter_unpaired(out, ds, config: FilterConfig, source: str, column: str, tok
         extra["reward_shaping"] = {"overlong_penalty": {**dataclasses.asdict(penalty),
                                                         "penalised_responses": sum(built["_penalised"])}}
     out.save(DatasetDict(result), rows_in=ds.num_rows, dropped=dict(dropped), extra=extra)
+    _say_dropped(dropped, ds.num_rows)
     return out.path
 
 

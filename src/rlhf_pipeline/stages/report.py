@@ -726,6 +726,7 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
     scorers = _scorers(iterations)
     evals = [it["eval"] or {} for it in iterations]
     with_reference = [n for n in scorers if any((ev.get("scores") or {}).get(n, {}).get("reference") for ev in evals)]
+    with_pass = [n for n in scorers if any((ev.get("scores") or {}).get(n, {}).get("pass_at_k") for ev in evals)]
     judged = [side for side in ("baseline", "reference") if any((ev.get("judge") or {}).get(side) for ev in evals)]
     gains = any(s.get("gain") is not None for ev in evals for s in (ev.get("scores") or {}).values())
     header = ["iter"]
@@ -734,6 +735,8 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
                    f"{name} win rate ± stderr (W/T/L), LC"]
         if name in with_reference:
             header.append(f"{name} win rate vs references, LC")
+        if name in with_pass:
+            header.append(f"{name} pass@k, maj@k (1 and n) ± stderr")
     header += [f"judge vs {side}: win rate, LC (consistency)" for side in judged]
     header += ["train loss (first → last)", "eval loss (final)", "eval accuracy (final)",
                "gen. tokens", "gen. stopped", "eval tokens", "eval stopped",
@@ -745,13 +748,15 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
         for name in scorers:
             s = (ev.get("scores") or {}).get(name)
             if not s or s.get("mean") is None:
-                row += [MISSING, MISSING] + [MISSING] * (name in with_reference)
+                row += [MISSING, MISSING] + [MISSING] * ((name in with_reference) + (name in with_pass))
                 continue
             gain = "" if s.get("gain") is None else f"; gain {s['gain']:+.4g} ± {fmt(s.get('gain_stderr'))}"
             row.append(f"{fmt(s['mean'])} ± {fmt(s.get('stderr'))}{gain}")
             row.append(_win_cell(s, counts=True))
             if name in with_reference:
                 row.append(_win_cell(s.get("reference") or {}))
+            if name in with_pass:
+                row.append(_pass_cell(s))
         for side in judged:
             j = (ev.get("judge") or {}).get(side) or {}
             row.append(_win_cell(j) + (f" ({fmt(j['consistency'])})" if j.get("consistency") is not None else ""))
@@ -766,6 +771,19 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
     lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines
+
+
+def _pass_cell(s: dict[str, Any]) -> str:
+    """``pass@1 0.25 ± 0.04, pass@8 0.6 ± 0.05, maj@8 0.4 ± 0.05``: pass@k and maj@k at the smallest and largest k."""
+    parts = []
+    for kind, label in (("pass_at_k", "pass"), ("maj_at_k", "maj")):
+        by_k = s.get(kind) or {}
+        ks = sorted(by_k, key=int)
+        for k in dict.fromkeys(ks[:1] + ks[-1:]):
+            v = by_k[k]
+            parts.append(f"{label}@{k} {fmt(v.get('mean'))}" + (f" ± {fmt(v['stderr'])}" if v.get("stderr") is not None
+                                                                else ""))
+    return ", ".join(parts) or MISSING
 
 
 def _lm_eval_table(iterations: list[dict[str, Any]]) -> list[str]:

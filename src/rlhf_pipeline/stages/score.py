@@ -283,9 +283,17 @@ def _check_responses(ds, source: str) -> None:
                                         "every response one")
 
 
-def check_reference_column(ds, source: str, name: str | None, carried: str) -> None:
+def check_reference_column(ds, source: str, name: str | None, carried: str, fns=()) -> None:
     """A ``--reference-column`` that ``ds`` (read from ``source``) lacks is one line: the columns it has, and the fix
-    (``carried`` says how the column gets there)."""
+    (``carried`` says how the column gets there). Without one, a reward function of ``fns`` that reads a ground truth
+    (``needs_reference``: the verifiable rewards) given data with none of the columns it looks for is that error,
+    before any response is sampled or scored."""
+    if name is None:
+        from rlhf_pipeline.rewards.verifiable import REFERENCE_COLUMNS, no_reference
+
+        for fn in fns:
+            if getattr(fn, "needs_reference", False) and not set(REFERENCE_COLUMNS) & set(ds.column_names):
+                raise no_reference(getattr(fn, "__name__", "the reward function"), ds.column_names, source)
     if name is not None and name not in ds.column_names:
         raise PipelineError(
             f"{source}: has no column '{name}' for --reference-column (its columns: {', '.join(ds.column_names)}); "
@@ -688,7 +696,7 @@ def _read(config: ScoreConfig, processes: int) -> _Work | None:
         return None
     ds = load_dataset_ref(ref)
     column = _check_generations(ds, ref.name, sources)
-    check_reference_column(ds, ref.name, config.reference_column, "rlhf generate carries")
+    check_reference_column(ds, ref.name, config.reference_column, "rlhf generate carries", fns.values())
 
     # One entry per response, (row, j) locating each: the counts come from the Arrow list lengths, a slice of rows at
     # a time, so no text is read here (the texts are read a slice at a time as they are scored).
@@ -775,6 +783,12 @@ def _write(config: ScoreConfig, work: _Work, per_source: list[array], records: l
     if len(sources) == 1:  # the raw rewards, not standardised: one source scores as it always has
         (flat,), (reward,) = per_source, records
         result = ds
+        if len(flat) > 1 and min(flat) == max(flat):
+            (source,) = sources
+            log.warning("%s %s gave every one of the %d responses %r: no response is preferred to another, so "
+                        "training on them teaches nothing; check the reward (a verifiable reward needs each prompt's "
+                        "answer, --reference-column, in the form it extracts)", source.flag, source.spec, len(flat),
+                        flat[0])
     else:
         flat, stats = combine_rewards(per_source, config.weights)
         reward = {"sources": [], "combination": "sum_k weight_k * (r_k - mean_k) / (std_k + eps)",
