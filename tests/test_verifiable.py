@@ -132,6 +132,10 @@ def test_extract_answer_and_normalisation():
     assert V.extract_answer("The answer is 42. That is the answer is") == "42"
     assert V.extract_answer("The answer is\n42") == "42" and V.extract_answer("so the answer is") is None
     assert V.extract_answer("#### 42\nThe answer is 41") == "42"  # GSM8K's marker before "answer is", as before
+    # ... and that holds a number or math: a remark after the answer is not taken for it
+    assert V.extract_answer("The answer is 20. I double-checked the answer: it is correct.") == "20"
+    assert V.extract_answer("Final answer: 20. The answer is the total number of apples.") == "20"
+    assert V.extract_answer("The answer is Paris. So the answer: Rome") == "Rome"  # no number in any: the last
 
 
 def test_math_equal_on_real_cases():
@@ -158,10 +162,15 @@ def test_math_equal_on_real_cases():
     assert V.math_equal([""] * 7, wrong, answer=["1", "3", "2", "5", "5", "3", "3"]) == [0.0] * 7
     # an answer hedging over candidates is wrong, though math-verify reads these as their last value; alternatives
     # read as a set compare as sets (a reference of several roots)
-    hedged = ["The answer is 1 (or 2 or 3 or 42)", r"\boxed{41 \lor 42}", r"\boxed{41 \vee 42}", "The answer is 41 or 42."]
+    hedged = ["The answer is 1 (or 2 or 3 or 42)", r"\boxed{41 \lor 42}", r"\boxed{41 \vee 42}",
+              "The answer is 41 or 42."]
     assert V.math_equal([""] * 4, hedged, answer=["42"] * 4) == [0.0] * 4
     assert V.math_equal([""] * 3, [r"\boxed{x = 2 \text{ or } x = 3}", "The answer is 2 or 3.", r"\boxed{2 \lor 3}"],
                         answer=[r"x=2 \text{ or } x=3", "2, 3", "2, 3"]) == [1.0, 1.0, 0.0]
+    # not a hedge: a reference that offers alternatives itself, and a restatement whose every alternative is right
+    assert V.math_equal([""] * 3, [r"The answer is \text{(A) or (C)}", "The answer is 0.5 (or 1/2).",
+                                   "The answer is 42 (or 41)."],
+                        answer=[r"\text{(A) or (C)}", "1/2", "42"]) == [1.0, 1.0, 0.0]
     # the canonical answer a response votes for
     assert V.math_equal.extract_answer(responses[1]) == "1234"
     assert V.math_equal.extract_answer(responses[5]) is None
@@ -170,6 +179,8 @@ def test_math_equal_on_real_cases():
     assert {V.math_equal.extract_answer(r) for r in same} == {"42"}
     assert [V.math_equal.extract_answer(r) for r in ["#### 1,234.50", "#### .50", "#### 1 million"]] == [
         "1234.5", "0.5", "1 million"]
+    long = ["#### 1267650600228229401496703205376", "#### 1267650600228229401496703205377"]  # beyond 28 digits
+    assert [V.math_equal.extract_answer(r) for r in long] == [r[5:] for r in long]
 
 
 def test_math_equal_works_off_the_main_thread():

@@ -113,17 +113,25 @@ def extract_answer(text: str) -> str | None:
     return _last_answer(_GSM8K, text) or _last_answer(_ANSWER_IS, text)
 
 
+# An answer that holds a number or math: what a candidate of a math answer looks like, where prose around it ("I
+# checked the answer: it is correct") does not
+_MATHY = re.compile(r"[0-9\\^={}]")
+
+
 def _last_answer(introduced_by: re.Pattern, text: str) -> str | None:
     """What follows the last of ``introduced_by``'s matches that is followed by an answer, up to the end of its line
     or sentence (a period followed by a space or the end: not a decimal point). The last, as a response that
-    corrects itself ("The answer is 6. Wait: the answer is 7.") means its last; a second answer on the same line
-    included."""
-    for match in reversed(list(introduced_by.finditer(text))):
+    corrects itself ("The answer is 6. Wait: the answer is 7.") means its last, a second answer on the same line
+    included; but the last that holds a number or math when there is one, so that a remark after the answer ("The
+    answer is 20. I checked the answer: it is correct.") is not taken for it."""
+    candidates = []
+    for match in introduced_by.finditer(text):
         line = text[match.end():].split("\n", 1)[0]
         answer = _strip_math(re.split(r"\.(?:\s|$)", line, maxsplit=1)[0])
         if answer:
-            return answer
-    return None
+            candidates.append(answer)
+    mathy = [a for a in candidates if _MATHY.search(a)]
+    return (mathy or candidates or [None])[-1]
 
 
 def normalize_answer(answer: str) -> str:
@@ -220,19 +228,23 @@ def math_equal(prompts: Sequence[str], responses: Sequence[str], **columns: Any)
         if reference not in golds:
             golds[reference] = parse(_without_unit(_reference_answer(reference)))
         gold, target = golds[reference], parse(_without_unit(answer))
-        ok = (bool(gold) and bool(target) and not _hedged(answer, target)
-              and mv.verify(gold, target, timeout_seconds=limit))
+        ok = bool(gold) and bool(target) and mv.verify(gold, target, timeout_seconds=limit)
+        if ok and _hedged(answer, target, _reference_answer(reference)):
+            # right only if every alternative is: a restatement ("0.5 (or 1/2)"), not a list of candidates
+            parts = [p.strip(" ()[],;") for p in _ALTERNATIVES.split(answer)]
+            ok = all(p and mv.verify(gold, parse(_without_unit(p)), timeout_seconds=limit) for p in parts)
         values.append(1.0 if ok else 0.0)
     return values
 
 
-def _hedged(answer: str, parsed: list) -> bool:
+def _hedged(answer: str, parsed: list, reference: str) -> bool:
     """Whether an answer offers alternatives ("1 (or 2 or 42)", ``41 \\lor 42``) that math-verify read as one value
-    (it reads "41 or 42" as the set {41, 42}, which a number does not equal, but these as 42): a response must not
-    be right for listing candidates."""
+    (it reads "41 or 42" as the set {41, 42}, which a number does not equal, but these as 42), where the reference
+    offers none: a response must not be right for listing candidates."""
     import sympy
 
-    return bool(_ALTERNATIVES.search(answer)) and not isinstance(parsed[0], (sympy.Set, set, frozenset, tuple, list))
+    return (bool(_ALTERNATIVES.search(answer)) and not _ALTERNATIVES.search(reference)
+            and not isinstance(parsed[0], (sympy.Set, set, frozenset, tuple, list)))
 
 
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
@@ -247,10 +259,11 @@ def _canonical(response: str) -> str | None:
         return None
     text = normalize_answer(_without_unit(answer))
     if _PLAIN_NUMBER.fullmatch(text):
-        from decimal import Decimal
+        from decimal import Context, Decimal
 
-        value = Decimal(text)
-        text = "0" if value == 0 else format(value.normalize(), "f")
+
+        value = Decimal(text)  # normalised at the number's own precision: two long numbers stay two votes
+        text = "0" if value == 0 else format(value.normalize(Context(prec=len(text) + 1)), "f")
     return text or None
 
 

@@ -774,7 +774,8 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
 
 
 def _pass_cell(s: dict[str, Any]) -> str:
-    """``pass@1 0.25 ± 0.04, pass@8 0.6 ± 0.05, maj@8 0.4 ± 0.05``: pass@k and maj@k at the smallest and largest k."""
+    """``pass@1 0.25 ± 0.04, pass@8 0.6 ± 0.05, maj@1 0.25 ± 0.04, maj@8 0.4 ± 0.05``: pass@k and maj@k at the
+    smallest and largest k."""
     parts = []
     for kind, label in (("pass_at_k", "pass"), ("maj_at_k", "maj")):
         by_k = s.get(kind) or {}
