@@ -444,9 +444,10 @@ CHECKPOINT_DAMAGE = {
 
 def test_a_resumed_run_logs_each_window_once_with_the_mean_of_its_steps(kit, tmp_path, monkeypatch):
     """--logging-steps 3 over 5 steps logs at step 3 the mean of steps 1-3 and at step 5 (the last) that of 4-5:
-    losses, gradient norms and token-weighted metrics alike. A run killed while saving its step-4 checkpoint (the
-    checkpoint removed) resumes from step 2 with the window's sums, so its lines are the uninterrupted run's, and
-    TensorBoard holds each step once: the first attempt's events after step 2 are dropped."""
+    losses, gradient norms and the pair metrics alike (token-weighted ones: tests/test_train_groups.py). A run
+    killed while saving its step-4 checkpoint (the checkpoint removed) resumes from step 2 with the window's sums,
+    so its lines are the uninterrupted run's, and TensorBoard holds each step once: the first attempt's events
+    after step 2 are dropped (all of them, resumed with no checkpoint)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     common = ["--model", kit["policy"], "--data", kit["ref"], "--algo", "dpo", "--temperature", 0.8, "--max-steps", 5,
@@ -469,6 +470,16 @@ def test_a_resumed_run_logs_each_window_once_with_the_mean_of_its_steps(kit, tmp
     events.Reload()
     assert [e.step for e in events.Scalars("loss/train")] == [3, 5]
     assert [e.value for e in events.Scalars("loss/train")] == pytest.approx(logged(out), rel=1e-6)
+
+    # killed before its first checkpoint was whole (removed): --resume starts over, and the events start over too
+    again = tmp_path / "again"
+    crash_after_checkpoint(monkeypatch, 2)
+    assert run("train", *common, "--save-every", 2, "--report-to", "tensorboard", "--output", again) == 130
+    shutil.rmtree(again / "checkpoints")
+    assert run("train", *common, "--save-every", 2, "--report-to", "tensorboard", "--output", again, "--resume") == 0
+    events = EventAccumulator(str(again / "runs"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss/train")] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("how", CHECKPOINT_DAMAGE)

@@ -748,6 +748,28 @@ def test_a_token_budget_trains_as_batching_by_count(algo, uneven, stop_prone_pol
         assert max_weight_diff(tmp_path / "tokens" / "critic", tmp_path / "count" / "critic") < 1e-4
 
 
+def test_a_logging_window_weighs_token_means_by_tokens_across_steps_and_a_resume(uneven, stop_prone_policy, tmp_path,
+                                                                                monkeypatch):
+    """--logging-steps 3 over 4 steps of DAPO (8 samples a step): the line at step 3 holds the token means of steps
+    1-3 weighed by each step's tokens (8 x its mean response length), and the per-sample means their plain mean;
+    the same when the run is cut after its step-2 checkpoint and resumed (the window's weighted sums travel in the
+    checkpoint)."""
+    common = ["--max-steps", 4, "--learning-rate", 1e-3, "--batch-size", 8]
+    every, cut = tmp_path / "every", tmp_path / "cut"
+    assert run(*train_args(uneven, stop_prone_policy, every, "dapo", *common)) == 0
+    windowed = [*common, "--logging-steps", 3, "--save-every", 2]
+    crash_after_checkpoint(monkeypatch, 2)
+    assert run(*train_args(uneven, stop_prone_policy, cut, "dapo", *windowed)) == 130
+    assert run(*train_args(uneven, stop_prone_policy, cut, "dapo", *windowed, "--resume")) == 0
+
+    lengths, kl = logged(every, "policy/train_response_length"), logged(every, "kl/train_approx_kl")
+    tokens = [8 * n for n in lengths]
+    weighted = sum(k * t for k, t in zip(kl[:3], tokens[:3])) / sum(tokens[:3])
+    assert logged(cut, "kl/train_approx_kl") == pytest.approx([weighted, kl[3]], rel=1e-6)
+    assert logged(cut, "policy/train_response_length") == pytest.approx([sum(lengths[:3]) / 3, lengths[3]], rel=1e-9)
+    assert abs(weighted - sum(kl[:3]) / 3) > 1e-3 * abs(weighted)  # the steps' tokens differ: weighing matters here
+
+
 @pytest.mark.parametrize("algo", ["dr_grpo", "gspo"])
 def test_batch_times_accumulation_is_invariant_for_the_sequence_level_options(algo, uneven, stop_prone_policy,
                                                                             tmp_path):

@@ -40,6 +40,7 @@ RUN_RECORD = "run_started.json"  # an in-place output's config and inputs, writt
 PARTS_DIR = "parts"  # an unfinished output's finished pieces (generate's and score's chunks), kept for a rerun
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
+TRACKER_DIR = "runs"  # a training output's TensorBoard events (and its wandb run's id)
 REF_LOGPS_CACHE = "ref_logps"
 ROLLOUT_CACHE = "rollout"
 CRITIC = "critic"

@@ -55,7 +55,7 @@ from rlhf_pipeline.datasets_io import write_text_atomic
 from rlhf_pipeline.distributed import anywhere, quiet, reduce_sums, sharded_batches, stop_everywhere, zero_stage
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.files import MODEL_HINT, reading
-from rlhf_pipeline.layout import METRIC_WEIGHT, METRICS
+from rlhf_pipeline.layout import METRIC_WEIGHT, METRICS, TRACKER_DIR
 from rlhf_pipeline.modeling import enable_activation_checkpointing
 from rlhf_pipeline.training.compilation import compile_decoder_layers
 from rlhf_pipeline.training.lora import LoraOptions, add_adapters, load_kwargs
@@ -150,7 +150,8 @@ class TrainOptions(OutputOptions, LoraOptions):
     resume: bool = option(False, help="Continue an interrupted run from its newest checkpoint.", semantic=False)
     seed: int = option(0, help="Seed of the data order and of anything random in training.")
     report_to: Literal["tensorboard", "wandb", "none"] = option(
-        "tensorboard", help="Where metrics go besides metrics.jsonl.", semantic=False
+        "tensorboard", help="Where metrics go besides OUTPUT/metrics.jsonl: TensorBoard (OUTPUT/runs) or wandb (the "
+        "project $WANDB_PROJECT, default rlhf-pipeline); a resumed run continues its tracker's run.", semantic=False
     )
     trust_remote_code: bool = trust_remote_code_option()
 
@@ -444,18 +445,34 @@ def tracker_config(config) -> dict[str, Any]:
             for k, v in vars(config).items() if v is not None}
 
 
-def start_trackers(accelerator, config, step: int, run_id: str) -> None:
-    """Start ``--report-to``'s tracker, continuing the run's own after a resume from ``step``: TensorBoard (in
-    OUTPUT/runs) drops the events an interrupted attempt logged after that step, so no step is plotted twice; wandb
-    goes on with the run of the same id (the checkpoint's ``tracker_run``) in ``$WANDB_PROJECT`` (default
-    rlhf-pipeline) rather than starting a second one."""
+def start_trackers(accelerator, config, output: Path, step: int) -> None:
+    """Start ``--report-to``'s tracker, continuing the run's own under ``--resume`` (from ``step``; 0 without a
+    checkpoint): TensorBoard (in OUTPUT/runs) drops the events an interrupted attempt logged after that step, so no
+    step is plotted twice; wandb goes on with the run of the same id (kept in OUTPUT/runs/wandb_run_id; or
+    ``$WANDB_RUN_ID``) in ``$WANDB_PROJECT`` (default rlhf-pipeline) rather than starting a second one."""
     if config.report_to == "none":
         return
     if config.report_to == "wandb":
-        project, init = os.environ.get("WANDB_PROJECT") or "rlhf-pipeline", {"id": run_id, "resume": "allow"}
+        project = os.environ.get("WANDB_PROJECT") or "rlhf-pipeline"
+        init = {"id": _wandb_run_id(accelerator, output, config.resume),
+                "resume": os.environ.get("WANDB_RESUME") or "allow"}
     else:
-        project, init = "runs", ({"purge_step": step + 1} if step else {})
+        project, init = TRACKER_DIR, ({"purge_step": step + 1 if step else 0} if config.resume else {})
     accelerator.init_trackers(project, config=tracker_config(config), init_kwargs={config.report_to: init})
+
+
+def _wandb_run_id(accelerator, output: Path, resume: bool) -> str:
+    """``$WANDB_RUN_ID``, else under ``--resume`` the id the run started with, else a new one (kept for a resume)."""
+    if os.environ.get("WANDB_RUN_ID"):
+        return os.environ["WANDB_RUN_ID"]
+    path = output / TRACKER_DIR / "wandb_run_id"
+    if resume and path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(8)
+    if accelerator.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, run_id + "\n")
+    return run_id
 
 
 def nonfinite_stop(accelerator, step: int, skipped_in_a_row: int, last_loss: float | None) -> PipelineError:
@@ -677,8 +694,7 @@ def train(
     if checkpoint is not None:
         accelerator.print(f"resuming from {checkpoint} (step {step})")
         scheduler_at(scheduler, step)
-    tracker_run = totals_so_far.get("tracker_run") or secrets.token_hex(8)
-    start_trackers(accelerator, config, step, tracker_run)
+    start_trackers(accelerator, config, output, step)
     metrics = Metrics(accelerator, output, step)
     baseline = evaluate(accelerator, model, task, eval_ds, config.eval_batch_size) if step == 0 else {}
     if baseline:  # the test split before any update
@@ -802,18 +818,18 @@ def train(
             totals.update(_seconds=time.time() - t0, _norms=1.0 if "grad_norm" in totals else 0.0)
             for key, value in totals.items():
                 window[key] = window.get(key, 0.0) + value
-            if step % config.logging_steps == 0 or step == total_steps:
-                values = metric_names(means(window), "train")
-                if window["_norms"]:
-                    values["grad_norm"] = window["grad_norm"] / window["_norms"]
-                values["lr"] = step_lr
-                values["epoch"] = step / setup.steps_per_epoch
-                values["throughput/tokens_per_s"] = window["_real"] / max(window["_seconds"], 1e-9)
-                values["throughput/real_token_fraction"] = window["_real"] / max(window["_total"], 1)
-                values["train/skipped_steps"] = skipped
-                metrics.log(step, values)
-                window = {}
             bar.set_postfix(loss=f"{step_loss:.4f}")
+        if window and (step % config.logging_steps == 0 or step == total_steps):  # a skipped last step too
+            values = metric_names(means(window), "train")
+            if window["_norms"]:
+                values["grad_norm"] = window["grad_norm"] / window["_norms"]
+            values["lr"] = step_lr
+            values["epoch"] = step / setup.steps_per_epoch
+            values["throughput/tokens_per_s"] = window["_real"] / max(window["_seconds"], 1e-9)
+            values["throughput/real_token_fraction"] = window["_real"] / max(window["_total"], 1)
+            values["train/skipped_steps"] = skipped
+            metrics.log(step, values)
+            window = {}
         if config.eval_every and step % config.eval_every == 0 and step < total_steps:
             metrics.log(step, metric_names(evaluate(accelerator, model, task, eval_ds, config.eval_batch_size), "eval"))
         if config.save_every and step % config.save_every == 0 and step < total_steps:
@@ -825,8 +841,7 @@ def train(
                      "divergence_warned": watch.warned,
                      "real_tokens": real_tokens, "last_loss": last_loss, "skipped_steps": skipped,
                      "skipped_in_a_row": skipped_in_a_row,
-                     "all_tokens": all_tokens, "seconds": time.time() - started, "tracker_run": tracker_run,
-                     "log_window": window}
+                     "all_tokens": all_tokens, "seconds": time.time() - started, "log_window": window}
             save_checkpoint(accelerator, model, tokenizer, output, state, keep=config.save_total_limit or None,
                             masters=setup.masters)
     bar.close()

@@ -41,7 +41,7 @@ from rlhf_pipeline.distributed import (
     anywhere, cpu_deepspeed_backend, finish_distributed, on_main_process, training_collective_timeout,
 )
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE
+from rlhf_pipeline.layout import CHECKPOINTS, MANIFEST, REF_LOGPS_CACHE, ROLLOUT_CACHE, TRACKER_DIR
 from rlhf_pipeline.modeling import SAFE_WEIGHTS, same_model
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,8 @@ def push_model_to_hub(output: Path, hub: HubTarget, manifest: bytes) -> None:
         folder_path=str(output),
         repo_id=hub.repo_id,
         repo_type="model",
-        ignore_patterns=[f"{CHECKPOINTS}/*", "runs/*", f"{REF_LOGPS_CACHE}/*", f"{ROLLOUT_CACHE}/*", MANIFEST],
+        ignore_patterns=[f"{CHECKPOINTS}/*", f"{TRACKER_DIR}/*", f"{REF_LOGPS_CACHE}/*", f"{ROLLOUT_CACHE}/*",
+                         MANIFEST],
         # exact names (escaped: a pattern here is fnmatch's), so a model card the user wrote stays
         delete_patterns=[glob.escape(name) for name in present if name not in KEPT_ON_HUB] or None,
         **revision,
