@@ -568,11 +568,12 @@ def test_groups_need_group_data(data, tiny_policy, tmp_path, capsys):
         assert "--mode groups" in err and "response_token_ids" in err and "\n" not in err, err
 
 
-def test_groups_that_cannot_teach_a_group_baseline_are_refused(data, tiny_policy, tmp_path, capsys, caplog):
-    """Groups of one response (generate --n 1), or of equal rewards (a verifiable reward that marks every response
-    wrong), make every advantage of a group baseline 0: grpo refuses such data in one line naming the cause, before
-    a model loads, rather than train to the policy it started from; PPO (no baseline) trains on single responses.
-    Some groups of one among others: a warning."""
+def test_groups_that_cannot_teach_a_group_baseline_are_refused_or_warned_of(data, tiny_policy, tmp_path, capsys,
+                                                                            caplog):
+    """Groups of one response (generate --n 1) give a group baseline nothing to credit: grpo refuses such data in one
+    line naming the fix, before a model loads, rather than train near the policy it started from; PPO (no baseline)
+    trains on them. Some groups of one among others, or equal rewards in every group (an iteration whose prompts
+    all pass or all fail; or a verifiable reward without its ground truth): a warning, and the run goes on."""
     from datasets import load_from_disk
 
     groups = load_from_disk(str(data / "groups"))
@@ -583,22 +584,24 @@ def test_groups_that_cannot_teach_a_group_baseline_are_refused(data, tiny_policy
         return lambda row, i: {c: row[c][:1] for c in per_response} if i < k else {}
 
     groups.map(first(10**9), with_indices=True).save_to_disk(str(tmp_path / "single"))
-    groups.map(lambda row: {"rewards": [0.0] * len(row["rewards"])}).save_to_disk(str(tmp_path / "wrong"))
     capsys.readouterr()
-    for name, cause in [("single", "with a single response"), ("wrong", "with equal rewards")]:
-        assert run(*train_args(tmp_path, tiny_policy, tmp_path / f"grpo_{name}", "grpo", "--max-steps", 1,
-                               split=name)) == 1
-        err = capsys.readouterr().err.strip()
-        assert f"no group can teach --algo grpo anything ({groups['train'].num_rows} {cause}" in err, err
-        assert "--n 4" in err and "\n" not in err and not (tmp_path / f"grpo_{name}").exists(), err
+    assert run(*train_args(tmp_path, tiny_policy, tmp_path / "grpo_single", "grpo", "--max-steps", 1,
+                           split="single")) == 1
+    err = capsys.readouterr().err.strip()
+    assert f"single:train: every group holds a single response ({groups['train'].num_rows} groups): --algo grpo" in err
+    assert "--n 4" in err and "\n" not in err and not (tmp_path / "grpo_single").exists(), err
     # (the copies have no generate manifest upstream: the sampling temperature is given)
     assert run(*train_args(tmp_path, tiny_policy, tmp_path / "ppo_single", "ppo", "--max-steps", 1, "--temperature",
                            0.8, split="single", critic=tiny_policy)) == 0
 
     groups.map(first(3), with_indices=True).save_to_disk(str(tmp_path / "some"))
-    assert run(*train_args(tmp_path, tiny_policy, tmp_path / "grpo_some", "grpo", "--max-steps", 1, "--temperature",
-                           0.8, split="some")) == 0
-    assert f"3 of {groups['train'].num_rows} groups hold a single response" in caplog.text
+    groups.map(lambda row: {"rewards": [0.0] * len(row["rewards"])}).save_to_disk(str(tmp_path / "wrong"))
+    for name, warning in [("some", f"3 of {groups['train'].num_rows} groups hold a single response"),
+                          ("wrong", "every group's rewards are equal: --algo grpo")]:
+        caplog.clear()
+        assert run(*train_args(tmp_path, tiny_policy, tmp_path / f"grpo_{name}", "grpo", "--max-steps", 1,
+                               "--temperature", 0.8, split=name)) == 0
+        assert warning in caplog.text
 
 
 def test_ppo_takes_its_critic_from_the_reward_model_that_scored_the_data(data, tiny_policy, tiny_rm, tmp_path):

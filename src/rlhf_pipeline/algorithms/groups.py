@@ -255,29 +255,31 @@ def check_group_rows(ds, source: str, source_columns: Sequence[str] = ()) -> Non
 
 
 def check_learning_signal(ds, source: str, algorithm: GroupAlgorithm) -> None:
-    """Refuse training data in which no group can teach ``algorithm`` anything: every group a single response, or
-    (but for GDPO, whose sources may differ where their sum does not) of equal rewards. Its group baseline would make
-    every advantage 0, and the run would end with the policy it started from, saying nothing. Warn when some groups
-    hold a single response."""
+    """Refuse training data in which every group holds a single response (generate --n 1): ``algorithm`` credits
+    each response against the others of its prompt, so the reward would have no say in the update, and the run
+    would end near the policy it started from, saying nothing. Warn when some groups hold one response, and when
+    every group's rewards are equal (but for GDPO, whose sources may differ where their sum does not): an iteration
+    whose prompts the policy all solves, or all fails, is legitimate, but a reward that never tells responses apart
+    is the usual mistake of a verifiable reward without its ground truth."""
     if not algorithm.compares_within_group or ds.num_rows == 0:
         return
     rewards = ds["rewards"]
     lone = sum(len(r) < 2 for r in rewards)
-    uniform = 0 if algorithm.reward_sources else sum(len(r) >= 2 and len(set(r)) == 1 for r in rewards)
-    if lone + uniform == len(rewards):
-        what = ", ".join(f"{count} {kind}" for count, kind in ((lone, "with a single response"),
-                                                                (uniform, "with equal rewards")) if count)
+    if lone == len(rewards):
         raise PipelineError(
-            f"{source}: no group can teach --algo {algorithm.name} anything ({what}, of {len(rewards)}): it credits "
-            "each response against the others of its prompt, so every advantage would be 0 and the policy would not "
-            "change. Sample several responses a prompt (rlhf generate --n 4 or more), and check that the reward "
-            "tells them apart (rlhf score prints its mean and std; a verifiable reward needs the prompts' answers, "
-            "--reference-column)"
+            f"{source}: every group holds a single response ({lone} groups): --algo {algorithm.name} credits each "
+            "response against the others of its prompt, so the reward would have no say in the update; sample "
+            "several responses a prompt (rlhf generate --n 4 or more), or train with --algo ppo or reinforce_pp"
         )
     if lone:
         log.warning("%s: %d of %d groups hold a single response, which --algo %s cannot credit against others: "
                     "they teach nothing (sample with rlhf generate --n 2 or more)", source, lone, len(rewards),
                     algorithm.name)
+    if not algorithm.reward_sources and all(len(set(r)) == 1 for r in rewards if len(r) >= 2):
+        log.warning("%s: every group's rewards are equal: --algo %s credits each response against the others of its "
+                    "prompt, so the reward has no say in this update. If the reward never tells responses apart, "
+                    "check it (rlhf score prints its mean and std; a verifiable reward needs the prompts' answers, "
+                    "--reference-column)", source, algorithm.name)
 
 
 def flatten_groups(ds, source: str, source_columns: Sequence[str] = ()) -> dict[str, list]:
