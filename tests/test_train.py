@@ -613,6 +613,28 @@ def test_two_process_zero3_with_a_token_budget_equals_one_process_by_count(pairs
     assert max_weight_diff(tmp_path / "zero3", tmp_path / "single") < 1e-4
 
 
+def test_without_progress_bars_a_status_line_says_how_the_run_goes(pairs, tiny_policy, tmp_path, capsys,
+                                                                    monkeypatch):
+    """With TQDM_DISABLE set (a batch job's log) the trainer prints a line at most every STATUS_EVERY_S seconds (0
+    here: every step) with the step, the loss the step logged and the time left; with bars, none."""
+    import re
+
+    from rlhf_pipeline.training import loop
+
+    monkeypatch.setattr(loop, "STATUS_EVERY_S", 0.0)
+    capsys.readouterr()
+    common = ["--algo", "dpo", "--temperature", 0.8]
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "quiet", *common, "--max-steps", 3)) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] step")]
+    assert [line.split(":")[0] for line in lines] == ["[train] step 1/3", "[train] step 2/3", "[train] step 3/3"]
+    assert [float(re.search(r"loss (\S+),", line).group(1)) for line in lines] == pytest.approx(
+        logged(tmp_path / "quiet"), rel=1e-3)
+    assert all("steps/min, about " in line and line.endswith(" left") for line in lines), lines
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    assert run(*train_args(pairs, tiny_policy, tmp_path / "bars", *common, "--max-steps", 2)) == 0
+    assert "[train] step" not in capsys.readouterr().out
+
+
 def test_dropout_is_disabled_for_training(tiny_policy):
     """Reference log-probs are taken without dropout, so the policy's must be too."""
     from transformers import AutoModelForCausalLM

@@ -382,6 +382,37 @@ class Metrics:
         self.accelerator.log(values, step=step)
 
 
+# Without progress bars (TQDM_DISABLE: batch jobs, CI logs) the trainer prints a line at most this often
+STATUS_EVERY_S = 60.0
+
+
+class StatusLines:
+    """Without a progress bar (``TQDM_DISABLE`` set), a line on the main process at most every
+    :data:`STATUS_EVERY_S` seconds: the step, its loss and learning rate, the rate and the time left, so that a
+    batch job's log says how its run goes."""
+
+    def __init__(self, accelerator, total_steps: int, first_step: int):
+        from rlhf_pipeline.progress import bars_disabled
+
+        self.on = accelerator.is_main_process and bars_disabled()
+        self.total, self.first = total_steps, first_step
+        self.started = self.last = time.monotonic()
+
+    def step(self, step: int, loss: float | None, lr: float) -> None:
+        now = time.monotonic()
+        if not self.on or loss is None or now - self.last < STATUS_EVERY_S:
+            return
+        self.last = now
+        per_s = (step - self.first) / max(now - self.started, 1e-9)
+        left = (self.total - step) / per_s if per_s > 0 else None
+        print(f"[train] step {step}/{self.total}: loss {loss:.4g}, lr {lr:.3g}, {per_s * 60:.3g} steps/min"
+              + (f", about {_minutes(left)} left" if left is not None else ""), flush=True)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
 @dataclass
 class DivergenceWatch:
     """Says once when a run looks like it is diverging: the step's gradient norm (before clipping) has grown
@@ -713,6 +744,7 @@ def train(
                             warned=totals_so_far.get("divergence_warned", False))
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=quiet(accelerator))
     first_step = step  # of this process: its scheduler has not stepped yet
+    status = StatusLines(accelerator, total_steps, step)
     window: dict[str, float] = dict(totals_so_far.get("log_window") or {})  # the steps not logged yet, summed
     while step < total_steps:
         epoch, position = divmod(step, setup.steps_per_epoch)
@@ -830,6 +862,7 @@ def train(
             values["train/skipped_steps"] = skipped
             metrics.log(step, values)
             window = {}
+        status.step(step, last_loss, step_lr)
         if config.eval_every and step % config.eval_every == 0 and step < total_steps:
             metrics.log(step, metric_names(evaluate(accelerator, model, task, eval_ds, config.eval_batch_size), "eval"))
         if config.save_every and step % config.save_every == 0 and step < total_steps:
