@@ -193,6 +193,14 @@ def test_kto_lowers_the_loss_changes_every_parameter_and_reuses_the_reference_pa
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {"loss/train", "loss/eval", "reward/accuracy", "kl/train_kl", "logp/train_logratio"} <= set().union(*records)
     assert all(r["kl/train_kl"] >= 0 for r in records if "kl/train_kl" in r)  # z0 is clamped at 0
+    # the log-ratio over each label's responses: the test split's overall mean is their mix by the label counts
+    final = [r for r in records if "logp/desirable_logratio" in r][-1]
+    labels = load_from_disk(str(unpaired / "ref"))["test"]["desirable"]
+    wanted = sum(labels)
+    assert 0 < wanted < len(labels)
+    mix = (wanted * final["logp/desirable_logratio"] + (len(labels) - wanted) * final["logp/undesirable_logratio"])
+    assert mix / len(labels) == pytest.approx(final["logp/logratio"], rel=1e-5)
+    assert final["logp/desirable_logratio"] > final["logp/undesirable_logratio"]  # KTO pulls the two apart
     training = json.loads((out / "manifest.json").read_text())["training"]
     train = load_from_disk(str(unpaired / "ref"))["train"]
     assert training["classes"]["desirable"] == sum(train["desirable"]) and training["logp_temperature"] == 1.0

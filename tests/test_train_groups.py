@@ -676,13 +676,16 @@ def test_a_separate_reference_puts_its_k1_kl_into_reinforce_pp_rewards(data, tin
 
 def assert_same_token_means(a: Path, b: Path, critic: bool = False, ratios: bool = True) -> None:
     """Two runs of the same steps cut into other micro-batches logged the same token means (clip fraction, k3 KL,
-    mean ratio, SAPO's gate; the critic's clip fraction): each micro-batch's mean weighed by its tokens, not by its
-    rows. The response lengths and rewards, per sample, too. ``ratios``: a loss of importance ratios (not SPPO's)."""
+    mean ratio, SAPO's gate; the critic's clip fraction, values and returns): each micro-batch's mean weighed by its
+    tokens, not by its rows. The response lengths and rewards, per sample, too. ``ratios``: a loss of importance
+    ratios (not SPPO's)."""
     keys = [k for k in json.loads((a / "metrics.jsonl").read_text().splitlines()[1])
             if k.split("/")[-1] in {"train_clip_frac", "train_approx_kl", "train_ratio_mean", "train_gate_mean",
-                                    "train_value_clip_frac", "train_response_length", "train_reward"}]
+                                    "train_value_clip_frac", "train_value_mean", "train_return_mean",
+                                    "train_response_length", "train_reward"}]
     assert {"policy/train_response_length", "reward/train_reward"} <= set(keys), keys
-    assert ("kl/train_approx_kl" in keys) == ratios and ("ppo/train_value_clip_frac" in keys) == critic, keys
+    critics = {"critic/train_value_clip_frac", "critic/train_value_mean", "critic/train_return_mean"}
+    assert ("kl/train_approx_kl" in keys) == ratios and (critics <= set(keys)) == critic, keys
     for key in keys:
         assert logged(b, key) == pytest.approx(logged(a, key), abs=1e-6), key
     if ratios:  # the policy moved: the means are not all 0

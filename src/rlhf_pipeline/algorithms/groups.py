@@ -543,6 +543,10 @@ class GroupTask:
             loss = loss + p.vf_coef * vloss
             out["value_loss"] = vloss.detach().expand(len(rows))
             metrics = {**metrics, "value_clip_frac": vmetrics["clip_frac"]}
+            tokens = mask.sum(dim=1).to(dtype)  # the critic's values and its targets, means over the step's tokens
+            for name, per_token in (("value_mean", values), ("return_mean", returns)):
+                out[name] = torch.where(mask, per_token.detach(), 0).sum(dim=1)
+                out[name + METRIC_WEIGHT] = tokens
         with torch.no_grad():
             out["kl_to_ref"] = torch.where(mask, logp - ref, 0).sum(dim=1)  # k1 summed over the response
             if "sampler_logps" in rows[0]:  # how far the sampler's numbers are from the trainer's, per response

@@ -37,6 +37,7 @@ from rlhf_pipeline.contracts import (
     require_columns,
     require_types,
 )
+from rlhf_pipeline.layout import METRIC_WEIGHT
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def compute_unpaired_loss(algorithm: UnpairedAlgorithm | str, params, policy_log
 
     Metrics: ``margin`` is β·(r − z0) signed by the label (> 0 where the response sits on the side of z0 its label
     asks for), ``accuracy`` the share where it does, ``kl`` the reference point z0 the batch was trained against,
-    ``logratio`` r = logπθ − logπref.
+    ``logratio`` r = logπθ − logπref, and ``desirable_logratio`` / ``undesirable_logratio`` r over each label's
+    responses (weighted metrics: ``NAME@weight`` is 1 where the response has that label).
     """
     import torch
 
@@ -97,6 +99,11 @@ def compute_unpaired_loss(algorithm: UnpairedAlgorithm | str, params, policy_log
     margin = margin.detach()
     z0 = torch.as_tensor(reference_point, dtype=margin.dtype, device=margin.device).detach().expand_as(margin)
     metrics = {"margin": margin, "accuracy": (margin > 0).to(margin.dtype), "kl": z0, "logratio": logratio.detach()}
+    # r over the desirable and over the undesirable responses apart (TRL's rewards/chosen and rewards/rejected, but
+    # for β): means over those responses alone, weighed by the label (layout.METRIC_WEIGHT)
+    wanted = desirable.to(margin.dtype)
+    for name, weight in (("desirable_logratio", wanted), ("undesirable_logratio", 1 - wanted)):
+        metrics[name], metrics[name + METRIC_WEIGHT] = logratio.detach() * weight, weight
     return loss, metrics
 
 
