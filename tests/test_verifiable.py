@@ -132,10 +132,15 @@ def test_extract_answer_and_normalisation():
     assert V.extract_answer("The answer is 42. That is the answer is") == "42"
     assert V.extract_answer("The answer is\n42") == "42" and V.extract_answer("so the answer is") is None
     assert V.extract_answer("#### 42\nThe answer is 41") == "42"  # GSM8K's marker before "answer is", as before
-    # ... and that holds a number or math: a remark after the answer is not taken for it
-    assert V.extract_answer("The answer is 20. I double-checked the answer: it is correct.") == "20"
-    assert V.extract_answer("Final answer: 20. The answer is the total number of apples.") == "20"
-    assert V.extract_answer("The answer is Paris. So the answer: Rome") == "Rome"  # no number in any: the last
+    # ... but a remark after the answer (a lower-case word that goes on) is not taken for it
+    for remark in ["I double-checked the answer: it is correct.", "The answer is the total number of apples.",
+                   "Let me double-check that the answer is consistent with step 2.",
+                   "The answer is reasonable since 20 < 30.", "Note: the answer is in units of 10^3 meters"]:
+        assert V.extract_answer(f"The answer is 20. {remark}") == "20", remark
+    assert V.extract_answer("So the answer is 12 only if x = 3. It fails, so the answer is (C).") == "(C)"
+    assert V.extract_answer("The answer is not 1984. The answer is Animal Farm.") == "Animal Farm"
+    assert V.extract_answer("The answer is 1.4. Exactly, the answer is sqrt(2).") == "sqrt(2)"
+    assert V.extract_answer("The answer is no. Wait, the answer is yes") == "yes"  # every one a word: the last
 
 
 def test_math_equal_on_real_cases():
@@ -167,10 +172,12 @@ def test_math_equal_on_real_cases():
     assert V.math_equal([""] * 4, hedged, answer=["42"] * 4) == [0.0] * 4
     assert V.math_equal([""] * 3, [r"\boxed{x = 2 \text{ or } x = 3}", "The answer is 2 or 3.", r"\boxed{2 \lor 3}"],
                         answer=[r"x=2 \text{ or } x=3", "2, 3", "2, 3"]) == [1.0, 1.0, 0.0]
-    # not a hedge: a reference that offers alternatives itself, and a restatement whose every alternative is right
-    assert V.math_equal([""] * 3, [r"The answer is \text{(A) or (C)}", "The answer is 0.5 (or 1/2).",
-                                   "The answer is 42 (or 41)."],
-                        answer=[r"\text{(A) or (C)}", "1/2", "42"]) == [1.0, 1.0, 0.0]
+    # not a hedge: the reference itself, and a restatement whose every alternative is right; but a reference that
+    # restates itself does not let a response list candidates
+    assert V.math_equal([""] * 5, [r"The answer is \text{(A) or (C)}", "The answer is 0.5 (or 1/2).",
+                                   "The answer is 42 (or 41).", "The answer is 1 (or 0.5)", r"\boxed{5 \lor 12}"],
+                        answer=[r"\text{(A) or (C)}", "1/2", "42", r"\frac{1}{2} (or 0.5)", "12 (or 12.0)"]
+                        ) == [1.0, 1.0, 0.0, 0.0, 0.0]
     # the canonical answer a response votes for
     assert V.math_equal.extract_answer(responses[1]) == "1234"
     assert V.math_equal.extract_answer(responses[5]) is None

@@ -21,7 +21,8 @@ is all it takes.
 
 The final answer (:func:`extract_answer`): the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``); else what
 follows the last GSM8K-style ``#### ``; else what follows the last "answer is" / "answer:" ("The final answer is
-$42$." gives ``42``). :func:`math_equal` then reads a plain number's unit words as the number ("18 cookies" is 18;
+$42$." gives ``42``; a remark after it, "the answer is consistent with step 2", is not taken for the answer, see
+:func:`_last_answer`). :func:`math_equal` then reads a plain number's unit words as the number ("18 cookies" is 18;
 "1 million" and "5 squared" stay whole). The reference goes through the same extraction, so a GSM8K ``answer``
 column (a worked solution ending in ``#### 72``) serves as it is; a reference with none of these is taken whole.
 
@@ -106,32 +107,33 @@ def _without_unit(answer: str) -> str:
 
 def extract_answer(text: str) -> str | None:
     """The final answer of a response (see the module docstring): the last ``\\boxed{}``, else the last ``#### X``,
-    else the last "answer is X" (up to the end of its line or sentence); None when there is none or it is empty."""
+    else the last "answer is X" (up to the end of its line or sentence; not a remark, :func:`_last_answer`); None
+    when there is none or it is empty."""
     boxed = _boxed_contents(text)
     if boxed:
         return _strip_math(boxed[-1]) or None
     return _last_answer(_GSM8K, text) or _last_answer(_ANSWER_IS, text)
 
 
-# An answer that holds a number or math: what a candidate of a math answer looks like, where prose around it ("I
-# checked the answer: it is correct") does not
-_MATHY = re.compile(r"[0-9\\^={}]")
+# A candidate that reads as a remark rather than an answer: it starts with a lower-case word and goes on ("it is
+# correct", "consistent with step 2", "not 1984"); "yes", "sqrt(2)", "x = 3" and "(C)" do not
+_REMARK = re.compile(r"[a-z]{2,}\s")
 
 
 def _last_answer(introduced_by: re.Pattern, text: str) -> str | None:
     """What follows the last of ``introduced_by``'s matches that is followed by an answer, up to the end of its line
     or sentence (a period followed by a space or the end: not a decimal point). The last, as a response that
     corrects itself ("The answer is 6. Wait: the answer is 7.") means its last, a second answer on the same line
-    included; but the last that holds a number or math when there is one, so that a remark after the answer ("The
-    answer is 20. I checked the answer: it is correct.") is not taken for it."""
+    included; but not a remark after the answer ("The answer is 20. I checked that the answer is consistent with
+    step 2."): a candidate that starts with a lower-case word and goes on is taken only when every one does."""
     candidates = []
     for match in introduced_by.finditer(text):
         line = text[match.end():].split("\n", 1)[0]
         answer = _strip_math(re.split(r"\.(?:\s|$)", line, maxsplit=1)[0])
         if answer:
             candidates.append(answer)
-    mathy = [a for a in candidates if _MATHY.search(a)]
-    return (mathy or candidates or [None])[-1]
+    answers = [a for a in candidates if not _REMARK.match(a)]
+    return (answers or candidates or [None])[-1]
 
 
 def normalize_answer(answer: str) -> str:
@@ -229,7 +231,8 @@ def math_equal(prompts: Sequence[str], responses: Sequence[str], **columns: Any)
             golds[reference] = parse(_without_unit(_reference_answer(reference)))
         gold, target = golds[reference], parse(_without_unit(answer))
         ok = bool(gold) and bool(target) and mv.verify(gold, target, timeout_seconds=limit)
-        if ok and _hedged(answer, target, _reference_answer(reference)):
+        if ok and _hedged(answer, target) and normalize_answer(answer) != normalize_answer(
+                _reference_answer(reference)):
             # right only if every alternative is: a restatement ("0.5 (or 1/2)"), not a list of candidates
             parts = [p.strip(" ()[],;") for p in _ALTERNATIVES.split(answer)]
             ok = all(p and mv.verify(gold, parse(_without_unit(p)), timeout_seconds=limit) for p in parts)
@@ -237,14 +240,13 @@ def math_equal(prompts: Sequence[str], responses: Sequence[str], **columns: Any)
     return values
 
 
-def _hedged(answer: str, parsed: list, reference: str) -> bool:
+def _hedged(answer: str, parsed: list) -> bool:
     """Whether an answer offers alternatives ("1 (or 2 or 42)", ``41 \\lor 42``) that math-verify read as one value
-    (it reads "41 or 42" as the set {41, 42}, which a number does not equal, but these as 42), where the reference
-    offers none: a response must not be right for listing candidates."""
+    (it reads "41 or 42" as the set {41, 42}, which a number does not equal, but these as 42): a response must not
+    be right for listing candidates (unless it is the reference itself, "(A) or (C)", or every alternative is)."""
     import sympy
 
-    return (bool(_ALTERNATIVES.search(answer)) and not _ALTERNATIVES.search(reference)
-            and not isinstance(parsed[0], (sympy.Set, set, frozenset, tuple, list)))
+    return bool(_ALTERNATIVES.search(answer)) and not isinstance(parsed[0], (sympy.Set, set, frozenset, tuple, list))
 
 
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
