@@ -104,6 +104,22 @@ def test_a_non_finite_loss_skips_its_step_and_nothing_changes(pairs, tiny_policy
     assert all(torch.isfinite(t).all() for t in load_file(out / "model.safetensors").values())
 
 
+def test_a_skipped_last_step_still_logs_its_window_in_one_line(pairs, tiny_policy, tmp_path, monkeypatch):
+    """--logging-steps 2 over 4 steps whose last is skipped: step 4's one line holds the mean of the window's applied
+    step (3) with the skipped count; a skipped step not at a window's end logs its count and rate alone."""
+    count = nan_on_calls(monkeypatch, {4})
+    common = ["--algo", "dpo", "--temperature", 0.8, "--max-steps", 4, "--batch-size", 2, "--learning-rate", 1e-3]
+    assert run(*train_args(pairs / "ref", tiny_policy, tmp_path / "every", *common)) == 0
+    count.update(n=0)
+    out = tmp_path / "windows"
+    assert run(*train_args(pairs / "ref", tiny_policy, out, *common, "--logging-steps", 2)) == 0
+    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss/eval" not in r]
+    assert [r["step"] for r in records] == [2, 4]
+    every = logged(tmp_path / "every")
+    assert logged(out) == pytest.approx([(every[0] + every[1]) / 2, every[2]], rel=1e-6)
+    assert records[1]["train/skipped_steps"] == 1 and skipped_by_step(tmp_path / "every") == {1: 0, 2: 0, 3: 0, 4: 1}
+
+
 def test_k_non_finite_steps_in_a_row_stop_the_run_with_one_line(pairs, tiny_policy, tmp_path, monkeypatch, capsys):
     nan_on_calls(monkeypatch, set(range(2, 100)))
     out = tmp_path / "out"

@@ -387,6 +387,15 @@ def test_group_task_loss_and_gradient_equal_a_naive_per_sample_reference(data, t
             k1 = [(naive_logps(policy, r["prompt_token_ids"], r["response_token_ids"], temperature)
                    - torch.tensor(r["ref_logps"], dtype=torch.float64)).sum().item() for r in rows]
         assert metrics["kl_to_ref"].tolist() == pytest.approx(k1, abs=1e-9)
+        lengths = [len(r["response_token_ids"]) for r in rows]
+        assert metrics["response_length"].tolist() == lengths
+        if critic is not None:  # the critic's values and targets: sums per sample, weighed by its tokens
+            with torch.no_grad():
+                values = [naive_values(critic, r["prompt_token_ids"], r["response_token_ids"]).sum().item()
+                          for r in rows]
+            assert metrics["value_mean"].tolist() == pytest.approx(values, abs=1e-9)
+            assert metrics["return_mean"].tolist() == pytest.approx([sum(r["returns"]) for r in rows], abs=1e-9)
+            assert metrics["value_mean@weight"].tolist() == lengths
         losses[pack_ratio] = loss.item()
     assert losses[0.0] == pytest.approx(losses[2.0], abs=1e-12)  # packing changes nothing
 

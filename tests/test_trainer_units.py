@@ -434,3 +434,36 @@ def test_the_training_collective_timeout_is_30_minutes_unless_the_environment_sa
         monkeypatch.setenv("RLHF_TRAINING_TIMEOUT_MINUTES", bad)
         with pytest.raises(PipelineError, match=f"RLHF_TRAINING_TIMEOUT_MINUTES='{bad}': give a number of minutes"):
             training_collective_timeout()
+
+
+def test_means_divide_by_examples_or_by_weights_and_leave_out_a_mean_over_nothing():
+    """``training.loop.means``: a plain metric over the examples, a weighted one (``NAME@weight``) over its weights;
+    a weighted mean over no weight (KTO's undesirable responses in a window that had none) is left out, not 0."""
+    from rlhf_pipeline.training.loop import means
+
+    totals = {"_n": 4.0, "_real": 9.0, "loss": 2.0, "grad_norm": 1.5, "clip_frac": 0.3, "clip_frac@weight": 6.0,
+              "undesirable_logratio": 0.0, "undesirable_logratio@weight": 0.0}
+    assert means(totals) == pytest.approx({"loss": 0.5, "clip_frac": 0.05})
+    assert means({"_n": 0.0, "loss": 0.0}) == {}
+
+
+def test_the_wandb_run_id_is_kept_for_a_resume(tmp_path, monkeypatch):
+    """A new run gets a new id and keeps it in OUTPUT/runs/wandb_run_id; --resume goes on with it (the tracker's
+    run continues); $WANDB_RUN_ID wins, and is kept too."""
+    from types import SimpleNamespace
+
+    from rlhf_pipeline.training.loop import _wandb_run_id
+
+    main = SimpleNamespace(is_main_process=True)
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    first = _wandb_run_id(main, tmp_path, resume=False)
+    assert (tmp_path / "runs" / "wandb_run_id").read_text().strip() == first
+    assert _wandb_run_id(main, tmp_path, resume=True) == first
+    assert _wandb_run_id(SimpleNamespace(is_main_process=False), tmp_path / "other", resume=False) != first
+    assert not (tmp_path / "other").exists()  # only the main process writes
+    fresh = _wandb_run_id(main, tmp_path, resume=False)  # a run started over (--overwrite): a run of its own
+    assert fresh != first
+    monkeypatch.setenv("WANDB_RUN_ID", "mine")
+    assert _wandb_run_id(main, tmp_path, resume=True) == "mine"
+    monkeypatch.delenv("WANDB_RUN_ID")
+    assert _wandb_run_id(main, tmp_path, resume=True) == "mine"

@@ -254,7 +254,7 @@ def check_group_rows(ds, source: str, source_columns: Sequence[str] = ()) -> Non
                                 f"log-probs in {SAMPLER_LOGPROBS}")
 
 
-def check_learning_signal(ds, source: str, algorithm: GroupAlgorithm) -> None:
+def check_learning_signal(ds, source: str, algorithm: GroupAlgorithm, warn: bool = True) -> None:
     """Refuse training data in which every group holds a single response (generate --n 1): ``algorithm`` credits
     each response against the others of its prompt, so the reward would have no say in the update, and the run
     would end near the policy it started from, saying nothing. Warn when some groups hold one response, and when
@@ -271,6 +271,8 @@ def check_learning_signal(ds, source: str, algorithm: GroupAlgorithm) -> None:
             "response against the others of its prompt, so the reward would have no say in the update; sample "
             "several responses a prompt (rlhf generate --n 4 or more), or train with --algo ppo or reinforce_pp"
         )
+    if not warn:  # another process of the launch: the main process warns
+        return
     if lone:
         log.warning("%s: %d of %d groups hold a single response, which --algo %s cannot credit against others: "
                     "they teach nothing (sample with rlhf generate --n 2 or more)", source, lone, len(rewards),
@@ -973,7 +975,8 @@ def train(config) -> Path:
         params.rollout_correction, params.rollout_correction_cap = _rollout_correction(config, dd, ref)
         for split, ds in dd.items():  # every row's rewards and lengths checked before anything is written
             check_group_rows(ds, f"{config.data}:{split}", source_columns)
-        check_learning_signal(dd["train"], f"{config.data}:train", config.algorithm)
+        check_learning_signal(dd["train"], f"{config.data}:train", config.algorithm,
+                              warn=run.accelerator.is_main_process)
         temperature = logp_temperature(config.algorithm, config.temperature, sampling, str(ref))
         tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         pad = pad_id(tokenizer)

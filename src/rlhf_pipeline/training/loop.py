@@ -493,13 +493,15 @@ def start_trackers(accelerator, config, output: Path, step: int) -> None:
 
 
 def _wandb_run_id(accelerator, output: Path, resume: bool) -> str:
-    """``$WANDB_RUN_ID``, else under ``--resume`` the id the run started with, else a new one (kept for a resume)."""
-    if os.environ.get("WANDB_RUN_ID"):
-        return os.environ["WANDB_RUN_ID"]
+    """``$WANDB_RUN_ID``, else under ``--resume`` the id the run started with, else a new one; kept in
+    OUTPUT/runs/wandb_run_id for a resume."""
     path = output / TRACKER_DIR / "wandb_run_id"
-    if resume and path.is_file() and path.read_text().strip():
+    if os.environ.get("WANDB_RUN_ID"):
+        run_id = os.environ["WANDB_RUN_ID"]
+    elif resume and path.is_file() and path.read_text().strip():
         return path.read_text().strip()
-    run_id = secrets.token_hex(8)
+    else:
+        run_id = secrets.token_hex(8)
     if accelerator.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, run_id + "\n")
@@ -566,8 +568,9 @@ def evaluate(accelerator, model, task: TrainTask, ds, batch_size: int) -> dict[s
 
 def means(totals: dict[str, float]) -> dict[str, float]:
     """The loss and metrics of sums (``add_to_sums``, over a step, a split or a logging window): each sum over the
-    examples' count ``_n``, or over its ``@weight`` sum (``layout.METRIC_WEIGHT``; 0 where that is 0). Keys that
-    start with ``_``, and ``grad_norm``, are the caller's."""
+    examples' count ``_n``, or over its ``@weight`` sum (``layout.METRIC_WEIGHT``; left out where that is 0: a
+    mean over no tokens, or KTO's over a label no response of the window had). Keys that start with ``_``, and
+    ``grad_norm``, are the caller's."""
     n = totals.get("_n", 0.0)
     if not n:
         return {}
@@ -576,7 +579,10 @@ def means(totals: dict[str, float]) -> dict[str, float]:
         if key.startswith("_") or key.endswith(METRIC_WEIGHT) or key == "grad_norm":
             continue
         weight = totals.get(key + METRIC_WEIGHT)
-        out[key] = value / n if weight is None else (value / weight if weight else 0.0)
+        if weight is None:
+            out[key] = value / n
+        elif weight:
+            out[key] = value / weight
     return out
 
 
@@ -832,8 +838,8 @@ def train(
             if accelerator.is_main_process:
                 log.warning("step %d: the loss or the gradients were not finite; the step was skipped (no update), "
                             "%d in a row", step, skipped_in_a_row)
-            metrics.log(step, {"train/skipped_steps": skipped, "lr": step_lr})
             if skipped_in_a_row >= config.max_nonfinite_steps:
+                metrics.log(step, {"train/skipped_steps": skipped, "lr": step_lr})
                 raise nonfinite_stop(accelerator, step, skipped_in_a_row, last_loss)
         else:
             skipped_in_a_row = 0
@@ -862,7 +868,9 @@ def train(
             values["train/skipped_steps"] = skipped
             metrics.log(step, values)
             window = {}
-        status.step(step, last_loss, step_lr)
+        elif bad:  # a skipped step logs the running count and its rate (no loss)
+            metrics.log(step, {"train/skipped_steps": skipped, "lr": step_lr})
+        status.step(step, None if bad else last_loss, step_lr)
         if config.eval_every and step % config.eval_every == 0 and step < total_steps:
             metrics.log(step, metric_names(evaluate(accelerator, model, task, eval_ds, config.eval_batch_size), "eval"))
         if config.save_every and step % config.save_every == 0 and step < total_steps:
