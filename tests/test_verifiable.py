@@ -182,10 +182,11 @@ def test_math_equal_on_real_cases():
     assert V.math_equal.extract_answer(responses[1]) == "1234"
     assert V.math_equal.extract_answer(responses[5]) is None
     # a plain number votes by its value, its unit left out as math_equal reads it: one vote, not four
-    same = ["The answer is 42", "The answer is 42 apples.", "The answer is $42.00", "#### 42.0"]
+    same = ["The answer is 42", "The answer is 42 apples.", "The answer is $42.00", "#### 42.0", "#### 42%"]
     assert {V.math_equal.extract_answer(r) for r in same} == {"42"}
     assert [V.math_equal.extract_answer(r) for r in ["#### 1,234.50", "#### .50", "#### 1 million"]] == [
         "1234.5", "0.5", "1 million"]
+    assert V.math_equal.extract_answer("#### −5") == V.math_equal.extract_answer("#### -5.0") == "-5"
     long = ["#### 1267650600228229401496703205376", "#### 1267650600228229401496703205377"]  # beyond 28 digits
     assert [V.math_equal.extract_answer(r) for r in long] == [r[5:] for r in long]
 

@@ -249,21 +249,21 @@ def _hedged(answer: str, parsed: list) -> bool:
     return bool(_ALTERNATIVES.search(answer)) and not isinstance(parsed[0], (sympy.Set, set, frozenset, tuple, list))
 
 
-_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)%?")
 
 
 def _canonical(response: str) -> str | None:
     """The answer a response votes for under :func:`math_equal`: normalised (:func:`normalize_answer`), and a plain
-    number by its value, its unit words left out as math_equal reads it (``42``, ``42.0``, ``$42.00`` and ``42
-    apples`` are one vote)."""
+    number by its value, its unit words and a percent sign left out as math_equal reads it (``42``, ``42.0``,
+    ``$42.00``, ``42%``, and ``42 apples`` are one vote)."""
     answer = extract_answer(response)
     if answer is None:
         return None
-    text = normalize_answer(_without_unit(answer))
-    if _PLAIN_NUMBER.fullmatch(text):
+    text = normalize_answer(_without_unit(answer)).replace("−", "-")  # a typeset minus sign is a minus
+    if _PLAIN_NUMBER.fullmatch(text):  # a percent sign left out, as math_equal grades 42% right against 42
         from decimal import Context, Decimal
 
-
+        text = text.rstrip("%")
         value = Decimal(text)  # normalised at the number's own precision: two long numbers stay two votes
         text = "0" if value == 0 else format(value.normalize(Context(prec=len(text) + 1)), "f")
     return text or None
