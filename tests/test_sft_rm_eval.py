@@ -645,6 +645,30 @@ def test_eval_reuses_an_earlier_evals_samples_as_the_baseline(eval_sft, eval_sel
     assert ours["responses"] != theirs["responses"]  # the SFT model's own samples, not the baseline's
 
 
+def test_a_baseline_eval_whose_scorer_changed_since_is_scored_again(sft_model, tiny_policy, task, tmp_path,
+                                                                    capsys):
+    """An earlier evaluation reused as the baseline keeps its samples, but its rewards are its scorer's as it was:
+    a reward function edited since (or a reward model trained again at its path) scores those samples again, rather
+    than compare this evaluation's rewards with stale ones (the win rate was silently wrong)."""
+    fn = tmp_path / "length.py"
+    fn.write_text("def reward(prompts, responses, **columns):\n    return [float(len(r)) for r in responses]\n")
+    earlier = tmp_path / "earlier"
+    assert run(*eval_args(tiny_policy, task["eval_prompts"], earlier, "--reward-fn", f"{fn}:reward")) == 0
+    fn.write_text("def reward(prompts, responses, **columns):\n    return [-float(len(r)) for r in responses]\n")
+    capsys.readouterr()
+    out = tmp_path / "later"
+    assert run(*eval_args(sft_model, task["eval_prompts"], out, "--reward-fn", f"{fn}:reward",
+                          "--baseline", earlier)) == 0
+    assert f"--reward-fn {fn}:reward changed since {earlier} scored its samples: scoring them again" in (
+        capsys.readouterr().out)
+    samples = load_from_disk(str(out / "samples"))
+    theirs = load_from_disk(str(earlier / "generate"))
+    negative = {pid: [-float(len(r)) for r in rs] for pid, rs in zip(theirs["prompt_id"], theirs["responses"])}
+    assert samples["baseline_rewards_reward_fn"] == [negative[i] for i in samples["prompt_id"]]
+    assert not (out / "baseline" / "generate").exists()  # the earlier samples, not new ones
+    assert "scored again" in results_of(out)["baseline"]
+
+
 def test_eval_samples_a_trained_model_given_as_the_baseline(eval_sft, sft_model, tiny_policy, task, tmp_path):
     out = tmp_path / "vs_sft"
     assert run(*eval_args(tiny_policy, task["eval_prompts"], out, "--reward-fn", GOLD, "--baseline", sft_model)) == 0

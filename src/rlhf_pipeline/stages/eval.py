@@ -583,8 +583,28 @@ def _baseline_scores(config: EvalConfig, earlier: Path | None, out_dir: Path, ac
     if earlier is None:
         return _sample_and_score(config, config.baseline, out_dir / "baseline", accelerator), config.baseline
     previous_model = json.loads((earlier / MANIFEST).read_text())["config"]["model"]
+    changed = _changed_scorers(config, earlier)
+    if changed:  # the samples stand; their rewards are another scorer's: scored again, beside this evaluation's
+        print(f"[eval] {'; '.join(changed)} changed since {earlier} scored its samples: scoring them again")
+        return (_score_all(config, earlier / "generate", out_dir / "baseline", accelerator),
+                f"{previous_model} (samples of {earlier}, scored again)")
     return ({"generate": earlier / "generate", **{s.key: earlier / f"score_{s.key}" for s in _scorers(config)}},
             f"{previous_model} (samples of {earlier})")
+
+
+def _changed_scorers(config: EvalConfig, earlier: Path) -> list[str]:
+    """The scorers whose files (a reward model trained again, or rebuilt, at the same path) or code (a reward
+    function's file edited) have changed since the earlier evaluation ``earlier`` scored its samples, as its score
+    manifests record them (``scored_by``; one written before they did is taken as unchanged)."""
+    from rlhf_pipeline.stages.score import scorer_identity
+
+    changed = []
+    for source in _scorers(config):
+        manifest = json.loads((earlier / f"score_{source.key}" / MANIFEST).read_text())
+        recorded = [r for r in manifest.get("scored_by") or [] if r.get("spec") == source.spec]
+        if recorded and recorded[0] != scorer_identity(source):
+            changed.append(f"{source.flag} {source.spec}")
+    return changed
 
 
 def _rewards_by_prompt(path: Path) -> tuple[list[str], dict[str, list[float]]]:

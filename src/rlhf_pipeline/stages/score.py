@@ -345,7 +345,8 @@ class _SourceScorer:
         return self._fn_chunk(start, end)
 
     def note(self) -> dict[str, Any]:
-        """What a kept chunk records besides its rewards (:func:`_made_by` and the source's part of the manifest)."""
+        """What a kept chunk records besides its rewards (:func:`scorer_identity`, and the source's part of the
+        manifest)."""
         note = dict(self.work.made_by[self.source.key])
         if self.scorer is not None:
             note.update(truncated=self.truncated, chat_template=self.scorer.chat_template.record(),
@@ -439,7 +440,7 @@ class _SourceScorer:
         return values
 
 
-def _made_by(source: RewardSource) -> dict[str, Any]:
+def scorer_identity(source: RewardSource) -> dict[str, Any]:
     """What a kept chunk of ``source``'s rewards must record for a rerun to reuse it, taken as the run starts: the
     source, a function's file (``rewards.code_digest``) and a local reward model's files
     (``files.directory_signature``; a model an ``rlhf train-rm`` run wrote again is caught as ``used_outputs`` too).
@@ -596,7 +597,7 @@ class _Work(NamedTuple):
     fns: dict[str, Any]
     locations: Locations
     column: str
-    made_by: dict[str, dict[str, Any]]  # each source's :func:`_made_by`, by key
+    made_by: dict[str, dict[str, Any]]  # each source's :func:`scorer_identity`, by key
 
 
 # Rows whose texts a reward model encodes and scores at a time: the stage's memory does not grow with the dataset
@@ -708,7 +709,7 @@ def _read(config: ScoreConfig, processes: int) -> _Work | None:
         counts = [n or 0 for n in pc.list_value_length(part["responses"]).to_pylist()]
         locations.extend(first, counts)
         first += len(counts)
-    return _Work(out, ref, ds, fns, locations, column, {source.key: _made_by(source) for source in sources})
+    return _Work(out, ref, ds, fns, locations, column, {source.key: scorer_identity(source) for source in sources})
 
 
 def main(config: ScoreConfig) -> Path:
@@ -811,7 +812,10 @@ def _write(config: ScoreConfig, work: _Work, per_source: list[array], records: l
     result = result.add_column("rewards", _per_row(flat, locations, ds.num_rows), feature=feature,
                                new_fingerprint=digest.hexdigest()[:32])
     sampling = find_in_lineage([ref], "sampling")
-    work.out.save(result, rows_in=ds.num_rows, extra={"reward": reward, "sampling": sampling, "processes": processes})
+    # each source's files or code as the run started (scorer_identity): an evaluation reused as a baseline is scored
+    # again when its scorer has changed since (rlhf eval)
+    work.out.save(result, rows_in=ds.num_rows, extra={"reward": reward, "sampling": sampling, "processes": processes,
+                                                      "scored_by": list(work.made_by.values())})
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
