@@ -22,7 +22,7 @@ from rlhf_pipeline.evalstats import (
     preference_comparison,
     reward_comparison,
 )
-from rlhf_pipeline.judge import combine_orders, judge_prompts, judge_summary, parse_verdict
+from rlhf_pipeline.judge import combine_orders, judge_prompts, judge_summary, parse_verdict, request_text
 
 GOLD = "rlhf_pipeline.demo.task:gold_reward"
 
@@ -180,6 +180,13 @@ def test_both_orders_cancel_a_judge_that_prefers_a_position():
     first, second = judge_prompts("Say hi.", "OURS-TEXT", "THEIRS-TEXT")
     assert first.index("OURS-TEXT") < first.index("THEIRS-TEXT")
     assert second.index("THEIRS-TEXT") < second.index("OURS-TEXT")
+    # a conversation is shown whole: its system prompt and earlier turns are what the answers respond to too
+    conversation = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Name a fruit."},
+                    {"role": "assistant", "content": "Une pomme."}, {"role": "user", "content": "Make it shorter."}]
+    assert request_text(conversation) == ("System: Answer in French.\n\nUser: Name a fruit.\n\nAssistant: Une pomme."
+                                          "\n\nUser: Make it shorter.")
+    assert request_text([{"role": "user", "content": "Say hi."}]) == request_text("Say hi.") == "Say hi."
+    assert "System: Answer in French." in judge_prompts(request_text(conversation), "a", "b")[0]
     s = judge_summary([("A", "B"), ("A", "A"), (None, "C"), (None, None)])
     assert s == {"comparisons": 4, "verdicts": 8, "unreadable": 3, "no_verdict": 1, "left_out": 2, "consistency": 0.5,
                  "first_position_rate": 0.75, "tie_rate": 0.2}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-TEMPLATE_VERSION = "pairwise-v1"
+TEMPLATE_VERSION = "pairwise-v2"  # v2: a conversation's every turn in [Request] (v1: its last user turn alone)
 TEMPLATE = """You are comparing two answers to the same request. Decide which answer serves the request better: \
 correct, helpful and to the point, at whatever length the request needs. The order in which the answers are shown \
 says nothing about their quality, and a longer answer is not a better one for being longer.
@@ -37,6 +37,18 @@ Give your reason in one or two sentences. Then write your verdict on the last li
 _MARKER = re.compile(r"\[\[\s*([ABC])\s*\]\]")
 # The evaluated response's score for a verdict, by the position it was shown in (0: as A, 1: as B).
 _SCORE = {0: {"A": 1.0, "B": 0.0, "C": 0.5}, 1: {"A": 0.0, "B": 1.0, "C": 0.5}}
+
+
+def request_text(prompt: str | Sequence[dict]) -> str:
+    """What the judge is shown as the request: a prompt's text, or a conversation's turns in order, each under its
+    role (``System: ...``, ``User: ...``, ``Assistant: ...``), since the answers respond to all of them (a system
+    prompt's constraints, an earlier turn's question). A conversation of one user turn is that turn's text."""
+    if isinstance(prompt, str):
+        return prompt
+    turns = list(prompt)
+    if len(turns) == 1 and turns[0]["role"] == "user":
+        return turns[0]["content"]
+    return "\n\n".join(f"{turn['role'].capitalize()}: {turn['content']}" for turn in turns)
 
 
 def judge_prompt(prompt: str, answer_a: str, answer_b: str) -> str:

@@ -81,7 +81,7 @@ from rlhf_pipeline.config import (
 )
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.evalstats import mean_and_stderr, pair_indices, preference_comparison, reward_comparison
-from rlhf_pipeline.judge import TEMPLATE_VERSION
+from rlhf_pipeline.judge import TEMPLATE_VERSION, request_text
 from rlhf_pipeline.layout import EVAL_RESULTS, EVAL_SAMPLES, LM_EVAL_DIR, MANIFEST
 from rlhf_pipeline.sampling_options import SamplingOptions
 from rlhf_pipeline.stages import score as score_stage  # its ScoreConfig by the module: one *Config here (cli)
@@ -389,7 +389,6 @@ def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory:
     ``directory/generate`` (rlhf generate, greedy). Returns that directory."""
     from datasets import Dataset
 
-    from rlhf_pipeline.chat import as_text
     from rlhf_pipeline.datasets_io import atomic_directory, fingerprint, parse_ref, write_text_atomic
     from rlhf_pipeline.distributed import on_main_process
     from rlhf_pipeline.judge import judge_prompts
@@ -402,6 +401,7 @@ def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory:
         # and how its prompts' ids are made: those of a version that gave a prompt twice one id for both rows
         # (their judge prompts clash) are made again
         compared["ids"] = JUDGE_IDS
+        compared["template"] = TEMPLATE_VERSION  # and what the judge is shown
         record = directory / "compared.json"
         if record.exists() and json.loads(record.read_text()) != compared:
             for part in ("prompts", "generate"):
@@ -412,7 +412,8 @@ def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory:
             ids, prompts, our_texts, their_texts = _aligned_texts(ours, theirs, _flag(config, target))
             rows = {"prompt_id": [], "prompt": []}
             for i, j, k in pair_indices(our_texts, their_texts):
-                for order, text in enumerate(judge_prompts(as_text(prompts[i]), our_texts[i][j], their_texts[i][k])):
+                for order, text in enumerate(judge_prompts(request_text(prompts[i]), our_texts[i][j],
+                                                           their_texts[i][k])):
                     rows["prompt_id"].append(_judge_id(ids[i], j, k, order))
                     rows["prompt"].append(text)
             with atomic_directory(directory / "prompts") as tmp:
