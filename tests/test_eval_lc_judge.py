@@ -217,18 +217,22 @@ def eval_args(policy, setup, out, *extra):
             "--max-new-tokens", 10, "--limit", 6, "--engine", "hf", "--reward-fn", GOLD, *extra]
 
 
-def fake_judge(monkeypatch, judge: str, choose) -> None:
+def fake_judge(monkeypatch, judge: str, choose) -> list:
     """The judge model's engine answers ``[[choose(answer_a, answer_b)]]``, reading both answers from the very
-    prompt the judge was given (the tiny tokenizer decodes losslessly)."""
+    prompt the judge was given (the tiny tokenizer decodes losslessly). Returns the list of the judge engines'
+    context lengths, filled as they answer."""
     from rlhf_pipeline.engines.base import Completion
     from rlhf_pipeline.engines.hf import HFEngine
 
     real = HFEngine.generate
     pattern = re.compile(r"\[Answer A\]\n(.*)\n\n\[Answer B\]\n(.*)\n\nGive your reason", re.S)
 
+    contexts = []
+
     def generate(self, prompts, *args, **kwargs):
         if Path(self.tokenizer.name_or_path) != Path(judge):
             return real(self, prompts, *args, **kwargs)
+        contexts.append(self.context)
         out = []
         for ids in prompts:
             a, b = pattern.search(self.tokenizer.decode(ids)).groups()
@@ -238,6 +242,7 @@ def fake_judge(monkeypatch, judge: str, choose) -> None:
         return out
 
     monkeypatch.setattr(HFEngine, "generate", generate)
+    return contexts
 
 
 def longer(a: str, b: str) -> str:
@@ -246,10 +251,12 @@ def longer(a: str, b: str) -> str:
 
 def test_eval_against_references_and_a_baseline_with_a_judge_that_likes_length(setup, tiny_policy, tmp_path,
                                                                                monkeypatch):
-    fake_judge(monkeypatch, setup["judge"], longer)
+    contexts = fake_judge(monkeypatch, setup["judge"], longer)
     out = tmp_path / "eval"
+    # the policy's --max-model-len is the policy's: the judge, whose prompts hold two answers, keeps its own
     assert run(*eval_args(tiny_policy, setup, out, "--baseline", setup["baseline"], "--reference", setup["refs"],
-                          "--judge", setup["judge"])) == 0
+                          "--judge", setup["judge"], "--max-model-len", 1000)) == 0
+    assert contexts and set(contexts) == {4096}
     results = json.loads((out / "results.json").read_text())
     samples = load_from_disk(str(out / "samples"))
     assert results["reference"] == setup["refs"] and samples.num_rows == 6

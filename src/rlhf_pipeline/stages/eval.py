@@ -421,6 +421,8 @@ def _judge(config: EvalConfig, target: str, ours: Path, theirs: Path, directory:
         options = {**options_of(config, SamplingOptions), **options_of(config, ControlTokenOptions), "n": 1,
                    "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": config.judge_max_new_tokens,
                    "limit": None, "prompt_column": None,  # the judge's prompts are made here, under 'prompt'
+                   # its own context: a judge prompt holds two answers and the template, longer than the policy's
+                   "max_model_len": None,
                    "trust_remote_code": config.judge_trust_remote_code}
         generate.main(generate.GenerateConfig(output=str(directory / "generate"), model=config.judge,
                                               prompts=str(directory / "prompts"), logprobs=False,
