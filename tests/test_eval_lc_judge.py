@@ -348,7 +348,7 @@ def test_prompts_under_another_column_name_go_through_references_a_baseline_and_
     assert ours["judge"]["baseline"] == plain["judge"]["baseline"]
 
 
-def test_references_match_by_id_when_both_sides_have_one(setup, tiny_policy, tmp_path):
+def test_references_match_by_id_when_both_sides_have_one(setup, tiny_policy, tmp_path, capsys):
     """The eval prompts carry ``id``; a reference file with ``prompt_id`` (and no prompt text at all) matches by it."""
     rows = setup["rows"]
     refs = write_jsonl(tmp_path / "by_id.jsonl", [{"prompt_id": p["id"], "response": f"answer {i}"}
@@ -358,6 +358,18 @@ def test_references_match_by_id_when_both_sides_have_one(setup, tiny_policy, tmp
     generated = load_from_disk(str(out / "reference" / "generate"))
     expected = {p["id"]: [f"answer {5 - i}"] for i, p in enumerate(rows)}
     assert dict(zip(generated["prompt_id"], generated["responses"])) == expected
+    # a reference that also says its prompt: it must be the evaluated prompt of that id (ids shifted by one row
+    # compared answers written for other prompts, saying nothing)
+    shifted = write_jsonl(tmp_path / "shifted.jsonl", [{"prompt_id": p["id"], "prompt": q["prompt"], "response": "x"}
+                                                       for p, q in zip(rows, rows[1:] + rows[:1])])
+    capsys.readouterr()
+    assert run(*eval_args(tiny_policy, setup, tmp_path / "shifted", "--reference", shifted)) == 1
+    err = capsys.readouterr().err
+    assert f"row 0 (prompt_id {rows[0]['id']}) answers the prompt {rows[1]['prompt'][:60]!r}" in err, err
+    assert "drop the prompt_id column to match by text" in err and not (tmp_path / "shifted").exists()
+    aligned = write_jsonl(tmp_path / "aligned.jsonl", [{"prompt_id": p["id"], "prompt": p["prompt"], "response": "x"}
+                                                       for p in rows])
+    assert run(*eval_args(tiny_policy, setup, tmp_path / "aligned", "--reference", aligned)) == 0
 
 
 def test_a_rerun_reuses_the_judges_answers_unless_the_other_side_changed(setup, tiny_policy, tmp_path,

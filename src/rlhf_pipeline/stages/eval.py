@@ -352,6 +352,18 @@ def _reference_answers(config: EvalConfig, prompts, column: str) -> dict[str, st
         raise PipelineError(f"{name}: has no answer for {len(missing)} of the {len(keys)} evaluated prompts, matched "
                             f"{how} (e.g. {missing[0][:80]!r}); give one answer per prompt of --prompts (and "
                             "--limit)")
+    text_key = next((c for c in REFERENCE_TEXTS if c in refs.column_names), None)
+    if key == ref_id and text_key is not None:  # matched by id, and the reference says its prompt too: they agree
+        texts = refs[text_key]
+        for k, prompt in zip(keys, prompts[column]):
+            row = by_key[k][0]
+            theirs, ours = as_text(texts[row] or "").strip(), as_text(prompt).strip()
+            if theirs != ours:
+                raise PipelineError(
+                    f"{name}: row {row} ({ref_id} {k}) answers the prompt {theirs[:60]!r}, but the evaluated prompt of "
+                    f"that id is {ours[:60]!r}; the ids of the two files do not match: fix them, or drop the "
+                    f"{ref_id} column to match by text"
+                )
     return {i: by_key[k][1] for i, k in zip(ids, keys)}
 
 
