@@ -322,6 +322,13 @@ def test_length_controlled_reference_judge_and_pass_at_k(full_run, capsys):
     assert reward == "0.5678 ± 0.03456; gain +0.25 ± 0.015"
     assert cells["reward_fn win rate vs references, LC"] == "0.5, LC 0.45 ± 0.03"  # an eval that has no stderr
     assert cells["judge vs reference: win rate, LC (consistency)"] == "0.6 ± 0.06, LC 0.55 ± 0.04 (0.75)"
+    # the verdicts a judge could not read, and a judge that read none (no win rate: said so, not "not in the run")
+    from rlhf_pipeline.stages.report import _judge_cell
+
+    assert _judge_cell({"win_rate": 0.5, "consistency": 1.0, "unreadable": 3, "verdicts": 8, "left_out": 2}) == (
+        "0.5 (1); 3 of 8 verdicts unreadable, 2 left out")
+    assert _judge_cell({"win_rate": None, "unreadable": 8, "verdicts": 8, "left_out": 4}) == (
+        "no verdict read (8 of 8 verdicts unreadable, 4 left out)")
     assert cells["reward_fn pass@k, maj@k (1 and n) ± stderr"] == (
         "pass@1 0.2 ± 0.01, pass@2 0.3 ± 0.02, maj@2 0.24 ± 0.02")
 

@@ -416,7 +416,8 @@ def _plot_judge_and_pass(data: dict[str, Any], path: Path) -> Optional[str]:
         ax = axes[0][col]
         _plot_win_rates(ax, judged)
         ax.set_ylim(0, 1)
-        ax.set_title(f"LLM judge: {(evals[-1][1].get('judge') or {}).get('model', '')}")
+        models = [e["judge"]["model"] for _, e in evals if (e.get("judge") or {}).get("model")]
+        ax.set_title(f"LLM judge: {models[-1] if models else ''}")
         ax.set_xlabel("iteration")
         ax.set_ylabel("win rate")
         ax.grid(alpha=0.3)
@@ -758,8 +759,7 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
             if name in with_pass:
                 row.append(_pass_cell(s))
         for side in judged:
-            j = (ev.get("judge") or {}).get(side) or {}
-            row.append(_win_cell(j) + (f" ({fmt(j['consistency'])})" if j.get("consistency") is not None else ""))
+            row.append(_judge_cell((ev.get("judge") or {}).get(side) or {}))
         first, last = _first_last(metrics, "loss/train")
         row.append(MISSING if first is None else f"{fmt(first)} → {fmt(last)}")
         row.append(fmt(_first_last(metrics, "loss/eval")[1]))
@@ -771,6 +771,18 @@ def _iteration_table(data: dict[str, Any]) -> list[str]:
     lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines
+
+
+def _judge_cell(j: dict[str, Any]) -> str:
+    """The judge's win rate cell, with its consistency, and the verdicts it could not read and the comparisons left
+    out for them, where there are any (a judge whose every verdict was unreadable has no win rate, and says so)."""
+    if not j:
+        return MISSING
+    text = _win_cell(j) + (f" ({fmt(j['consistency'])})" if j.get("consistency") is not None else "")
+    if j.get("unreadable"):
+        lost = f"{j['unreadable']} of {j.get('verdicts', '?')} verdicts unreadable, {j.get('left_out', '?')} left out"
+        text = f"no verdict read ({lost})" if j.get("win_rate") is None else f"{text}; {lost}"
+    return text
 
 
 def _pass_cell(s: dict[str, Any]) -> str:
