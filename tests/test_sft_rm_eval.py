@@ -712,6 +712,14 @@ def test_eval_refuses_a_baseline_directory_that_is_neither_a_model_nor_an_eval(g
                           "--baseline", generations)) == 1
     assert "holds a generate output, not a model or an rlhf eval output" in capsys.readouterr().err
     assert not (tmp_path / "e" / "manifest.json").exists()
+    # an evaluation that has not finished (its samples, no manifest yet): said so, not "not a model"
+    import shutil
+
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(generations, unfinished / "generate")
+    assert run(*eval_args(tiny_policy, task["eval_prompts"], tmp_path / "e", "--reward-fn", GOLD,
+                          "--baseline", unfinished)) == 1
+    assert "holds an unfinished rlhf eval (no manifest.json yet); run its command again" in capsys.readouterr().err
 
 
 def test_an_unfinished_eval_whose_parts_differ_is_redone_with_overwrite(eval_self, tiny_policy, task, tmp_path,

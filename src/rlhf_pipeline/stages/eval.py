@@ -495,6 +495,9 @@ def _earlier_eval(path: str) -> Path | None:
     p = Path(path).expanduser()
     manifest = p / MANIFEST
     if not manifest.is_file():
+        if (p / "generate").is_dir() and not (p / "config.json").is_file():
+            raise PipelineError(f"--baseline {path}: holds an unfinished rlhf eval (no {MANIFEST} yet); run its "
+                                "command again to finish it, then pass it, or pass the baseline model")
         return None
     stage = json.loads(manifest.read_text()).get("stage")
     if stage == "eval":
