@@ -513,6 +513,7 @@ class GroupTask:
         loss, metrics = self.policy_loss(logp, old, advantages, mask, p, reduction)
         loss = loss * scale
         per_sample_count = mask.sum(dim=1).clamp(min=1)
+        tokens = mask.sum(dim=1).to(dtype)  # each sample's response tokens: the weight of its token means
         out = {"policy_loss": loss.detach().expand(len(rows))}
         entropy = rollout_layout(entropies if p.entropy_coef else entropies.detach(), seq)
         per_token_entropy = torch.where(mask, entropy, 0)
@@ -544,10 +545,11 @@ class GroupTask:
             vloss, vmetrics = value_loss(values, old_values, returns, mask, clip=p.value_clip, reduction="sequence")
             loss = loss + p.vf_coef * vloss
             out["value_loss"] = vloss.detach().expand(len(rows))
-            metrics = {**metrics, "value_clip_frac": vmetrics["clip_frac"]}
-            tokens = mask.sum(dim=1).to(dtype)  # the critic's values and its targets, means over the step's tokens
+            # the critic's clip fraction (the micro-batch's token mean), values and targets: means over the tokens
+            out["value_clip_frac"] = vmetrics["clip_frac"] * tokens
             for name, per_token in (("value_mean", values), ("return_mean", returns)):
                 out[name] = torch.where(mask, per_token.detach(), 0).sum(dim=1)
+            for name in ("value_clip_frac", "value_mean", "return_mean"):
                 out[name + METRIC_WEIGHT] = tokens
         with torch.no_grad():
             out["kl_to_ref"] = torch.where(mask, logp - ref, 0).sum(dim=1)  # k1 summed over the response
@@ -562,12 +564,11 @@ class GroupTask:
                     corrected = (known & (log_w.exp() > p.rollout_correction_cap) if p.rollout_correction == "tis"
                                  else mask & (weights == 0))
                     out["corrected_fraction"] = corrected.sum(dim=1) / per_sample_count
-            tokens = mask.sum(dim=1).to(dtype)
             out["response_length"] = tokens
             if "reward" in rows[0]:
                 out["reward"] = torch.tensor([float(r["reward"]) for r in rows])
             for k, v in metrics.items():
-                if k in TOKEN_MEAN_METRICS or k == "value_clip_frac":  # the micro-batch's token mean: weighed by tokens
+                if k in TOKEN_MEAN_METRICS:  # the micro-batch's token mean: weighed by tokens
                     out[k], out[k + METRIC_WEIGHT] = v * tokens, tokens
                 else:
                     out[k] = v.expand(len(rows))
